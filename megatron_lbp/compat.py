@@ -1,0 +1,281 @@
+"""Everything megatron-lbp does to run stock megatron-core 0.19.2 where it was not built to run.
+
+Two independent parts, both applied by :func:`enable` (idempotent):
+
+1. Python 3.11 (``_install_python_shims``), applied on import of ``megatron_lbp``.
+   megatron-core 0.19.2 declares Python >= 3.12 but ships cp311 wheels
+   (scripts/install.sh installs them without the metadata check). The only
+   3.12-only construct that is reached is ``from typing import override`` in
+   ``megatron/training/models/{gpt,hybrid}.py``; ``typing.override`` is set to
+   ``typing_extensions.override`` (identical semantics: it only marks a method).
+   Nothing is changed on Python >= 3.12.
+
+2. CPU ranks with gloo (``_activate_cpu_runtime``), only when
+   ``torch.cuda.is_available()`` is False (ROCm builds report through
+   ``torch.cuda`` too), logged once when it switches on. The rule for every patch
+   below: on a machine without an accelerator the patched call can only raise
+   ("Torch not compiled with CUDA enabled" / "no CUDA GPUs"); the patch turns that
+   failure into the CPU equivalent. Nothing that works without the patch behaves
+   differently with it, and on a GPU machine none of it is installed.
+
+   Patched spots (megatron-core 0.19.2 call sites that need them):
+
+   - ``torch.cuda.current_device`` -> 0, ``device_count`` -> 1, ``set_device`` no-op:
+     buffers and modules pass ``torch.cuda.current_device()`` as a device
+     (distributed/param_and_grad_buffer.py, transformer/module.py,
+     models/common/embeddings/rotary_pos_embedding.py, transformer/*attention*.py,
+     core/utils.py global memory buffer, training/training.py).
+   - device arguments of the tensor factories (``torch.tensor``, ``zeros``, ``ones``,
+     ``empty``, ``full``, ``arange``, ``rand``, ``randn``, ``randint``, ``*_like``,
+     ``Tensor.new_*``) and of ``Tensor.to``: a CUDA device ("cuda", "cuda:N",
+     ``torch.device('cuda', N)`` or a bare int) becomes CPU. Call sites with a literal
+     ``device='cuda'``: optimizer/optimizer.py (found_inf, dummy overflow buf,
+     scale one, _get_param_groups' flag), optimizer/clip_grads.py (norm tensors),
+     optimizer/grad_scaler.py, transformer/utils.py (causal mask),
+     tensor_parallel/data.py, core/utils.py (param hashes, l2 norms),
+     dist_checkpointing/strategies/state_dict_saver.py and exchange_utils.py,
+     rerun_state_machine.py.
+   - ``Tensor.cuda`` -> the tensor itself (so ``nn.Module.cuda`` too):
+     optimizer/grad_scaler.py load_state_dict, optimizer/optimizer.py state
+     reload, models/common/embeddings/rope_utils.py, core/utils.py,
+     dist_checkpointing/exchange_utils.py, training/training.py (get_batch, get_model).
+   - device RNG: ``torch.cuda.manual_seed``/``get_rng_state``/
+     ``set_rng_state`` and tensor_parallel/random.py's ``_get_cuda_rng_state`` /
+     ``_set_cuda_rng_state`` act on the CPU generator, so Megatron's
+     ``CudaRNGStatesTracker`` (model-parallel, data-parallel and expert RNG
+     streams, ``model_parallel_cuda_manual_seed``) forks and restores the generator
+     that CPU dropout and init actually use.
+   - ``Tensor.type()`` without arguments, *only when called from
+     megatron.core.optimizer*: answers ``torch.cuda.<X>Tensor`` for a CPU tensor.
+     optimizer/optimizer.py (Float16OptimizerWithFloat16Params),
+     optimizer/distrib_optimizer.py (_build_model_and_main_param_groups and the
+     param-group copy) and optimizer/clip_grads.py (fp32 grad assertion) select
+     their branch by that string and raise for "torch.FloatTensor".
+   - CUDA streams and events (``torch.cuda.Stream``, ``Event``, ``stream``,
+     ``current_stream``, ``default_stream``, ``synchronize``): CPU work is
+     synchronous, so they become no-op objects; events report 0 ms elapsed.
+     Used by distributed/param_and_grad_buffer.py (communication stream),
+     core/utils.py timers and straggler detector, training/training.py.
+   - memory statistics (``memory_allocated``, ``max_memory_allocated``,
+     ``memory_reserved``, ``max_memory_reserved``, ``reset_peak_memory_stats``,
+     ``empty_cache``, ``memory_stats``): report 0 / empty, since Megatron prints
+     them in its iteration log; megatron-lbp reports its own per-state bytes.
+   - ``torch.cuda.nvtx`` range push/pop: no-ops (core/utils.py nvtx decorators).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import sys
+import typing
+
+log = logging.getLogger("megatron_lbp.compat")
+
+_python_shims_done = False
+_cpu_runtime_active = False
+
+
+def _install_python_shims() -> None:
+    global _python_shims_done
+    if _python_shims_done:
+        return
+    _python_shims_done = True
+    if sys.version_info < (3, 12) and not hasattr(typing, "override"):
+        import typing_extensions
+
+        typing.override = typing_extensions.override
+
+
+def accelerator_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def cpu_runtime_active() -> bool:
+    return _cpu_runtime_active
+
+
+def enable() -> bool:
+    """Apply every compatibility step this machine needs; returns True when the CPU runtime is on."""
+    _install_python_shims()
+    if not accelerator_present():
+        _activate_cpu_runtime()
+    return _cpu_runtime_active
+
+
+# --- CPU runtime -------------------------------------------------------------------------
+
+_FACTORIES = (
+    "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn",
+    "randint", "randperm", "linspace", "eye", "zeros_like", "ones_like", "empty_like",
+    "full_like", "rand_like", "randn_like", "empty_strided",
+)
+_TENSOR_NEW = ("new_tensor", "new_zeros", "new_ones", "new_empty", "new_full")
+
+
+def _cpu_device(device):
+    """Map a CUDA device spec to CPU; anything else passes through untouched."""
+    import torch
+
+    if device is None:
+        return None
+    if isinstance(device, bool):
+        return device
+    if isinstance(device, int):
+        return torch.device("cpu")
+    if isinstance(device, str):
+        return torch.device("cpu") if device.startswith("cuda") else device
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+def _wrap_device_kwarg(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return fn(*args, **kwargs)
+
+    wrapper.__lbp_wrapped__ = fn
+    return wrapper
+
+
+def _tensor_to(orig):
+    import torch
+
+    @functools.wraps(orig)
+    def to(self, *args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        if args and not isinstance(args[0], (torch.dtype, torch.Tensor)):
+            args = (_cpu_device(args[0]),) + args[1:]
+        return orig(self, *args, **kwargs)
+
+    to.__lbp_wrapped__ = orig
+    return to
+
+
+def _tensor_type(orig):
+    import torch
+
+    cuda_names = {
+        torch.float32: "torch.cuda.FloatTensor",
+        torch.float16: "torch.cuda.HalfTensor",
+        torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    }
+
+    @functools.wraps(orig)
+    def type_(self, *args, **kwargs):
+        if not args and not kwargs and self.device.type == "cpu":
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.startswith("megatron.core.optimizer") and self.dtype in cuda_names:
+                return cuda_names[self.dtype]
+        return orig(self, *args, **kwargs)
+
+    type_.__lbp_wrapped__ = orig
+    return type_
+
+
+class _NoopStream:
+    """Stands in for torch.cuda.Stream: CPU kernels run synchronously in program order."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return event or _NoopEvent()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _NoopEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def _activate_cpu_runtime() -> None:
+    global _cpu_runtime_active
+    if _cpu_runtime_active:
+        return
+    import torch
+
+    for name in _FACTORIES:
+        fn = getattr(torch, name, None)
+        if fn is not None and not hasattr(fn, "__lbp_wrapped__"):
+            setattr(torch, name, _wrap_device_kwarg(fn))
+    for name in _TENSOR_NEW:
+        setattr(torch.Tensor, name, _wrap_device_kwarg(getattr(torch.Tensor, name)))
+    torch.Tensor.to = _tensor_to(torch.Tensor.to)
+    torch.Tensor.type = _tensor_type(torch.Tensor.type)
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+
+    cuda = torch.cuda
+    cuda.current_device = lambda: 0
+    cuda.device_count = lambda: 1
+    cuda.set_device = lambda device: None
+    cuda.synchronize = lambda device=None: None
+    cuda.Stream = _NoopStream
+    cuda.Event = _NoopEvent
+    cuda.current_stream = lambda device=None: _NoopStream()
+    cuda.default_stream = lambda device=None: _NoopStream()
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    for stat in ("memory_allocated", "max_memory_allocated", "memory_reserved",
+                 "max_memory_reserved"):
+        setattr(cuda, stat, lambda device=None: 0)
+    cuda.memory_stats = lambda device=None: {}
+    cuda.reset_peak_memory_stats = lambda device=None: None
+    cuda.reset_max_memory_allocated = lambda device=None: None
+    cuda.empty_cache = lambda: None
+    cuda.nvtx.range_push = lambda msg: 0
+    cuda.nvtx.range_pop = lambda: 0
+
+    # torch.manual_seed itself calls cuda.manual_seed_all (a queued no-op here), so
+    # only the single-device call is redirected, straight to the CPU generator.
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+    cuda.random.get_rng_state = cuda.get_rng_state
+    cuda.random.set_rng_state = cuda.set_rng_state
+
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random._get_cuda_rng_state = (
+        lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    )
+    mcore_random._set_cuda_rng_state = (
+        lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    )
+
+    _cpu_runtime_active = True
+    log.warning(
+        "megatron-lbp: no accelerator found; CPU runtime for megatron-core is active "
+        "(CUDA device/RNG/stream calls mapped to CPU, see megatron_lbp/compat.py)"
+    )

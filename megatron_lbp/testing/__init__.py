@@ -1,0 +1,1 @@
+"""Helpers for running megatron-lbp on real gloo ranks (tests and benchmarks)."""

@@ -1,0 +1,246 @@
+"""A tiny megatron-core GPT, its data and two training loops: stock Megatron and a plain reference.
+
+Everything here runs inside a rank started by :mod:`megatron_lbp.testing.multirank`
+(or any process with torch.distributed up). The stock loop is the yardstick every
+partitioning scheme of this project is compared with: megatron-core's own
+``DistributedDataParallel`` + ``DistributedOptimizer`` as megatron.training
+drives them. The reference loop is the same model, data and maths in one
+process with ``torch.optim.AdamW`` and ``clip_grad_norm_``: no Megatron
+optimizer or DDP code at all, so agreement proves the stock path is right on
+CPU before anything of ours is measured against it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron_lbp import compat
+
+
+@dataclass(frozen=True)
+class TinyGPTSpec:
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    vocab_size: int = 128
+    seq_length: int = 32
+    seed: int = 1234
+    params_dtype: torch.dtype = torch.float32
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    steps: int = 6
+    micro_batch_size: int = 2          # sequences per rank per micro-batch
+    micro_batches: int = 1             # gradient accumulation steps
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    data_seed: int = 99
+    bucket_size: int | None = None     # DDP bucket size in elements (None: Megatron's default)
+    overlap_grad_reduce: bool = False
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)       # global mean loss per step
+    grad_norms: list[float] = field(default_factory=list)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)  # final full weights
+
+
+def init_megatron_state(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
+    """Model-parallel state and RNG as megatron.training's initialize does it, on CPU if needed."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    compat.enable()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        )
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def build_tiny_gpt(spec: TinyGPTSpec = TinyGPTSpec()):
+    """megatron-core GPTModel with the local (non-Transformer-Engine) layer spec, tied embeddings."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        use_cpu_initialization=True,
+        params_dtype=spec.params_dtype,
+        bf16=spec.params_dtype == torch.bfloat16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+    )
+    torch.manual_seed(spec.seed)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.seq_length,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=True,
+    )
+    return model, config
+
+
+def global_batch(step: int, micro: int, spec: TinyGPTSpec, train: TrainSpec, dp_size: int):
+    """Tokens of one micro-batch for all DP ranks together: [dp_size * micro_batch_size, seq+1].
+
+    Drawn from a generator seeded by (data_seed, step, micro) so every rank and
+    the reference see the same numbers without sharing files.
+    """
+    g = torch.Generator().manual_seed(train.data_seed * 1_000_003 + step * 1009 + micro)
+    rows = dp_size * train.micro_batch_size
+    # A little structure (each row counts up from a random start) so the loss can fall.
+    start = torch.randint(0, spec.vocab_size, (rows, 1), generator=g)
+    noise = torch.randint(0, 3, (rows, spec.seq_length + 1), generator=g)
+    return (start + torch.arange(spec.seq_length + 1) + noise) % spec.vocab_size
+
+
+def forward_loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss of ``tokens`` ([b, s+1]) through a Megatron GPTModel."""
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    b, s = inputs.shape
+    position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
+    per_token = model(inputs, position_ids, attention_mask=None, labels=labels)
+    return per_token.float().mean()
+
+
+def _gathered_params(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().float().clone() for name, p in model.named_parameters()}
+
+
+def train_stock_megatron(spec: TinyGPTSpec, train: TrainSpec) -> TrainResult:
+    """megatron-core DDP + DistributedOptimizer over the default data-parallel group."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import get_standard_config_overrides
+
+    init_megatron_state(seed=spec.seed)
+    model, config = build_tiny_gpt(spec)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=train.overlap_grad_reduce,
+        use_distributed_optimizer=True,
+        bucket_size=train.bucket_size,
+    )
+    ddp_model = DistributedDataParallel(config, ddp_config, model)
+    opt_config = _optimizer_config(spec, train, distributed=True)
+    optimizer = get_megatron_optimizer(
+        opt_config, [ddp_model], config_overrides=get_standard_config_overrides(opt_config)
+    )
+    scheduler = constant_schedule(optimizer, opt_config)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    dp_group = parallel_state.get_data_parallel_group()
+
+    result = TrainResult()
+    for step in range(train.steps):
+        ddp_model.zero_grad_buffer()
+        optimizer.zero_grad()
+        local_loss = torch.zeros(())
+        for micro in range(train.micro_batches):
+            tokens = global_batch(step, micro, spec, train, dp_size)
+            mine = tokens[dp_rank * train.micro_batch_size:(dp_rank + 1) * train.micro_batch_size]
+            sync = micro == train.micro_batches - 1
+            ctx = _nullcontext() if sync else ddp_model.no_sync()
+            with ctx:
+                loss = forward_loss(ddp_model, mine) / train.micro_batches
+                loss.backward()
+            local_loss += loss.detach()
+        ddp_model.finish_grad_sync()
+        ok, grad_norm, _ = optimizer.step()
+        assert ok, f"step {step}: Megatron optimizer skipped the update"
+        scheduler.step(increment=1)
+        dist.all_reduce(local_loss, group=dp_group)
+        result.losses.append(local_loss.item() / dp_size)
+        result.grad_norms.append(float(grad_norm))
+    result.params = _gathered_params(model)
+    return result
+
+
+def train_reference(spec: TinyGPTSpec, train: TrainSpec, dp_size: int) -> TrainResult:
+    """The same training in one process: full global batch, torch AdamW, clip_grad_norm_."""
+    init_megatron_state(seed=spec.seed)
+    model, _ = build_tiny_gpt(spec)
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        # Megatron's standard rule: no weight decay on biases and 1-D parameters.
+        (no_decay if name.endswith(".bias") or p.dim() == 1 else decay).append(p)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": train.weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}],
+        lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps,
+    )
+    result = TrainResult()
+    for step in range(train.steps):
+        optimizer.zero_grad()
+        total = torch.zeros(())
+        for micro in range(train.micro_batches):
+            tokens = global_batch(step, micro, spec, train, dp_size)
+            # DP averages per-rank mean losses; with equal tokens per rank that is the global mean.
+            loss = forward_loss(model, tokens) / train.micro_batches
+            loss.backward()
+            total += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), train.clip_grad)
+        optimizer.step()
+        result.losses.append(total.item())
+        result.grad_norms.append(float(grad_norm))
+    result.params = _gathered_params(model)
+    return result
+
+
+def constant_schedule(optimizer, opt_config):
+    """Megatron's param scheduler at constant lr and weight decay.
+
+    megatron.training always runs one; it is also what applies each group's
+    ``wd_mult`` (no decay on biases and norms), so a loop without it decays every
+    parameter.
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer, init_lr=opt_config.lr, max_lr=opt_config.lr, min_lr=opt_config.lr,
+        lr_warmup_steps=0, lr_decay_steps=1, lr_decay_style="constant",
+        start_wd=opt_config.weight_decay, end_wd=opt_config.weight_decay,
+        wd_incr_steps=1, wd_incr_style="constant",
+    )
+
+
+def _optimizer_config(spec: TinyGPTSpec, train: TrainSpec, distributed: bool):
+    from megatron.core.optimizer import OptimizerConfig
+
+    bf16 = spec.params_dtype == torch.bfloat16
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=train.lr,
+        weight_decay=train.weight_decay,
+        adam_beta1=train.adam_beta1,
+        adam_beta2=train.adam_beta2,
+        adam_eps=train.adam_eps,
+        clip_grad=train.clip_grad,
+        bf16=bf16,
+        params_dtype=spec.params_dtype,
+        use_distributed_optimizer=distributed,
+    )
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

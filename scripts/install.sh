@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Sets up megatron-lbp in .venv at the repository root, from nothing.
+#
+#   bash scripts/install.sh          runtime requirements + the package (editable)
+#   bash scripts/install.sh --test   the same plus the test requirements
+#
+# Idempotent: a stamp in .venv records a hash of every file that decides what
+# is installed; when it matches, the script returns at once.
+#
+# The one Python 3.11 workaround lives here (and its runtime half in
+# megatron_lbp/compat.py): megatron-core 0.19.2 declares Requires-Python >= 3.12
+# but ships cp311 wheels, so on 3.11 it is installed with --no-deps
+# --ignore-requires-python and its real dependencies come from requirements.txt.
+# On Python >= 3.12 (Frontier's miniforge) the plain `pip install -r` path runs.
+#
+# torch is never upgraded by a dependency: whatever torch is installed first
+# (torch==2.13.0 here, ROCm's build on Frontier) is pinned by a constraint file
+# for every later pip call. Triton is installed only if `import triton` fails,
+# because ROCm/CUDA torch bring their own triton build and PyPI's would shadow it.
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv="$repo/.venv"
+want_test=0
+for arg in "$@"; do
+  case "$arg" in
+    --test) want_test=1 ;;
+    *) echo "install.sh: unknown argument '$arg' (accepted: --test)" >&2; exit 2 ;;
+  esac
+done
+
+python_bin=${LBP_PYTHON:-python3}
+TORCH_VERSION=${LBP_TORCH_VERSION:-2.13.0}
+MEGATRON_CORE_VERSION=0.19.2
+
+stamp_inputs=("$repo/scripts/install.sh" "$repo/requirements.txt" "$repo/pyproject.toml")
+[ "$want_test" = 1 ] && stamp_inputs+=("$repo/requirements-test.txt")
+stamp_hash=$(cat "${stamp_inputs[@]}" | sha256sum | cut -d' ' -f1)-test$want_test
+stamp_file="$venv/.lbp-install-stamp"
+
+if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp_hash" ]; then
+  exit 0
+fi
+# A --test stamp also satisfies a plain install.
+if [ "$want_test" = 0 ] && [ -f "$stamp_file" ]; then
+  test_hash=$(cat "${stamp_inputs[@]}" "$repo/requirements-test.txt" | sha256sum | cut -d' ' -f1)-test1
+  [ "$(cat "$stamp_file")" = "$test_hash" ] && exit 0
+fi
+
+echo "[install] setting up $venv"
+[ -x "$venv/bin/python" ] || "$python_bin" -m venv "$venv"
+py="$venv/bin/python"
+pip=("$py" -m pip --disable-pip-version-check -q)
+
+if ! "$py" -c 'import torch' 2>/dev/null; then
+  echo "[install] torch==$TORCH_VERSION"
+  "${pip[@]}" install "torch==$TORCH_VERSION"
+fi
+installed_torch=$("$py" -c 'import torch; print(torch.__version__.split("+")[0])')
+constraints=$(mktemp)
+trap 'rm -f "$constraints" "${reqs:-}"' EXIT
+echo "torch==$installed_torch" >"$constraints"
+
+py_minor=$("$py" -c 'import sys; print(sys.version_info[1])')
+reqs=$(mktemp)
+if [ "$py_minor" -lt 12 ]; then
+  echo "[install] Python 3.$py_minor: megatron-core $MEGATRON_CORE_VERSION from its cp3$py_minor wheel (--no-deps --ignore-requires-python)"
+  "${pip[@]}" install --no-deps --ignore-requires-python "megatron-core==$MEGATRON_CORE_VERSION"
+  grep -v '^megatron-core' "$repo/requirements.txt" >"$reqs"
+else
+  cp "$repo/requirements.txt" "$reqs"
+fi
+[ "$want_test" = 1 ] && cat "$repo/requirements-test.txt" >>"$reqs"
+echo "[install] requirements"
+"${pip[@]}" install -c "$constraints" -r "$reqs"
+
+if ! "$py" -c 'import triton' 2>/dev/null; then
+  echo "[install] triton (megatron-core imports it unconditionally)"
+  "${pip[@]}" install -c "$constraints" "triton==3.7.1"
+fi
+
+"${pip[@]}" install --no-deps -e "$repo"
+"$py" -c 'import megatron_lbp.compat as c; c.enable(); import megatron.core, megatron.training.training' \
+  || { echo "[install] import check failed" >&2; exit 1; }
+echo "$stamp_hash" >"$stamp_file"
+echo "[install] done: torch $installed_torch, megatron-core $MEGATRON_CORE_VERSION, Python 3.$py_minor"
