@@ -80,7 +80,13 @@ if ! "$py" -c 'import triton' 2>/dev/null; then
 fi
 
 "${pip[@]}" install --no-deps -e "$repo"
-"$py" -c 'import megatron_lbp.compat as c; c.enable(); import megatron.core, megatron.training.training' \
-  || { echo "[install] import check failed" >&2; exit 1; }
+check_log=$(mktemp)
+if ! "$py" -W ignore -c 'import megatron_lbp.compat as c; c.enable(); import megatron.core, megatron.training.training' \
+    >"$check_log" 2>&1; then
+  cat "$check_log" >&2
+  echo "[install] import check failed (output above)" >&2
+  exit 1
+fi
+rm -f "$check_log"
 echo "$stamp_hash" >"$stamp_file"
 echo "[install] done: torch $installed_torch, megatron-core $MEGATRON_CORE_VERSION, Python 3.$py_minor"

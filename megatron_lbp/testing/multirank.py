@@ -140,7 +140,8 @@ def run_on_ranks(
             args=(fn, args, kwargs, rank, rank_vars, results, stack_file, dump_after,
                   init_process_group),
             name=f"lbp-rank{rank}",
-            daemon=True,
+            # Not daemonic: Megatron's checkpoint writers start worker processes of their own.
+            daemon=False,
         )
         p.start()
         procs.append(p)

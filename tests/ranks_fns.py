@@ -1,0 +1,32 @@
+"""Module-level functions that the multi-rank tests run on their ranks (ranks import them by name)."""
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def rank_and_sum():
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return dist.get_rank(), dist.get_world_size(), t.item(), os.environ.get("LBP_TEST_TAG")
+
+
+def fail_on_rank(bad_rank):
+    if dist.get_rank() == bad_rank:
+        raise ValueError(f"deliberate failure on rank {bad_rank}")
+    # The others wait in a collective the failed rank never joins: a real hang.
+    dist.barrier()
+    return dist.get_rank()
+
+
+def hang_forever_in_sleep():
+    while True:
+        time.sleep(0.1)
+
+
+def exit_hard_on_rank(bad_rank):
+    if dist.get_rank() == bad_rank:
+        os._exit(3)
+    dist.barrier()
+    return dist.get_rank()
