@@ -1,0 +1,362 @@
+"""Hierarchy configuration: the group sizes P | G | O | W (and S) of LBP.
+
+Pure Python on purpose (no torch): the same object is built by the training
+entry point, the cost model and the tests, and it must be possible to
+validate a launch command without a GPU or a process group.
+
+Sizes count *data-parallel* ranks:
+
+    P  param_group_size      bf16 primary weights sharded 1/P  (package)
+    S  secondary_group_size  optional int8 copy for backward, 1/S (0 = off)
+    G  grad_group_size       fp32 gradient shard 1/G            (node)
+    O  optim_group_size      fp32 master + Adam state 1/O       (network)
+    R  = W / O               optimizer replicas (HSDP-style when > 1)
+
+``HierConfig.gpus_per_node`` / ``gcds_per_package`` are likewise counts of
+*data-parallel* ranks sharing a node / package: they only supply the presets'
+"node" and "package" sizes. The --hier-gpus-per-node / --hier-gcds-per-package
+flags count all ranks (what the launcher places); with tensor or context
+parallelism the caller converts them (``topology.dp_domain_sizes``) and passes
+the result to ``hier_config_from_args``. Forgetting that yields groups that
+cannot be co-located, which the topology check then refuses.
+
+Every invalid input raises ``HierConfigError`` with a single line that names
+the flag as the user types it, the value, and the rule that was broken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "PRESETS",
+    "SECONDARY_DTYPES",
+    "DEFAULT_PRESET",
+    "DEFAULT_GPUS_PER_NODE",
+    "DEFAULT_GCDS_PER_PACKAGE",
+    "DEFAULT_SECONDARY_DTYPE",
+    "ARGUMENT_GROUP_TITLE",
+    "HierConfigError",
+    "HierConfig",
+    "resolve_hier_config",
+    "add_hier_arguments",
+    "hier_config_from_args",
+]
+
+PRESETS = ("lbp", "zero3", "zeropp", "zero2", "hsdp")
+SECONDARY_DTYPES = ("int8", "bf16")
+DEFAULT_PRESET = "lbp"
+# Frontier: 8 GCDs per node, 2 GCDs per MI250X package.
+DEFAULT_GPUS_PER_NODE = 8
+DEFAULT_GCDS_PER_PACKAGE = 2
+DEFAULT_SECONDARY_DTYPE = "int8"
+ARGUMENT_GROUP_TITLE = "hierarchical partitioning (megatron-lbp)"
+
+# Flag spelling per HierConfig field / resolve_hier_config keyword, so every
+# message speaks the user's language rather than Python's.
+FLAGS = {
+    "world_size": "--hier-world-size",
+    "param_group_size": "--hier-param-group-size",
+    "grad_group_size": "--hier-grad-group-size",
+    "optim_group_size": "--hier-optim-group-size",
+    "secondary_group_size": "--hier-secondary-group-size",
+    "secondary_dtype": "--hier-secondary-dtype",
+    "gpus_per_node": "--hier-gpus-per-node",
+    "gcds_per_package": "--hier-gcds-per-package",
+    "preset": "--hier-preset",
+}
+
+_SIZE_FIELDS = ("param_group_size", "secondary_group_size", "grad_group_size", "optim_group_size")
+
+
+class HierConfigError(ValueError):
+    """An invalid hierarchy configuration; the message is one line."""
+
+    def __init__(self, message: str):
+        # A multi-line message would be split by launchers that prefix every
+        # line with the rank; keep it grep-able as one line.
+        super().__init__(" ".join(str(message).split()))
+
+
+def _flag(field: str, value: Any) -> str:
+    return f"{FLAGS[field]}={value}"
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int subclass, but --hier-param-group-size=True is a bug.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_int(field: str, value: Any, minimum: int) -> int:
+    if not _is_int(value) or value < minimum:
+        rule = "an integer >= 1" if minimum == 1 else "an integer >= 0 (0 = off)"
+        raise HierConfigError(f"{_flag(field, value)} is invalid: it must be {rule}")
+    return int(value)
+
+
+def _check_choice(field: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise HierConfigError(
+            f"{_flag(field, value)} is unknown: choose one of {', '.join(choices)}"
+        )
+    return value
+
+
+def _check_machine(world_size: Any, gpus_per_node: Any, gcds_per_package: Any) -> None:
+    _check_int("world_size", world_size, 1)
+    _check_int("gpus_per_node", gpus_per_node, 1)
+    _check_int("gcds_per_package", gcds_per_package, 1)
+    if gpus_per_node % gcds_per_package:
+        raise HierConfigError(
+            f"{_flag('gcds_per_package', gcds_per_package)} must divide "
+            f"{_flag('gpus_per_node', gpus_per_node)} (a node holds whole packages)"
+        )
+
+
+def _describe(field: str, value: int, origin: str | None) -> str:
+    """`--flag=v`, plus where v came from when the user did not type it."""
+    text = _flag(field, value)
+    return text if origin is None else f"{text} ({origin})"
+
+
+def _check_nesting(sizes: dict[str, int], world_size: int, origins: dict[str, str | None]) -> None:
+    """P | G | O | W and S | W, naming the inner size first."""
+    p, g, o, s = (sizes[k] for k in ("param_group_size", "grad_group_size",
+                                     "optim_group_size", "secondary_group_size"))
+    d = {k: _describe(k, sizes[k], origins.get(k)) for k in sizes}
+    if g % p:
+        raise HierConfigError(
+            f"{d['param_group_size']} must divide {d['grad_group_size']} "
+            "- rule P | G: each gradient shard lies inside one weight shard")
+    if o > world_size:
+        raise HierConfigError(
+            f"{d['optim_group_size']} exceeds the data-parallel world size {world_size} "
+            "- rule O <= W")
+    if o % g:
+        raise HierConfigError(
+            f"{d['grad_group_size']} must divide {d['optim_group_size']} "
+            "- rule G | O: each optimizer shard lies inside one gradient shard")
+    if world_size % o:
+        raise HierConfigError(
+            f"{d['optim_group_size']} must divide the data-parallel world size {world_size} "
+            "- rule O | W: there are W / O optimizer replicas")
+    if s and world_size % s:
+        raise HierConfigError(
+            f"{d['secondary_group_size']} must divide the data-parallel world size "
+            f"{world_size} - rule S | W, or S = 0 for no secondary copy")
+
+
+@dataclass(frozen=True)
+class HierConfig:
+    """Resolved group sizes; build it with ``resolve_hier_config``.
+
+    Constructing it directly (e.g. ``HierConfig(**d)`` from ``as_dict``)
+    re-checks the structural rules, but not the preset's locked values.
+    """
+
+    world_size: int
+    param_group_size: int
+    grad_group_size: int
+    optim_group_size: int
+    secondary_group_size: int
+    secondary_dtype: str
+    gpus_per_node: int
+    gcds_per_package: int
+    preset: str
+
+    def __post_init__(self) -> None:
+        _check_machine(self.world_size, self.gpus_per_node, self.gcds_per_package)
+        _check_choice("preset", self.preset, PRESETS)
+        _check_choice("secondary_dtype", self.secondary_dtype, SECONDARY_DTYPES)
+        sizes = {k: getattr(self, k) for k in _SIZE_FIELDS}
+        for field, value in sizes.items():
+            _check_int(field, value, 0 if field == "secondary_group_size" else 1)
+        _check_nesting(sizes, self.world_size, {})
+
+    @property
+    def replicas(self) -> int:
+        """R = W / O: how many copies of the optimizer state exist."""
+        return self.world_size // self.optim_group_size
+
+    def as_dict(self) -> dict:
+        """The fields only (``HierConfig(**cfg.as_dict())`` round-trips)."""
+        return dataclasses.asdict(self)
+
+
+def _preset_sizes(preset: str, world: int, node: int, pkg: int) -> dict[str, tuple[int, str, bool]]:
+    """field -> (value, human description of the value, locked?)."""
+    w = (world, f"the world size {world}")
+    n = (node, f"the GPUs per node {node}")
+    one = (1, "1")
+    off = (0, "0, no secondary copy")
+    table = {
+        "lbp": dict(param_group_size=((pkg, f"the GCDs per package {pkg}"), False),
+                    secondary_group_size=(off, False),
+                    grad_group_size=(n, False),
+                    optim_group_size=(w, False)),
+        "zero3": dict(param_group_size=(w, True), secondary_group_size=(off, True),
+                      grad_group_size=(w, True), optim_group_size=(w, True)),
+        "zeropp": dict(param_group_size=(w, True), secondary_group_size=(n, False),
+                       grad_group_size=(w, True), optim_group_size=(w, True)),
+        "zero2": dict(param_group_size=(one, True), secondary_group_size=(off, True),
+                      grad_group_size=(w, True), optim_group_size=(w, True)),
+        "hsdp": dict(param_group_size=(n, True), secondary_group_size=(off, True),
+                     grad_group_size=(n, True), optim_group_size=(n, True)),
+    }[preset]
+    return {k: (v[0], v[1], locked) for k, (v, locked) in table.items()}
+
+
+def resolve_hier_config(
+    world_size: int,
+    *,
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
+    gcds_per_package: int = DEFAULT_GCDS_PER_PACKAGE,
+    preset: str | None = None,
+    param_group_size: int | None = None,
+    grad_group_size: int | None = None,
+    optim_group_size: int | None = None,
+    secondary_group_size: int | None = None,
+    secondary_dtype: str = DEFAULT_SECONDARY_DTYPE,
+) -> HierConfig:
+    """Apply the preset, then the user's explicit sizes, and validate.
+
+    ``None`` means "not given": the preset's value is used. Explicit values
+    are checked (type, range, preset lock) before anything is derived from
+    them, so the message always points at what the user typed.
+    """
+    _check_machine(world_size, gpus_per_node, gcds_per_package)
+    preset = DEFAULT_PRESET if preset is None else _check_choice("preset", preset, PRESETS)
+    secondary_dtype = _check_choice("secondary_dtype", secondary_dtype, SECONDARY_DTYPES)
+    explicit = {
+        "param_group_size": param_group_size,
+        "secondary_group_size": secondary_group_size,
+        "grad_group_size": grad_group_size,
+        "optim_group_size": optim_group_size,
+    }
+    for field, value in explicit.items():
+        if value is not None:
+            explicit[field] = _check_int(field, value, 0 if field == "secondary_group_size" else 1)
+
+    table = _preset_sizes(preset, world_size,
+                          min(gpus_per_node, world_size), min(gcds_per_package, world_size))
+    sizes: dict[str, int] = {}
+    origins: dict[str, str | None] = {}
+    for field, (value, description, locked) in table.items():
+        given = explicit[field]
+        if given is None:
+            sizes[field], origins[field] = value, f"preset {preset} default: {description}"
+            continue
+        if locked and given != value:
+            raise HierConfigError(
+                f"{_flag(field, given)} contradicts --hier-preset {preset} "
+                f"(which fixes it to {description})")
+        sizes[field], origins[field] = given, None
+
+    _check_nesting(sizes, world_size, origins)
+    return HierConfig(world_size=world_size, secondary_dtype=secondary_dtype,
+                      gpus_per_node=gpus_per_node, gcds_per_package=gcds_per_package,
+                      preset=preset, **sizes)
+
+
+# --------------------------------------------------------------------------- argparse
+
+
+def _int_arg(text: str) -> int:
+    """argparse type: an integer, range checked later with a better message."""
+    try:
+        return int(text, 10)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"invalid integer value: {text!r}") from None
+
+
+def add_hier_arguments(parser: argparse.ArgumentParser, *, include_world: bool = False
+                       ) -> argparse.ArgumentParser:
+    """Register the --hier-* flags; usable as Megatron's ``extra_args_provider``.
+
+    ``include_world`` adds --hier-world-size for tools that run without a
+    launcher (cost model, dry runs); under Megatron the launcher decides W.
+    """
+    g = parser.add_argument_group(title=ARGUMENT_GROUP_TITLE)
+    g.add_argument("--hier-partition", action="store_true",
+                   help="Enable megatron-lbp's hierarchical (three-level) partitioning "
+                        "of weights, gradients and optimizer state.")
+    g.add_argument("--hier-preset", choices=PRESETS, default=None,
+                   help="Scheme to start from (default lbp). lbp: P=package, G=node, "
+                        "O=world; zero3: P=G=O=world; zeropp: zero3 plus an int8 "
+                        "secondary copy per node; zero2: P=1, G=O=world; hsdp: "
+                        "P=G=O=node with world/node replicas. Only lbp's sizes (and "
+                        "zeropp's secondary size) may be overridden.")
+    g.add_argument("--hier-param-group-size", type=_int_arg, default=None, metavar="P",
+                   help="Data-parallel ranks sharing one copy of the bf16 weights "
+                        "(default: GCDs per package).")
+    g.add_argument("--hier-grad-group-size", type=_int_arg, default=None, metavar="G",
+                   help="Data-parallel ranks sharing one fp32 gradient accumulator; a "
+                        "multiple of P (default: GPUs per node).")
+    g.add_argument("--hier-optim-group-size", type=_int_arg, default=None, metavar="O",
+                   help="Data-parallel ranks sharing one optimizer state; a multiple of "
+                        "G dividing the data-parallel size (default: all of them).")
+    g.add_argument("--hier-secondary-group-size", type=_int_arg, default=None, metavar="S",
+                   help="Data-parallel ranks sharing the secondary weight copy used in "
+                        "backward; divides the data-parallel size, 0 = off (default 0; "
+                        "zeropp: GPUs per node).")
+    g.add_argument("--hier-secondary-dtype", choices=SECONDARY_DTYPES,
+                   default=DEFAULT_SECONDARY_DTYPE,
+                   help="Storage type of the secondary weight copy (default int8, "
+                        "blockwise with scales).")
+    g.add_argument("--hier-gpus-per-node", type=_int_arg, default=None,
+                   help="Ranks (GPUs/GCDs) per node (default: from the launcher's "
+                        "environment, else 8). A divisor of the launcher's count emulates "
+                        "smaller nodes. With tensor/context parallelism the data-parallel "
+                        "ranks per node are derived from it.")
+    g.add_argument("--hier-gcds-per-package", type=_int_arg, default=None,
+                   help="Ranks per GPU package, e.g. the two GCDs of an MI250X "
+                        "(default 2); must divide the ranks per node.")
+    g.add_argument("--hier-allow-non-colocated", action="store_true",
+                   help="Warn instead of failing when a weight, secondary or gradient "
+                        "group spans a slower link than its size requires "
+                        "(for experiments).")
+    if include_world:
+        g.add_argument("--hier-world-size", type=_int_arg, default=None, metavar="W",
+                       help="Data-parallel size, for tools that run without a launcher.")
+    return parser
+
+
+def hier_config_from_args(args: Any, world_size: int | None = None, *,
+                          gpus_per_node: int | None = None,
+                          gcds_per_package: int | None = None) -> HierConfig:
+    """Build the HierConfig from parsed --hier-* flags.
+
+    ``gpus_per_node`` / ``gcds_per_package``, when given, override the flags:
+    the caller passes the values it resolved from the launcher (see
+    ``topology.resolve_gpus_per_node``) and the parallel layout. Otherwise the
+    flags are used, else 8 and 2. ``world_size`` falls back to --hier-world-size.
+    Does not look at --hier-partition: whether to use the config is the caller's call.
+    """
+    if world_size is None:
+        world_size = getattr(args, "hier_world_size", None)
+        if world_size is None:
+            raise HierConfigError(
+                "--hier-world-size is missing: the data-parallel world size must be given")
+
+    def pick(override: int | None, attr: str, default: int) -> int:
+        if override is not None:
+            return override
+        value = getattr(args, attr, None)
+        return default if value is None else value
+
+    return resolve_hier_config(
+        world_size,
+        gpus_per_node=pick(gpus_per_node, "hier_gpus_per_node", DEFAULT_GPUS_PER_NODE),
+        gcds_per_package=pick(gcds_per_package, "hier_gcds_per_package",
+                              DEFAULT_GCDS_PER_PACKAGE),
+        preset=getattr(args, "hier_preset", None),
+        param_group_size=getattr(args, "hier_param_group_size", None),
+        grad_group_size=getattr(args, "hier_grad_group_size", None),
+        optim_group_size=getattr(args, "hier_optim_group_size", None),
+        secondary_group_size=getattr(args, "hier_secondary_group_size", None),
+        secondary_dtype=getattr(args, "hier_secondary_dtype", None) or DEFAULT_SECONDARY_DTYPE,
+    )

@@ -1,0 +1,316 @@
+"""Memory and traffic per rank of one hierarchy configuration (pure arithmetic, no torch).
+
+This is the planning side of DESIGN.md §2: given the group sizes (P, S, G, O and
+R = W/O replicas), the bucket sizes and the dtypes, it says how many bytes of each
+kind of state a rank holds and how many bytes it sends per optimizer step over
+each link class. The engine's byte counters are meant to equal these figures
+exactly, so every size comes from the padded bucket, exactly as the layout pads it.
+
+Accounting rules
+----------------
+* Every figure is bytes **per rank**; buckets are summed.
+* Padding: a bucket of ``numel`` elements occupies ``padded_numel`` elements,
+  the smallest multiple of ``lcm(O*align, S*align if S else 1)`` that is at
+  least ``numel`` (``align`` = 128 by default). Every group size divides it.
+  :func:`padded_numel` uses ``megatron_lbp.layout.plan_bucket`` when that module
+  is importable, so plan and engine cannot disagree.
+* A collective over a group of ``n`` ranks is charged to the slowest link class
+  its members span (``topology.link_class`` of the group); the caller passes the
+  class of each group family in ``link_classes``. A group of one rank costs 0.
+* Bytes **sent** per rank (ring algorithms):
+
+  - all-gather whose full output is ``T`` bytes: ``T*(n-1)/n``
+  - reduce-scatter whose full input is ``T`` bytes: ``T*(n-1)/n``
+  - all-reduce of ``T`` bytes: ``2*T*(n-1)/n``
+
+  All-gathers and reduce-scatters are exact integers after padding (asserted).
+  An all-reduce across ``R`` replicas is exact only when ``R`` divides
+  ``2*T``; otherwise the figure is returned as a float (the ring then
+  splits the buffer unevenly and the average is fractional).
+* int8 secondary weights carry one fp32 scale per ``quant_block_size``
+  elements of each rank's slice: a slice of ``n`` elements takes
+  ``n + 4*ceil(n/quant_block_size)`` bytes, and the full bucket gathered in the
+  backward pass is S such slices.
+
+Memory per rank (N = padded bucket numel, w = weight bytes, g = grad bytes)::
+
+    primary   = w*N/P
+    secondary = 0 (S = 0) | N/S + 4*ceil(N/S/block) (int8) | 2*N/S (bf16)
+    grad      = g*N/G
+    optimizer = 12*N/O for bf16/fp16 weights (fp32 master + Adam m, v);
+                 8*N/O for fp32 weights (the master is the primary slice: the
+                 optimizer slice lies inside the primary slice)
+
+Traffic per rank per optimizer step (k micro-batches), phase -> collective::
+
+    forward_gather   k * allgather(w*N, P)                       class(param)
+    backward_gather  k * allgather(secondary full bucket, S)     class(secondary)
+                     or, if S = 0, k * allgather(w*N, P)         class(param)
+    grad_reduce      k * reducescatter(g*N, G)                   class(grad)
+    step_reduce      reducescatter(g*N/G, O/G)                   class(inter)
+                     + allreduce(g*N/O, R)                       class(replica)
+    step_gather      allgather(w*N/G, O/G)                       class(inter)
+                     + allgather(w*N/P, G/P)                     class(grad_to_param)
+
+Transient buffers (the full bucket being gathered or reduced) are not part of
+the memory figures.
+"""
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Any, Mapping, Sequence
+
+from megatron_lbp.layout import plan_bucket
+
+LINK_CLASS_ORDER = ("package", "node", "network")
+PHASES = ("forward_gather", "backward_gather", "grad_reduce", "step_reduce", "step_gather")
+MEMORY_STATES = ("primary", "secondary", "grad", "optimizer", "total")
+WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+GRAD_BYTES = {"fp32": 4, "bf16": 2}
+SECONDARY_DTYPES = ("int8", "bf16")
+DEFAULT_ALIGN = 128
+DEFAULT_QUANT_BLOCK = 256
+# Families whose link class the traffic formulas read (secondary only when S > 0).
+TRAFFIC_FAMILIES = ("param", "secondary", "grad", "inter", "grad_to_param", "replica")
+
+
+# --- sizes -------------------------------------------------------------------------------
+
+
+def _sizes(cfg) -> tuple[int, int, int, int, int, int]:
+    """(W, P, G, O, S, R) of a HierConfig-like object, checked by the layout's nesting rules."""
+    W, P, G, O = (int(cfg.world_size), int(cfg.param_group_size), int(cfg.grad_group_size),
+                  int(cfg.optim_group_size))
+    S = int(cfg.secondary_group_size or 0)
+    plan_bucket(1, W, P, G, O, S)  # raises LayoutError naming the size that breaks a rule
+    return W, P, G, O, S, W // O
+
+
+def padded_numel(numel: int, cfg, align: int = DEFAULT_ALIGN) -> int:
+    """Elements a bucket of ``numel`` occupies after padding: exactly what the engine allocates."""
+    W, P, G, O, S, _ = _sizes(cfg)
+    return plan_bucket(numel, W, P, G, O, S, align).padded_numel
+
+
+def split_buckets(num_params: int, bucket_size: int | None = None) -> list[int]:
+    """Bucket numels for ``num_params`` elements in buckets of ``bucket_size`` (None: one bucket)."""
+    if num_params <= 0:
+        raise ValueError(f"num_params={num_params}: must be > 0")
+    if bucket_size is None or bucket_size >= num_params:
+        return [num_params]
+    if bucket_size <= 0:
+        raise ValueError(f"bucket_size={bucket_size}: must be > 0")
+    full, rest = divmod(num_params, bucket_size)
+    return [bucket_size] * full + ([rest] if rest else [])
+
+
+# --- collectives -------------------------------------------------------------------------
+
+
+def allgather_bytes(total: int, n: int) -> int:
+    """Bytes one rank sends in a ring all-gather whose full output is ``total`` bytes."""
+    if n <= 1:
+        return 0
+    assert total % n == 0, f"all-gather of {total} bytes over {n} ranks is not even"
+    return total * (n - 1) // n
+
+
+def reduce_scatter_bytes(total: int, n: int) -> int:
+    """Bytes one rank sends in a ring reduce-scatter whose full input is ``total`` bytes."""
+    if n <= 1:
+        return 0
+    assert total % n == 0, f"reduce-scatter of {total} bytes over {n} ranks is not even"
+    return total * (n - 1) // n
+
+
+def allreduce_bytes(total: int, n: int) -> Fraction:
+    """Bytes one rank sends in a ring all-reduce of ``total`` bytes (exact fraction)."""
+    if n <= 1:
+        return Fraction(0)
+    return Fraction(2 * total * (n - 1), n)
+
+
+def secondary_slice_bytes(n_elems: int, dtype: str = "int8",
+                          quant_block_size: int = DEFAULT_QUANT_BLOCK) -> int:
+    """Bytes of one rank's secondary slice of ``n_elems`` elements."""
+    if dtype == "int8":
+        return n_elems + 4 * (-(-n_elems // quant_block_size))
+    if dtype == "bf16":
+        return 2 * n_elems
+    raise ValueError(f"secondary dtype {dtype!r}: must be one of {SECONDARY_DTYPES}")
+
+
+def _number(x: Fraction | int) -> int | float:
+    x = Fraction(x)
+    return int(x) if x.denominator == 1 else float(x)
+
+
+def _dtype_bytes(param_dtype: str, grad_dtype: str) -> tuple[int, int]:
+    if param_dtype not in WEIGHT_BYTES:
+        raise ValueError(f"param_dtype {param_dtype!r}: must be one of {sorted(WEIGHT_BYTES)}")
+    if grad_dtype not in GRAD_BYTES:
+        raise ValueError(f"grad_dtype {grad_dtype!r}: must be one of {sorted(GRAD_BYTES)}")
+    return WEIGHT_BYTES[param_dtype], GRAD_BYTES[grad_dtype]
+
+
+def _secondary_dtype(cfg) -> str:
+    return str(getattr(cfg, "secondary_dtype", "int8") or "int8")
+
+
+# --- memory ------------------------------------------------------------------------------
+
+
+def memory_bytes(cfg, bucket_numels: Sequence[int], *, param_dtype: str = "bf16",
+                 grad_dtype: str = "fp32", quant_block_size: int = DEFAULT_QUANT_BLOCK,
+                 align: int = DEFAULT_ALIGN) -> dict[str, int]:
+    """Persistent bytes per rank by state: {primary, secondary, grad, optimizer, total}."""
+    W, P, G, O, S, R = _sizes(cfg)
+    wb, gb = _dtype_bytes(param_dtype, grad_dtype)
+    sdt = _secondary_dtype(cfg)
+    opt_per_elem = 8 if param_dtype == "fp32" else 12
+    mem = dict.fromkeys(MEMORY_STATES, 0)
+    for numel in bucket_numels:
+        N = padded_numel(numel, cfg, align)
+        mem["primary"] += wb * N // P
+        mem["secondary"] += secondary_slice_bytes(N // S, sdt, quant_block_size) if S else 0
+        mem["grad"] += gb * N // G
+        mem["optimizer"] += opt_per_elem * N // O
+    mem["total"] = mem["primary"] + mem["secondary"] + mem["grad"] + mem["optimizer"]
+    return mem
+
+
+# --- traffic -----------------------------------------------------------------------------
+
+
+def _group_sizes_by_family(cfg) -> dict[str, int]:
+    W, P, G, O, S, R = _sizes(cfg)
+    return {"param": P, "secondary": S, "grad": G, "optim": O, "inter": O // G,
+            "grad_to_param": G // P, "replica": R}
+
+
+def traffic_bytes(cfg, bucket_numels: Sequence[int], link_classes: Mapping[str, str], *,
+                  param_dtype: str = "bf16", grad_dtype: str = "fp32", micro_batches: int = 1,
+                  quant_block_size: int = DEFAULT_QUANT_BLOCK, align: int = DEFAULT_ALIGN,
+                  ) -> tuple[dict[str, int | float], dict[str, dict[str, int | float]]]:
+    """Bytes sent per rank per optimizer step: (by link class, by phase -> by link class).
+
+    ``link_classes`` maps a family name ("param", "secondary", "grad", "inter",
+    "grad_to_param", "replica") to "package" | "node" | "network"; only families
+    whose groups have more than one rank are looked up.
+    """
+    W, P, G, O, S, R = _sizes(cfg)
+    wb, gb = _dtype_bytes(param_dtype, grad_dtype)
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches}: must be >= 1")
+    k = int(micro_batches)
+    sdt = _secondary_dtype(cfg)
+    sizes = _group_sizes_by_family(cfg)
+    by_phase: dict[str, dict[str, Fraction]] = {
+        ph: {c: Fraction(0) for c in LINK_CLASS_ORDER} for ph in PHASES}
+
+    def charge(phase: str, family: str, nbytes) -> None:
+        if not nbytes:
+            return
+        cls = link_classes.get(family)
+        if cls not in LINK_CLASS_ORDER:
+            raise ValueError(f"link class of family {family!r} (group size "
+                             f"{sizes[family]}) is {cls!r}: must be one of {LINK_CLASS_ORDER}")
+        by_phase[phase][cls] += nbytes
+
+    for numel in bucket_numels:
+        N = padded_numel(numel, cfg, align)
+        charge("forward_gather", "param", k * allgather_bytes(wb * N, P))
+        if S:
+            full_secondary = S * secondary_slice_bytes(N // S, sdt, quant_block_size)
+            charge("backward_gather", "secondary", k * allgather_bytes(full_secondary, S))
+        else:
+            charge("backward_gather", "param", k * allgather_bytes(wb * N, P))
+        charge("grad_reduce", "grad", k * reduce_scatter_bytes(gb * N, G))
+        charge("step_reduce", "inter", reduce_scatter_bytes(gb * N // G, O // G))
+        charge("step_reduce", "replica", allreduce_bytes(gb * N // O, R))
+        charge("step_gather", "inter", allgather_bytes(wb * N // G, O // G))
+        charge("step_gather", "grad_to_param", allgather_bytes(wb * N // P, G // P))
+
+    by_class = {c: _number(sum(by_phase[ph][c] for ph in PHASES)) for c in LINK_CLASS_ORDER}
+    phases = {ph: {c: _number(v) for c, v in by_phase[ph].items()} for ph in PHASES}
+    return by_class, phases
+
+
+def estimate(cfg, bucket_numels: Sequence[int], link_classes: Mapping[str, str], *,
+             param_dtype: str = "bf16", grad_dtype: str = "fp32", micro_batches: int = 1,
+             quant_block_size: int = DEFAULT_QUANT_BLOCK,
+             align: int = DEFAULT_ALIGN) -> dict[str, Any]:
+    """Everything at once, as plain data.
+
+    Returns {"params": sum of bucket numels, "padded_params": sum of padded numels,
+    "bucket_numels", "padded_bucket_numels", "memory_bytes", "traffic_bytes",
+    "traffic_by_phase"}.
+    """
+    buckets = [int(n) for n in bucket_numels]
+    padded = [padded_numel(n, cfg, align) for n in buckets]
+    by_class, by_phase = traffic_bytes(
+        cfg, buckets, link_classes, param_dtype=param_dtype, grad_dtype=grad_dtype,
+        micro_batches=micro_batches, quant_block_size=quant_block_size, align=align)
+    return {
+        "params": sum(buckets),
+        "padded_params": sum(padded),
+        "bucket_numels": buckets,
+        "padded_bucket_numels": padded,
+        "memory_bytes": memory_bytes(cfg, buckets, param_dtype=param_dtype,
+                                     grad_dtype=grad_dtype,
+                                     quant_block_size=quant_block_size, align=align),
+        "traffic_bytes": by_class,
+        "traffic_by_phase": by_phase,
+    }
+
+
+# --- model size --------------------------------------------------------------------------
+
+
+def gpt_param_count(num_layers: int, hidden_size: int, vocab_size: int,
+                    seq_length: int | None = None, ffn_hidden_size: int | None = None,
+                    tied: bool = True, *, position_embedding_type: str | None = None) -> int:
+    """Parameters of a megatron-core ``GPTModel`` (local or Transformer-Engine layer spec).
+
+    Assumes megatron-core defaults: LayerNorm (weight + bias), biased linears
+    (``add_bias_linear=True``), multi-head attention (no GQA), a non-gated MLP
+    with ``ffn_hidden_size`` (default 4h), a final LayerNorm, no tensor
+    parallelism. With L layers, hidden h, ffn f, vocab V (pass Megatron's
+    *padded* vocab size), sequence s::
+
+        per layer  = 2h            input LayerNorm
+                   + 3h*h + 3h     linear_qkv
+                   + h*h + h       linear_proj
+                   + 2h            pre-MLP LayerNorm
+                   + h*f + f       linear_fc1
+                   + f*h + h       linear_fc2
+                   = 4h^2 + 2hf + 9h + f          (= 12h^2 + 13h when f = 4h)
+        total      = L*per_layer + 2h (final LayerNorm) + V*h (word embeddings)
+                   + V*h if not tied (output layer, no bias)
+                   + s*h if the position embedding is learned_absolute
+
+    ``position_embedding_type``: None means "learned_absolute" when
+    ``seq_length`` is given and "rope" (no position table) otherwise;
+    "rope"/"none" never count a table; "learned_absolute" needs ``seq_length``.
+    """
+    L, h, V = int(num_layers), int(hidden_size), int(vocab_size)
+    f = 4 * h if ffn_hidden_size is None else int(ffn_hidden_size)
+    for name, v in (("num_layers", L), ("hidden_size", h), ("vocab_size", V),
+                    ("ffn_hidden_size", f)):
+        if v <= 0:
+            raise ValueError(f"{name}={v}: must be > 0")
+    pe = position_embedding_type or ("learned_absolute" if seq_length else "rope")
+    if pe not in ("learned_absolute", "rope", "none"):
+        raise ValueError(f"position_embedding_type={pe!r}: must be learned_absolute, rope or none")
+    if pe == "learned_absolute" and not seq_length:
+        raise ValueError("position_embedding_type=learned_absolute needs seq_length > 0")
+    per_layer = 4 * h * h + 2 * h * f + 9 * h + f
+    total = L * per_layer + 2 * h + V * h
+    if not tied:
+        total += V * h
+    if pe == "learned_absolute":
+        if int(seq_length) <= 0:
+            raise ValueError(f"seq_length={seq_length}: must be > 0")
+        total += int(seq_length) * h
+    return total

@@ -1,0 +1,358 @@
+"""Plan a hierarchy before launching it: ``python -m megatron_lbp.plan``.
+
+Resolves the --hier-* flags exactly as training does (megatron_lbp.config),
+places W ranks consecutively on emulated nodes and packages
+(megatron_lbp.topology), builds every group family, takes the slowest link
+each family's groups cross, and prints the memory per rank by state and the
+bytes each rank sends per optimizer step per link class (megatron_lbp.costs).
+
+Example (the paper's 20B model on 384 GCDs, int8 secondary copy per node)::
+
+    python -m megatron_lbp.plan --world-size 384 --params 20e9 --preset lbp \\
+        --hier-secondary-group-size 8 --json
+
+The model size is either ``--params M`` or a GPT shape
+(``--num-layers --hidden-size --vocab-size`` [``--ffn-hidden-size``
+``--seq-length --position-embedding-type --untie-embeddings-and-output-weights``],
+counted by ``costs.gpt_param_count``). ``--gpus-per-node``/``--gcds-per-package``
+and ``--preset`` are short spellings of ``--hier-gpus-per-node``,
+``--hier-gcds-per-package`` and ``--hier-preset``; giving both spellings with
+different values is an error.
+
+Every user error exits with status 2 and one line on stderr that names the
+flag, the value and the rule; ``main(argv)`` returns that status instead of
+exiting, for in-process callers.
+
+JSON output (``--json``): one object with ``world_size``, ``group_sizes``
+{param, grad, optim, secondary, replicas}, ``preset``, ``memory_bytes``
+{primary, secondary, grad, optimizer, total}, ``traffic_bytes`` {package, node,
+network}, ``traffic_by_phase`` {phase: {class: bytes}}, ``params`` (model
+size), ``padded_params`` (sum of padded buckets), ``groups`` (rank 0's group
+of each family), ``link_classes`` (slowest class over each family's groups;
+``null`` for a family whose groups are single ranks: it sends nothing), plus
+the inputs (dtypes, micro_batches, buckets, machine shape) and ``warnings``.
+"""
+from __future__ import annotations
+
+import argparse
+import decimal
+import json
+import sys
+from typing import Any, Sequence
+
+from megatron_lbp import costs
+from megatron_lbp.config import (PRESETS, HierConfigError, add_hier_arguments,
+                                 resolve_hier_config)
+from megatron_lbp.layout import LayoutError
+from megatron_lbp.topology import (LINK_CLASSES, TopologyError, check_colocation,
+                                   emulated_locations, hierarchy_groups, link_class)
+
+PROG = "python -m megatron_lbp.plan"
+FAMILY_LABELS = {
+    "param": "param (P)", "secondary": "secondary (S)", "grad": "grad (G)",
+    "optim": "optim (O)", "inter": "inter (O/G)", "grad_to_param": "grad_to_param (G/P)",
+    "replica": "replica (R)",
+}
+GB = 1e9
+
+
+class UsageError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage block
+        raise UsageError(message)
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def _number(flag: str, text: str, *, minimum: int = 1) -> int:
+    """A whole number written as 20e9, 2.5e9 or 20000000000 (exact, no float rounding)."""
+    try:
+        value = decimal.Decimal(text.strip())
+    except (decimal.InvalidOperation, AttributeError):
+        raise UsageError(f"{flag}={text}: not a number") from None
+    if not value.is_finite():
+        raise UsageError(f"{flag}={text}: must be a finite number")
+    if value != value.to_integral_value():
+        raise UsageError(f"{flag}={text}: must be a whole number")
+    if value < minimum:
+        raise UsageError(f"{flag}={text}: must be >= {minimum}")
+    return int(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, allow_abbrev=False, description=(
+        "Memory per rank and bytes sent per link class for a hierarchical "
+        "(P, S, G, O) partitioning, before launching it."))
+    p.add_argument("--world-size", required=True, metavar="W",
+                   help="data-parallel ranks W (required)")
+    p.add_argument("--gpus-per-node", metavar="N", default=None,
+                   help="data-parallel ranks per node (default 8); same as --hier-gpus-per-node")
+    p.add_argument("--gcds-per-package", metavar="N", default=None,
+                   help="data-parallel ranks per package (default 2); "
+                        "same as --hier-gcds-per-package")
+    p.add_argument("--preset", choices=PRESETS, default=None,
+                   help="same as --hier-preset (default lbp)")
+    m = p.add_argument_group("model size (give --params or a GPT shape)")
+    m.add_argument("--params", metavar="M", default=None,
+                   help="parameter count, e.g. 20e9")
+    m.add_argument("--num-layers", metavar="L", default=None)
+    m.add_argument("--hidden-size", metavar="H", default=None)
+    m.add_argument("--vocab-size", metavar="V", default=None,
+                   help="(padded) vocabulary size")
+    m.add_argument("--ffn-hidden-size", metavar="F", default=None, help="default 4*hidden")
+    m.add_argument("--seq-length", metavar="S", default=None,
+                   help="sequence length (counts a position table with "
+                        "--position-embedding-type learned_absolute)")
+    m.add_argument("--position-embedding-type", choices=("rope", "learned_absolute", "none"),
+                   default="rope", help="default rope (no position table)")
+    m.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="separate output layer (V*h more parameters)")
+    s = p.add_argument_group("training step")
+    s.add_argument("--params-dtype", choices=tuple(costs.WEIGHT_BYTES), default="bf16",
+                   help="weight dtype (default bf16)")
+    s.add_argument("--grad-dtype", choices=tuple(costs.GRAD_BYTES), default="fp32",
+                   help="gradient shard / reduction dtype (default fp32)")
+    s.add_argument("--micro-batches", metavar="K", default="1",
+                   help="micro-batches per optimizer step (default 1)")
+    s.add_argument("--bucket-size", metavar="ELEMS", default=None,
+                   help="bucket size in elements (default: the whole model as one bucket)")
+    s.add_argument("--quant-block-size", metavar="B", default=str(costs.DEFAULT_QUANT_BLOCK),
+                   help="elements per fp32 scale of the int8 secondary copy (default 256)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_hier_arguments(p)
+    return p
+
+
+def _pick_alias(args, short: str, long: str, default):
+    """Value of a flag that has two spellings; error if both are given and differ.
+
+    Integer flags are compared as integers (the short spelling is parsed here,
+    the --hier-* one by config's argparse type).
+    """
+    values = {}
+    for flag in (short, long):
+        v = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if v is not None and not isinstance(default, str) and default is not None:
+            v = _number(flag, str(v))
+        if v is not None:
+            values[flag] = v
+    if len(values) == 2 and values[short] != values[long]:
+        raise UsageError(f"{short}={values[short]} and {long}={values[long]} disagree: "
+                         "give one of them (they are the same setting)")
+    return next(iter(values.values()), default)
+
+
+def _model_params(args) -> int:
+    shape_flags = ("--num-layers", "--hidden-size", "--vocab-size")
+    extra_flags = ("--ffn-hidden-size", "--seq-length")
+    given = {f: getattr(args, f[2:].replace("-", "_")) for f in shape_flags + extra_flags}
+    if args.params is not None:
+        both = [f for f, v in given.items() if v is not None]
+        if both:
+            raise UsageError(f"--params={args.params} and {both[0]}={given[both[0]]} both "
+                             "given: give --params or a model shape, not both")
+        return _number("--params", args.params)
+    missing = [f for f in shape_flags if given[f] is None]
+    if len(missing) == len(shape_flags):
+        extras = [f for f in extra_flags if given[f] is not None]
+        hint = f" ({extras[0]} alone does not size a model)" if extras else ""
+        raise UsageError("--params is missing: give --params M or --num-layers, "
+                         f"--hidden-size and --vocab-size{hint}")
+    if missing:
+        raise UsageError(f"{missing[0]} is missing: a model shape needs --num-layers, "
+                         "--hidden-size and --vocab-size")
+    num = {f: _number(f, given[f]) for f in shape_flags}
+    ffn = None if given["--ffn-hidden-size"] is None else \
+        _number("--ffn-hidden-size", given["--ffn-hidden-size"])
+    seq = None if given["--seq-length"] is None else _number("--seq-length", given["--seq-length"])
+    pe = args.position_embedding_type
+    if pe == "learned_absolute" and seq is None:
+        raise UsageError("--position-embedding-type=learned_absolute needs --seq-length "
+                         "(the position table has seq-length rows)")
+    return costs.gpt_param_count(num["--num-layers"], num["--hidden-size"],
+                                 num["--vocab-size"], seq_length=seq, ffn_hidden_size=ffn,
+                                 tied=not args.untie_embeddings_and_output_weights,
+                                 position_embedding_type=pe)
+
+
+def _int_or_none(flag: str, value) -> int | None:
+    return None if value is None else _number(flag, str(value))
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def make_plan(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Parse ``argv`` and return the plan as the JSON-ready dict; raises UsageError."""
+    return plan_from_args(build_parser().parse_args(argv))
+
+
+def plan_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The plan for parsed arguments (see build_parser); raises UsageError."""
+    world = _number("--world-size", args.world_size)
+    gpn = _pick_alias(args, "--gpus-per-node", "--hier-gpus-per-node", 8)
+    gpp = _pick_alias(args, "--gcds-per-package", "--hier-gcds-per-package", 2)
+    preset = _pick_alias(args, "--preset", "--hier-preset", None)
+    k = _number("--micro-batches", args.micro_batches)
+    block = _number("--quant-block-size", args.quant_block_size)
+    bucket = _int_or_none("--bucket-size", args.bucket_size)
+    params = _model_params(args)
+
+    try:
+        cfg = resolve_hier_config(
+            world, gpus_per_node=gpn, gcds_per_package=gpp, preset=preset,
+            param_group_size=args.hier_param_group_size,
+            grad_group_size=args.hier_grad_group_size,
+            optim_group_size=args.hier_optim_group_size,
+            secondary_group_size=args.hier_secondary_group_size,
+            secondary_dtype=args.hier_secondary_dtype)
+        locations = emulated_locations(world, gpn, gpp)
+        groups = hierarchy_groups(range(world), cfg)
+        warnings = check_colocation(groups, locations, allow=args.hier_allow_non_colocated)
+        classes = family_link_classes(groups, locations)
+        result = costs.estimate(cfg, costs.split_buckets(params, bucket), classes,
+                                param_dtype=args.params_dtype, grad_dtype=args.grad_dtype,
+                                micro_batches=k, quant_block_size=block)
+    except (HierConfigError, TopologyError, LayoutError) as exc:
+        msg = str(exc)
+        # Speak the spelling the user typed.
+        if args.gpus_per_node is not None:
+            msg = msg.replace("--hier-gpus-per-node", "--gpus-per-node")
+        if args.gcds_per_package is not None:
+            msg = msg.replace("--hier-gcds-per-package", "--gcds-per-package")
+        if args.preset is not None:
+            msg = msg.replace("--hier-preset", "--preset")
+        raise UsageError(msg.replace("--hier-world-size", "--world-size")) from None
+
+    return {
+        "world_size": world,
+        "gpus_per_node": gpn,
+        "gcds_per_package": gpp,
+        "preset": cfg.preset,
+        "group_sizes": {"param": cfg.param_group_size, "grad": cfg.grad_group_size,
+                        "optim": cfg.optim_group_size, "secondary": cfg.secondary_group_size,
+                        "replicas": cfg.replicas},
+        "secondary_dtype": cfg.secondary_dtype if cfg.secondary_group_size else None,
+        "params_dtype": args.params_dtype,
+        "grad_dtype": args.grad_dtype,
+        "micro_batches": k,
+        "quant_block_size": block,
+        "params": result["params"],
+        "padded_params": result["padded_params"],
+        "padding": result["padded_params"] - result["params"],
+        "buckets": len(result["bucket_numels"]),
+        "memory_bytes": result["memory_bytes"],
+        "traffic_bytes": result["traffic_bytes"],
+        "traffic_by_phase": result["traffic_by_phase"],
+        "groups": {fam: list(_group_of(0, gs)) for fam, gs in groups.items()},
+        "link_classes": classes,
+        "warnings": warnings,
+    }
+
+
+def family_link_classes(groups: dict[str, list[tuple[int, ...]]], locations
+                        ) -> dict[str, str | None]:
+    """Slowest link class over each family's groups; None when every group is one rank."""
+    out: dict[str, str | None] = {}
+    for family, fam_groups in groups.items():
+        if all(len(g) <= 1 for g in fam_groups):
+            out[family] = None
+            continue
+        out[family] = max((link_class(g, locations) for g in fam_groups),
+                          key=LINK_CLASSES.index)
+    return out
+
+
+def _group_of(rank: int, fam_groups: list[tuple[int, ...]]) -> tuple[int, ...]:
+    return next(g for g in fam_groups if rank in g)
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    ranks = list(ranks)
+    if len(ranks) <= 6:
+        return ",".join(map(str, ranks))
+    step = ranks[1] - ranks[0]
+    if all(b - a == step for a, b in zip(ranks, ranks[1:])):
+        if step == 1:
+            return f"{ranks[0]}-{ranks[-1]}"
+        return f"{ranks[0]},{ranks[1]},{ranks[2]},...,{ranks[-1]} (step {step})"
+    return ",".join(map(str, ranks[:5])) + f",... ({len(ranks)} ranks)"
+
+
+def _gb(x) -> str:
+    return f"{x / GB:10.3f}"
+
+
+def _bytes(x) -> str:
+    return f"{x:,.0f}" if isinstance(x, float) and not float(x).is_integer() else f"{int(x):,}"
+
+
+def render(plan: dict[str, Any]) -> str:
+    """Human-readable report of a plan dict."""
+    gs = plan["group_sizes"]
+    W = plan["world_size"]
+    nodes = -(-W // plan["gpus_per_node"])
+    lines = [
+        f"megatron-lbp plan: W={W} data-parallel ranks on {nodes} node(s) of "
+        f"{plan['gpus_per_node']} ranks, {plan['gcds_per_package']} ranks per package; "
+        f"preset {plan['preset']}",
+        f"group sizes: P={gs['param']}  S={gs['secondary'] or 0}"
+        f"{' (' + plan['secondary_dtype'] + ')' if gs['secondary'] else ' (off)'}"
+        f"  G={gs['grad']}  O={gs['optim']}  R={gs['replicas']} replica(s)",
+        f"model: {plan['params']:,} parameters in {plan['buckets']} bucket(s), padded to "
+        f"{plan['padded_params']:,} (+{plan['padding']:,} padding elements, "
+        f"{100 * plan['padding'] / plan['params']:.4f}%)",
+        f"step: weights {plan['params_dtype']}, gradients {plan['grad_dtype']}, "
+        f"{plan['micro_batches']} micro-batch(es) per optimizer step"
+        + (f", int8 scale block {plan['quant_block_size']}"
+           if gs["secondary"] and plan["secondary_dtype"] == "int8" else ""),
+        "",
+        "groups (rank 0's)        size  link     ranks",
+    ]
+    for fam, ranks in plan["groups"].items():
+        cls = plan["link_classes"][fam] or "-"
+        lines.append(f"  {FAMILY_LABELS.get(fam, fam):<22}{len(ranks):>5}  {cls:<8} "
+                     f"{_ranks_text(ranks)}")
+    lines += ["", "memory per rank (GB = 1e9 bytes)     GB             bytes"]
+    for state in costs.MEMORY_STATES:
+        v = plan["memory_bytes"][state]
+        if state == "total":
+            lines.append("  " + "-" * 52)
+        lines.append(f"  {state:<28}{_gb(v)}  {_bytes(v):>18}")
+    lines += ["", "bytes sent per rank per optimizer step (GB)",
+              f"  {'phase':<20}" + "".join(f"{c:>12}" for c in LINK_CLASSES)]
+    for ph, by_cls in plan["traffic_by_phase"].items():
+        lines.append(f"  {ph:<20}" + "".join(f"{by_cls[c] / GB:12.3f}" for c in LINK_CLASSES))
+    lines.append("  " + "-" * 56)
+    lines.append(f"  {'total':<20}" + "".join(f"{plan['traffic_bytes'][c] / GB:12.3f}"
+                                              for c in LINK_CLASSES))
+    for c in LINK_CLASSES:
+        lines.append(f"  {c + ' bytes':<20}{_bytes(plan['traffic_bytes'][c]):>36}")
+    for w in plan["warnings"]:
+        lines.append(f"warning: {w}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status (2 for any user error)."""
+    try:
+        args = build_parser().parse_args(argv)
+        plan = plan_from_args(args)
+    except UsageError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    print(json.dumps(plan) if args.json else render(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
