@@ -1,0 +1,153 @@
+"""The torch.distributed process groups of the hierarchy, built from where each rank really is.
+
+``build_hier_groups`` is the only place that turns the pure pieces (launcher
+environment -> :mod:`topology` locations, flags -> :mod:`config`, group families
+-> :mod:`layout`) into live process groups. Order of work, and why:
+
+1. every rank resolves its own location from the launcher environment;
+2. one ``all_gather_object`` over the world shares locations, data-parallel
+   group memberships and any error found so far, so that every rank reaches
+   the same verdict (a rank that raised alone would leave the others hanging
+   in the next collective);
+3. configuration and co-location are validated on that shared picture:
+   an error is raised on every rank *before any hierarchy group is created*;
+4. only then are the groups created, every rank calling ``new_group`` for
+   every group in the same order (torch.distributed's rule), with identical
+   member lists created once and shared between families (zero3's P, G and O
+   groups are one communicator).
+
+Megatron's model-parallel layout enters only as the caller's data-parallel
+group plus the tensor/context parallel sizes; this module imports nothing
+from megatron.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch.distributed as dist
+
+from megatron_lbp.config import DEFAULT_GCDS_PER_PACKAGE, HierConfig, HierConfigError, hier_config_from_args
+from megatron_lbp.topology import (
+    RankLocation,
+    TopologyError,
+    all_hierarchy_groups,
+    check_colocation,
+    dp_domain_sizes,
+    launcher_info_from_env,
+    link_class,
+    location_of,
+    resolve_gpus_per_node,
+)
+
+
+@dataclass
+class HierGroups:
+    """This rank's view of the hierarchy: its groups per family, as ranks and as process groups."""
+
+    config: HierConfig
+    dp_ranks: tuple[int, ...]              # global ranks of this rank's data-parallel group
+    dp_index: int                          # this rank's index in it
+    location: RankLocation
+    locations: dict[int, RankLocation]     # every rank of the job
+    ranks: dict[str, tuple[int, ...]]      # family -> this rank's group (global ranks, collective order)
+    groups: dict[str, Any]                 # family -> torch ProcessGroup
+    link_classes: dict[str, str]           # family -> link class of this rank's group
+    warnings: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        """Multi-line summary for the training log: sizes, then each family's ranks and link."""
+        c = self.config
+        lines = [
+            f"megatron-lbp hierarchy ({c.preset}): W={c.world_size} P={c.param_group_size} "
+            f"S={c.secondary_group_size or 'off'} G={c.grad_group_size} O={c.optim_group_size} "
+            f"R={c.replicas}; rank {self.location.rank} on {self.location.host} "
+            f"node {self.location.node} package {self.location.package}",
+        ]
+        for family, ranks in self.ranks.items():
+            lines.append(f"  {family:<14} {self.link_classes[family]:<8} ranks {list(ranks)}")
+        lines.extend(f"  warning: {w}" for w in self.warnings)
+        return "\n".join(lines)
+
+
+def build_hier_groups(
+    args: Any,
+    *,
+    dp_group: Any = None,
+    tensor_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    env: Mapping[str, str] | None = None,
+    host: str | None = None,
+) -> HierGroups:
+    """Validate the ``--hier-*`` flags in ``args`` against the launch and create the groups.
+
+    ``dp_group`` is the data-parallel process group the hierarchy lives in
+    (default: the whole world). Raises HierConfigError or TopologyError, with
+    the same one-line message on every rank, before creating any group.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("build_hier_groups needs torch.distributed to be initialized first")
+    env = os.environ if env is None else env
+    host = host or socket.gethostname()
+
+    local_error, location = None, None
+    try:
+        info = launcher_info_from_env(env)
+        if info.world_size != dist.get_world_size() or info.rank != dist.get_rank():
+            raise TopologyError(
+                f"the launcher environment ({info.source}) says rank {info.rank} of "
+                f"{info.world_size}, torch.distributed says rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}")
+        gpus_per_node = resolve_gpus_per_node(info, getattr(args, "hier_gpus_per_node", None))
+        gcds_per_package = getattr(args, "hier_gcds_per_package", None) or DEFAULT_GCDS_PER_PACKAGE
+        location = location_of(info, gpus_per_node, gcds_per_package, host)
+    except (TopologyError, HierConfigError) as err:
+        local_error = str(err)
+        gpus_per_node = gcds_per_package = None
+    dp_ranks = tuple(dist.get_process_group_ranks(dp_group)) if dp_group is not None \
+        else tuple(range(dist.get_world_size()))
+
+    shared: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(shared, (location, dp_ranks, local_error, gpus_per_node,
+                                    gcds_per_package))
+    errors = [(r, s[2]) for r, s in enumerate(shared) if s[2]]
+    if errors:
+        rank, message = errors[0]
+        raise TopologyError(message if rank == dist.get_rank() else f"rank {rank}: {message}")
+    if len({(s[3], s[4]) for s in shared}) > 1:
+        raise TopologyError(
+            "ranks disagree on --hier-gpus-per-node/--hier-gcds-per-package "
+            f"({sorted({(s[3], s[4]) for s in shared})}): pass the same flags to every rank")
+    locations = {r: s[0] for r, s in enumerate(shared)}
+    dp_groups = sorted({s[1] for s in shared})
+
+    dp_per_node, dp_per_package = dp_domain_sizes(
+        gpus_per_node, gcds_per_package, tensor_model_parallel_size, context_parallel_size)
+    config = hier_config_from_args(args, world_size=len(dp_ranks), gpus_per_node=dp_per_node,
+                                   gcds_per_package=dp_per_package)
+    families = all_hierarchy_groups(dp_groups, config)
+    warnings = check_colocation(families, locations,
+                                allow=bool(getattr(args, "hier_allow_non_colocated", False)))
+
+    me = dist.get_rank()
+    created: dict[tuple[int, ...], Any] = {}
+    mine_ranks, mine_groups = {}, {}
+    for family, groups in families.items():
+        for members in groups:
+            if members not in created:
+                created[members] = dist.new_group(list(members))
+            if me in members:
+                mine_ranks[family], mine_groups[family] = members, created[members]
+    return HierGroups(
+        config=config,
+        dp_ranks=dp_ranks,
+        dp_index=dp_ranks.index(me),
+        location=locations[me],
+        locations=locations,
+        ranks=mine_ranks,
+        groups=mine_groups,
+        link_classes={f: link_class(r, locations) for f, r in mine_ranks.items()},
+        warnings=warnings,
+    )
