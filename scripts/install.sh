@@ -33,18 +33,18 @@ python_bin=${LBP_PYTHON:-python3}
 TORCH_VERSION=${LBP_TORCH_VERSION:-2.13.0}
 MEGATRON_CORE_VERSION=0.19.2
 
-stamp_inputs=("$repo/scripts/install.sh" "$repo/requirements.txt" "$repo/pyproject.toml")
-[ "$want_test" = 1 ] && stamp_inputs+=("$repo/requirements-test.txt")
-stamp_hash=$(cat "${stamp_inputs[@]}" | sha256sum | cut -d' ' -f1)-test$want_test
-stamp_file="$venv/.lbp-install-stamp"
-
-if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp_hash" ]; then
-  exit 0
-fi
-# A --test stamp also satisfies a plain install.
-if [ "$want_test" = 0 ] && [ -f "$stamp_file" ]; then
-  test_hash=$(cat "${stamp_inputs[@]}" "$repo/requirements-test.txt" | sha256sum | cut -d' ' -f1)-test1
-  [ "$(cat "$stamp_file")" = "$test_hash" ] && exit 0
+# One stamp per mode; a --test install also satisfies a plain one.
+stamp_of() { cat "$repo/scripts/install.sh" "$repo/requirements.txt" "$repo/pyproject.toml" "$@" \
+  | sha256sum | cut -d' ' -f1; }
+runtime_stamp="$venv/.lbp-stamp-runtime"
+test_stamp="$venv/.lbp-stamp-test"
+runtime_hash=$(stamp_of)
+test_hash=$(stamp_of "$repo/requirements-test.txt")
+if [ "$want_test" = 1 ]; then
+  [ "$(cat "$test_stamp" 2>/dev/null)" = "$test_hash" ] && exit 0
+else
+  [ "$(cat "$runtime_stamp" 2>/dev/null)" = "$runtime_hash" ] && exit 0
+  [ "$(cat "$test_stamp" 2>/dev/null)" = "$test_hash" ] && exit 0
 fi
 
 echo "[install] setting up $venv"
@@ -88,5 +88,6 @@ if ! "$py" -W ignore -c 'import megatron_lbp.compat as c; c.enable(); import meg
   exit 1
 fi
 rm -f "$check_log"
-echo "$stamp_hash" >"$stamp_file"
+echo "$runtime_hash" >"$runtime_stamp"
+[ "$want_test" = 1 ] && echo "$test_hash" >"$test_stamp"
 echo "[install] done: torch $installed_torch, megatron-core $MEGATRON_CORE_VERSION, Python 3.$py_minor"
