@@ -45,6 +45,8 @@ __all__ = [
     "resolve_hier_config",
     "add_hier_arguments",
     "hier_config_from_args",
+    "EngineOptions",
+    "engine_options_from_args",
 ]
 
 PRESETS = ("lbp", "zero3", "zeropp", "zero2", "hsdp")
@@ -68,7 +70,14 @@ FLAGS = {
     "gpus_per_node": "--hier-gpus-per-node",
     "gcds_per_package": "--hier-gcds-per-package",
     "preset": "--hier-preset",
+    "bucket_size": "--hier-bucket-size",
+    "grad_reduce_dtype": "--hier-grad-reduce-dtype",
 }
+
+GRAD_REDUCE_DTYPES = ("fp32", "bf16")
+# Megatron's own default bucket (40M elements) keeps collectives large enough
+# to run near link bandwidth on Frontier; tests pass small sizes for many buckets.
+DEFAULT_BUCKET_SIZE = 40_000_000
 
 _SIZE_FIELDS = ("param_group_size", "secondary_group_size", "grad_group_size", "optim_group_size")
 
@@ -319,6 +328,18 @@ def add_hier_arguments(parser: argparse.ArgumentParser, *, include_world: bool =
                    help="Warn instead of failing when a weight, secondary or gradient "
                         "group spans a slower link than its size requires "
                         "(for experiments).")
+    g.add_argument("--hier-bucket-size", type=_int_arg, default=None, metavar="ELEMENTS",
+                   help="Parameters per flat bucket, the unit of every gather and reduce "
+                        f"(default {DEFAULT_BUCKET_SIZE:,}; a parameter is never split).")
+    g.add_argument("--hier-overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="Prefetch the next bucket's weights and reduce gradients "
+                        "asynchronously (default on; --no-hier-overlap for debugging).")
+    g.add_argument("--hier-grad-reduce-dtype", choices=GRAD_REDUCE_DTYPES, default="fp32",
+                   help="Dtype of the gradient shard and of every gradient reduction "
+                        "(default fp32).")
+    g.add_argument("--hier-comm-report", default=None, metavar="PATH",
+                   help="Write bytes per link class and phase, and bytes held per state, "
+                        "as JSON lines, one per optimizer step.")
     if include_world:
         g.add_argument("--hier-world-size", type=_int_arg, default=None, metavar="W",
                        help="Data-parallel size, for tools that run without a launcher.")
@@ -359,4 +380,28 @@ def hier_config_from_args(args: Any, world_size: int | None = None, *,
         optim_group_size=getattr(args, "hier_optim_group_size", None),
         secondary_group_size=getattr(args, "hier_secondary_group_size", None),
         secondary_dtype=getattr(args, "hier_secondary_dtype", None) or DEFAULT_SECONDARY_DTYPE,
+    )
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the engine runs a HierConfig: bucketing, overlap, reduction dtype, reporting."""
+
+    bucket_size: int = DEFAULT_BUCKET_SIZE
+    overlap: bool = True
+    grad_reduce_dtype: str = "fp32"
+    comm_report: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("bucket_size", self.bucket_size, 1)
+        _check_choice("grad_reduce_dtype", self.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
+
+
+def engine_options_from_args(args: Any) -> EngineOptions:
+    bucket = getattr(args, "hier_bucket_size", None)
+    return EngineOptions(
+        bucket_size=DEFAULT_BUCKET_SIZE if bucket is None else bucket,
+        overlap=bool(getattr(args, "hier_overlap", True)),
+        grad_reduce_dtype=getattr(args, "hier_grad_reduce_dtype", None) or "fp32",
+        comm_report=getattr(args, "hier_comm_report", None),
     )

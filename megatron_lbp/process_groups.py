@@ -55,6 +55,7 @@ class HierGroups:
     ranks: dict[str, tuple[int, ...]]      # family -> this rank's group (global ranks, collective order)
     groups: dict[str, Any]                 # family -> torch ProcessGroup
     link_classes: dict[str, str]           # family -> link class of this rank's group
+    dp_group: Any = None                   # the data-parallel process group (None: the world)
     warnings: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
@@ -101,7 +102,11 @@ def build_hier_groups(
                 f"{info.world_size}, torch.distributed says rank {dist.get_rank()} of "
                 f"{dist.get_world_size()}")
         gpus_per_node = resolve_gpus_per_node(info, getattr(args, "hier_gpus_per_node", None))
-        gcds_per_package = getattr(args, "hier_gcds_per_package", None) or DEFAULT_GCDS_PER_PACKAGE
+        gcds_per_package = getattr(args, "hier_gcds_per_package", None)
+        if gcds_per_package is None:
+            # Frontier's 2 GCDs per package, unless the node size says packages of one.
+            gcds_per_package = (DEFAULT_GCDS_PER_PACKAGE
+                                if gpus_per_node % DEFAULT_GCDS_PER_PACKAGE == 0 else 1)
         location = location_of(info, gpus_per_node, gcds_per_package, host)
     except (TopologyError, HierConfigError) as err:
         local_error = str(err)
@@ -149,5 +154,6 @@ def build_hier_groups(
         ranks=mine_ranks,
         groups=mine_groups,
         link_classes={f: link_class(r, locations) for f, r in mine_ranks.items()},
+        dp_group=dp_group,
         warnings=warnings,
     )

@@ -51,6 +51,8 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)       # global mean loss per step
     grad_norms: list[float] = field(default_factory=list)
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # final full weights
+    step_reports: list[dict] = field(default_factory=list)   # engine only: traffic and memory per step
+    extra: dict = field(default_factory=dict)
 
 
 def init_megatron_state(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
@@ -169,6 +171,64 @@ def train_stock_megatron(spec: TinyGPTSpec, train: TrainSpec) -> TrainResult:
         result.losses.append(local_loss.item() / dp_size)
         result.grad_norms.append(float(grad_norm))
     result.params = _gathered_params(model)
+    return result
+
+
+def train_hier(spec: TinyGPTSpec, train: TrainSpec, hier_argv: list[str],
+               probe=None) -> TrainResult:
+    """The same loop as train_stock_megatron, through HierDataParallel + HierDistributedOptimizer.
+
+    ``hier_argv`` are --hier-* flags. ``probe(model, optimizer, step, micro)``, if
+    given, runs after each micro-batch's backward and its return values are
+    collected in ``result.extra["probes"]`` (tests use it to inspect storage).
+    """
+    import argparse
+
+    from megatron_lbp import megatron_adapter
+    from megatron_lbp.config import add_hier_arguments, engine_options_from_args
+    from megatron_lbp.process_groups import build_hier_groups
+
+    init_megatron_state(seed=spec.seed)
+    model, config = build_tiny_gpt(spec)
+    argv = list(hier_argv)
+    if train.bucket_size is not None and "--hier-bucket-size" not in argv:
+        argv += ["--hier-bucket-size", str(train.bucket_size)]
+    args = add_hier_arguments(argparse.ArgumentParser()).parse_args(argv)
+    hier = build_hier_groups(args, dp_group=megatron_adapter.data_parallel_group())
+    options = engine_options_from_args(args)
+    ddp_model = megatron_adapter.wrap_model(config, model, hier, options)
+    opt_config = _optimizer_config(spec, train, distributed=True)
+    optimizer = megatron_adapter.build_optimizer(opt_config, [ddp_model], options)
+    scheduler = constant_schedule(optimizer, opt_config)
+    dp_rank, dp_size = hier.dp_index, len(hier.dp_ranks)
+
+    result = TrainResult()
+    probes = []
+    for step in range(train.steps):
+        ddp_model.zero_grad_buffer()
+        optimizer.zero_grad()
+        local_loss = torch.zeros(())
+        for micro in range(train.micro_batches):
+            tokens = global_batch(step, micro, spec, train, dp_size)
+            mine = tokens[dp_rank * train.micro_batch_size:(dp_rank + 1) * train.micro_batch_size]
+            with ddp_model.no_sync():
+                loss = forward_loss(ddp_model, mine) / train.micro_batches
+                loss.backward()
+            local_loss += loss.detach()
+            if probe is not None:
+                probes.append(probe(ddp_model, optimizer, step, micro))
+        ddp_model.finish_grad_sync()
+        ok, grad_norm, _ = optimizer.step()
+        assert ok, f"step {step}: the optimizer skipped the update"
+        scheduler.step(increment=1)
+        dist.all_reduce(local_loss, group=hier.dp_group)
+        result.losses.append(local_loss.item() / dp_size)
+        result.grad_norms.append(float(grad_norm))
+        result.step_reports.append(optimizer.last_step_report)
+    result.params = {name: t.float() for name, t in ddp_model.state_dict().items()
+                     if name in dict(model.named_parameters())}
+    result.extra = {"probes": probes, "bucket_numels": ddp_model.bucket_numels(),
+                    "config": hier.config.as_dict(), "links": dict(hier.link_classes)}
     return result
 
 

@@ -1,0 +1,153 @@
+"""Flat buckets: the parameters of a model laid end to end, and what one rank keeps of them.
+
+A bucket owns three kinds of memory:
+
+- ``primary``: this rank's 1/P slice of the weights (persistent, the only
+  copy of the weights between uses);
+- ``full``: the whole bucket, allocated only while gathered. Every parameter's
+  ``.data`` is a view into it for the module's whole life; freeing resizes the
+  storage to zero, so the views stay valid objects but hold no memory, and a
+  stray use of a freed weight fails loudly instead of reading stale numbers;
+- ``grad_shard``: this rank's persistent 1/G slice of the gradient, in the
+  reduce dtype, accumulated across micro-batches; plus ``grad_full``, the
+  whole bucket's gradient of one backward, alive only until it is reduced.
+
+Slices come from :mod:`megatron_lbp.layout`; nothing here talks to other ranks.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from megatron_lbp.engine.memory import TransientLedger
+from megatron_lbp.layout import BucketLayout, plan_bucket
+
+
+class GatherState(enum.Enum):
+    SHARDED = "sharded"        # only the primary slice exists
+    GATHERING = "gathering"    # an asynchronous all-gather into ``full`` is in flight
+    GATHERED = "gathered"      # ``full`` holds the whole bucket
+
+
+@dataclass
+class ParamSlot:
+    name: str
+    param: torch.nn.Parameter
+    start: int                 # offset of the parameter in the bucket
+    numel: int
+    shape: torch.Size
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.numel
+
+
+def split_into_buckets(named_params: list[tuple[str, torch.nn.Parameter]],
+                       bucket_size: int) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    """Consecutive parameters, at most ``bucket_size`` elements per bucket; a larger one alone."""
+    buckets, current, filled = [], [], 0
+    for name, p in named_params:
+        if current and filled + p.numel() > bucket_size:
+            buckets.append(current)
+            current, filled = [], 0
+        current.append((name, p))
+        filled += p.numel()
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class FlatBucket:
+    def __init__(self, index: int, named_params: list[tuple[str, torch.nn.Parameter]],
+                 *, dp_index: int, world_size: int, param_group_size: int, grad_group_size: int,
+                 optim_group_size: int, secondary_group_size: int, grad_dtype: torch.dtype,
+                 transient: TransientLedger) -> None:
+        dtypes = {p.dtype for _, p in named_params}
+        if len(dtypes) != 1:
+            raise ValueError(f"bucket {index} mixes parameter dtypes {sorted(map(str, dtypes))}")
+        self.index = index
+        self.dtype = dtypes.pop()
+        self.grad_dtype = grad_dtype
+        self.dp_index = dp_index
+        self._transient = transient
+        self.slots: list[ParamSlot] = []
+        offset = 0
+        for name, p in named_params:
+            self.slots.append(ParamSlot(name, p, offset, p.numel(), p.shape))
+            offset += p.numel()
+        self.layout: BucketLayout = plan_bucket(
+            offset, world_size, param_group_size, grad_group_size, optim_group_size,
+            secondary_group_size)
+        r = dp_index
+        self.primary_range = self.layout.primary_range(r)
+        self.grad_range = self.layout.grad_range(r)
+        self.optim_range = self.layout.optim_range(r)
+        self.grad_in_primary = self.layout.grad_in_primary(r)
+        self.optim_in_primary = self.layout.optim_in_primary(r)
+        self.optim_in_grad = self.layout.optim_in_grad(r)
+
+        n = self.layout.padded_numel
+        self.full = torch.zeros(n, dtype=self.dtype)
+        for slot in self.slots:
+            self.full[slot.start:slot.stop].copy_(slot.param.detach().reshape(-1))
+            # From here on the parameter is a window onto the bucket.
+            slot.param.data = self.full[slot.start:slot.stop].view(slot.shape)
+        self.primary = self.full[self.primary_range.slice].clone()
+        self.grad_shard = torch.zeros(self.layout.grad_size, dtype=grad_dtype)
+        self.grad_full: torch.Tensor | None = None
+        self.state = GatherState.GATHERED
+        self.pending = None
+        self._transient.alloc(self.full_nbytes)
+        self.free_full()
+
+    # --- weights -------------------------------------------------------------------------
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    @property
+    def full_nbytes(self) -> int:
+        return self.layout.padded_numel * self.full.element_size()
+
+    def alloc_full(self) -> None:
+        """Give ``full`` its memory back (contents undefined until gathered)."""
+        if self.full.untyped_storage().nbytes() == 0:
+            self.full.untyped_storage().resize_(self.full_nbytes)
+            self._transient.alloc(self.full_nbytes)
+
+    def free_full(self) -> None:
+        if self.full.untyped_storage().nbytes():
+            self.full.untyped_storage().resize_(0)
+            self._transient.free(self.full_nbytes)
+        self.state = GatherState.SHARDED
+
+    def is_resident(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0
+
+    # --- gradients -----------------------------------------------------------------------
+    def grad_view(self, slot: ParamSlot) -> torch.Tensor:
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype)
+            self._transient.alloc(self.grad_full.numel() * self.grad_full.element_size())
+        return self.grad_full[slot.start:slot.stop]
+
+    def release_grad_full(self) -> None:
+        if self.grad_full is not None:
+            self._transient.free(self.grad_full.numel() * self.grad_full.element_size())
+            self.grad_full = None
+
+    def grad_scatter_input(self) -> torch.Tensor:
+        """The full gradient in the order the G-group reduce-scatter hands out chunks.
+
+        Rank (q, p) of the G-group owns chunk q of primary chunk p, but
+        reduce_scatter_tensor gives chunk i to group rank i = P*q + p, so the
+        bucket is viewed as (P, G/P, N/G) and its first two axes swapped (see
+        megatron_lbp.layout). With P == 1 or P == G that is the identity.
+        """
+        if self.layout.grad_scatter_is_identity:
+            return self.grad_full
+        P = self.layout.param_group_size
+        G = self.layout.grad_group_size
+        return self.grad_full.view(P, G // P, -1).transpose(0, 1).reshape(-1)

@@ -1,0 +1,112 @@
+"""Every collective the engine issues, and the bytes each one puts on each link.
+
+One small interface (:class:`Collectives`) wraps the four torch.distributed
+calls the engine needs. Each call names the group *family* it runs in
+("param", "grad", "inter", ...) and the *phase* of the step it belongs to;
+the ledger then charges the bytes this rank sends to that family's link
+class. The accounting is the same as the plan tool's (megatron_lbp.costs):
+
+- all-gather producing T bytes over n ranks: T·(n-1)/n sent per rank;
+- reduce-scatter consuming T bytes over n ranks: T·(n-1)/n;
+- all-reduce of T bytes: 2·T·(n-1)/n (ring);
+- a group of one rank sends nothing (and no collective is issued).
+
+Bulk phases are those the plan predicts; "control" holds the scalar
+collectives (gradient norm, inf/nan flags, start-up broadcast) that it does not.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from fractions import Fraction
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from megatron_lbp.costs import LINK_CLASS_ORDER, PHASES
+
+CONTROL = "control"
+ALL_PHASES = PHASES + (CONTROL,)
+
+
+class CommLedger:
+    """Bytes sent by this rank, per (phase, link class); exact (Fractions for all-reduce)."""
+
+    def __init__(self) -> None:
+        self._bytes: dict[tuple[str, str], Fraction] = defaultdict(Fraction)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def record(self, phase: str, link: str, nbytes: Fraction | int) -> None:
+        if phase not in ALL_PHASES:
+            raise ValueError(f"unknown phase {phase!r}")
+        self._bytes[(phase, link)] += Fraction(nbytes)
+        self.calls[phase] += 1
+
+    def by_phase(self) -> dict[str, dict[str, int | float]]:
+        return {phase: {link: _number(self._bytes.get((phase, link), Fraction(0)))
+                        for link in LINK_CLASS_ORDER} for phase in ALL_PHASES}
+
+    def by_class(self, include_control: bool = False) -> dict[str, int | float]:
+        phases = ALL_PHASES if include_control else PHASES
+        return {link: _number(sum((self._bytes.get((p, link), Fraction(0)) for p in phases),
+                                  Fraction(0)))
+                for link in LINK_CLASS_ORDER}
+
+    def reset(self) -> None:
+        self._bytes.clear()
+        self.calls.clear()
+
+
+def _number(x: Fraction) -> int | float:
+    return int(x) if x.denominator == 1 else float(x)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Collectives:
+    """The engine's only door to torch.distributed for bulk data."""
+
+    def __init__(self, groups: Mapping[str, Any], sizes: Mapping[str, int],
+                 links: Mapping[str, str], ledger: CommLedger | None = None) -> None:
+        self.groups = dict(groups)
+        self.sizes = dict(sizes)
+        self.links = dict(links)
+        self.ledger = ledger or CommLedger()
+
+    def _charge(self, family: str, phase: str, nbytes: Fraction | int) -> None:
+        self.ledger.record(phase, self.links[family], nbytes)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, family: str, phase: str,
+                   async_op: bool = False):
+        n = self.sizes[family]
+        if n == 1:
+            out.copy_(inp)
+            return None
+        self._charge(family, phase, Fraction(_nbytes(out) * (n - 1), n))
+        return dist.all_gather_into_tensor(out, inp, group=self.groups[family], async_op=async_op)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, family: str, phase: str,
+                       async_op: bool = False):
+        n = self.sizes[family]
+        if n == 1:
+            out.copy_(inp)
+            return None
+        self._charge(family, phase, Fraction(_nbytes(inp) * (n - 1), n))
+        return dist.reduce_scatter_tensor(out, inp, group=self.groups[family], async_op=async_op)
+
+    def all_reduce(self, t: torch.Tensor, family: str, phase: str,
+                   op=dist.ReduceOp.SUM, async_op: bool = False):
+        n = self.sizes[family]
+        if n == 1:
+            return None
+        self._charge(family, phase, Fraction(2 * _nbytes(t) * (n - 1), n))
+        return dist.all_reduce(t, op=op, group=self.groups[family], async_op=async_op)
+
+    def broadcast(self, t: torch.Tensor, src: int, group: Any, link: str, group_size: int,
+                  phase: str = CONTROL) -> None:
+        """Broadcast over an arbitrary group (start-up only); charged as the root's sends."""
+        if group_size > 1:
+            self.ledger.record(phase, link, _nbytes(t) * (group_size - 1) if dist.get_rank() == src else 0)
+            dist.broadcast(t, src=src, group=group)

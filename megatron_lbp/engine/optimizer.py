@@ -1,0 +1,295 @@
+"""HierDistributedOptimizer: Adam state for 1/O of every bucket, and the step's two network hops.
+
+Per bucket, this rank owns the optimizer slice that the layout nests inside
+its gradient slice (and so inside its primary weight slice). One step:
+
+1. ``inter`` reduce-scatter (network): the persistent 1/G gradient shard ->
+   the 1/O slice; all-reduce over the R replicas when O < W;
+2. gradient norm: sum of squares over the O-group (the ranks of one optimizer
+   instance hold every element exactly once), inf/nan flag, clipping, and with
+   fp16 Megatron's dynamic loss scale;
+3. Adam (torch's AdamW, which is what megatron-core uses without Apex/TE) on
+   the fp32 master slice; master, exp_avg and exp_avg_sq are three flat
+   buffers of exactly 1/O of each padded bucket, each model parameter's share
+   a view into them;
+4. the updated weights back down: cast into the primary slice, ``inter``
+   all-gather (network) 1/O -> 1/G, then ``grad_to_param`` all-gather (node)
+   1/G -> 1/P. The next forward gathers full buckets from there.
+
+With fp32 weights the master slice *is* the primary slice's optimizer part
+(nesting makes it a view), so no separate master copy exists.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_lbp.engine.buckets import FlatBucket
+from megatron_lbp.engine.comm import CONTROL
+from megatron_lbp.engine.data_parallel import HierDataParallel
+from megatron_lbp.engine.memory import tensor_bytes
+
+
+def _megatron_optimizer_base():
+    from megatron.core.optimizer.optimizer import MegatronOptimizer
+
+    return MegatronOptimizer
+
+
+@dataclass
+class _BucketState:
+    bucket: FlatBucket
+    model: HierDataParallel
+    master: torch.Tensor          # fp32 [N/O] (a view of primary for fp32 weights)
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    grad: torch.Tensor | None = None   # fp32 [N/O], alive during the step only
+
+
+class HierDistributedOptimizer(_megatron_optimizer_base()):
+    def __init__(self, config: Any, model_chunks: Sequence[HierDataParallel],
+                 param_groups: list[dict], grad_scaler: Any = None,
+                 comm_report: str | None = None) -> None:
+        if config.optimizer != "adam":
+            raise ValueError(f"--optimizer {config.optimizer} is not supported with "
+                             "--hier-partition (only adam)")
+        self.models = list(model_chunks)
+        self.comm = self.models[0].comm
+        self.grad_scaler = grad_scaler
+        self.comm_report = comm_report
+        self.steps_done = 0
+        self.last_step_report: dict[str, Any] = {}
+        self.states: list[_BucketState] = []
+        shard_of_param: dict[int, list[torch.nn.Parameter]] = {}
+        for model in self.models:
+            for b in model.buckets:
+                st = self._make_state(model, b)
+                self.states.append(st)
+                for slot in b.slots:
+                    piece = _intersect(slot.start, slot.stop, b.optim_range.start, b.optim_range.stop)
+                    if piece is None:
+                        shard_of_param[id(slot.param)] = []
+                        continue
+                    lo, hi = piece[0] - b.optim_range.start, piece[1] - b.optim_range.start
+                    shard = torch.nn.Parameter(st.master[lo:hi], requires_grad=False)
+                    shard._lbp_bucket_state = st
+                    shard._lbp_range = (lo, hi)
+                    shard._lbp_name = slot.name
+                    shard_of_param[id(slot.param)] = [shard]
+        groups = []
+        for group in param_groups:
+            shards = [s for p in group["params"] for s in shard_of_param.get(id(p), [])]
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": shards})
+        inner = torch.optim.AdamW(
+            groups, lr=config.lr, weight_decay=config.weight_decay,
+            betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+        for group in inner.param_groups:
+            for shard in group["params"]:
+                st, (lo, hi) = shard._lbp_bucket_state, shard._lbp_range
+                # Views into the flat state buffers: the optimizer state is exactly
+                # 1/O of every padded bucket, contiguous for checkpoints.
+                inner.state[shard] = {
+                    "step": torch.tensor(0.0, dtype=torch.float32),
+                    "exp_avg": st.exp_avg[lo:hi],
+                    "exp_avg_sq": st.exp_avg_sq[lo:hi],
+                }
+        super().__init__(inner, config, init_state_fn=lambda *a, **k: None)
+        self._scale_one = torch.tensor([1.0])
+        self.is_stub_optimizer = False
+
+    def _make_state(self, model: HierDataParallel, b: FlatBucket) -> _BucketState:
+        n = b.layout.optim_size
+        own = b.primary[b.optim_in_primary.slice]
+        master = own if b.dtype == torch.float32 else own.float().clone()
+        return _BucketState(b, model, master, torch.zeros(n), torch.zeros(n))
+
+    # --- step ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self):
+        self._reduce_to_optimizer_slices()
+        found_inf = self._unscale_and_check_for_inf()
+        if found_inf and self.grad_scaler is not None:
+            self._drop_grads()
+            self._finish_step()
+            return False, None, None
+        grad_norm = self._grad_norm()
+        if self.config.clip_grad > 0.0 and math.isfinite(grad_norm):
+            coeff = self.config.clip_grad / (grad_norm + 1.0e-6)
+            if coeff < 1.0:
+                for st in self.states:
+                    st.grad.mul_(coeff)
+        for group in self.optimizer.param_groups:
+            for shard in group["params"]:
+                lo, hi = shard._lbp_range
+                shard.grad = shard._lbp_bucket_state.grad[lo:hi]
+        self.optimizer.step()
+        self._drop_grads()
+        self._gather_updated_weights()
+        num_zeros = None
+        self._finish_step()
+        return True, grad_norm, num_zeros
+
+    def _reduce_to_optimizer_slices(self) -> None:
+        for model in self.models:
+            model.finish_grad_sync()
+        for st in self.states:
+            b = st.bucket
+            grad = torch.empty(b.layout.optim_size, dtype=b.grad_dtype)
+            st.model.comm.reduce_scatter(grad, b.grad_shard, "inter", "step_reduce")
+            st.model.comm.all_reduce(grad, "replica", "step_reduce")
+            st.grad = grad.float() if grad.dtype != torch.float32 else grad
+            st.model.transient.alloc(st.grad.numel() * 4)
+
+    def _unscale_and_check_for_inf(self) -> bool:
+        found = torch.zeros(1)
+        for st in self.states:
+            if self.grad_scaler is not None:
+                st.grad.mul_(self.grad_scaler.inv_scale)
+            if not torch.isfinite(st.grad).all():
+                found.fill_(1.0)
+        # Replicas hold identical slices after the replica all-reduce, so the
+        # O-group's verdict is every rank's verdict.
+        self.comm.all_reduce(found, "optim", CONTROL, op=dist.ReduceOp.MAX)
+        found_inf = bool(found.item() > 0)
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(found_inf)
+        return found_inf
+
+    def _grad_norm(self) -> float:
+        sq = torch.zeros(1, dtype=torch.float64)
+        for st in self.states:
+            sq += st.grad.double().pow(2).sum()
+        # One optimizer instance (the O-group) holds every element exactly once.
+        self.comm.all_reduce(sq, "optim", CONTROL)
+        return math.sqrt(sq.item())
+
+    def _drop_grads(self) -> None:
+        for group in self.optimizer.param_groups:
+            for shard in group["params"]:
+                shard.grad = None
+        for st in self.states:
+            if st.grad is not None:
+                st.model.transient.free(st.grad.numel() * 4)
+                st.grad = None
+
+    def _gather_updated_weights(self) -> None:
+        for st in self.states:
+            b, comm = st.bucket, st.model.comm
+            own = b.primary[b.optim_in_primary.slice]
+            if st.master.data_ptr() != own.data_ptr():
+                own.copy_(st.master)
+            # In-place gathers: this rank's chunk already sits at its place in the output.
+            comm.all_gather(b.primary[b.grad_in_primary.slice], own.clone(), "inter", "step_gather")
+            grad_part = b.primary[b.grad_in_primary.slice].clone()
+            comm.all_gather(b.primary, grad_part, "grad_to_param", "step_gather")
+
+    def _finish_step(self) -> None:
+        self.steps_done += 1
+        self.last_step_report = {"step": self.steps_done, **self.traffic_report(),
+                                 "memory_bytes": self.memory_bytes()}
+        if self.comm_report:
+            self._write_comm_report(self.last_step_report)
+        for model in self.models:
+            model.comm.ledger.reset()
+            model.transient.reset_peak()
+
+    # --- accounting ----------------------------------------------------------------------
+    def memory_bytes(self) -> dict[str, int]:
+        """Measured bytes per state on this rank, the optimizer's and its models' together."""
+        out = {"primary": 0, "secondary": 0, "grad": 0, "peak_transient": 0}
+        for model in self.models:
+            m = model.memory_bytes()
+            for k in out:
+                out[k] += m[k]
+        separate_master = [st.master for st in self.states if st.bucket.dtype != torch.float32]
+        out["optimizer"] = tensor_bytes(
+            separate_master + [st.exp_avg for st in self.states] + [st.exp_avg_sq for st in self.states])
+        out["total"] = out["primary"] + out["secondary"] + out["grad"] + out["optimizer"]
+        return out
+
+    def traffic_report(self) -> dict[str, Any]:
+        ledger = self.comm.ledger
+        return {"traffic_bytes": ledger.by_class(), "traffic_by_phase": ledger.by_phase()}
+
+    def _write_comm_report(self, report: dict[str, Any]) -> None:
+        record = {"rank": dist.get_rank(), **report}
+        path = self.comm_report
+        if "{rank}" in path:
+            path = path.format(rank=dist.get_rank())
+        elif dist.get_rank() != 0:
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    # --- Megatron's optimizer interface --------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for model in self.models:
+            model.zero_grad_buffer()
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return self._scale_one if self.grad_scaler is None else self.grad_scaler.scale
+
+    def prepare_grads(self) -> bool:
+        raise NotImplementedError("HierDistributedOptimizer runs the whole step in step()")
+
+    def step_with_ready_grads(self) -> bool:
+        raise NotImplementedError("HierDistributedOptimizer runs the whole step in step()")
+
+    def reload_model_params(self, state_dict=None) -> None:
+        """Refresh the fp32 master slices from the (changed) primary weights."""
+        for st in self.states:
+            own = st.bucket.primary[st.bucket.optim_in_primary.slice]
+            if st.master.data_ptr() != own.data_ptr():
+                st.master.copy_(own)
+
+    def state_dict(self) -> dict[str, Any]:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        steps = [self.optimizer.state[s]["step"].item()
+                 for g in self.optimizer.param_groups for s in g["params"]]
+        return {
+            "param_groups": groups,
+            "step": steps[0] if steps else 0.0,
+            "buckets": [{"master": st.master.clone(), "exp_avg": st.exp_avg.clone(),
+                         "exp_avg_sq": st.exp_avg_sq.clone()} for st in self.states],
+            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if len(state_dict["buckets"]) != len(self.states):
+            raise ValueError(f"optimizer state has {len(state_dict['buckets'])} buckets, "
+                             f"this model {len(self.states)}")
+        for st, saved in zip(self.states, state_dict["buckets"]):
+            for name in ("master", "exp_avg", "exp_avg_sq"):
+                mine, theirs = getattr(st, name), saved[name]
+                if mine.shape != theirs.shape:
+                    raise ValueError(f"optimizer {name} of bucket {st.bucket.index}: saved "
+                                     f"{tuple(theirs.shape)}, expected {tuple(mine.shape)}")
+                mine.copy_(theirs)
+            own = st.bucket.primary[st.bucket.optim_in_primary.slice]
+            if st.master.data_ptr() != own.data_ptr():
+                own.copy_(st.master)
+        for group, saved in zip(self.optimizer.param_groups, state_dict["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+            for shard in group["params"]:
+                self.optimizer.state[shard]["step"].fill_(state_dict["step"])
+        if self.grad_scaler is not None and state_dict.get("grad_scaler"):
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        self._gather_updated_weights()
+        self.comm.ledger.reset()
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False,
+                           metadata=None):
+        raise NotImplementedError("distributed checkpoints of the hierarchy come with the "
+                                  "pretraining integration")
+
+
+def _intersect(a0: int, a1: int, b0: int, b1: int) -> tuple[int, int] | None:
+    lo, hi = max(a0, b0), min(a1, b1)
+    return (lo, hi) if lo < hi else None

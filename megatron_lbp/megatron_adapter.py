@@ -1,0 +1,110 @@
+"""The one place where megatron-lbp reaches into megatron-core's structure.
+
+Everything that knows about Megatron's modules, optimizer configuration or
+parallel state lives here, so that a megatron-core upgrade touches one file.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from megatron_lbp.config import EngineOptions
+
+# Megatron flags that pick another data-parallel implementation.
+CONFLICTING_FLAGS = (
+    ("use_megatron_fsdp", "--use-megatron-fsdp"),
+    ("use_torch_fsdp2", "--use-torch-fsdp2"),
+    ("use_custom_fsdp", "--use-custom-fsdp"),
+)
+
+
+def check_megatron_args(args: Any) -> None:
+    """Refuse Megatron flags the hierarchy cannot serve, naming both flags (one line each)."""
+    for attr, flag in CONFLICTING_FLAGS:
+        if getattr(args, attr, False):
+            raise ValueError(f"--hier-partition cannot be combined with {flag}: both replace "
+                             "Megatron's data-parallel wrapper; drop one of them")
+    if (getattr(args, "expert_model_parallel_size", 1) or 1) > 1 or getattr(args, "num_experts", None):
+        raise ValueError("--hier-partition does not support expert-parallel (MoE) models yet "
+                         "(--num-experts / --expert-model-parallel-size)")
+    for attr, flag in (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+                       ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+                       ("context_parallel_size", "--context-parallel-size")):
+        if (getattr(args, attr, 1) or 1) > 1:
+            raise ValueError(f"--hier-partition supports data parallelism only for now: "
+                             f"{flag}={getattr(args, attr)} must be 1")
+
+
+def extra_weight_users(model: torch.nn.Module) -> dict[torch.nn.Module, list[torch.nn.Parameter]]:
+    """Modules that use a weight they do not own: GPT's output layer with tied embeddings.
+
+    megatron-core's GPTModel passes the word-embedding weight to its output
+    layer as an argument (``share_embeddings_and_output_weights``), so the
+    embedding's bucket must stay gathered until the output layer has run.
+    """
+    users = {}
+    for m in model.modules():
+        if (getattr(m, "share_embeddings_and_output_weights", False)
+                and getattr(m, "post_process", True)
+                and hasattr(m, "output_layer")
+                and getattr(m.output_layer, "weight", None) is None):
+            users[m.output_layer] = [m.shared_embedding_or_output_weight()]
+    return users
+
+
+def hook_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Modules whose forward brackets every use of their parameters: Megatron's transformer layers.
+
+    Inside a layer, linear modules return their bias for the layer to add
+    (skip_bias_add), so the layer, not the linear module, is the unit whose
+    forward must keep those weights gathered.
+    """
+    from megatron.core.transformer.transformer_layer import BaseTransformerLayer
+
+    return [m for m in model.modules() if isinstance(m, BaseTransformerLayer)]
+
+
+def optimizer_param_groups(model_chunks: Iterable[torch.nn.Module], opt_config: Any) -> list[dict]:
+    """Megatron's own parameter groups (weight-decay and lr multipliers per parameter)."""
+    from megatron.core.optimizer import _get_param_groups, get_standard_config_overrides
+
+    return _get_param_groups(list(model_chunks), opt_config,
+                             get_standard_config_overrides(opt_config))
+
+
+def wrap_model(config: Any, model: torch.nn.Module, hier, options: EngineOptions):
+    """HierDataParallel around a megatron-core model, with its tied-weight users declared."""
+    from megatron_lbp.engine.data_parallel import HierDataParallel
+
+    return HierDataParallel(config, model, hier, options, extra_weight_users=extra_weight_users(model),
+                            units=hook_units(model))
+
+
+def build_optimizer(opt_config: Any, model_chunks: list, options: EngineOptions):
+    """HierDistributedOptimizer with Megatron's param groups and, for fp16, its loss scaler."""
+    from megatron_lbp.engine.optimizer import HierDistributedOptimizer
+
+    grad_scaler = None
+    if getattr(opt_config, "fp16", False):
+        from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+
+        if opt_config.loss_scale:
+            grad_scaler = ConstantGradScaler(opt_config.loss_scale)
+        else:
+            grad_scaler = DynamicGradScaler(
+                initial_scale=opt_config.initial_loss_scale, min_scale=opt_config.min_loss_scale,
+                growth_factor=2.0, backoff_factor=0.5, growth_interval=opt_config.loss_scale_window,
+                hysteresis=opt_config.hysteresis)
+    return HierDistributedOptimizer(opt_config, model_chunks,
+                                    optimizer_param_groups(model_chunks, opt_config),
+                                    grad_scaler=grad_scaler, comm_report=options.comm_report)
+
+
+def data_parallel_group():
+    """Megatron's data-parallel group when model-parallel state is up, else None (the world)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_data_parallel_group()
+    return None
