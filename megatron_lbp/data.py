@@ -19,6 +19,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import warnings
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -115,7 +116,9 @@ def build_demo_data(out_dir: str | os.PathLike, *, quiet: bool = False) -> str:
     level = log.level
     log.setLevel(logging.WARNING)  # its INFO lines on loading an index are noise here
     try:
-        ds = IndexedDataset(prefix)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "could not determine rank" outside a job
+            ds = IndexedDataset(prefix)
         want.update(documents=int(len(ds.document_indices) - 1),
                     tokens=int(ds.sequence_lengths.sum()))
         del ds

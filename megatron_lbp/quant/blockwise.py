@@ -119,8 +119,9 @@ OUTPUT_DTYPES = INPUT_DTYPES
 
 # Smallest normal fp32: the scale floor that keeps |x / scale| <= 127 (see docstring).
 _MIN_SCALE = 2.0 ** -126
-# ~256 KiB fp32 temporary: stays in L2 on the CPUs we measured (see bench).
-_CPU_CHUNK_ELEMS = 1 << 16
+# 4 MiB fp32 temporary: measured fastest (see the docstring); smaller chunks pay
+# per-op overhead, one big temporary pays page faults and cache misses.
+_CPU_CHUNK_ELEMS = 1 << 20
 
 
 class QuantError(ValueError):
