@@ -47,7 +47,6 @@ import gzip
 import json
 import multiprocessing
 import os
-import re
 import sys
 import time
 import warnings
@@ -441,7 +440,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _early_input_check(argv: list[str] | None) -> None:
+    """Report a bad --input at once, before megatron (and torch) are imported."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--input", nargs="+")
+    p.add_argument("--input-format", default="jsonl")
+    try:
+        known, _ = p.parse_known_args(argv)
+    except SystemExit:
+        return  # the full parser reports it
+    if known.input and known.input_format in ("jsonl", "text"):
+        resolve_inputs(known.input, known.input_format)
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        _early_input_check(argv)
+    except InputError as e:
+        return _fail(str(e))
     try:
         args = get_parser().parse_args(argv)
     except SystemExit as e:  # argparse: --help (0) or a one-line usage error (2)
