@@ -1,7 +1,8 @@
 """Throughput of blockwise int8 quantize/dequantize against a plain memory copy.
 
     python -m megatron_lbp.quant.bench [--numel N] [--repeats R]
-        [--block-sizes 64,128,256,512,1024,2048] [--dtypes fp32,bf16] [--json]
+        [--block-sizes 64,128,256,512,1024,2048] [--dtypes fp32,bf16]
+        [--threads T] [--json]
 
 For each input dtype and block size B it times, on this machine:
 
@@ -82,10 +83,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated block sizes (default 64,...,2048)")
     p.add_argument("--dtypes", type=_dtype_list, default=["fp32", "bf16"],
                    help="input dtypes (default fp32,bf16)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's; 1 is the reproducible "
+                        "choice on a shared machine, where spinning threads wait on each other)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     args = p.parse_args(argv)
-    if args.numel < 1 or args.repeats < 1:
-        p.error("--numel and --repeats must be >= 1")
+    if args.numel < 1 or args.repeats < 1 or (args.threads is not None and args.threads < 1):
+        p.error("--numel, --repeats and --threads must be >= 1")
     return args
 
 
@@ -265,6 +269,8 @@ def print_report(report: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     report = run(args)
     if args.json:
         json.dump(report, sys.stdout)

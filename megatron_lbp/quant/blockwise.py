@@ -16,9 +16,12 @@ Rounding is ties-to-even (``torch.round``, IEEE ``roundeven``), so 0.5 -> 0,
 1.5 -> 2, -2.5 -> -2. The codes never leave [-127, 127] (-128 is unused, which
 keeps the grid symmetric): with a normal scale, |x/scale| <= 127 * (1 + 2**-23)
 < 127.5, and the 2**-126 floor keeps the scale normal, so no clamp is needed.
-Per element, |x - q*scale| <= scale/2 exactly in fp32 output before the final
-product's rounding (one ulp of the result); the floor only matters for blocks
-whose amax < 127 * 2**-126 ~ 1.5e-36.
+The floor only matters for blocks whose amax < 127 * 2**-126 ~ 1.5e-36.
+
+Error bound, per element: |x - x'| <= scale * (1/2 + 2**-18) + ulp(x')/2, i.e.
+half a quantization step plus fp32 rounding: the quotient x/scale is rounded
+once before the integer rounding (half an fp32 ulp of a number below 128, at
+most 2**-18 of a step), and the product q*scale once (in the output dtype).
 
 Non-finite input (the contract)
 -------------------------------

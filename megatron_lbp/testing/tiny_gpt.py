@@ -94,6 +94,12 @@ def build_tiny_gpt(spec: TinyGPTSpec = TinyGPTSpec()):
         position_embedding_type="rope",
         share_embeddings_and_output_weights=True,
     )
+    if config.bf16:
+        # What megatron.training does: every parameter in bf16 (norms included),
+        # inputs cast on the way in and the loss back to fp32 on the way out.
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
     return model, config
 
 
