@@ -130,12 +130,65 @@ def _gathered_params(model) -> dict[str, torch.Tensor]:
     return {name: p.detach().float().clone() for name, p in model.named_parameters()}
 
 
-def train_stock_megatron(spec: TinyGPTSpec, train: TrainSpec) -> TrainResult:
+@dataclass
+class Trainer:
+    """A wrapped model with its optimizer and schedule, and the loop megatron.training would run."""
+
+    spec: TinyGPTSpec
+    train: TrainSpec
+    model: torch.nn.Module            # the data-parallel wrapper
+    inner: torch.nn.Module            # the GPT model it wraps
+    optimizer: object
+    scheduler: object
+    dp_rank: int
+    dp_size: int
+    dp_group: object = None
+    hier: object = None
+
+    def run(self, steps, probe=None, result: TrainResult | None = None) -> TrainResult:
+        """Train the given step numbers; ``probe(model, optimizer, step, micro)`` after each backward."""
+        result = result or TrainResult()
+        train = self.train
+        for step in steps:
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            local_loss = torch.zeros(())
+            for micro in range(train.micro_batches):
+                tokens = global_batch(step, micro, self.spec, train, self.dp_size)
+                lo = self.dp_rank * train.micro_batch_size
+                last = micro == train.micro_batches - 1
+                with _nullcontext() if last else self.model.no_sync():
+                    loss = forward_loss(self.model, tokens[lo:lo + train.micro_batch_size])
+                    loss = loss / train.micro_batches
+                    loss.backward()
+                local_loss += loss.detach()
+                if probe is not None:
+                    result.extra.setdefault("probes", []).append(
+                        probe(self.model, self.optimizer, step, micro))
+            self.model.finish_grad_sync()
+            ok, grad_norm, _ = self.optimizer.step()
+            assert ok, f"step {step}: the optimizer skipped the update"
+            self.scheduler.step(increment=1)
+            dist.all_reduce(local_loss, group=self.dp_group)
+            result.losses.append(local_loss.item() / self.dp_size)
+            result.grad_norms.append(float(grad_norm))
+            report = getattr(self.optimizer, "last_step_report", None)
+            if report is not None:
+                result.step_reports.append(report)
+        return result
+
+    def final_params(self) -> dict[str, torch.Tensor]:
+        names = dict(self.inner.named_parameters())
+        if self.hier is None:
+            return _gathered_params(self.inner)
+        return {n: t.float() for n, t in self.model.state_dict().items() if n in names}
+
+
+def setup_stock(spec: TinyGPTSpec, train: TrainSpec) -> Trainer:
     """megatron-core DDP + DistributedOptimizer over the default data-parallel group."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer import get_standard_config_overrides
+    from megatron.core.optimizer import get_megatron_optimizer, get_standard_config_overrides
 
     init_megatron_state(seed=spec.seed)
     model, config = build_tiny_gpt(spec)
@@ -148,46 +201,15 @@ def train_stock_megatron(spec: TinyGPTSpec, train: TrainSpec) -> TrainResult:
     ddp_model = DistributedDataParallel(config, ddp_config, model)
     opt_config = _optimizer_config(spec, train, distributed=True)
     optimizer = get_megatron_optimizer(
-        opt_config, [ddp_model], config_overrides=get_standard_config_overrides(opt_config)
-    )
-    scheduler = constant_schedule(optimizer, opt_config)
-    dp_rank = parallel_state.get_data_parallel_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
-    dp_group = parallel_state.get_data_parallel_group()
-
-    result = TrainResult()
-    for step in range(train.steps):
-        ddp_model.zero_grad_buffer()
-        optimizer.zero_grad()
-        local_loss = torch.zeros(())
-        for micro in range(train.micro_batches):
-            tokens = global_batch(step, micro, spec, train, dp_size)
-            mine = tokens[dp_rank * train.micro_batch_size:(dp_rank + 1) * train.micro_batch_size]
-            sync = micro == train.micro_batches - 1
-            ctx = _nullcontext() if sync else ddp_model.no_sync()
-            with ctx:
-                loss = forward_loss(ddp_model, mine) / train.micro_batches
-                loss.backward()
-            local_loss += loss.detach()
-        ddp_model.finish_grad_sync()
-        ok, grad_norm, _ = optimizer.step()
-        assert ok, f"step {step}: Megatron optimizer skipped the update"
-        scheduler.step(increment=1)
-        dist.all_reduce(local_loss, group=dp_group)
-        result.losses.append(local_loss.item() / dp_size)
-        result.grad_norms.append(float(grad_norm))
-    result.params = _gathered_params(model)
-    return result
+        opt_config, [ddp_model], config_overrides=get_standard_config_overrides(opt_config))
+    return Trainer(spec, train, ddp_model, model, optimizer, constant_schedule(optimizer, opt_config),
+                   parallel_state.get_data_parallel_rank(),
+                   parallel_state.get_data_parallel_world_size(),
+                   parallel_state.get_data_parallel_group())
 
 
-def train_hier(spec: TinyGPTSpec, train: TrainSpec, hier_argv: list[str],
-               probe=None) -> TrainResult:
-    """The same loop as train_stock_megatron, through HierDataParallel + HierDistributedOptimizer.
-
-    ``hier_argv`` are --hier-* flags. ``probe(model, optimizer, step, micro)``, if
-    given, runs after each micro-batch's backward and its return values are
-    collected in ``result.extra["probes"]`` (tests use it to inspect storage).
-    """
+def setup_hier(spec: TinyGPTSpec, train: TrainSpec, hier_argv: list[str]) -> Trainer:
+    """The same model through HierDataParallel + HierDistributedOptimizer; ``hier_argv``: --hier-* flags."""
     import argparse
 
     from megatron_lbp import megatron_adapter
@@ -205,36 +227,27 @@ def train_hier(spec: TinyGPTSpec, train: TrainSpec, hier_argv: list[str],
     ddp_model = megatron_adapter.wrap_model(config, model, hier, options)
     opt_config = _optimizer_config(spec, train, distributed=True)
     optimizer = megatron_adapter.build_optimizer(opt_config, [ddp_model], options)
-    scheduler = constant_schedule(optimizer, opt_config)
-    dp_rank, dp_size = hier.dp_index, len(hier.dp_ranks)
+    return Trainer(spec, train, ddp_model, model, optimizer, constant_schedule(optimizer, opt_config),
+                   hier.dp_index, len(hier.dp_ranks), hier.dp_group, hier)
 
-    result = TrainResult()
-    probes = []
-    for step in range(train.steps):
-        ddp_model.zero_grad_buffer()
-        optimizer.zero_grad()
-        local_loss = torch.zeros(())
-        for micro in range(train.micro_batches):
-            tokens = global_batch(step, micro, spec, train, dp_size)
-            mine = tokens[dp_rank * train.micro_batch_size:(dp_rank + 1) * train.micro_batch_size]
-            with ddp_model.no_sync():
-                loss = forward_loss(ddp_model, mine) / train.micro_batches
-                loss.backward()
-            local_loss += loss.detach()
-            if probe is not None:
-                probes.append(probe(ddp_model, optimizer, step, micro))
-        ddp_model.finish_grad_sync()
-        ok, grad_norm, _ = optimizer.step()
-        assert ok, f"step {step}: the optimizer skipped the update"
-        scheduler.step(increment=1)
-        dist.all_reduce(local_loss, group=hier.dp_group)
-        result.losses.append(local_loss.item() / dp_size)
-        result.grad_norms.append(float(grad_norm))
-        result.step_reports.append(optimizer.last_step_report)
-    result.params = {name: t.float() for name, t in ddp_model.state_dict().items()
-                     if name in dict(model.named_parameters())}
-    result.extra = {"probes": probes, "bucket_numels": ddp_model.bucket_numels(),
-                    "config": hier.config.as_dict(), "links": dict(hier.link_classes)}
+
+def train_stock_megatron(spec: TinyGPTSpec, train: TrainSpec) -> TrainResult:
+    trainer = setup_stock(spec, train)
+    result = trainer.run(range(train.steps))
+    result.params = trainer.final_params()
+    return result
+
+
+def train_hier(spec: TinyGPTSpec, train: TrainSpec, hier_argv: list[str],
+               probe=None) -> TrainResult:
+    """train_stock_megatron's loop through the engine; probes land in ``result.extra["probes"]``."""
+    trainer = setup_hier(spec, train, hier_argv)
+    result = trainer.run(range(train.steps), probe=probe)
+    result.params = trainer.final_params()
+    hier = trainer.hier
+    result.extra.update({"bucket_numels": trainer.model.bucket_numels(),
+                         "config": hier.config.as_dict(), "links": dict(hier.link_classes)})
+    result.extra.setdefault("probes", [])
     return result
 
 
