@@ -1,0 +1,19 @@
+"""python -m megatron_lbp.bench <command> [options]; commands: overhead."""
+import importlib
+import sys
+
+COMMANDS = {"overhead": "megatron_lbp.bench.overhead"}
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        given = argv[0] if argv else "(none)"
+        print(f"python -m megatron_lbp.bench: error: command {given} is not one of "
+              f"{', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
