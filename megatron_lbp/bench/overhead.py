@@ -4,7 +4,9 @@ Both schemes train the same tiny GPT on the same gloo ranks of this machine,
 alternating runs (stock, engine, stock, engine, ...) so that machine noise hits
 both alike. Each run reports the median wall time of its steps after warm-up
 (every rank times the step between two barriers; rank 0's figure is used);
-the result is the median over runs of each, and their ratio.
+the result is the median over runs of each, and their ratio. Both use
+Megatron's default bucket size (40M elements), so the tiny model is one bucket
+in each and both issue the same number of collectives per step.
 
     python -m megatron_lbp.bench overhead [--ranks 8] [--runs 3] [--steps 6] [--json]
 """
@@ -37,7 +39,7 @@ def _time_steps(kind: str, spec, train, argv: list[str]) -> list[float]:
 
 
 def measure(ranks: int = 8, runs: int = 3, steps: int = 6, hidden: int = 128, layers: int = 4,
-            seq: int = 128, bucket_size: int = 200_000, gpus_per_node: int | None = None) -> dict:
+            seq: int = 128, bucket_size: int | None = None, gpus_per_node: int | None = None) -> dict:
     from megatron_lbp.testing.multirank import rank_location_env, run_on_ranks
     from megatron_lbp.testing.tiny_gpt import TinyGPTSpec, TrainSpec
 
