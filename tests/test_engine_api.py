@@ -114,3 +114,61 @@ def test_unsupported_parallelism_is_refused(attr, value, flag):
 def test_plain_data_parallel_args_pass():
     check_megatron_args(argparse.Namespace(tensor_model_parallel_size=1, num_experts=None,
                                            use_megatron_fsdp=False))
+
+
+def _broadcast_from_rank0():
+    import torch.distributed as dist
+
+    trainer = setup_hier(SPEC, TrainSpec(steps=1), LBP)
+    # Ranks 0 and 1 (the first P-group) hold the canonical slices; all others drift.
+    if dist.get_rank() >= 2:
+        for b in trainer.model.buckets:
+            b.primary.add_(float(dist.get_rank()))
+    trainer.model.broadcast_params()
+    return trainer.final_params()
+
+
+def test_broadcast_params_makes_every_rank_hold_the_first_holders_weights():
+    out = run_on_ranks(_broadcast_from_rank0, 8, rank_env=TOPO)
+    reference = run_on_ranks(_initial_weights, 1)[0]
+    for rank, params in enumerate(out):
+        for name, w in params.items():
+            assert torch.equal(w, reference[name]), f"rank {rank}: {name} differs from rank 0's"
+
+
+def _initial_weights():
+    trainer = setup_hier(SPEC, TrainSpec(steps=1), [])
+    return trainer.final_params()
+
+
+def _poisoned_step(poison_rank):
+    import torch.distributed as dist
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+
+    trainer = setup_hier(SPEC, TrainSpec(steps=1, bucket_size=20000), LBP)
+    opt = trainer.optimizer
+    opt.grad_scaler = DynamicGradScaler(initial_scale=2.0 ** 10, min_scale=1.0, growth_factor=2.0,
+                                        backoff_factor=0.5, growth_interval=100, hysteresis=1)
+    before = {n: t.clone() for n, t in trainer.final_params().items()}
+    trainer.model.zero_grad_buffer()
+    loss = torch.tensor(0.0)
+    from megatron_lbp.testing.tiny_gpt import forward_loss, global_batch
+
+    tokens = global_batch(0, 0, SPEC, trainer.train, trainer.dp_size)
+    lo = trainer.dp_rank * 2
+    (forward_loss(trainer.model, tokens[lo:lo + 2]) * opt.get_loss_scale()).backward()
+    trainer.model.finish_grad_sync()
+    if dist.get_rank() == poison_rank:
+        trainer.model.buckets[-1].grad_shard[0] = float("inf")
+    ok, norm, _ = opt.step()
+    after = trainer.final_params()
+    unchanged = all(torch.equal(before[n], after[n]) for n in before)
+    return ok, norm, opt.get_loss_scale().item(), unchanged
+
+
+def test_inf_gradient_on_one_rank_skips_the_step_on_every_rank():
+    out = run_on_ranks(_poisoned_step, 8, 5, rank_env=TOPO)
+    for rank, (ok, norm, scale, unchanged) in enumerate(out):
+        assert ok is False and norm is None, f"rank {rank} stepped: ok={ok} norm={norm}"
+        assert scale == 2.0 ** 9, f"rank {rank}: loss scale {scale}, expected backoff to 512"
+        assert unchanged, f"rank {rank}: weights changed in a skipped step"

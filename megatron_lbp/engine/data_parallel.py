@@ -297,7 +297,12 @@ class HierDataParallel(_megatron_base()):
         """Weights are gathered on demand from the primary slices: nothing to start."""
 
     def broadcast_params(self) -> None:
-        """Make every rank's primary slices those of data-parallel rank 0."""
+        """Make every rank's weights those of data-parallel rank 0's P-group.
+
+        Megatron broadcasts from DP rank 0; here no rank holds all weights, so
+        slice p comes from its first holder, DP rank p: DP rank 0 gathers its
+        P-group's slices and broadcasts the whole bucket.
+        """
         src = self.hier.dp_ranks[0]
         with self.gathered_weights(write_back=False):
             for b in self.buckets:
