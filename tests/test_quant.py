@@ -53,7 +53,8 @@ def _assert_half_step(x: torch.Tensor, q, scale, block: int) -> None:
     bound = step * (0.5 + REL_SLACK) + d.abs() * 2.0 ** -24
     worst = int(torch.argmax(err - bound))
     assert bool((err <= bound).all()), (
-        f"element {worst}: x={x[worst].item()!r} deq={d[worst].item()!r} step={step[worst].item()!r}")
+        f"element {worst}: x={x[worst].item()!r} deq={d[worst].item()!r} "
+        f"step={step[worst].item()!r}")
 
 
 def _rand(n: int, dtype, seed: int = 0, std: float = 0.02) -> torch.Tensor:
@@ -259,7 +260,8 @@ def test_nonfinite_input_raises_naming_count_and_first_index(dtype):
     x[[70, 71, 250]] = torch.tensor([float("nan"), float("inf"), float("-inf")], dtype=dtype)
     assert find_nonfinite(x) == (3, 70)
     assert find_nonfinite(_rand(300, dtype)) is None
-    with pytest.raises(QuantError, match=r"3 non-finite value\(s\) \(first at index 70: nan\)") as info:
+    message = r"3 non-finite value\(s\) \(first at index 70: nan\)"
+    with pytest.raises(QuantError, match=message) as info:
         quantize(x, 64)
     assert "\n" not in str(info.value)
 
@@ -352,6 +354,27 @@ def test_triton_available_is_false_for_cpu_without_the_interpreter(monkeypatch):
         assert quant.triton_available("cuda") is False
         with pytest.raises(QuantError, match="cannot run on device cpu"):
             quant.quantize_triton(torch.ones(64), 64)
+
+
+def test_package_works_without_triton():
+    code = """
+import sys
+sys.modules["triton"] = None  # import triton now raises ImportError
+import torch
+import megatron_lbp.quant as quant
+assert not quant.triton_available("cpu") and not quant.triton_available("cuda")
+q, s = quant.quantize_auto(torch.randn(300), 64)
+quant.dequantize_auto(q, s, 64)
+try:
+    quant.quantize_triton(torch.randn(300), 64)
+except quant.QuantError as e:
+    assert "Triton is not importable" in str(e), e
+else:
+    raise AssertionError("no QuantError")
+print("ok")
+"""
+    out = _run(code, {"TRITON_INTERPRET": "1"})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
 # ----------------------------------------------------------------- Triton under the interpreter
@@ -458,16 +481,20 @@ def test_kernels_compile_for_nvidia_and_amd_with_ieee_division(tmp_path):
     out = _run(_COMPILE_CHECK, {"TRITON_CACHE_DIR": str(tmp_path)}, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     asm = json.loads(out.stdout.strip().splitlines()[-1])
-    errors = [f"{t}/{k}: {a}" for t, ks in asm.items() for k, a in ks.items() if a.startswith("ERROR")]
-    if len(errors) == 4:
-        pytest.skip("no Triton GPU backend can compile here: " + errors[0])
-    assert not errors, errors
-    ptx = asm["cuda"]["_quantize_kernel"]
-    assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
-    assert "div.rn.ftz" not in ptx  # subnormal quotients are kept, as in torch
-    gcn = asm["hip"]["_quantize_kernel"]
-    assert "v_div_fmas_f32" in gcn  # the IEEE-correct division sequence
-    assert ".amdhsa_float_denorm_mode_32 3" in gcn  # fp32 denormals preserved
+    failed = {t: [a for a in ks.values() if a.startswith("ERROR")] for t, ks in asm.items()}
+    # a target whose toolchain is missing fails both kernels alike: skip it, not a bug
+    usable = [t for t, errs in failed.items() if len(errs) < 2]
+    if not usable:
+        pytest.skip("no Triton GPU backend can compile here: " + failed["cuda"][0])
+    assert all(not failed[t] for t in usable), failed
+    if "cuda" in usable:
+        ptx = asm["cuda"]["_quantize_kernel"]
+        assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
+        assert "div.rn.ftz" not in ptx  # subnormal quotients are kept, as in torch
+    if "hip" in usable:
+        gcn = asm["hip"]["_quantize_kernel"]
+        assert "v_div_fmas_f32" in gcn  # the IEEE-correct division sequence
+        assert ".amdhsa_float_denorm_mode_32 3" in gcn  # fp32 denormals preserved
 
 
 # ----------------------------------------------------------------- benchmark smoke

@@ -261,7 +261,8 @@ def print_report(report: dict) -> None:
     print(f"{'block':>6} {'fp32 out':>10} {'bf16 out':>10} {'rel L2':>10} {'max steps':>10} "
           f"{'scale ovh':>10}")
     for e in report["error"]:
-        print(f"{e['block_size']:>6} {e['mean_rel_err']:>10.5f} {e['mean_rel_err_bf16_out']:>10.5f} "
+        print(f"{e['block_size']:>6} {e['mean_rel_err']:>10.5f} "
+              f"{e['mean_rel_err_bf16_out']:>10.5f} "
               f"{e['rel_l2_err']:>10.5f} {e['max_err_steps']:>10.4f} {e['scale_overhead']:>10.2%}")
     if "triton_bit_exact" in report:
         print("triton bit-exact vs torch:", report["triton_bit_exact"])

@@ -136,7 +136,8 @@ if triton is not None:
 
 def _require(device: torch.device) -> None:
     if triton is None:
-        raise QuantError(f"Triton is not importable ({_IMPORT_ERROR}); use the torch implementation")
+        raise QuantError(f"Triton is not importable ({_IMPORT_ERROR}); "
+                         f"use the torch implementation")
     if not triton_available(device):
         raise QuantError(f"Triton kernels cannot run on device {device} "
                          f"(need a CUDA/ROCm GPU, or TRITON_INTERPRET=1 for CPU)")
