@@ -61,6 +61,19 @@ Two independent parts, both applied by :func:`enable` (idempotent):
      ``empty_cache``, ``memory_stats``): report 0 / empty, since Megatron prints
      them in its iteration log; megatron-lbp reports its own per-state bytes.
    - ``torch.cuda.nvtx`` range push/pop: no-ops (core/utils.py nvtx decorators).
+
+3. megatron.training (``enable_training``, called by the training entry point
+   after ``enable``):
+
+   - any machine, only when the wheel's layout calls for it: training/initialize.py
+     runs ``make -C megatron/core/datasets`` to build the dataset index helpers,
+     but the megatron-core wheel ships them prebuilt (``helpers_cpp``) and without
+     the Makefile, so the build fails and the job exits; when ``helpers_cpp``
+     imports and no Makefile is there, ``datasets.utils.compile_helpers`` is
+     skipped.
+   - CPU runtime only: training/initialize.py ``initialize_megatron`` asserts CUDA unless
+     ``allow_no_cuda=True`` (its own documented switch "for cpu only"); the
+     reference that training/training.py's ``pretrain`` calls passes it.
 """
 from __future__ import annotations
 
@@ -279,3 +292,38 @@ def _activate_cpu_runtime() -> None:
         "megatron-lbp: no accelerator found; CPU runtime for megatron-core is active "
         "(CUDA device/RNG/stream calls mapped to CPU, see megatron_lbp/compat.py)"
     )
+
+
+def enable_training() -> None:
+    """The megatron.training spots of part 3 of the module docstring (idempotent)."""
+    _skip_helper_build_if_prebuilt()
+    if not _cpu_runtime_active:
+        return
+    import functools
+
+    from megatron.training import initialize, training
+
+    if getattr(training.initialize_megatron, "__lbp_wrapped__", False):
+        return
+    orig = training.initialize_megatron
+
+    @functools.wraps(orig)
+    def initialize_megatron(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        return orig(*args, **kwargs)
+
+    initialize_megatron.__lbp_wrapped__ = True
+    training.initialize_megatron = initialize_megatron
+    initialize.initialize_megatron = initialize_megatron
+
+
+def _skip_helper_build_if_prebuilt() -> None:
+    import importlib.util
+    import os
+
+    from megatron.core.datasets import utils as dataset_utils
+
+    here = os.path.dirname(dataset_utils.__file__)
+    prebuilt = importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None
+    if prebuilt and not os.path.exists(os.path.join(here, "Makefile")):
+        dataset_utils.compile_helpers = lambda: None

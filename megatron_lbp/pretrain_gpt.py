@@ -1,0 +1,147 @@
+"""GPT pretraining on megatron.training's own ``pretrain()`` loop, with ``--hier-partition``.
+
+    torchrun --nproc-per-node 8 -m megatron_lbp.pretrain_gpt <Megatron-LM pretrain_gpt.py flags> \\
+        --hier-partition [--hier-preset lbp ...]
+
+Accepts Megatron-LM's ``pretrain_gpt.py`` arguments (parsed by megatron.training
+itself) plus the ``--hier-*`` group; one process per GPU/GCD (torchrun, or
+``srun`` with one task per GCD: ranks come from ``SLURM_*``). Without an
+accelerator it runs on CPU ranks with gloo and adds the flags that CPU needs
+(listed in ``CPU_FLAGS``, printed when added). It covers plain GPT
+pretraining: data parallelism with the hierarchy, or stock Megatron DDP /
+distributed optimizer without ``--hier-partition`` for comparison. SFT, FIM,
+multi-token prediction, tensor/pipeline/context parallelism are Megatron-LM's
+own pretrain_gpt.py (see patches/).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from functools import partial
+
+import megatron_lbp  # noqa: F401  (Python 3.11 shim before megatron.training)
+from megatron_lbp import compat, training_hooks
+
+# Flags a CPU run needs: gloo, no CUDA-only fused kernels, Megatron's local layers.
+CPU_FLAGS = [
+    "--distributed-backend", "gloo",
+    "--use-cpu-initialization",
+    "--transformer-impl", "local",
+    "--no-gradient-accumulation-fusion",
+    "--no-masked-softmax-fusion",
+    "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion",
+    "--no-rope-fusion",
+    "--no-persist-layer-norm",
+    "--attention-backend", "unfused",
+]
+
+
+def _env_rank_from_slurm() -> None:
+    """One process per Slurm task: torch.distributed's env:// needs RANK/WORLD_SIZE/LOCAL_RANK."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+        return
+    os.environ["RANK"] = os.environ["SLURM_PROCID"]
+    os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
+    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+
+
+def get_batch(data_iterator):
+    """tokens, labels, loss_mask, attention_mask, position_ids of one micro-batch (TP = 1)."""
+    import torch
+
+    batch = next(data_iterator)
+    keys = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+    device = torch.cuda.current_device() if not compat.cpu_runtime_active() else "cpu"
+    return [batch[k].to(device, non_blocking=True) if batch.get(k) is not None else None for k in keys]
+
+
+def loss_func(loss_mask, output_tensor):
+    """Sum of the masked token losses and their count, the form Megatron's schedules expect."""
+    import torch
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+    from megatron.training import get_args
+
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    if get_args().check_for_nan_in_loss_and_grad:
+        machine = get_rerun_state_machine()
+        machine.validate_result(result=loss, rejection_func=torch.isnan,
+                                message="found NaN in local forward loss calculation",
+                                tolerance=0.0, fatal=True)
+        machine.validate_result(result=loss, rejection_func=torch.isinf,
+                                message="found Inf in local forward loss calculation",
+                                tolerance=0.0, fatal=True)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+
+def forward_step(data_iterator, model):
+    from megatron.training import get_timers
+
+    timers = get_timers()
+    timers("batch-generator", log_level=2).start()
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    timers("batch-generator").stop()
+    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    return output, partial(loss_func, loss_mask)
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """Megatron's GPTDataset (or its mock) over --data-path, built on every rank (TP = 1)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+    from megatron.training import get_args, print_rank_0
+    from megatron.training.utils import get_blend_and_blend_per_split
+
+    args = get_args()
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        tokenizer=build_tokenizer(args),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+    )
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    print_rank_0("> building train, validation, and test datasets for GPT ...")
+    datasets = BlendedMegatronDatasetBuilder(
+        dataset_type, train_val_test_num_samples, lambda: True, config).build()
+    print_rank_0("> finished creating GPT datasets ...")
+    return datasets
+
+
+def main(argv: list[str] | None = None) -> None:
+    if argv is not None:
+        sys.argv = [sys.argv[0]] + list(argv)
+    _env_rank_from_slurm()
+    if compat.enable():
+        sys.argv[1:1] = CPU_FLAGS
+        if os.environ.get("RANK", "0") == "0":
+            print(f"[megatron-lbp] CPU run: adding {' '.join(CPU_FLAGS)}", flush=True)
+    training_hooks.install()
+
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    setattr(train_valid_test_datasets_provider, "is_distributed", True)
+    args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    full_config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+    pretrain(full_config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
+             forward_step)
+
+
+if __name__ == "__main__":
+    main()

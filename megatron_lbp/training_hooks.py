@@ -1,0 +1,207 @@
+"""Where megatron.training hands over to megatron-lbp when ``--hier-partition`` is set.
+
+Five call sites, each a function here:
+
+1. ``add_arguments(parser)``   registers the ``--hier-*`` flags next to Megatron's own;
+2. ``validate_args(args)``     refuses what the engine cannot serve and resolves the
+                               hierarchy from the launcher environment, before any
+                               rank allocates a model;
+3. ``wrap_model(model, ...)``  HierDataParallel where Megatron would build its
+                               DistributedDataParallel (both model-building paths of
+                               megatron.training 0.19: ``get_model`` and the
+                               config-container builder);
+4. ``build_optimizer(...)``    HierDistributedOptimizer where Megatron would call
+                               ``get_megatron_optimizer``;
+5. ``after_training_log(...)`` one extra log line per logging interval: bytes each
+                               rank sent per step on each link class, and bytes held.
+
+``install()`` points an imported megatron.training at these functions (that is
+how ``python -m megatron_lbp.pretrain_gpt`` runs); ``patches/`` inserts calls to
+the same functions into a Megatron-LM source tree. Without ``--hier-partition``
+every hook hands back to Megatron's own code path unchanged.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+from megatron_lbp import compat
+
+_state: dict[str, Any] = {"hier": None, "optimizers": []}
+
+
+def enabled(args: Any) -> bool:
+    return bool(getattr(args, "hier_partition", False))
+
+
+# 1 -------------------------------------------------------------------------------------
+def add_arguments(parser):
+    from megatron_lbp.config import add_hier_arguments
+
+    if any(a.dest == "hier_partition" for a in parser._actions):
+        return parser  # both the patch and install() may ask; register once
+    return add_hier_arguments(parser)
+
+
+# 2 -------------------------------------------------------------------------------------
+def validate_args(args: Any) -> None:
+    """One-line errors (ValueError) for flags the hierarchy cannot serve, before any model exists."""
+    if not enabled(args):
+        return
+    from megatron_lbp import megatron_adapter
+    from megatron_lbp.config import engine_options_from_args, hier_config_from_args
+    from megatron_lbp.topology import dp_domain_sizes, launcher_info_from_env, resolve_gpus_per_node
+
+    megatron_adapter.check_megatron_args(args)
+    if getattr(args, "use_distributed_optimizer", False):
+        raise ValueError("--hier-partition replaces --use-distributed-optimizer (its optimizer "
+                         "state is sharded by --hier-optim-group-size): drop one of them")
+    if getattr(args, "virtual_pipeline_model_parallel_size", None):
+        raise ValueError("--hier-partition does not support virtual pipeline stages "
+                         "(--num-layers-per-virtual-pipeline-stage)")
+    info = launcher_info_from_env(os.environ)
+    gpus_per_node = resolve_gpus_per_node(info, args.hier_gpus_per_node)
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    dp = args.world_size // (tp * cp * pp)
+    gpp = args.hier_gcds_per_package or (2 if gpus_per_node % 2 == 0 else 1)
+    per_node, per_package = dp_domain_sizes(gpus_per_node, gpp, tp, cp)
+    hier_config_from_args(args, world_size=dp, gpus_per_node=per_node, gcds_per_package=per_package)
+    engine_options_from_args(args)
+
+
+# 3 -------------------------------------------------------------------------------------
+def wrap_model(model: list, args: Any) -> list:
+    """HierDataParallel around each model chunk (one chunk: no virtual pipeline stages)."""
+    from megatron_lbp import megatron_adapter
+    from megatron_lbp.config import engine_options_from_args
+    from megatron_lbp.process_groups import build_hier_groups
+    from megatron.core.utils import get_model_config
+
+    if len(model) != 1:
+        raise ValueError(f"--hier-partition wraps one model chunk, got {len(model)}")
+    hier = build_hier_groups(args, dp_group=megatron_adapter.data_parallel_group())
+    _state["hier"] = hier
+    if hier.location.rank == 0 or os.environ.get("LBP_LOG_ALL_RANKS"):
+        print(hier.describe(), flush=True)
+    for line in hier.warnings:
+        print(f"[megatron-lbp] warning: {line}", flush=True)
+    options = engine_options_from_args(args)
+    wrapped = [megatron_adapter.wrap_model(get_model_config(m), m, hier, options) for m in model]
+    if getattr(args, "data_parallel_random_init", False):
+        for m in wrapped:
+            m.broadcast_params()
+    return wrapped
+
+
+# 4 -------------------------------------------------------------------------------------
+def build_optimizer(config: Any, model_chunks: list, args: Any):
+    from megatron_lbp import megatron_adapter
+    from megatron_lbp.config import engine_options_from_args
+
+    optimizer = megatron_adapter.build_optimizer(config, model_chunks, engine_options_from_args(args))
+    _state["optimizers"].append(optimizer)
+    return optimizer
+
+
+# 5 -------------------------------------------------------------------------------------
+def interval_line(iteration: int) -> str | None:
+    """The per-interval log line from the last optimizer step's report, or None."""
+    if not _state["optimizers"]:
+        return None
+    report = _state["optimizers"][-1].last_step_report
+    if not report:
+        return None
+    t, m = report["traffic_bytes"], report["memory_bytes"]
+    return (f" [megatron-lbp] iteration {iteration:8d} | bytes sent/step package {_gb(t['package'])} "
+            f"node {_gb(t['node'])} network {_gb(t['network'])} | held primary {_gb(m['primary'])} "
+            f"secondary {_gb(m['secondary'])} grad {_gb(m['grad'])} optimizer "
+            f"{_gb(m['optimizer'])} peak transient {_gb(m['peak_transient'])} |")
+
+
+def after_training_log(iteration: int, args: Any) -> None:
+    if not enabled(args) or iteration % max(args.log_interval, 1):
+        return
+    import torch.distributed as dist
+
+    line = interval_line(iteration)
+    # Megatron prints its iteration line on the last rank; this one follows it there.
+    if line and dist.get_rank() == dist.get_world_size() - 1:
+        print(line, flush=True)
+
+
+def _gb(nbytes) -> str:
+    return f"{nbytes / 1e9:.4f} GB" if nbytes >= 1e7 else f"{nbytes / 1e6:.3f} MB"
+
+
+# --- runtime installation ------------------------------------------------------------
+def install() -> None:
+    """Point an imported megatron.training at the hooks above (idempotent)."""
+    if getattr(install, "done", False):
+        return
+    install.done = True
+    compat.enable()
+    compat.enable_training()
+    from megatron.training import arguments, training
+    from megatron.training.models import dist_utils
+
+    orig_add = arguments.add_megatron_arguments
+    arguments.add_megatron_arguments = lambda parser: add_arguments(orig_add(parser))
+
+    orig_validate = arguments.validate_args
+
+    @functools.wraps(orig_validate)
+    def validate(args, defaults={}):
+        validate_args(args)
+        return orig_validate(args, defaults)
+
+    arguments.validate_args = validate
+
+    orig_ddp_wrap = dist_utils._ddp_wrap
+
+    @functools.wraps(orig_ddp_wrap)
+    def ddp_wrap(model, *a, **k):
+        from megatron.training import get_args
+
+        args = get_args()
+        return wrap_model(model, args) if enabled(args) else orig_ddp_wrap(model, *a, **k)
+
+    dist_utils._ddp_wrap = ddp_wrap
+
+    orig_wrap_chunks = training.wrap_model_chunks_with_ddp
+
+    @functools.wraps(orig_wrap_chunks)
+    def wrap_chunks(model, *a, **k):
+        from megatron.training import get_args
+
+        args = get_args()
+        return wrap_model(model, args) if enabled(args) else orig_wrap_chunks(model, *a, **k)
+
+    training.wrap_model_chunks_with_ddp = wrap_chunks
+
+    orig_get_optimizer = training.get_megatron_optimizer
+
+    @functools.wraps(orig_get_optimizer)
+    def get_optimizer(config, model_chunks, *a, **k):
+        from megatron.training import get_args
+
+        args = get_args()
+        if enabled(args):
+            return build_optimizer(config, model_chunks, args)
+        return orig_get_optimizer(config, model_chunks, *a, **k)
+
+    training.get_megatron_optimizer = get_optimizer
+
+    orig_training_log = training.training_log
+
+    @functools.wraps(orig_training_log)
+    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, *a, **k):
+        out = orig_training_log(loss_dict, total_loss_dict, learning_rate, iteration, *a, **k)
+        from megatron.training import get_args
+
+        after_training_log(iteration, get_args())
+        return out
+
+    training.training_log = training_log
