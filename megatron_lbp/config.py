@@ -47,6 +47,10 @@ __all__ = [
     "hier_config_from_args",
     "EngineOptions",
     "engine_options_from_args",
+    "DEFAULT_QUANT_BLOCK_SIZE",
+    "QUANT_KERNEL_ALIGN",
+    "check_training_dtypes",
+    "check_quantized_grad_families",
 ]
 
 PRESETS = ("lbp", "zero3", "zeropp", "zero2", "hsdp")
@@ -72,12 +76,21 @@ FLAGS = {
     "preset": "--hier-preset",
     "bucket_size": "--hier-bucket-size",
     "grad_reduce_dtype": "--hier-grad-reduce-dtype",
+    "quant_block_size": "--hier-quant-block-size",
+    "quantize_weight_gather": "--hier-quantize-weight-gather",
+    "quantize_grad_reduce": "--hier-quantize-grad-reduce",
 }
 
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 # Megatron's own default bucket (40M elements) keeps collectives large enough
 # to run near link bandwidth on Frontier; tests pass small sizes for many buckets.
 DEFAULT_BUCKET_SIZE = 40_000_000
+
+# Blockwise int8 (megatron_lbp.quant, which needs torch; these mirror its
+# DEFAULT_BLOCK_SIZE and KERNEL_ALIGN, and a test keeps them equal): one fp32
+# scale per block of this many elements, and blocks in whole 64-lane wavefronts.
+DEFAULT_QUANT_BLOCK_SIZE = 256
+QUANT_KERNEL_ALIGN = 64
 
 _SIZE_FIELDS = ("param_group_size", "secondary_group_size", "grad_group_size", "optim_group_size")
 
@@ -176,6 +189,14 @@ class HierConfig:
     gpus_per_node: int
     gcds_per_package: int
     preset: str
+    # Quantized communication (blockwise int8, one fp32 scale per block):
+    # qwZ: every P-group weight all-gather that feeds compute (forward, and the
+    # backward regather when S = 0) carries int8 + scales instead of the weights;
+    # qgZ: every gradient reduce-scatter whose groups cross nodes runs as an int8
+    # all-to-all, dequantized and summed in fp32 by the receiver.
+    quant_block_size: int = DEFAULT_QUANT_BLOCK_SIZE
+    quantize_weight_gather: bool = False
+    quantize_grad_reduce: bool = False
 
     def __post_init__(self) -> None:
         _check_machine(self.world_size, self.gpus_per_node, self.gcds_per_package)
@@ -185,6 +206,8 @@ class HierConfig:
         for field, value in sizes.items():
             _check_int(field, value, 0 if field == "secondary_group_size" else 1)
         _check_nesting(sizes, self.world_size, {})
+        _check_quantization(self.quant_block_size, self.quantize_weight_gather,
+                            self.quantize_grad_reduce, self.param_group_size, {})
 
     @property
     def replicas(self) -> int:
@@ -194,6 +217,60 @@ class HierConfig:
     def as_dict(self) -> dict:
         """The fields only (``HierConfig(**cfg.as_dict())`` round-trips)."""
         return dataclasses.asdict(self)
+
+
+def _check_quant_block_size(value: Any) -> int:
+    if not _is_int(value) or value <= 0 or value % QUANT_KERNEL_ALIGN:
+        raise HierConfigError(
+            f"{_flag('quant_block_size', value)} is invalid: it must be a positive multiple "
+            f"of {QUANT_KERNEL_ALIGN} (a block fills whole 64-lane wavefronts of the "
+            f"quantization kernels; default {DEFAULT_QUANT_BLOCK_SIZE})")
+    return int(value)
+
+
+def _check_quantization(block_size: Any, qwz: Any, qgz: Any, param_group_size: int,
+                        origins: dict[str, str | None]) -> None:
+    _check_quant_block_size(block_size)
+    for field, value in (("quantize_weight_gather", qwz), ("quantize_grad_reduce", qgz)):
+        if not isinstance(value, bool):
+            raise HierConfigError(f"{_flag(field, value)} is invalid: it must be true or false")
+    if qwz and param_group_size == 1:
+        raise HierConfigError(
+            f"{FLAGS['quantize_weight_gather']} needs a weight all-gather to quantize, but "
+            f"{_describe('param_group_size', 1, origins.get('param_group_size'))} keeps "
+            "every weight on every rank; drop the flag or raise the weight group size")
+
+
+def check_training_dtypes(cfg: "HierConfig", param_dtype: str) -> None:
+    """Refuse quantization settings that make no sense for the weights' dtype.
+
+    ``param_dtype`` is "bf16", "fp16" or "fp32" (the dtype of the trained
+    weights). An int8 secondary copy of fp32 weights is refused: it exists to
+    halve the backward gather of 16-bit weights, and for fp32 training it would
+    quantize weights the user asked to keep in full precision.
+    """
+    if cfg.secondary_group_size and cfg.secondary_dtype == "int8" and param_dtype == "fp32":
+        raise HierConfigError(
+            f"{_flag('secondary_dtype', 'int8')} with fp32 weights is refused: the int8 "
+            "secondary copy exists to halve the backward gather of bf16/fp16 weights, and "
+            f"fp32 training asked for full-precision weights; train in bf16 (--bf16), use "
+            f"{FLAGS['secondary_dtype']} bf16, or {FLAGS['secondary_group_size']} 0 "
+            f"(secondary group size {cfg.secondary_group_size}, preset {cfg.preset})")
+
+
+def check_quantized_grad_families(cfg: "HierConfig", families: Any) -> None:
+    """Refuse qgZ when no gradient reduce-scatter crosses nodes (nothing to quantize).
+
+    ``families``: what ``costs.quantized_grad_families`` chose for the launch's
+    topology (the "grad" and/or "inter" reduce-scatters whose groups cross nodes).
+    """
+    if cfg.quantize_grad_reduce and not families:
+        g, o = cfg.grad_group_size, cfg.optim_group_size
+        raise HierConfigError(
+            f"{FLAGS['quantize_grad_reduce']} has nothing to quantize: it applies to "
+            "gradient reduce-scatters whose groups cross nodes, and neither the "
+            f"gradient group ({_flag('grad_group_size', g)}) nor the optimizer step's "
+            f"inter-node group (O/G={o // g}) does here; drop the flag")
 
 
 def _preset_sizes(preset: str, world: int, node: int, pkg: int) -> dict[str, tuple[int, str, bool]]:
@@ -230,12 +307,20 @@ def resolve_hier_config(
     optim_group_size: int | None = None,
     secondary_group_size: int | None = None,
     secondary_dtype: str = DEFAULT_SECONDARY_DTYPE,
+    quant_block_size: int | None = None,
+    quantize_weight_gather: bool | None = None,
+    quantize_grad_reduce: bool | None = None,
 ) -> HierConfig:
     """Apply the preset, then the user's explicit sizes, and validate.
 
     ``None`` means "not given": the preset's value is used. Explicit values
     are checked (type, range, preset lock) before anything is derived from
     them, so the message always points at what the user typed.
+
+    Quantization: qwZ (``quantize_weight_gather``) defaults to on for zeropp
+    (ZeRO++'s quantized weight all-gather; off there only with an explicit
+    False, i.e. --no-hier-quantize-weight-gather) and off for every other
+    preset; qgZ is off unless asked for; the block size defaults to 256.
     """
     _check_machine(world_size, gpus_per_node, gcds_per_package)
     preset = DEFAULT_PRESET if preset is None else _check_choice("preset", preset, PRESETS)
@@ -266,9 +351,19 @@ def resolve_hier_config(
         sizes[field], origins[field] = given, None
 
     _check_nesting(sizes, world_size, origins)
+    block = DEFAULT_QUANT_BLOCK_SIZE if quant_block_size is None else quant_block_size
+    if quantize_weight_gather is None:
+        # zeropp = zero3 + hpZ (the secondary) + qwZ; nothing to gather when P = 1.
+        quantize_weight_gather = preset == "zeropp" and sizes["param_group_size"] > 1
+    if quantize_grad_reduce is None:
+        quantize_grad_reduce = False
+    _check_quantization(block, quantize_weight_gather, quantize_grad_reduce,
+                        sizes["param_group_size"], origins)
     return HierConfig(world_size=world_size, secondary_dtype=secondary_dtype,
                       gpus_per_node=gpus_per_node, gcds_per_package=gcds_per_package,
-                      preset=preset, **sizes)
+                      preset=preset, quant_block_size=block,
+                      quantize_weight_gather=quantize_weight_gather,
+                      quantize_grad_reduce=quantize_grad_reduce, **sizes)
 
 
 # --------------------------------------------------------------------------- argparse
@@ -296,7 +391,7 @@ def add_hier_arguments(parser: argparse.ArgumentParser, *, include_world: bool =
     g.add_argument("--hier-preset", choices=PRESETS, default=None,
                    help="Scheme to start from (default lbp). lbp: P=package, G=node, "
                         "O=world; zero3: P=G=O=world; zeropp: zero3 plus an int8 "
-                        "secondary copy per node; zero2: P=1, G=O=world; hsdp: "
+                        "secondary copy per node and int8 weight gathers (qwZ); zero2: P=1, G=O=world; hsdp: "
                         "P=G=O=node with world/node replicas. Only lbp's sizes (and "
                         "zeropp's secondary size) may be overridden.")
     g.add_argument("--hier-param-group-size", type=_int_arg, default=None, metavar="P",
@@ -316,6 +411,21 @@ def add_hier_arguments(parser: argparse.ArgumentParser, *, include_world: bool =
                    default=DEFAULT_SECONDARY_DTYPE,
                    help="Storage type of the secondary weight copy (default int8, "
                         "blockwise with scales).")
+    g.add_argument("--hier-quantize-weight-gather", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="qwZ: send every weight all-gather of the P-group (forward, and the "
+                        "backward regather when there is no secondary copy) as blockwise "
+                        "int8 + fp32 scales, dequantized on arrival (default: on for "
+                        "zeropp, off otherwise).")
+    g.add_argument("--hier-quantize-grad-reduce", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="qgZ: run every gradient reduce-scatter whose groups cross nodes "
+                        "as an all-to-all of blockwise int8 + fp32 scales, dequantized "
+                        "and summed in fp32 by the receiver (default off).")
+    g.add_argument("--hier-quant-block-size", type=_int_arg, default=None, metavar="B",
+                   help="Elements per fp32 scale of every int8 payload (secondary copy, "
+                        f"qwZ, qgZ); a positive multiple of {QUANT_KERNEL_ALIGN} "
+                        f"(default {DEFAULT_QUANT_BLOCK_SIZE}).")
     g.add_argument("--hier-gpus-per-node", type=_int_arg, default=None,
                    help="Ranks (GPUs/GCDs) per node (default: from the launcher's "
                         "environment, else 8). A divisor of the launcher's count emulates "
@@ -380,6 +490,9 @@ def hier_config_from_args(args: Any, world_size: int | None = None, *,
         optim_group_size=getattr(args, "hier_optim_group_size", None),
         secondary_group_size=getattr(args, "hier_secondary_group_size", None),
         secondary_dtype=getattr(args, "hier_secondary_dtype", None) or DEFAULT_SECONDARY_DTYPE,
+        quant_block_size=getattr(args, "hier_quant_block_size", None),
+        quantize_weight_gather=getattr(args, "hier_quantize_weight_gather", None),
+        quantize_grad_reduce=getattr(args, "hier_quantize_grad_reduce", None),
     )
 
 

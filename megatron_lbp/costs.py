@@ -27,10 +27,18 @@ Accounting rules
   An all-reduce across ``R`` replicas is exact only when ``R`` divides
   ``2*T``; otherwise the figure is returned as a float (the ring then
   splits the buffer unevenly and the average is fractional).
-* int8 secondary weights carry one fp32 scale per ``quant_block_size``
-  elements of each rank's slice: a slice of ``n`` elements takes
-  ``n + 4*ceil(n/quant_block_size)`` bytes, and the full bucket gathered in the
-  backward pass is S such slices.
+* Every int8 payload is blockwise: one fp32 scale per ``quant_block_size``
+  elements of each rank's slice, a slice of ``n`` elements taking
+  ``q(n) = n + 4*ceil(n/quant_block_size)`` bytes (``int8_payload_bytes``,
+  equal to megatron_lbp.quant.quantized_nbytes). The int8 secondary copy is
+  one such slice per rank, and the full bucket gathered in the backward pass
+  is S of them. qwZ gathers P slices q(N/P); qgZ sends each peer of an n-rank
+  reduce-scatter its chunk as q(N_in/n) bytes through an all-to-all (a rank's
+  own chunk stays home), i.e. (n-1)*q(N_in/n) bytes per rank.
+* qwZ and qgZ come from the config (``quantize_weight_gather``,
+  ``quantize_grad_reduce``, ``quant_block_size``; absent = off / 256). qgZ
+  quantizes exactly the gradient reduce-scatter families ("grad", "inter")
+  whose link class is "network" (``quantized_grad_families``).
 
 Memory per rank (N = padded bucket numel, w = weight bytes, g = grad bytes)::
 
@@ -44,10 +52,13 @@ Memory per rank (N = padded bucket numel, w = weight bytes, g = grad bytes)::
 Traffic per rank per optimizer step (k micro-batches), phase -> collective::
 
     forward_gather   k * allgather(w*N, P)                       class(param)
+                     qwZ: k * (P-1)*q(N/P)
     backward_gather  k * allgather(secondary full bucket, S)     class(secondary)
-                     or, if S = 0, k * allgather(w*N, P)         class(param)
+                     or, if S = 0, as forward_gather             class(param)
     grad_reduce      k * reducescatter(g*N, G)                   class(grad)
+                     qgZ on "grad": k * (G-1)*q(N/G)
     step_reduce      reducescatter(g*N/G, O/G)                   class(inter)
+                     qgZ on "inter": (O/G-1)*q(N/O)
                      + allreduce(g*N/O, R)                       class(replica)
     step_gather      allgather(w*N/G, O/G)                       class(inter)
                      + allgather(w*N/P, G/P)                     class(grad_to_param)
@@ -131,11 +142,16 @@ def allreduce_bytes(total: int, n: int) -> Fraction:
     return Fraction(2 * total * (n - 1), n)
 
 
+def int8_payload_bytes(n_elems: int, quant_block_size: int = DEFAULT_QUANT_BLOCK) -> int:
+    """Bytes of ``n_elems`` elements as blockwise int8: one code each plus one fp32 scale per block."""
+    return n_elems + 4 * (-(-n_elems // quant_block_size))
+
+
 def secondary_slice_bytes(n_elems: int, dtype: str = "int8",
                           quant_block_size: int = DEFAULT_QUANT_BLOCK) -> int:
     """Bytes of one rank's secondary slice of ``n_elems`` elements."""
     if dtype == "int8":
-        return n_elems + 4 * (-(-n_elems // quant_block_size))
+        return int8_payload_bytes(n_elems, quant_block_size)
     if dtype == "bf16":
         return 2 * n_elems
     raise ValueError(f"secondary dtype {dtype!r}: must be one of {SECONDARY_DTYPES}")
@@ -158,16 +174,45 @@ def _secondary_dtype(cfg) -> str:
     return str(getattr(cfg, "secondary_dtype", "int8") or "int8")
 
 
+def _block(cfg, quant_block_size: int | None) -> int:
+    """The explicit block size, else the config's, else the default."""
+    if quant_block_size is not None:
+        return int(quant_block_size)
+    return int(getattr(cfg, "quant_block_size", None) or DEFAULT_QUANT_BLOCK)
+
+
+QGZ_FAMILIES = ("grad", "inter")
+
+
+def quantized_grad_families(cfg, link_classes: Mapping[str, str | None]) -> tuple[str, ...]:
+    """The gradient reduce-scatter families qgZ quantizes: those that cross nodes.
+
+    Empty when qgZ is off. "grad" is the per-micro-batch G-group reduce-scatter
+    (it crosses nodes in zero3/zeropp/zero2 beyond one node), "inter" the
+    optimizer step's 1/G -> 1/O hop (lbp's network reduce-scatter). A family
+    whose groups are single ranks sends nothing and is never listed.
+    """
+    if not getattr(cfg, "quantize_grad_reduce", False):
+        return ()
+    sizes = _group_sizes_by_family(cfg)
+    return tuple(f for f in QGZ_FAMILIES
+                 if sizes[f] > 1 and link_classes.get(f) == "network")
+
+
 # --- memory ------------------------------------------------------------------------------
 
 
 def memory_bytes(cfg, bucket_numels: Sequence[int], *, param_dtype: str = "bf16",
-                 grad_dtype: str = "fp32", quant_block_size: int = DEFAULT_QUANT_BLOCK,
+                 grad_dtype: str = "fp32", quant_block_size: int | None = None,
                  align: int = DEFAULT_ALIGN) -> dict[str, int]:
-    """Persistent bytes per rank by state: {primary, secondary, grad, optimizer, total}."""
+    """Persistent bytes per rank by state: {primary, secondary, grad, optimizer, total}.
+
+    ``quant_block_size`` None: the config's (default 256).
+    """
     W, P, G, O, S, R = _sizes(cfg)
     wb, gb = _dtype_bytes(param_dtype, grad_dtype)
     sdt = _secondary_dtype(cfg)
+    quant_block_size = _block(cfg, quant_block_size)
     opt_per_elem = 8 if param_dtype == "fp32" else 12
     mem = dict.fromkeys(MEMORY_STATES, 0)
     for numel in bucket_numels:
@@ -191,13 +236,14 @@ def _group_sizes_by_family(cfg) -> dict[str, int]:
 
 def traffic_bytes(cfg, bucket_numels: Sequence[int], link_classes: Mapping[str, str], *,
                   param_dtype: str = "bf16", grad_dtype: str = "fp32", micro_batches: int = 1,
-                  quant_block_size: int = DEFAULT_QUANT_BLOCK, align: int = DEFAULT_ALIGN,
+                  quant_block_size: int | None = None, align: int = DEFAULT_ALIGN,
                   ) -> tuple[dict[str, int | float], dict[str, dict[str, int | float]]]:
     """Bytes sent per rank per optimizer step: (by link class, by phase -> by link class).
 
     ``link_classes`` maps a family name ("param", "secondary", "grad", "inter",
     "grad_to_param", "replica") to "package" | "node" | "network"; only families
-    whose groups have more than one rank are looked up.
+    whose groups have more than one rank are looked up. ``quant_block_size``
+    None: the config's (default 256).
     """
     W, P, G, O, S, R = _sizes(cfg)
     wb, gb = _dtype_bytes(param_dtype, grad_dtype)
@@ -205,6 +251,9 @@ def traffic_bytes(cfg, bucket_numels: Sequence[int], link_classes: Mapping[str, 
         raise ValueError(f"micro_batches={micro_batches}: must be >= 1")
     k = int(micro_batches)
     sdt = _secondary_dtype(cfg)
+    B = _block(cfg, quant_block_size)
+    qwz = bool(getattr(cfg, "quantize_weight_gather", False))
+    qgz = quantized_grad_families(cfg, link_classes)
     sizes = _group_sizes_by_family(cfg)
     by_phase: dict[str, dict[str, Fraction]] = {
         ph: {c: Fraction(0) for c in LINK_CLASS_ORDER} for ph in PHASES}
@@ -220,14 +269,17 @@ def traffic_bytes(cfg, bucket_numels: Sequence[int], link_classes: Mapping[str, 
 
     for numel in bucket_numels:
         N = padded_numel(numel, cfg, align)
-        charge("forward_gather", "param", k * allgather_bytes(wb * N, P))
+        weights = (allgather_bytes(P * int8_payload_bytes(N // P, B), P) if qwz
+                   else allgather_bytes(wb * N, P))
+        charge("forward_gather", "param", k * weights)
         if S:
-            full_secondary = S * secondary_slice_bytes(N // S, sdt, quant_block_size)
+            full_secondary = S * secondary_slice_bytes(N // S, sdt, B)
             charge("backward_gather", "secondary", k * allgather_bytes(full_secondary, S))
         else:
-            charge("backward_gather", "param", k * allgather_bytes(wb * N, P))
-        charge("grad_reduce", "grad", k * reduce_scatter_bytes(gb * N, G))
-        charge("step_reduce", "inter", reduce_scatter_bytes(gb * N // G, O // G))
+            charge("backward_gather", "param", k * weights)
+        charge("grad_reduce", "grad", k * _grad_reduce_bytes(gb * N, N, G, "grad" in qgz, B))
+        charge("step_reduce", "inter",
+               _grad_reduce_bytes(gb * N // G, N // G, O // G, "inter" in qgz, B))
         charge("step_reduce", "replica", allreduce_bytes(gb * N // O, R))
         charge("step_gather", "inter", allgather_bytes(wb * N // G, O // G))
         charge("step_gather", "grad_to_param", allgather_bytes(wb * N // P, G // P))
@@ -237,9 +289,17 @@ def traffic_bytes(cfg, bucket_numels: Sequence[int], link_classes: Mapping[str, 
     return by_class, phases
 
 
+def _grad_reduce_bytes(total: int, elems: int, n: int, quantized: bool, block: int) -> int:
+    """A reduce-scatter of ``elems`` elements (``total`` bytes) over n ranks, plain or qgZ."""
+    if not quantized or n <= 1:
+        return reduce_scatter_bytes(total, n)
+    assert elems % n == 0, f"qgZ all-to-all of {elems} elements over {n} ranks is not even"
+    return (n - 1) * int8_payload_bytes(elems // n, block)
+
+
 def estimate(cfg, bucket_numels: Sequence[int], link_classes: Mapping[str, str], *,
              param_dtype: str = "bf16", grad_dtype: str = "fp32", micro_batches: int = 1,
-             quant_block_size: int = DEFAULT_QUANT_BLOCK,
+             quant_block_size: int | None = None,
              align: int = DEFAULT_ALIGN) -> dict[str, Any]:
     """Everything at once, as plain data.
 

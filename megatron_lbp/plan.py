@@ -29,8 +29,11 @@ JSON output (``--json``): one object with ``world_size``, ``group_sizes``
 network}, ``traffic_by_phase`` {phase: {class: bytes}}, ``params`` (model
 size), ``padded_params`` (sum of padded buckets), ``groups`` (rank 0's group
 of each family), ``link_classes`` (slowest class over each family's groups;
-``null`` for a family whose groups are single ranks: it sends nothing), plus
-the inputs (dtypes, micro_batches, buckets, machine shape) and ``warnings``.
+``null`` for a family whose groups are single ranks: it sends nothing),
+``quant_block_size``, ``quantize_weight_gather`` (qwZ on/off) and
+``quantize_grad_reduce`` (the gradient families qgZ quantizes, ``[]`` when
+off), plus the inputs (dtypes, micro_batches, buckets, machine shape) and
+``warnings``.
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ from typing import Any, Sequence
 
 from megatron_lbp import costs
 from megatron_lbp.config import (PRESETS, HierConfigError, add_hier_arguments,
+                                 check_quantized_grad_families, check_training_dtypes,
                                  resolve_hier_config)
 from megatron_lbp.layout import LayoutError
 from megatron_lbp.topology import (LINK_CLASSES, TopologyError, check_colocation,
@@ -120,8 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="micro-batches per optimizer step (default 1)")
     s.add_argument("--bucket-size", metavar="ELEMS", default=None,
                    help="bucket size in elements (default: the whole model as one bucket)")
-    s.add_argument("--quant-block-size", metavar="B", default=str(costs.DEFAULT_QUANT_BLOCK),
-                   help="elements per fp32 scale of the int8 secondary copy (default 256)")
+    s.add_argument("--quant-block-size", metavar="B", default=None,
+                   help="elements per fp32 scale of every int8 payload (default 256); "
+                        "same as --hier-quant-block-size")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_hier_arguments(p)
     return p
@@ -198,7 +203,8 @@ def plan_from_args(args: argparse.Namespace) -> dict[str, Any]:
     gpp = _pick_alias(args, "--gcds-per-package", "--hier-gcds-per-package", 2)
     preset = _pick_alias(args, "--preset", "--hier-preset", None)
     k = _number("--micro-batches", args.micro_batches)
-    block = _number("--quant-block-size", args.quant_block_size)
+    block = _pick_alias(args, "--quant-block-size", "--hier-quant-block-size",
+                        costs.DEFAULT_QUANT_BLOCK)
     bucket = _int_or_none("--bucket-size", args.bucket_size)
     params = _model_params(args)
 
@@ -209,14 +215,19 @@ def plan_from_args(args: argparse.Namespace) -> dict[str, Any]:
             grad_group_size=args.hier_grad_group_size,
             optim_group_size=args.hier_optim_group_size,
             secondary_group_size=args.hier_secondary_group_size,
-            secondary_dtype=args.hier_secondary_dtype)
+            secondary_dtype=args.hier_secondary_dtype, quant_block_size=block,
+            quantize_weight_gather=args.hier_quantize_weight_gather,
+            quantize_grad_reduce=args.hier_quantize_grad_reduce)
+        check_training_dtypes(cfg, args.params_dtype)
         locations = emulated_locations(world, gpn, gpp)
         groups = hierarchy_groups(range(world), cfg)
         warnings = check_colocation(groups, locations, allow=args.hier_allow_non_colocated)
         classes = family_link_classes(groups, locations)
+        qgz = costs.quantized_grad_families(cfg, classes)
+        check_quantized_grad_families(cfg, qgz)
         result = costs.estimate(cfg, costs.split_buckets(params, bucket), classes,
                                 param_dtype=args.params_dtype, grad_dtype=args.grad_dtype,
-                                micro_batches=k, quant_block_size=block)
+                                micro_batches=k)
     except (HierConfigError, TopologyError, LayoutError) as exc:
         msg = str(exc)
         # Speak the spelling the user typed.
@@ -226,6 +237,9 @@ def plan_from_args(args: argparse.Namespace) -> dict[str, Any]:
             msg = msg.replace("--hier-gcds-per-package", "--gcds-per-package")
         if args.preset is not None:
             msg = msg.replace("--hier-preset", "--preset")
+        msg = msg.replace("train in bf16 (--bf16)", "plan bf16 weights (--params-dtype bf16)")
+        if args.quant_block_size is not None:
+            msg = msg.replace("--hier-quant-block-size", "--quant-block-size")
         raise UsageError(msg.replace("--hier-world-size", "--world-size")) from None
 
     return {
@@ -241,6 +255,8 @@ def plan_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "grad_dtype": args.grad_dtype,
         "micro_batches": k,
         "quant_block_size": block,
+        "quantize_weight_gather": cfg.quantize_weight_gather,
+        "quantize_grad_reduce": list(qgz),
         "params": result["params"],
         "padded_params": result["padded_params"],
         "padding": result["padded_params"] - result["params"],
@@ -294,6 +310,11 @@ def _bytes(x) -> str:
     return f"{x:,.0f}" if isinstance(x, float) and not float(x).is_integer() else f"{int(x):,}"
 
 
+def _uses_int8(plan: dict[str, Any]) -> bool:
+    return bool((plan["group_sizes"]["secondary"] and plan["secondary_dtype"] == "int8")
+                or plan["quantize_weight_gather"] or plan["quantize_grad_reduce"])
+
+
 def render(plan: dict[str, Any]) -> str:
     """Human-readable report of a plan dict."""
     gs = plan["group_sizes"]
@@ -312,7 +333,10 @@ def render(plan: dict[str, Any]) -> str:
         f"step: weights {plan['params_dtype']}, gradients {plan['grad_dtype']}, "
         f"{plan['micro_batches']} micro-batch(es) per optimizer step"
         + (f", int8 scale block {plan['quant_block_size']}"
-           if gs["secondary"] and plan["secondary_dtype"] == "int8" else ""),
+           if _uses_int8(plan) else "")
+        + (", int8 weight gathers (qwZ)" if plan["quantize_weight_gather"] else "")
+        + (f", int8 gradient all-to-all (qgZ) in {'+'.join(plan['quantize_grad_reduce'])}"
+           if plan["quantize_grad_reduce"] else ""),
         "",
         "groups (rank 0's)        size  link     ranks",
     ]

@@ -233,7 +233,9 @@ def test_config_is_frozen_and_round_trips():
     d = cfg.as_dict()
     assert d == {"world_size": 16, "param_group_size": 2, "grad_group_size": 8,
                  "optim_group_size": 8, "secondary_group_size": 8, "secondary_dtype": "int8",
-                 "gpus_per_node": 8, "gcds_per_package": 2, "preset": "lbp"}
+                 "gpus_per_node": 8, "gcds_per_package": 2, "preset": "lbp",
+                 "quant_block_size": 256, "quantize_weight_gather": False,
+                 "quantize_grad_reduce": False}
     assert HierConfig(**d) == cfg and cfg.replicas == 2
 
 
@@ -348,7 +350,7 @@ def test_megatron_parser_accepts_our_flags():
     megatron_dests = {a.dest for a in megatron._actions}
     p = add_hier_arguments(megatron)  # argparse raises on a clashing option string
     ours = {a.dest for a in p._actions if a.dest.startswith("hier_")}
-    assert len(ours) == 14 and not ours & megatron_dests, ours & megatron_dests
+    assert len(ours) == 17 and not ours & megatron_dests, ours & megatron_dests
     clash = ours & {f.name for f in dataclasses.fields(ddp_config)}
     assert not clash, f"get_megatron_ddp_config would copy {clash}"
     args = p.parse_args(["--hier-partition", "--hier-preset", "hsdp",

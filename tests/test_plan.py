@@ -72,8 +72,13 @@ def design_classes(W, P, S, G, O, gpn, gpp):
     }
 
 
-def design(M, W, P, S, G, O, *, gpn=8, gpp=2, k=1, wbytes=2, gbytes=4, sdt="int8", block=256):
-    """Memory and traffic per rank from DESIGN.md §2 (exact Fractions of M)."""
+def design(M, W, P, S, G, O, *, gpn=8, gpp=2, k=1, wbytes=2, gbytes=4, sdt="int8", block=256,
+           qwz=False):
+    """Memory and traffic per rank from DESIGN.md §2 (exact Fractions of M).
+
+    ``qwz``: §3's zeropp "+ int8 forward all-gather": each rank sends its 1/P
+    slice as int8 + scales to the P-1 others (also the backward regather when S = 0).
+    """
     M = Fraction(M)
     R = W // O
     cls = design_classes(W, P, S, G, O, gpn, gpp)
@@ -90,11 +95,12 @@ def design(M, W, P, S, G, O, *, gpn=8, gpp=2, k=1, wbytes=2, gbytes=4, sdt="int8
             phase[ph][cls[family]] += nbytes
 
     # package/node lines of §2
-    add("forward_gather", "param", k * wbytes * M * Fraction(P - 1, P))
+    weights = (P - 1) * int8(M / P) if qwz else wbytes * M * Fraction(P - 1, P)
+    add("forward_gather", "param", k * weights)
     if S:
         add("backward_gather", "secondary", k * (S - 1) * secondary)
     else:
-        add("backward_gather", "param", k * wbytes * M * Fraction(P - 1, P))
+        add("backward_gather", "param", k * weights)
     add("grad_reduce", "grad", k * gbytes * M * Fraction(G - 1, G))
     add("step_gather", "grad_to_param", wbytes * (M / P) * Fraction(G // P - 1, G // P))
     # network lines of §2
@@ -176,11 +182,14 @@ def test_plan_matches_design_formulas(preset, S, W, M, gpn, k, capsys):
     unit = math.lcm(O * 128, S_ * 128 if S_ else 1)
     assert got["padded_params"] == -(-int(M) // unit) * unit, "padding is not the layout rule"
 
-    want_padded = design(got["padded_params"], W, P, S_, G, O, gpn=gpn, k=k)
+    qwz = preset == "zeropp"  # §3: zeropp = zero3 + hpZ + qwZ
+    assert got["quantize_weight_gather"] is qwz and got["quantize_grad_reduce"] == []
+    want_padded = design(got["padded_params"], W, P, S_, G, O, gpn=gpn, k=k, qwz=qwz)
     compare(got, want_padded, 1e-6, f"{preset} W={W} at the padded size")
     # Against the unpadded model size: within the padding fraction.
     slack = (got["padded_params"] - got["params"]) / got["params"] + 1e-6
-    compare(got, design(M, W, P, S_, G, O, gpn=gpn, k=k), slack, f"{preset} W={W} unpadded")
+    compare(got, design(M, W, P, S_, G, O, gpn=gpn, k=k, qwz=qwz), slack,
+            f"{preset} W={W} unpadded")
 
     cls = {f: c for f, c in want_padded["link_classes"].items() if f in got["link_classes"]}
     assert got["link_classes"] == cls, f"link classes: plan {got['link_classes']} vs {cls}"
@@ -195,7 +204,7 @@ def test_exact_when_no_padding(preset, S, W, gpn, capsys):
     got = run_plan(_argv(preset, S, W, M, gpn, 2), capsys)
     assert got["padded_params"] == got["params"] == M
     P, S_, G, O = PRESET_SIZES[preset](W, gpn, 2, S or 0)
-    want = design(M, W, P, S_, G, O, gpn=gpn, k=2)
+    want = design(M, W, P, S_, G, O, gpn=gpn, k=2, qwz=preset == "zeropp")
     for key in ("memory_bytes", "traffic_bytes"):
         for name, w in want[key].items():
             assert w.denominator == 1 and got[key][name] == int(w), \
