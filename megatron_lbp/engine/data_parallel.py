@@ -35,10 +35,14 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from megatron_lbp.config import EngineOptions
+from megatron_lbp import costs
+from megatron_lbp.config import (EngineOptions, check_quantized_grad_families,
+                                 check_training_dtypes)
 from megatron_lbp.engine.buckets import FlatBucket, GatherState, split_into_buckets
 from megatron_lbp.engine.comm import CONTROL, Collectives, CommLedger
 from megatron_lbp.engine.memory import TransientLedger, tensor_bytes
+from megatron_lbp.engine.quantized import (Pending, all_gather_quantized, gather_packed_slices,
+                                           reduce_scatter_quantized)
 from megatron_lbp.process_groups import HierGroups
 
 _GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -69,6 +73,7 @@ class HierDataParallel(_megatron_base()):
         self.transient = TransientLedger()
         self.grad_dtype = _GRAD_DTYPES[options.grad_reduce_dtype]
         self._params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._setup_quantization(hier)
         self.buckets: list[FlatBucket] = []
         for group in _same_dtype_runs(self._params):
             for named in split_into_buckets(group, options.bucket_size):
@@ -76,8 +81,9 @@ class HierDataParallel(_megatron_base()):
                     len(self.buckets), named, dp_index=hier.dp_index, world_size=cfg.world_size,
                     param_group_size=cfg.param_group_size, grad_group_size=cfg.grad_group_size,
                     optim_group_size=cfg.optim_group_size,
-                    secondary_group_size=0, grad_dtype=self.grad_dtype,
-                    transient=self.transient))
+                    secondary_group_size=cfg.secondary_group_size, grad_dtype=self.grad_dtype,
+                    transient=self.transient, secondary_dtype=cfg.secondary_dtype,
+                    quant_block_size=cfg.quant_block_size))
         self._slot_of = {id(s.param): (b, s) for b in self.buckets for s in b.slots}
 
         self._owned: dict[torch.nn.Module, list[FlatBucket]] = defaultdict(list)
@@ -106,6 +112,27 @@ class HierDataParallel(_megatron_base()):
         self._pending_reduces: list[tuple[FlatBucket, Any, torch.Tensor, torch.Tensor]] = []
         self._hooks = []
         self._register_hooks()
+
+    def _setup_quantization(self, hier: HierGroups) -> None:
+        """Validate the int8 settings against the weights and the topology; pick qgZ's families.
+
+        Every rank of the data-parallel group sees the same dtypes and the same
+        group picture, so a refusal is raised on all of them, before any collective.
+        """
+        cfg = hier.config
+        names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+        for dtype in sorted({p.dtype for _, p in self._params}, key=str):
+            check_training_dtypes(cfg, names.get(dtype, str(dtype)))
+        from megatron_lbp.plan import family_link_classes
+        from megatron_lbp.topology import hierarchy_groups
+
+        classes = family_link_classes(hierarchy_groups(hier.dp_ranks, cfg), hier.locations)
+        self.quantized_grad_families = costs.quantized_grad_families(cfg, classes)
+        check_quantized_grad_families(cfg, self.quantized_grad_families)
+        self.quantize_weight_gather = cfg.quantize_weight_gather
+        self.quant_block_size = cfg.quant_block_size
+        me = hier.dp_ranks[hier.dp_index]
+        self._group_index = {f: ranks.index(me) for f, ranks in hier.ranks.items()}
 
     # --- hooks ---------------------------------------------------------------------------
     def _register_hooks(self) -> None:
@@ -187,14 +214,56 @@ class HierDataParallel(_megatron_base()):
             self._gather(b, phase, async_op=False)
         else:
             self._wait(b)
+        if phase == "forward_gather" and b.has_secondary:
+            # The weights this forward computes with, kept as this rank's 1/S
+            # slice for the backward: rebuilt by every forward, never stale.
+            b.build_secondary()
         if self.options.overlap and recorded:
             self._prefetch_after(b, order, phase)
 
     def _gather(self, b: FlatBucket, phase: str, async_op: bool) -> None:
+        """Start filling ``full``: from the secondary copy in backward when there is one,
+        else from the primary slices in the P-group (int8 on the wire with qwZ)."""
         b.alloc_full()
-        work = self.comm.all_gather(b.full, b.primary, "param", phase, async_op=async_op)
-        b.pending = work
-        b.state = GatherState.GATHERING if work is not None and async_op else GatherState.GATHERED
+        if phase == "backward_gather" and b.has_secondary:
+            pending = self._gather_secondary(b, async_op)
+        elif self.quantize_weight_gather and phase != CONTROL:
+            pending = all_gather_quantized(self.comm, b.full, b.primary, self.quant_block_size,
+                                           "param", phase, self.transient, async_op=async_op)
+        else:
+            pending = Pending(self.comm.all_gather(b.full, b.primary, "param", phase,
+                                                   async_op=async_op))
+        b.pending = pending
+        b.state = GatherState.GATHERING if async_op and pending.in_flight else GatherState.GATHERED
+
+    def _gather_secondary(self, b: FlatBucket, async_op: bool) -> Pending:
+        if not b.secondary_is_current():
+            raise RuntimeError(
+                f"bucket {b.index}: the backward pass needs the secondary weight copy, but it "
+                "was not built from the current weights (no forward since they changed); "
+                "run the forward pass before its backward")
+        if b.secondary_dtype == "int8":
+            return gather_packed_slices(self.comm, b.full, b.secondary, self.quant_block_size,
+                                        "secondary", "backward_gather", self.transient,
+                                        async_op=async_op)
+        if b.full.dtype == b.secondary.dtype:
+            return Pending(self.comm.all_gather(b.full, b.secondary, "secondary",
+                                                "backward_gather", async_op=async_op))
+        # bf16 copy of wider weights: gather in bf16, widen on arrival.
+        tmp = torch.empty(b.layout.padded_numel, dtype=b.secondary.dtype)
+        nbytes = tmp.numel() * tmp.element_size()
+        self.transient.alloc(nbytes)
+        work = self.comm.all_gather(tmp, b.secondary, "secondary", "backward_gather",
+                                    async_op=async_op)
+
+        def finish() -> None:
+            b.full.copy_(tmp)
+            self.transient.free(nbytes)
+
+        pending = Pending(work, finish)
+        if not async_op:
+            pending.wait()
+        return pending
 
     def _wait(self, b: FlatBucket) -> None:
         if b.state is GatherState.GATHERING:
@@ -234,17 +303,26 @@ class HierDataParallel(_megatron_base()):
         send_extra = 0 if send is b.grad_full else send.numel() * send.element_size()
         out = torch.empty(b.layout.grad_size, dtype=self.grad_dtype)
         self.transient.alloc(send_extra + out.numel() * out.element_size())
-        work = self.comm.reduce_scatter(out, send, "grad", "grad_reduce",
+        work = self.reduce_scatter_grad(out, send, "grad", "grad_reduce",
                                         async_op=self.options.overlap)
         self._pending_reduces.append((b, work, out, send))
         limit = MAX_PENDING_REDUCES if self.options.overlap else 0
         while len(self._pending_reduces) > limit:
             self._complete_oldest_reduce()
 
+    def reduce_scatter_grad(self, out: torch.Tensor, inp: torch.Tensor, family: str,
+                            phase: str, async_op: bool = False) -> Pending:
+        """A gradient reduce-scatter in ``family``: int8 all-to-all with qgZ when that
+        family crosses nodes, else the plain reduce-scatter. Call ``.wait()`` on the result."""
+        if family in self.quantized_grad_families:
+            return reduce_scatter_quantized(self.comm, out, inp, self._group_index[family],
+                                            self.quant_block_size, family, phase,
+                                            self.transient, async_op=async_op)
+        return Pending(self.comm.reduce_scatter(out, inp, family, phase, async_op=async_op))
+
     def _complete_oldest_reduce(self) -> None:
         b, work, out, send = self._pending_reduces.pop(0)
-        if work is not None:
-            work.wait()
+        work.wait()
         b.grad_shard.add_(out)
         send_extra = 0 if send is b.grad_full else send.numel() * send.element_size()
         self.transient.free(send_extra + out.numel() * out.element_size())
@@ -330,15 +408,27 @@ class HierDataParallel(_megatron_base()):
             return {k: (v.clone() if torch.is_tensor(v) else v) for k, v in sd.items()}
 
     def load_state_dict(self, state_dict, strict: bool = True):
+        """A plain state dict (full tensors), or what a distributed checkpoint load returned."""
+        from megatron_lbp.engine import checkpoint
+
+        if any(".__lbp_piece" in k for k in state_dict):
+            rest = checkpoint.load_model_pieces(self, state_dict)
+            return self.module.load_state_dict(rest, strict=False)
         with self.gathered_weights(write_back=True):
             return self.module.load_state_dict(state_dict, strict=strict)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """megatron-core's sharded state dict, each weight as the pieces this rank holds."""
+        from megatron_lbp.engine import checkpoint
+
+        return checkpoint.model_sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
     # --- accounting ----------------------------------------------------------------------
     def memory_bytes(self) -> dict[str, int]:
         """Measured bytes of this wrapper's persistent states (optimizer state is the optimizer's)."""
         return {
             "primary": tensor_bytes(b.primary for b in self.buckets),
-            "secondary": 0,
+            "secondary": tensor_bytes(b.secondary for b in self.buckets),
             "grad": tensor_bytes(b.grad_shard for b in self.buckets),
             "resident_full_weights": tensor_bytes(b.full for b in self.buckets),
             "peak_transient": self.transient.peak,

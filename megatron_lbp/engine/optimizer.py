@@ -141,7 +141,8 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
         for st in self.states:
             b = st.bucket
             grad = torch.empty(b.layout.optim_size, dtype=b.grad_dtype)
-            st.model.comm.reduce_scatter(grad, b.grad_shard, "inter", "step_reduce")
+            # int8 all-to-all summed in fp32 when qgZ covers this (cross-node) hop
+            st.model.reduce_scatter_grad(grad, b.grad_shard, "inter", "step_reduce").wait()
             st.model.comm.all_reduce(grad, "replica", "step_reduce")
             st.grad = grad.float() if grad.dtype != torch.float32 else grad
             st.model.transient.alloc(st.grad.numel() * 4)
@@ -262,6 +263,9 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "param_state" in state_dict:  # from a distributed (torch_dist) checkpoint
+            self._load_sharded(state_dict)
+            return
         if len(state_dict["buckets"]) != len(self.states):
             raise ValueError(f"optimizer state has {len(state_dict['buckets'])} buckets, "
                              f"this model {len(self.states)}")
@@ -285,9 +289,25 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
         self.comm.ledger.reset()
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False,
-                           metadata=None):
-        raise NotImplementedError("distributed checkpoints of the hierarchy come with the "
-                                  "pretraining integration")
+                           metadata=None, **kwargs):
+        from megatron_lbp.engine import checkpoint
+
+        return checkpoint.optimizer_sharded_state_dict(self, model_sharded_state_dict, is_loading)
+
+    def step_count(self) -> float:
+        for group in self.optimizer.param_groups:
+            for shard in group["params"]:
+                return self.optimizer.state[shard]["step"].item()
+        return float(self.steps_done)
+
+    def _load_sharded(self, state_dict: dict[str, Any]) -> None:
+        from megatron_lbp.engine import checkpoint
+
+        checkpoint.load_optimizer_pieces(self, state_dict)
+        for group, saved in zip(self.optimizer.param_groups, state_dict["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+            for shard in group["params"]:
+                self.optimizer.state[shard]["step"].fill_(state_dict["step"])
 
 
 def _intersect(a0: int, a1: int, b0: int, b1: int) -> tuple[int, int] | None:
