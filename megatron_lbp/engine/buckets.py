@@ -10,7 +10,13 @@ A bucket owns three kinds of memory:
   stray use of a freed weight fails loudly instead of reading stale numbers;
 - ``grad_shard``: this rank's persistent 1/G slice of the gradient, in the
   reduce dtype, accumulated across micro-batches; plus ``grad_full``, the
-  whole bucket's gradient of one backward, alive only until it is reduced.
+  whole bucket's gradient of one backward, alive only until it is reduced;
+- ``secondary`` (only when S > 0): this rank's 1/S slice of the weights as the
+  backward pass will regather them, persistent: int8 codes and fp32 scales
+  packed in one uint8 buffer (``quant.packed_views`` layout,
+  ``quantized_nbytes(N/S, block)`` bytes) or N/S bf16 values. Its contents
+  are rewritten from ``full`` in every forward (:meth:`FlatBucket.build_secondary`),
+  so they always come from the weights that forward used.
 
 Slices come from :mod:`megatron_lbp.layout`; nothing here talks to other ranks.
 """
@@ -23,6 +29,8 @@ import torch
 
 from megatron_lbp.engine.memory import TransientLedger
 from megatron_lbp.layout import BucketLayout, plan_bucket
+from megatron_lbp.engine.quantized import quantize_into
+from megatron_lbp.quant import DEFAULT_BLOCK_SIZE, quantized_nbytes
 
 
 class GatherState(enum.Enum):
@@ -63,7 +71,8 @@ class FlatBucket:
     def __init__(self, index: int, named_params: list[tuple[str, torch.nn.Parameter]],
                  *, dp_index: int, world_size: int, param_group_size: int, grad_group_size: int,
                  optim_group_size: int, secondary_group_size: int, grad_dtype: torch.dtype,
-                 transient: TransientLedger) -> None:
+                 transient: TransientLedger, secondary_dtype: str = "int8",
+                 quant_block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         dtypes = {p.dtype for _, p in named_params}
         if len(dtypes) != 1:
             raise ValueError(f"bucket {index} mixes parameter dtypes {sorted(map(str, dtypes))}")
@@ -97,6 +106,19 @@ class FlatBucket:
         self.primary = self.full[self.primary_range.slice].clone()
         self.grad_shard = torch.zeros(self.layout.grad_size, dtype=grad_dtype)
         self.grad_full: torch.Tensor | None = None
+        self.quant_block_size = quant_block_size
+        self.secondary_dtype = secondary_dtype
+        self.secondary: torch.Tensor | None = None
+        self.secondary_range = self.layout.secondary_range(r)
+        # primary._version when ``secondary`` was last written (-1: never). The
+        # version counter moves with every in-place write to the primary slice
+        # (optimizer step, checkpoint load, broadcast), so equality means "built
+        # from the current weights".
+        self.secondary_version = -1
+        if self.secondary_range is not None:
+            m = self.secondary_range.size
+            self.secondary = (torch.zeros(quantized_nbytes(m, quant_block_size), dtype=torch.uint8)
+                              if secondary_dtype == "int8" else torch.zeros(m, dtype=torch.bfloat16))
         self.state = GatherState.GATHERED
         self.pending = None
         self._transient.alloc(self.full_nbytes)
@@ -125,6 +147,23 @@ class FlatBucket:
 
     def is_resident(self) -> bool:
         return self.full.untyped_storage().nbytes() > 0
+
+    # --- secondary copy ------------------------------------------------------------------
+    @property
+    def has_secondary(self) -> bool:
+        return self.secondary is not None
+
+    def build_secondary(self) -> None:
+        """Write this rank's 1/S slice of the gathered ``full`` into ``secondary``."""
+        own = self.full[self.secondary_range.slice]
+        if self.secondary_dtype == "int8":
+            quantize_into(own, self.secondary, self.quant_block_size)
+        else:
+            self.secondary.copy_(own)
+        self.secondary_version = self.primary._version
+
+    def secondary_is_current(self) -> bool:
+        return self.secondary_version == self.primary._version
 
     # --- gradients -----------------------------------------------------------------------
     def grad_view(self, slot: ParamSlot) -> torch.Tensor:

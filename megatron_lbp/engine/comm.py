@@ -1,6 +1,6 @@
 """Every collective the engine issues, and the bytes each one puts on each link.
 
-One small interface (:class:`Collectives`) wraps the four torch.distributed
+One small interface (:class:`Collectives`) wraps the five torch.distributed
 calls the engine needs. Each call names the group *family* it runs in
 ("param", "grad", "inter", ...) and the *phase* of the step it belongs to;
 the ledger then charges the bytes this rank sends to that family's link
@@ -9,6 +9,7 @@ class. The accounting is the same as the plan tool's (megatron_lbp.costs):
 - all-gather producing T bytes over n ranks: T·(n-1)/n sent per rank;
 - reduce-scatter consuming T bytes over n ranks: T·(n-1)/n;
 - all-reduce of T bytes: 2·T·(n-1)/n (ring);
+- all-to-all of a T-byte input over n ranks: T·(n-1)/n (the own chunk stays home);
 - a group of one rank sends nothing (and no collective is issued).
 
 Bulk phases are those the plan predicts; "control" holds the scalar
@@ -95,6 +96,16 @@ class Collectives:
             return None
         self._charge(family, phase, Fraction(_nbytes(inp) * (n - 1), n))
         return dist.reduce_scatter_tensor(out, inp, group=self.groups[family], async_op=async_op)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, family: str, phase: str,
+                   async_op: bool = False):
+        """Chunk i of ``inp`` (n equal chunks) goes to group rank i; chunk j of ``out`` came from j."""
+        n = self.sizes[family]
+        if n == 1:
+            out.copy_(inp)
+            return None
+        self._charge(family, phase, Fraction(_nbytes(inp) * (n - 1), n))
+        return dist.all_to_all_single(out, inp, group=self.groups[family], async_op=async_op)
 
     def all_reduce(self, t: torch.Tensor, family: str, phase: str,
                    op=dist.ReduceOp.SUM, async_op: bool = False):
