@@ -11,6 +11,7 @@ CPU before anything of ours is measured against it.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +29,9 @@ class TinyGPTSpec:
     seq_length: int = 32
     seed: int = 1234
     params_dtype: torch.dtype = torch.float32
+    # Full activation recomputation, one layer per checkpoint: each layer's
+    # forward runs again inside the backward pass (forward pre-hooks fire there).
+    recompute: bool = False
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,9 @@ class TrainSpec:
     data_seed: int = 99
     bucket_size: int | None = None     # DDP bucket size in elements (None: Megatron's default)
     overlap_grad_reduce: bool = False
+    # Real text instead of random counting sequences: the shipped corpus through
+    # the shipped tokenizer (vocabulary 4096; TinyGPTSpec.vocab_size must cover it).
+    text: bool = False
 
 
 @dataclass
@@ -84,6 +91,8 @@ def build_tiny_gpt(spec: TinyGPTSpec = TinyGPTSpec()):
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=0.02,
+        **(dict(recompute_granularity="full", recompute_method="uniform",
+                recompute_num_layers=1) if spec.recompute else {}),
     )
     torch.manual_seed(spec.seed)
     model = GPTModel(
@@ -107,14 +116,69 @@ def global_batch(step: int, micro: int, spec: TinyGPTSpec, train: TrainSpec, dp_
     """Tokens of one micro-batch for all DP ranks together: [dp_size * micro_batch_size, seq+1].
 
     Drawn from a generator seeded by (data_seed, step, micro) so every rank and
-    the reference see the same numbers without sharing files.
+    the reference see the same numbers without sharing files. With
+    ``train.text``: consecutive windows of the tokenized corpus instead (see
+    :func:`text_batch`).
     """
+    if train.text:
+        return text_batch(step, micro, spec, train, dp_size)
     g = torch.Generator().manual_seed(train.data_seed * 1_000_003 + step * 1009 + micro)
     rows = dp_size * train.micro_batch_size
     # A little structure (each row counts up from a random start) so the loss can fall.
     start = torch.randint(0, spec.vocab_size, (rows, 1), generator=g)
     noise = torch.randint(0, 3, (rows, spec.seq_length + 1), generator=g)
     return (start + torch.arange(spec.seq_length + 1) + noise) % spec.vocab_size
+
+
+_TEXT_CHUNK = 1 << 16  # tokens are produced in multiples of this, so callers share a cache entry
+
+
+@functools.lru_cache(maxsize=4)
+def text_tokens(min_tokens: int) -> torch.Tensor:
+    """The first >= ``min_tokens`` tokens of the shipped corpus (fewer if it is shorter).
+
+    Documents of data_src/python-docs-3.11.jsonl.gz in file order, each encoded
+    by tokenizer/lbp_bpe.model (SentencePiece BPE, vocabulary 4096) and ended by
+    its ``</s>``: the same stream megatron_lbp.data's demo dataset holds. Once
+    per process and length (~0.3 s per 100k tokens); deterministic.
+    """
+    import gzip
+    import json
+
+    import sentencepiece as spm
+
+    from megatron_lbp.data import CORPUS, ensure_tokenizer
+
+    sp = spm.SentencePieceProcessor(model_file=str(ensure_tokenizer()))
+    want = -(-min_tokens // _TEXT_CHUNK) * _TEXT_CHUNK
+    ids: list[int] = []
+    with gzip.open(CORPUS, "rt", encoding="utf-8") as f:
+        for line in f:
+            ids.extend(sp.encode(json.loads(line)["text"]))
+            ids.append(sp.eos_id())
+            if len(ids) >= want:
+                break
+    return torch.tensor(ids, dtype=torch.long)
+
+
+TEXT_VOCAB = 4096
+
+
+def text_batch(step: int, micro: int, spec: TinyGPTSpec, train: TrainSpec, dp_size: int):
+    """Real-text micro-batch for all DP ranks: [dp_size * micro_batch_size, seq+1] token ids.
+
+    Row r of (step, micro) is window number ``(step*micro_batches + micro)*rows + r``
+    of seq+1 consecutive corpus tokens, so a run reads the corpus from its start
+    without repeating a window until it wraps around.
+    """
+    if spec.vocab_size < TEXT_VOCAB:
+        raise ValueError(f"TrainSpec.text needs TinyGPTSpec.vocab_size >= {TEXT_VOCAB} (the "
+                         f"tokenizer's vocabulary), got {spec.vocab_size}")
+    rows, width = dp_size * train.micro_batch_size, spec.seq_length + 1
+    tokens = text_tokens(train.steps * train.micro_batches * rows * width)
+    first = ((step * train.micro_batches + micro) * rows) * width
+    index = (first + torch.arange(rows * width)) % tokens.numel()
+    return tokens[index].view(rows, width)
 
 
 def forward_loss(model, tokens: torch.Tensor) -> torch.Tensor:
