@@ -9,16 +9,21 @@ Life of one bucket in a micro-batch (see DESIGN.md §2):
 
 forward   first owner module's pre-hook: all-gather the primary slices in the
           P-group into ``full`` (or wait for the prefetch issued one bucket
-          earlier), then prefetch the next bucket in forward order;
+          earlier; int8 + scales on the wire with qwZ), keep this rank's 1/S
+          slice of it as the secondary copy when S > 0, then prefetch the
+          next bucket in forward order;
           last owner's post-hook: free ``full``.
 backward  a hook on each owner's outputs fires when their gradient is ready,
-          i.e. just before the module's backward: gather again (and prefetch
-          the next bucket in backward order);
+          i.e. just before the module's backward: gather again -- from the
+          secondary copies in the S-group when S > 0, else from the primary
+          in the P-group -- (and prefetch the next bucket in backward order);
+          activation recomputation's forward pre-hooks gather the same way;
           each parameter's post-accumulate-grad hook adds its gradient into
           the bucket's ``grad_full`` and drops ``param.grad``; when the last
           one arrives the weights are freed and ``grad_full`` (scaled by 1/W)
           is reduce-scattered in the G-group, asynchronously when overlap is
-          on, and added to the persistent 1/G ``grad_shard``.
+          on (an int8 all-to-all summed in fp32 when qgZ covers that group),
+          and added to the persistent 1/G ``grad_shard``.
 
 An "owner" of a bucket is a module whose own parameters live in it, plus any
 module that uses a bucket's weight without owning it (tied output layer),
