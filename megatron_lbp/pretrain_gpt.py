@@ -137,7 +137,14 @@ def main(argv: list[str] | None = None) -> None:
     from megatron.training.arguments import parse_and_validate_args
 
     setattr(train_valid_test_datasets_provider, "is_distributed", True)
-    args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    training_hooks._state["preflight"] = True
+    try:
+        args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    except training_hooks.UsageError as err:
+        # Every rank finds the same problem; one line from rank 0 says it.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"python -m megatron_lbp.pretrain_gpt: error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
     full_config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
     pretrain(full_config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
              forward_step)

@@ -28,7 +28,11 @@ from typing import Any
 
 from megatron_lbp import compat
 
-_state: dict[str, Any] = {"hier": None, "optimizers": []}
+_state: dict[str, Any] = {"hier": None, "optimizers": [], "preflight": False}
+
+
+class UsageError(ValueError):
+    """A training flag or input that cannot work; the message is one line naming it."""
 
 
 def enabled(args: Any) -> bool:
@@ -46,9 +50,21 @@ def add_arguments(parser):
 
 # 2 -------------------------------------------------------------------------------------
 def validate_args(args: Any) -> None:
-    """One-line errors (ValueError) for flags the hierarchy cannot serve, before any model exists."""
-    if not enabled(args):
-        return
+    """One-line errors (UsageError) for flags or inputs that cannot work, before any model exists."""
+    from megatron_lbp import preflight
+
+    try:
+        if _state["preflight"] or enabled(args):
+            preflight.check(args)
+        if enabled(args):
+            _validate_hier_args(args)
+    except UsageError:
+        raise
+    except ValueError as err:  # HierConfigError, TopologyError, PreflightError, refusals
+        raise UsageError(str(err)) from None
+
+
+def _validate_hier_args(args: Any) -> None:
     from megatron_lbp import megatron_adapter
     from megatron_lbp.config import engine_options_from_args, hier_config_from_args
     from megatron_lbp.topology import dp_domain_sizes, launcher_info_from_env, resolve_gpus_per_node
@@ -154,8 +170,10 @@ def install() -> None:
 
     @functools.wraps(orig_validate)
     def validate(args, defaults={}):
+        # After Megatron's own checks: they derive values (query groups, data sizes) ours read.
+        out = orig_validate(args, defaults)
         validate_args(args)
-        return orig_validate(args, defaults)
+        return out
 
     arguments.validate_args = validate
 

@@ -1,0 +1,162 @@
+"""Checks of a training command's inputs that cost seconds now instead of an allocation later.
+
+Run by the training entry point after Megatron has parsed its arguments and
+before any process group or model exists. Each failure is a ``PreflightError``
+whose message is one line naming the input, and nothing has been written yet.
+
+- ``--data-path``: every prefix has a non-empty ``.bin`` and a readable ``.idx``;
+- tokenizer: the model file exists and loads; the data's token ids (a sample
+  from the start of each prefix) fit its vocabulary — data tokenized with
+  another tokenizer is the usual way to waste a run;
+- ``--load``: a checkpoint there was written for the same model shape
+  (layers, hidden size, heads, FFN size, vocabulary, sequence length).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+# Arguments that decide tensor shapes: a checkpoint saved with other values cannot load.
+SHAPE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+              "num_query_groups", "padded_vocab_size", "max_position_embeddings")
+SAMPLE_TOKENS = 1 << 20
+
+
+class PreflightError(ValueError):
+    pass
+
+
+def check(args: Any) -> None:
+    _check_data(args)
+    _check_tokenizer_and_data(args)
+    _check_checkpoint_shape(args)
+
+
+def _data_prefixes(args) -> list[str]:
+    paths = list(getattr(args, "data_path", None) or [])
+    # --data-path takes "prefix" or "weight prefix weight prefix ...".
+    prefixes = [p for p in paths if not _is_number(p)]
+    for attr in ("train_data_path", "valid_data_path", "test_data_path"):
+        prefixes += [p for p in (getattr(args, attr, None) or []) if not _is_number(p)]
+    return prefixes
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _check_data(args) -> None:
+    if getattr(args, "mock_data", False):
+        return
+    prefixes = _data_prefixes(args)
+    if not prefixes and not getattr(args, "data_args_path", None):
+        raise PreflightError("--data-path is missing: give the prefix of a preprocessed dataset "
+                             "(scripts/preprocess_data.py writes <prefix>.bin/.idx) or --mock-data")
+    for prefix in prefixes:
+        for ext in (".bin", ".idx"):
+            path = prefix + ext
+            if not os.path.isfile(path):
+                raise PreflightError(f"--data-path {prefix}: {path} does not exist")
+            if os.path.getsize(path) == 0:
+                raise PreflightError(f"--data-path {prefix}: {path} is empty")
+        try:
+            from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+            ds = IndexedDataset(prefix, mmap=True)
+            if len(ds) == 0:
+                raise PreflightError(f"--data-path {prefix}: the dataset has no documents")
+        except PreflightError:
+            raise
+        except Exception as err:  # a torn or foreign file: say which, not Megatron's traceback
+            raise PreflightError(f"--data-path {prefix}: cannot read the indexed dataset "
+                                 f"({type(err).__name__}: {err})") from None
+
+
+def _check_tokenizer_and_data(args) -> None:
+    model = getattr(args, "tokenizer_model", None)
+    if model and not os.path.exists(model):
+        raise PreflightError(f"--tokenizer-model {model} does not exist")
+    if getattr(args, "mock_data", False):
+        return
+    vocab = getattr(args, "padded_vocab_size", None) or _tokenizer_vocab(args)
+    if not vocab:
+        return
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    for prefix in _data_prefixes(args):
+        ds = IndexedDataset(prefix, mmap=True)
+        seen, top = 0, -1
+        for i in range(len(ds)):
+            doc = ds[i]
+            top = max(top, int(doc.max())) if len(doc) else top
+            seen += len(doc)
+            if seen >= SAMPLE_TOKENS:
+                break
+        if top >= vocab:
+            raise PreflightError(
+                f"--data-path {prefix} holds token id {top} but the tokenizer "
+                f"({getattr(args, 'tokenizer_type', '?')} {model or ''}) has a vocabulary of "
+                f"{vocab}: the data was tokenized with another tokenizer")
+
+
+def _tokenizer_vocab(args) -> int | None:
+    if getattr(args, "tokenizer_type", None) == "SentencePieceTokenizer" and args.tokenizer_model:
+        try:
+            import sentencepiece
+
+            return sentencepiece.SentencePieceProcessor(model_file=args.tokenizer_model).vocab_size()
+        except Exception as err:
+            raise PreflightError(f"--tokenizer-model {args.tokenizer_model} does not load as a "
+                                 f"SentencePiece model ({err})") from None
+    return None
+
+
+def _check_checkpoint_shape(args) -> None:
+    load = getattr(args, "load", None)
+    if not load or getattr(args, "finetune", False) and getattr(args, "no_load_optim", False):
+        return
+    tracker = os.path.join(load, "latest_checkpointed_iteration.txt")
+    if not os.path.isfile(tracker):
+        return  # nothing to resume: Megatron starts from scratch
+    saved = _saved_args(load, tracker, getattr(args, "ckpt_step", None))
+    if saved is None:
+        return
+    diffs = []
+    for name in SHAPE_ARGS:
+        then, now = _effective(saved, name), _effective(args, name)
+        if then is not None and now is not None and then != now:
+            diffs.append(f"{name.replace('_', '-')} {then} (checkpoint) vs {now} (now)")
+    if diffs:
+        raise PreflightError(f"--load {load}: the checkpoint is for another model shape: "
+                             + "; ".join(diffs))
+
+
+def _effective(args, name: str):
+    """The value that shapes the tensors (Megatron fills some defaults after parsing)."""
+    value = getattr(args, name, None)
+    if name == "num_query_groups" and not getattr(args, "group_query_attention", False):
+        return getattr(args, "num_attention_heads", None)
+    if name == "ffn_hidden_size" and value is None and getattr(args, "hidden_size", None):
+        return 4 * args.hidden_size
+    return value
+
+
+def _saved_args(load: str, tracker: str, step: int | None):
+    text = open(tracker).read().strip()
+    iteration = step if step is not None else (None if text == "release" else int(text))
+    ckpt = os.path.join(load, "release" if iteration is None else f"iter_{iteration:07d}")
+    if not os.path.isfile(os.path.join(ckpt, "metadata.json")):
+        raise PreflightError(f"--load {load}: {ckpt} has no metadata.json (an incomplete "
+                             "checkpoint, or not in the torch_dist format)")
+    from megatron.core import dist_checkpointing
+
+    try:
+        common = dist_checkpointing.load_common_state_dict(ckpt)
+    except Exception as err:
+        raise PreflightError(f"--load {load}: cannot read {ckpt} ({type(err).__name__}: "
+                             f"{str(err).splitlines()[0] if str(err) else ''})") from None
+    return common.get("args")

@@ -1,0 +1,55 @@
+"""Run python -m megatron_lbp.pretrain_gpt as users do (torchrun, real files) and read its log."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from megatron_lbp.testing.multirank import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([\dE+\-.]+) \|")
+
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+        "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234",
+        "--position-embedding-type", "rope", "--log-interval", "1", "--eval-iters", "0",
+        "--eval-interval", "100000", "--split", "98,2,0",
+        "--tokenizer-type", "SentencePieceTokenizer",
+        "--tokenizer-model", str(REPO / "tokenizer" / "lbp_bpe.model")]
+
+
+def demo_data(tmp_root: Path) -> str:
+    from megatron_lbp.data import build_demo_data
+
+    return build_demo_data(str(tmp_root))
+
+
+def run_pretrain(nproc: int, args: list[str], *, timeout: int = 900, env: dict | None = None):
+    """(returncode, log text, {iteration: loss}) of one torchrun launch."""
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "megatron_lbp.pretrain_gpt"]
+        extra = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(free_port()), "-m", "megatron_lbp.pretrain_gpt"]
+        extra = {}
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **extra,
+                    **(env or {}))
+    out = subprocess.run(cmd + args, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                         env=full_env)
+    log = out.stdout + out.stderr
+    losses = {int(m.group(1)): float(m.group(2)) for m in LOSS.finditer(log)}
+    return out.returncode, log, losses
+
+
+def why(log: str) -> str:
+    """The lines of a failed run worth reading: errors and the last Megatron output."""
+    keep = [l for l in log.splitlines()
+            if ("error" in l.lower() and "error_injection" not in l and "logits_load" not in l)
+            or "Error" in l]
+    return "\n".join(keep[-15:] + ["--- tail ---"] + log.splitlines()[-15:])
