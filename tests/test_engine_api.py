@@ -172,3 +172,17 @@ def test_inf_gradient_on_one_rank_skips_the_step_on_every_rank():
         assert ok is False and norm is None, f"rank {rank} stepped: ok={ok} norm={norm}"
         assert scale == 2.0 ** 9, f"rank {rank}: loss scale {scale}, expected backoff to 512"
         assert unchanged, f"rank {rank}: weights changed in a skipped step"
+
+
+def test_bucket_buffers_live_on_the_parameters_device():
+    # 'meta' stands in for a GPU here: nothing in a bucket may default to the CPU.
+    from megatron_lbp.engine.buckets import FlatBucket
+    from megatron_lbp.engine.memory import TransientLedger
+
+    p = torch.nn.Parameter(torch.zeros(300, 7, device="meta"))
+    b = FlatBucket(0, [("w", p)], dp_index=0, world_size=2, param_group_size=2, grad_group_size=2,
+                   optim_group_size=2, secondary_group_size=2, grad_dtype=torch.float32,
+                   transient=TransientLedger(), secondary_dtype="int8", quant_block_size=256)
+    b.grad_view(b.slots[0])
+    for name in ("full", "primary", "grad_shard", "secondary", "grad_full"):
+        assert getattr(b, name).device.type == "meta", f"bucket.{name} is on {getattr(b, name).device}"

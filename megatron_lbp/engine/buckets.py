@@ -73,6 +73,11 @@ class FlatBucket:
                  optim_group_size: int, secondary_group_size: int, grad_dtype: torch.dtype,
                  transient: TransientLedger, secondary_dtype: str = "int8",
                  quant_block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        devices = {p.device for _, p in named_params}
+        if len(devices) != 1:
+            raise ValueError(f"bucket {index} mixes devices {sorted(map(str, devices))}")
+        # The bucket lives where the model lives (the GPU/GCD, or the CPU in tests).
+        self.device = devices.pop()
         dtypes = {p.dtype for _, p in named_params}
         if len(dtypes) != 1:
             raise ValueError(f"bucket {index} mixes parameter dtypes {sorted(map(str, dtypes))}")
@@ -98,13 +103,13 @@ class FlatBucket:
         self.optim_in_grad = self.layout.optim_in_grad(r)
 
         n = self.layout.padded_numel
-        self.full = torch.zeros(n, dtype=self.dtype)
+        self.full = torch.zeros(n, dtype=self.dtype, device=self.device)
         for slot in self.slots:
             self.full[slot.start:slot.stop].copy_(slot.param.detach().reshape(-1))
             # From here on the parameter is a window onto the bucket.
             slot.param.data = self.full[slot.start:slot.stop].view(slot.shape)
         self.primary = self.full[self.primary_range.slice].clone()
-        self.grad_shard = torch.zeros(self.layout.grad_size, dtype=grad_dtype)
+        self.grad_shard = torch.zeros(self.layout.grad_size, dtype=grad_dtype, device=self.device)
         self.grad_full: torch.Tensor | None = None
         self.quant_block_size = quant_block_size
         self.secondary_dtype = secondary_dtype
@@ -117,8 +122,11 @@ class FlatBucket:
         self.secondary_version = -1
         if self.secondary_range is not None:
             m = self.secondary_range.size
-            self.secondary = (torch.zeros(quantized_nbytes(m, quant_block_size), dtype=torch.uint8)
-                              if secondary_dtype == "int8" else torch.zeros(m, dtype=torch.bfloat16))
+            self.secondary = (
+                torch.zeros(quantized_nbytes(m, quant_block_size), dtype=torch.uint8,
+                            device=self.device)
+                if secondary_dtype == "int8"
+                else torch.zeros(m, dtype=torch.bfloat16, device=self.device))
         self.state = GatherState.GATHERED
         self.pending = None
         self._transient.alloc(self.full_nbytes)
@@ -168,7 +176,8 @@ class FlatBucket:
     # --- gradients -----------------------------------------------------------------------
     def grad_view(self, slot: ParamSlot) -> torch.Tensor:
         if self.grad_full is None:
-            self.grad_full = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype)
+            self.grad_full = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype,
+                                         device=self.device)
             self._transient.alloc(self.grad_full.numel() * self.grad_full.element_size())
         return self.grad_full[slot.start:slot.stop]
 

@@ -255,7 +255,7 @@ class HierDataParallel(_megatron_base()):
             return Pending(self.comm.all_gather(b.full, b.secondary, "secondary",
                                                 "backward_gather", async_op=async_op))
         # bf16 copy of wider weights: gather in bf16, widen on arrival.
-        tmp = torch.empty(b.layout.padded_numel, dtype=b.secondary.dtype)
+        tmp = torch.empty(b.layout.padded_numel, dtype=b.secondary.dtype, device=b.device)
         nbytes = tmp.numel() * tmp.element_size()
         self.transient.alloc(nbytes)
         work = self.comm.all_gather(tmp, b.secondary, "secondary", "backward_gather",
@@ -306,7 +306,7 @@ class HierDataParallel(_megatron_base()):
         b.grad_full.mul_(1.0 / self.hier.config.world_size)
         send = b.grad_scatter_input()
         send_extra = 0 if send is b.grad_full else send.numel() * send.element_size()
-        out = torch.empty(b.layout.grad_size, dtype=self.grad_dtype)
+        out = torch.empty(b.layout.grad_size, dtype=self.grad_dtype, device=b.device)
         self.transient.alloc(send_extra + out.numel() * out.element_size())
         work = self.reduce_scatter_grad(out, send, "grad", "grad_reduce",
                                         async_op=self.options.overlap)

@@ -95,19 +95,22 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
                 # Views into the flat state buffers: the optimizer state is exactly
                 # 1/O of every padded bucket, contiguous for checkpoints.
                 inner.state[shard] = {
+                    # torch's AdamW keeps a CPU step count unless capturable/fused.
                     "step": torch.tensor(0.0, dtype=torch.float32),
                     "exp_avg": st.exp_avg[lo:hi],
                     "exp_avg_sq": st.exp_avg_sq[lo:hi],
                 }
         super().__init__(inner, config, init_state_fn=lambda *a, **k: None)
-        self._scale_one = torch.tensor([1.0])
+        self._device = self.states[0].bucket.device if self.states else torch.device("cpu")
+        self._scale_one = torch.tensor([1.0], device=self._device)
         self.is_stub_optimizer = False
 
     def _make_state(self, model: HierDataParallel, b: FlatBucket) -> _BucketState:
         n = b.layout.optim_size
         own = b.primary[b.optim_in_primary.slice]
         master = own if b.dtype == torch.float32 else own.float().clone()
-        return _BucketState(b, model, master, torch.zeros(n), torch.zeros(n))
+        return _BucketState(b, model, master, torch.zeros(n, device=b.device),
+                            torch.zeros(n, device=b.device))
 
     # --- step ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -140,7 +143,7 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
             model.finish_grad_sync()
         for st in self.states:
             b = st.bucket
-            grad = torch.empty(b.layout.optim_size, dtype=b.grad_dtype)
+            grad = torch.empty(b.layout.optim_size, dtype=b.grad_dtype, device=b.device)
             # int8 all-to-all summed in fp32 when qgZ covers this (cross-node) hop
             st.model.reduce_scatter_grad(grad, b.grad_shard, "inter", "step_reduce").wait()
             st.model.comm.all_reduce(grad, "replica", "step_reduce")
@@ -148,7 +151,7 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
             st.model.transient.alloc(st.grad.numel() * 4)
 
     def _unscale_and_check_for_inf(self) -> bool:
-        found = torch.zeros(1)
+        found = torch.zeros(1, device=self._device)
         for st in self.states:
             if self.grad_scaler is not None:
                 st.grad.mul_(self.grad_scaler.inv_scale)
@@ -163,7 +166,7 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
         return found_inf
 
     def _grad_norm(self) -> float:
-        sq = torch.zeros(1, dtype=torch.float64)
+        sq = torch.zeros(1, dtype=torch.float64, device=self._device)
         for st in self.states:
             sq += st.grad.double().pow(2).sum()
         # One optimizer instance (the O-group) holds every element exactly once.
