@@ -1,5 +1,9 @@
 """GPT pretraining on megatron.training's own ``pretrain()`` loop, with ``--hier-partition``.
 
+The ``--hier-*`` hooks are applied to the imported megatron.training at start-up
+(``training_hooks.install``); with ``LBP_RUNTIME_HOOKS=0`` they must come from a
+megatron/ package patched by ``scripts/apply_patches.sh`` instead.
+
     torchrun --nproc-per-node 8 -m megatron_lbp.pretrain_gpt <Megatron-LM pretrain_gpt.py flags> \\
         --hier-partition [--hier-preset lbp ...]
 
@@ -129,7 +133,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.argv[1:1] = CPU_FLAGS
         if os.environ.get("RANK", "0") == "0":
             print(f"[megatron-lbp] CPU run: adding {' '.join(CPU_FLAGS)}", flush=True)
-    training_hooks.install()
+    if os.environ.get("LBP_RUNTIME_HOOKS", "1") == "1":
+        training_hooks.install()
+    else:
+        # A patched megatron/ (scripts/apply_patches.sh) carries the hooks itself.
+        compat.enable_training()
 
     from megatron.core.enums import ModelType
     from megatron.training import pretrain

@@ -152,21 +152,20 @@ def _gb(nbytes) -> str:
     return f"{nbytes / 1e9:.4f} GB" if nbytes >= 1e7 else f"{nbytes / 1e6:.3f} MB"
 
 
-# --- runtime installation ------------------------------------------------------------
-def install() -> None:
-    """Point an imported megatron.training at the hooks above (idempotent)."""
-    if getattr(install, "done", False):
+# --- installation: the same wrappers, applied at run time or by patches/ ---------------
+def _current_args():
+    from megatron.training import get_args
+
+    return get_args()
+
+
+def hook_arguments_module(ns: dict) -> None:
+    """megatron/training/arguments.py: our flags next to Megatron's; our checks after its own."""
+    if ns.get("_lbp_hooked"):
         return
-    install.done = True
-    compat.enable()
-    compat.enable_training()
-    from megatron.training import arguments, training
-    from megatron.training.models import dist_utils
-
-    orig_add = arguments.add_megatron_arguments
-    arguments.add_megatron_arguments = lambda parser: add_arguments(orig_add(parser))
-
-    orig_validate = arguments.validate_args
+    ns["_lbp_hooked"] = True
+    orig_add, orig_validate = ns["add_megatron_arguments"], ns["validate_args"]
+    ns["add_megatron_arguments"] = lambda parser: add_arguments(orig_add(parser))
 
     @functools.wraps(orig_validate)
     def validate(args, defaults={}):
@@ -175,51 +174,62 @@ def install() -> None:
         validate_args(args)
         return out
 
-    arguments.validate_args = validate
+    ns["validate_args"] = validate
 
-    orig_ddp_wrap = dist_utils._ddp_wrap
 
-    @functools.wraps(orig_ddp_wrap)
+def hook_dist_utils_module(ns: dict) -> None:
+    """megatron/training/models/dist_utils.py: the config-container builder's DDP wrapping."""
+    if ns.get("_lbp_hooked"):
+        return
+    ns["_lbp_hooked"] = True
+    orig = ns["_ddp_wrap"]
+
+    @functools.wraps(orig)
     def ddp_wrap(model, *a, **k):
-        from megatron.training import get_args
+        args = _current_args()
+        return wrap_model(model, args) if enabled(args) else orig(model, *a, **k)
 
-        args = get_args()
-        return wrap_model(model, args) if enabled(args) else orig_ddp_wrap(model, *a, **k)
+    ns["_ddp_wrap"] = ddp_wrap
 
-    dist_utils._ddp_wrap = ddp_wrap
 
-    orig_wrap_chunks = training.wrap_model_chunks_with_ddp
+def hook_training_module(ns: dict) -> None:
+    """megatron/training/training.py: get_model's DDP wrapping, the optimizer, the log line."""
+    if ns.get("_lbp_hooked"):
+        return
+    ns["_lbp_hooked"] = True
+    orig_wrap, orig_opt, orig_log = (ns["wrap_model_chunks_with_ddp"], ns["get_megatron_optimizer"],
+                                     ns["training_log"])
 
-    @functools.wraps(orig_wrap_chunks)
+    @functools.wraps(orig_wrap)
     def wrap_chunks(model, *a, **k):
-        from megatron.training import get_args
+        args = _current_args()
+        return wrap_model(model, args) if enabled(args) else orig_wrap(model, *a, **k)
 
-        args = get_args()
-        return wrap_model(model, args) if enabled(args) else orig_wrap_chunks(model, *a, **k)
-
-    training.wrap_model_chunks_with_ddp = wrap_chunks
-
-    orig_get_optimizer = training.get_megatron_optimizer
-
-    @functools.wraps(orig_get_optimizer)
+    @functools.wraps(orig_opt)
     def get_optimizer(config, model_chunks, *a, **k):
-        from megatron.training import get_args
-
-        args = get_args()
+        args = _current_args()
         if enabled(args):
             return build_optimizer(config, model_chunks, args)
-        return orig_get_optimizer(config, model_chunks, *a, **k)
+        return orig_opt(config, model_chunks, *a, **k)
 
-    training.get_megatron_optimizer = get_optimizer
-
-    orig_training_log = training.training_log
-
-    @functools.wraps(orig_training_log)
+    @functools.wraps(orig_log)
     def training_log(loss_dict, total_loss_dict, learning_rate, iteration, *a, **k):
-        out = orig_training_log(loss_dict, total_loss_dict, learning_rate, iteration, *a, **k)
-        from megatron.training import get_args
-
-        after_training_log(iteration, get_args())
+        out = orig_log(loss_dict, total_loss_dict, learning_rate, iteration, *a, **k)
+        after_training_log(iteration, _current_args())
         return out
 
-    training.training_log = training_log
+    ns["wrap_model_chunks_with_ddp"] = wrap_chunks
+    ns["get_megatron_optimizer"] = get_optimizer
+    ns["training_log"] = training_log
+
+
+def install() -> None:
+    """Apply the hooks to an imported, unpatched megatron.training (a patched one has them)."""
+    compat.enable()
+    compat.enable_training()
+    from megatron.training import arguments, training
+    from megatron.training.models import dist_utils
+
+    hook_arguments_module(vars(arguments))
+    hook_dist_utils_module(vars(dist_utils))
+    hook_training_module(vars(training))
