@@ -1,8 +1,10 @@
-"""python -m megatron_lbp.bench <command> [options]; commands: overhead."""
+"""python -m megatron_lbp.bench <command> [options]; commands: overhead, traffic, project."""
 import importlib
 import sys
 
-COMMANDS = {"overhead": "megatron_lbp.bench.overhead"}
+COMMANDS = {"overhead": "megatron_lbp.bench.overhead",
+            "traffic": "megatron_lbp.bench.traffic",
+            "project": "megatron_lbp.bench.project"}
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,369 @@
+"""Frontier projection: step time and TFLOPS per GCD from a per-link cost model (pure Python).
+
+The engine's collective schedule per optimizer step is replayed from the plan
+tool's exact per-phase bytes (``megatron_lbp.plan.make_plan`` over
+``megatron_lbp.costs``: buckets padded as the engine pads them, every group's
+link class from the emulated Frontier placement of 8 GCDs per node in packages
+of 2). Each collective costs
+
+    bytes sent by this rank / bandwidth of its link class (per GCD)
+    + latency of its link class * ceil(log2(group size))
+
+and the step is put together with this overlap model (the engine's schedule):
+
+- forward, per micro-batch: the bucket-by-bucket weight all-gathers overlap the
+  forward compute (1/3 of a micro-batch's FLOPs); the first bucket's gather is
+  exposed (nothing to hide it behind), the rest only where it outlasts compute;
+- backward, per micro-batch: weight regathers and gradient reduce-scatters
+  overlap the backward compute (2/3, plus the forward again with
+  recomputation); the last bucket's share is exposed;
+- within one window, collectives on different link classes run concurrently
+  (separate links), those on one class one after another;
+- optimizer step: the reduce-scatter to the optimizer shard, the replica
+  all-reduce and the weight all-gathers back up the hierarchy are fully
+  exposed and sequential, plus Adam on the 1/O shard at HBM bandwidth.
+
+TFLOPS/GCD counts model FLOPs: 6*N per token plus attention 12*L*h*s per
+token (recomputation is not counted as useful work, but takes time). Scaling
+efficiency is TFLOPS/GCD at n GCDs over the same scheme's at the smallest GCD
+count (one node). Every assumption is printed with the output; none is tuned
+to the paper's figures.
+
+Calibration hook: :class:`LinkModel` carries the bandwidths and latencies;
+``LinkModel.from_measured`` builds one from measured link bandwidths (e.g. on
+the emulated network) and :func:`step_time` predicts a step for any plan with
+it, so the model can be checked against measured step times.
+
+    python -m megatron_lbp.bench project [--json] [--mfu 0.35] [--micro-batches 1] ...
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Mapping, Sequence
+
+from megatron_lbp.config import DEFAULT_BUCKET_SIZE
+from megatron_lbp.costs import LINK_CLASS_ORDER, PHASES
+
+GB = 1e9
+US = 1e-6
+
+MODELS = {
+    "10B": {"num_layers": 32, "hidden_size": 5120, "num_attention_heads": 40, "vocab_size": 50304},
+    "20B": {"num_layers": 44, "hidden_size": 6144, "num_attention_heads": 64, "vocab_size": 50304},
+}
+GCDS = (8, 16, 48, 96, 192, 384)
+SCHEMES: dict[str, list[str]] = {
+    "lbp": ["--preset", "lbp"],
+    "lbp-int8-S8": ["--preset", "lbp", "--hier-secondary-group-size", "8",
+                    "--hier-secondary-dtype", "int8"],
+    "zeropp": ["--preset", "zeropp"],
+    "zero3": ["--preset", "zero3"],
+    "zero2": ["--preset", "zero2"],
+    "hsdp": ["--preset", "hsdp"],
+}
+DEFAULT_SCHEMES = ("lbp", "lbp-int8-S8", "zeropp", "zero3")
+PAPER = {
+    "source": "Xu et al., arXiv 2501.04266 (published figures, not recomputed here)",
+    "lbp_over_zeropp_tflops_20B_384": 1.71,
+    "lbp_scaling_efficiency": 0.94,
+    "zeropp_over_zero3_tflops": 1.405,
+}
+# Families each phase's collectives run in (costs.traffic_bytes).
+PHASE_FAMILIES = {
+    "forward_gather": ("param",),
+    "backward_gather": ("secondary|param",),
+    "grad_reduce": ("grad",),
+    "step_reduce": ("inter", "replica"),
+    "step_gather": ("inter", "grad_to_param"),
+}
+PER_MICRO_BATCH = ("forward_gather", "backward_gather", "grad_reduce")
+STEP_PHASES = ("step_reduce", "step_gather")
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """Per-GCD bandwidth (bytes/s each rank can send) and per-collective latency of each class."""
+
+    bandwidth: Mapping[str, float] = field(default_factory=lambda: {
+        "package": 200 * GB, "node": 50 * GB, "network": 12.5 * GB})
+    latency: Mapping[str, float] = field(default_factory=lambda: {
+        "package": 5 * US, "node": 10 * US, "network": 20 * US})
+
+    @classmethod
+    def from_measured(cls, bandwidth: Mapping[str, float],
+                      latency: Mapping[str, float] | None = None) -> "LinkModel":
+        """A model from measured per-rank bandwidths (bytes/s) and latencies (s), e.g. calibration."""
+        base = cls()
+        bw = {c: float(bandwidth.get(c, base.bandwidth[c])) for c in LINK_CLASS_ORDER}
+        lat = {c: float((latency or {}).get(c, base.latency[c])) for c in LINK_CLASS_ORDER}
+        for c in LINK_CLASS_ORDER:
+            if bw[c] <= 0 or lat[c] < 0:
+                raise ValueError(f"{c}: bandwidth {bw[c]} must be > 0 and latency {lat[c]} >= 0")
+        return cls(bw, lat)
+
+
+@dataclass(frozen=True)
+class ComputeModel:
+    """How long the FLOPs take: peak bf16 per GCD times an assumed MFU, plus Adam at HBM speed."""
+
+    peak_flops: float = 191.5e12         # MI250X GCD, bf16 dense
+    mfu: float = 0.35
+    hbm_bytes_per_s: float = 1.6e12
+    adam_bytes_per_element: int = 30     # fp32 master, m, v read+write, fp32 grad read, bf16 write
+    seq_length: int = 2048
+    micro_batch_size: int = 1            # sequences per GCD per micro-batch
+    recompute: bool = False              # full activation recomputation (forward again in backward)
+
+
+def model_flops_per_token(num_params: int, num_layers: int, hidden_size: int,
+                          seq_length: int) -> float:
+    """fwd+bwd model FLOPs per token: 6*N plus attention scores and values 12*L*h*s."""
+    return 6.0 * num_params + 12.0 * num_layers * hidden_size * seq_length
+
+
+def plan_for(model: Mapping[str, int], gcds: int, scheme: str, micro_batches: int,
+             bucket_size: int = DEFAULT_BUCKET_SIZE) -> dict[str, Any]:
+    """The plan tool's figures for one (model, GCD count, scheme): bytes by phase and link."""
+    from megatron_lbp.plan import make_plan
+
+    argv = ["--world-size", str(gcds), "--num-layers", str(model["num_layers"]),
+            "--hidden-size", str(model["hidden_size"]), "--vocab-size", str(model["vocab_size"]),
+            "--micro-batches", str(micro_batches), "--params-dtype", "bf16",
+            "--grad-dtype", "fp32", "--gpus-per-node", "8", "--gcds-per-package", "2",
+            "--bucket-size", str(bucket_size)]
+    return make_plan(argv + SCHEMES[scheme])
+
+
+def _family_size(plan: Mapping[str, Any], family: str) -> int:
+    g = plan["group_sizes"]
+    P, G, O, S, R = g["param"], g["grad"], g["optim"], g["secondary"] or 0, g["replicas"]
+    return {"param": P, "secondary": S, "grad": G, "inter": O // G, "grad_to_param": G // P,
+            "replica": R}[family]
+
+
+def _phase_times(plan: Mapping[str, Any], links: LinkModel) -> dict[str, dict[str, float]]:
+    """Seconds each phase keeps each link class busy, per optimizer step (k micro-batches)."""
+    k, buckets = plan["micro_batches"], plan["buckets"]
+    out: dict[str, dict[str, float]] = {}
+    for phase in PHASES:
+        times = {c: plan["traffic_by_phase"][phase][c] / links.bandwidth[c]
+                 for c in LINK_CLASS_ORDER}
+        for fam in PHASE_FAMILIES[phase]:
+            if fam == "secondary|param":
+                fam = "secondary" if plan["group_sizes"]["secondary"] else "param"
+            n = _family_size(plan, fam)
+            if n <= 1:
+                continue
+            cls = plan["link_classes"][fam]
+            count = buckets * (k if phase in PER_MICRO_BATCH else 1)
+            times[cls] += count * links.latency[cls] * math.ceil(math.log2(n))
+        out[phase] = times
+    return out
+
+
+def _window(comm: float, compute: float, buckets: int) -> float:
+    """Exposed seconds of ``comm`` overlapped with ``compute``: one bucket's share never hides."""
+    first = comm / buckets
+    return first + max(0.0, comm - first - compute)
+
+
+def step_time(plan: Mapping[str, Any], model: Mapping[str, int], links: LinkModel = LinkModel(),
+              compute: ComputeModel = ComputeModel(), overlap: bool = True) -> dict[str, float]:
+    """Predicted seconds of one optimizer step on one GCD, with its parts, and TFLOPS/GCD."""
+    k, buckets = plan["micro_batches"], plan["buckets"]
+    tokens_mb = compute.micro_batch_size * compute.seq_length
+    per_token = model_flops_per_token(plan["params"], model["num_layers"], model["hidden_size"],
+                                      compute.seq_length)
+    rate = compute.peak_flops * compute.mfu
+    t_mb = per_token * tokens_mb / rate
+    t_fwd = t_mb / 3
+    t_bwd = 2 * t_mb / 3 + (t_fwd if compute.recompute else 0.0)
+    ph = _phase_times(plan, links)
+    fwd_comm = max(ph["forward_gather"][c] for c in LINK_CLASS_ORDER) / k
+    bwd_comm = max(ph["backward_gather"][c] + ph["grad_reduce"][c] for c in LINK_CLASS_ORDER) / k
+    if overlap:
+        exposed_mb = _window(fwd_comm, t_fwd, buckets) + _window(bwd_comm, t_bwd, buckets)
+    else:
+        exposed_mb = sum(ph[p][c] for p in PER_MICRO_BATCH for c in LINK_CLASS_ORDER) / k
+    step_comm = sum(ph[p][c] for p in STEP_PHASES for c in LINK_CLASS_ORDER)
+    optim_elems = plan["padded_params"] / plan["group_sizes"]["optim"]
+    t_adam = optim_elems * compute.adam_bytes_per_element / compute.hbm_bytes_per_s
+    total = k * (t_fwd + t_bwd + exposed_mb) + step_comm + t_adam
+    useful = per_token * tokens_mb * k
+    return {"step_s": total, "compute_s": k * (t_fwd + t_bwd), "exposed_micro_batch_comm_s":
+            k * exposed_mb, "step_comm_s": step_comm, "adam_s": t_adam,
+            "tflops_per_gcd": useful / total / 1e12}
+
+
+def project(models: Sequence[str] = tuple(MODELS), gcds: Sequence[int] = GCDS,
+            schemes: Sequence[str] = DEFAULT_SCHEMES, micro_batches: int = 1,
+            bucket_size: int = DEFAULT_BUCKET_SIZE, links: LinkModel = LinkModel(),
+            compute: ComputeModel = ComputeModel(), overlap: bool = True) -> dict[str, Any]:
+    """Every (model, scheme, GCD count): step time, TFLOPS/GCD, scaling efficiency, bytes."""
+    results: dict[str, Any] = {}
+    for name in models:
+        model = MODELS[name]
+        results[name] = {}
+        for scheme in schemes:
+            rows = {}
+            for n in gcds:
+                plan = plan_for(model, n, scheme, micro_batches, bucket_size)
+                row = step_time(plan, model, links, compute, overlap)
+                row["traffic_bytes"] = plan["traffic_bytes"]
+                row["persistent_state_gb"] = plan["memory_bytes"]["total"] / GB
+                row["params"] = plan["params"]
+                rows[str(n)] = row
+            base = rows[str(min(gcds))]["tflops_per_gcd"]
+            for row in rows.values():
+                row["scaling_efficiency"] = row["tflops_per_gcd"] / base
+            results[name][scheme] = rows
+    top = str(max(gcds))
+    ratios = {}
+    for name in models:
+        r = results[name]
+        if "lbp" in r and "zeropp" in r:
+            ratios[f"{name} lbp/zeropp TFLOPS at {top}"] = (
+                r["lbp"][top]["tflops_per_gcd"] / r["zeropp"][top]["tflops_per_gcd"])
+        if "zeropp" in r and "zero3" in r:
+            ratios[f"{name} zeropp/zero3 TFLOPS at {top}"] = (
+                r["zeropp"][top]["tflops_per_gcd"] / r["zero3"][top]["tflops_per_gcd"])
+        if "lbp" in r:
+            ratios[f"{name} lbp scaling efficiency {min(gcds)}->{top}"] = \
+                r["lbp"][top]["scaling_efficiency"]
+    return {"assumptions": assumptions(models, micro_batches, bucket_size, links, compute,
+                                       overlap),
+            "results": results, "ratios": ratios, "paper": PAPER}
+
+
+def assumptions(models, micro_batches, bucket_size, links: LinkModel, compute: ComputeModel,
+                overlap: bool) -> dict[str, Any]:
+    return {
+        "models": {m: MODELS[m] for m in models},
+        "model_notes": "megatron-core GPT, tied embeddings, rope (no position table), "
+                       "biased linears, ffn 4h; vocab 50257 padded to 50304",
+        "placement": "8 GCDs per node, 2 per package (Frontier); consecutive ranks share "
+                     "a package, then a node",
+        "bandwidth_GB_per_s_per_gcd": {c: links.bandwidth[c] / GB for c in LINK_CLASS_ORDER},
+        "bandwidth_notes": "package: MI250X GCD pair 200 GB/s; node: 50 GB/s (lower end of "
+                           "50-100 GB/s Infinity Fabric between packages); network: 100 GB/s "
+                           "injection per node (4 x 25 GB/s Slingshot) / 8 GCDs; every GCD "
+                           "of a node sends at once",
+        "latency_us_per_collective_step": {c: links.latency[c] / US for c in LINK_CLASS_ORDER},
+        "latency_notes": "latency x ceil(log2(group size)) per collective, one collective per "
+                         "bucket per phase and family",
+        "compute": asdict(compute) | {"peak_tflops": compute.peak_flops / 1e12},
+        "flops": "model FLOPs 6*N + 12*L*h*s per token; recomputation costs time, not counted",
+        "micro_batches": micro_batches,
+        "bucket_size_elements": bucket_size,
+        "bucket_notes": "the model is split into equal buckets of this many elements (the "
+                        "engine never splits a parameter: the tied embedding would be one "
+                        "larger bucket of its own)",
+        "dtypes": "bf16 weights and weight gathers, fp32 gradient reduce-scatters, Adam in fp32",
+        "overlap": ("first bucket's gather / last bucket's reduce exposed per micro-batch; "
+                    "the rest hides behind fwd (1/3) / bwd (2/3) compute; link classes run "
+                    "concurrently; optimizer-step collectives and Adam fully exposed"
+                    if overlap else "none: every collective exposed"),
+        "scaling_efficiency": "TFLOPS/GCD at n over the same scheme at the smallest GCD count",
+        "not_modelled": "memory limits (persistent state per GCD is listed, activations are "
+                        "not), contention between concurrent phases on one link, RCCL "
+                        "algorithm choice, stragglers, pipeline/tensor parallelism",
+    }
+
+
+# --------------------------------------------------------------------------- output
+
+
+def render(out: Mapping[str, Any]) -> str:
+    a = out["assumptions"]
+    lines = ["Frontier projection (cost model, not a measurement)", "assumptions:"]
+    for key, value in a.items():
+        lines.append(f"  {key}: {json.dumps(value) if not isinstance(value, str) else value}")
+    for name, per_scheme in out["results"].items():
+        gcds = list(next(iter(per_scheme.values())))
+        lines.append(f"\n{name} ({next(iter(next(iter(per_scheme.values())).values()))['params']/1e9:.2f} B "
+                     f"parameters): TFLOPS/GCD (scaling efficiency)")
+        lines.append("  " + f"{'scheme':<14}" + "".join(f"{g + ' GCDs':>16}" for g in gcds))
+        for scheme, rows in per_scheme.items():
+            lines.append("  " + f"{scheme:<14}" + "".join(
+                f"{rows[g]['tflops_per_gcd']:>9.1f} ({rows[g]['scaling_efficiency']:.2f})"
+                for g in gcds))
+        top = gcds[-1]
+        lines.append(f"  at {top} GCDs, seconds per step: " + ", ".join(
+            f"{s} {rows[top]['step_s']:.2f} (compute {rows[top]['compute_s']:.2f}, exposed "
+            f"comm {rows[top]['exposed_micro_batch_comm_s'] + rows[top]['step_comm_s']:.2f}, "
+            f"state {rows[top]['persistent_state_gb']:.1f} GB)"
+            for s, rows in per_scheme.items()))
+    lines.append("\nratios (model) vs paper:")
+    p = out["paper"]
+    paper_for = {"lbp/zeropp TFLOPS": p["lbp_over_zeropp_tflops_20B_384"],
+                 "zeropp/zero3 TFLOPS": p["zeropp_over_zero3_tflops"],
+                 "lbp scaling efficiency": p["lbp_scaling_efficiency"]}
+    for key, value in out["ratios"].items():
+        ref = next((v for k, v in paper_for.items() if k in key), None)
+        lines.append(f"  {key:<44} model {value:.3f}" + (f"   paper {ref}" if ref else ""))
+    lines.append(f"  paper: {p['source']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    c, links = ComputeModel(), LinkModel()
+    p = argparse.ArgumentParser(prog="python -m megatron_lbp.bench project", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--gcds", default=",".join(map(str, GCDS)))
+    p.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES),
+                   help=f"comma-separated subset of {','.join(SCHEMES)}")
+    p.add_argument("--micro-batches", type=int, default=1)
+    p.add_argument("--micro-batch-size", type=int, default=c.micro_batch_size)
+    p.add_argument("--seq-length", type=int, default=c.seq_length)
+    p.add_argument("--bucket-size", type=int, default=DEFAULT_BUCKET_SIZE,
+                   help=f"elements (default {DEFAULT_BUCKET_SIZE:,}, Megatron's)")
+    p.add_argument("--mfu", type=float, default=c.mfu)
+    p.add_argument("--peak-tflops", type=float, default=c.peak_flops / 1e12)
+    p.add_argument("--recompute", action="store_true", help="full activation recomputation")
+    p.add_argument("--no-overlap", action="store_true")
+    for cls in LINK_CLASS_ORDER:
+        p.add_argument(f"--bw-{cls}", type=float, default=links.bandwidth[cls] / GB,
+                       help="GB/s per GCD")
+        p.add_argument(f"--lat-{cls}", type=float, default=links.latency[cls] / US,
+                       help="microseconds per collective step")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    schemes = [s for s in args.schemes.split(",") if s]
+    if not models or any(m not in MODELS for m in models):
+        p.error(f"--models must be a subset of {','.join(MODELS)}")
+    if not schemes or any(s not in SCHEMES for s in schemes):
+        p.error(f"--schemes must be a subset of {','.join(SCHEMES)}")
+    try:
+        gcds = sorted({int(g) for g in args.gcds.split(",") if g})
+    except ValueError:
+        p.error(f"--gcds={args.gcds!r}: comma-separated integers")
+    if not gcds or any(g < 1 for g in gcds):
+        p.error("--gcds must list positive GCD counts")
+    for flag in ("micro_batches", "micro_batch_size", "seq_length", "bucket_size"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if not 0 < args.mfu <= 1 or args.peak_tflops <= 0:
+        p.error("--mfu must be in (0, 1] and --peak-tflops > 0")
+    try:
+        links = LinkModel.from_measured(
+            {c: getattr(args, f"bw_{c}") * GB for c in LINK_CLASS_ORDER},
+            {c: getattr(args, f"lat_{c}") * US for c in LINK_CLASS_ORDER})
+    except ValueError as e:
+        p.error(str(e))
+    compute = replace(c, mfu=args.mfu, peak_flops=args.peak_tflops * 1e12,
+                      micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+                      recompute=args.recompute)
+    out = project(models, gcds, schemes, args.micro_batches, args.bucket_size, links, compute,
+                  not args.no_overlap)
+    print(json.dumps(out) if args.json else render(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
