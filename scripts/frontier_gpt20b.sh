@@ -1,0 +1,107 @@
+#!/bin/bash
+#SBATCH -A CHANGEME
+#SBATCH -J lbp-gpt20b
+#SBATCH -N 48
+#SBATCH -t 02:00:00
+#SBATCH -p batch
+#SBATCH -o logs/%x-%j.out
+#SBATCH -e logs/%x-%j.err
+#SBATCH --network=disable_rdzv_get
+# (-q debug for a <= 2 h test job; -p extended for <= 64 nodes and 24 h.)
+#
+# GPT 20B (GPT-NeoX-20B shape: 44 layers, hidden 6144, 64 heads, seq 2048,
+# vocabulary 50257 padded to 50304; 20.24 B parameters) pretrained with
+# megatron-lbp's three-level hierarchy on Frontier, one task per GCD.
+#
+#   mkdir -p logs    # Slurm does not create the -o/-e directory
+#   export DATA_PATH=/lustre/orion/<proj>/proj-shared/data/pile_text_document
+#   export VOCAB_FILE=.../gpt2-vocab.json MERGE_FILE=.../gpt2-merges.txt
+#   export CHECKPOINT_DIR=/lustre/orion/<proj>/scratch/$USER/gpt20b
+#   NNODES=48 bash scripts/frontier_gpt20b.sh --dry-run   # check, on a login node
+#   sbatch -A <proj> scripts/frontier_gpt20b.sh          # -N/-t/-q on the command line win
+#
+# Resubmitting the same script resumes from the latest checkpoint in
+# CHECKPOINT_DIR (--save and --load are the same directory, torch_dist format,
+# resharded on load when the node count changes). Extra arguments (or
+# EXTRA_ARGS) are appended to the training command line.
+#
+# None of this has been run on Frontier by the authors: the module names, the
+# RCCL/libfabric settings and the #SBATCH options are the conventions of OLCF's
+# documentation and of ORNL's public launch scripts; every site value below is
+# an environment variable, so override instead of editing.
+#
+# Environment variables (default in brackets):
+#   Site
+#     SBATCH_ACCOUNT   project (or sbatch -A); the CHANGEME above must be overridden
+#     LBP_MODULES      [PrgEnv-gnu/8.7.0 cpe/26.03 miniforge3/23.11.0-0 rocm/7.1.1
+#                       rccl-net-plugin craype-accel-amd-gfx90a]
+#     LBP_ACTIVATE     script sourced for Python (conda/venv activate)
+#                      [$LBP_REPO/.venv/bin/activate if present]
+#     LBP_REPO         megatron-lbp checkout [this script's repo, or $SLURM_SUBMIT_DIR]
+#     MEGATRON_LM_DIR  patched Megatron-LM tree (scripts/apply_patches.sh <dir>); unset:
+#                      python -m megatron_lbp.pretrain_gpt   [unset]
+#     RCCL_NET_PLUGIN_DIR  aws-ofi-rccl lib dir prepended to LD_LIBRARY_PATH [unset: module]
+#     NCCL_SOCKET_IFNAME [hsn0]  NCCL_NET [OFI when NNODES > 1]  NCCL_CROSS_NIC [1]
+#     NCCL_NET_GDR_LEVEL [3]  FI_MR_CACHE_MONITOR [kdreg2]  FI_CXI_ATS [0]
+#     FI_CXI_DISABLE_HOST_REGISTER [1]  FI_CXI_DEFAULT_CQ_SIZE [131072]
+#     FI_CXI_DEFAULT_TX_SIZE [2048]  FI_CXI_RX_MATCH_MODE [hybrid]  FI_CXI_RDZV_PROTO [alt_read]
+#     HSA_FORCE_FINE_GRAIN_PCIE [1]  CUDA_DEVICE_MAX_CONNECTIONS [1]  OMP_NUM_THREADS [7]
+#     LBP_MIOPEN_CACHE_ROOT  node-local dir for MIOpen caches, fresh per job and task [/tmp]
+#     MASTER_ADDR [this node's IP]  MASTER_PORT [3442]
+#   Paths (required)
+#     DATA_PATH        data prefix(es) of .bin/.idx (a blend "w1 p1 w2 p2" works)
+#     VOCAB_FILE MERGE_FILE  GPT-2 BPE files (TOKENIZER_TYPE [GPT2BPETokenizer]; for
+#                      SentencePieceTokenizer/HuggingFaceTokenizer set TOKENIZER_MODEL)
+#     CHECKPOINT_DIR   --save and --load
+#   Job shape
+#     NNODES [allocation's node count]  TASKS_PER_NODE [8]  CPUS_PER_TASK [7]
+#     GPUS_PER_TASK [1]  GPU_BIND [closest]  SRUN_EXTRA_ARGS []  GCD_MEMORY_GB [64]
+#   Model and training
+#     NUM_LAYERS [44] HIDDEN_SIZE [6144] NUM_ATTENTION_HEADS [64] SEQ_LENGTH [2048]
+#     VOCAB_SIZE_PADDED [50304] MICRO_BATCH_SIZE [1] GLOBAL_BATCH_SIZE [1536 = 3.1 M tokens]
+#     TRAIN_ITERS [150000] LR [9.7e-5] MIN_LR [9.7e-6] LR_WARMUP_ITERS [1500]
+#     WEIGHT_DECAY [0.01] CLIP_GRAD [1.0] PRECISION [bf16] RECOMPUTE [full]
+#     SAVE_INTERVAL [500] LOG_INTERVAL [10] EVAL_INTERVAL [1000] EVAL_ITERS [10]
+#     EXIT_DURATION_MINS [110: save and stop 10 min before -t 02:00:00]
+#   Hierarchy (--hier-partition --hier-preset lbp: P = 2 (package), G = 8 (node), O = all)
+#     HIER_SECONDARY_GROUP_SIZE [8]  HIER_SECONDARY_DTYPE [int8]
+#   LBP_DRY_RUN=1 or --dry-run: print the srun and training commands, the parameter
+#     count and the per-GCD memory, launch nothing.
+#
+# Why the int8 secondary copy over S = 8 (the node) and not S = 2 (the package),
+# from python -m megatron_lbp.plan for this model (GB per GCD, weights + int8
+# secondary + fp32 gradient shard + fp32 Adam state, before activations):
+#                 2 nodes (W=16)   8 nodes (W=64)   48 nodes (W=384)
+#   S = 2             55.83            44.44             41.28
+#   S = 8             48.12            36.73             33.57
+# The package-sized copy holds half of the bf16 weights again (10.3 GB); the
+# node-sized one 1/8 in int8 (2.6 GB). With ~4.2 GB of activations and buffers
+# (full recomputation, micro-batch 1) S = 2 leaves under 4 GB of the 64 GB on 2
+# nodes, S = 8 about 11.6 GB. Both keep the backward gather inside the node (Infinity
+# Fabric); S = 8 sends less per step on the package link (20.2 vs 30.5 GB) and
+# more on the node links (104 vs 86 GB), the paper's trade for the memory.
+set -euo pipefail
+
+if [ -z "${LBP_REPO:-}" ]; then
+  here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+  if [ -f "$here/scripts/launch/lbp_launch.sh" ]; then
+    LBP_REPO=$here
+  elif [ -f "${SLURM_SUBMIT_DIR:-/nonexistent}/scripts/launch/lbp_launch.sh" ]; then
+    LBP_REPO=$SLURM_SUBMIT_DIR  # sbatch runs a copy of this script: submit from the repo root
+  else
+    echo "lbp_launch: error: cannot find the megatron-lbp checkout: set LBP_REPO" >&2
+    exit 2
+  fi
+fi
+export LBP_REPO
+
+: "${LBP_PROFILE:=frontier-gpt20b}" "${LBP_SITE:=frontier}"
+: "${LBP_MODULES=PrgEnv-gnu/8.7.0 cpe/26.03 miniforge3/23.11.0-0 rocm/7.1.1 rccl-net-plugin craype-accel-amd-gfx90a}"
+: "${NUM_LAYERS:=44}" "${HIDDEN_SIZE:=6144}" "${NUM_ATTENTION_HEADS:=64}" "${SEQ_LENGTH:=2048}"
+: "${VOCAB_SIZE_PADDED:=50304}" "${MICRO_BATCH_SIZE:=1}" "${GLOBAL_BATCH_SIZE:=1536}"
+: "${TRAIN_ITERS:=150000}" "${LR:=9.7e-5}" "${MIN_LR:=9.7e-6}" "${LR_WARMUP_ITERS:=1500}"
+: "${EXIT_DURATION_MINS:=110}" "${HIER_SECONDARY_GROUP_SIZE:=8}" "${HIER_SECONDARY_DTYPE:=int8}"
+
+# shellcheck source-path=SCRIPTDIR source=launch/lbp_launch.sh
+. "$LBP_REPO/scripts/launch/lbp_launch.sh"
+lbp_main "$@"

@@ -1,0 +1,59 @@
+#!/bin/bash
+#SBATCH -J lbp-local
+#SBATCH -N 2
+#SBATCH --ntasks-per-node=4
+#SBATCH -t 00:15:00
+#SBATCH -o logs/%x-%j.out
+#SBATCH -e logs/%x-%j.err
+#
+# The local profile of the Frontier launchers: the same launcher code
+# (scripts/launch/lbp_launch.sh) as scripts/frontier_gpt20b.sh and
+# scripts/frontier_gpt10b.sh, with a tiny GPT (2 layers, hidden 128) on CPU
+# ranks (gloo), 2 nodes x 4 tasks, on the shipped tokenizer and demo data.
+# For a one-machine Slurm (../shared/reference/local-slurm/) and for tests:
+#
+#   mkdir -p logs && sbatch scripts/local_profile.sh
+#   NNODES=2 bash scripts/local_profile.sh --dry-run
+#
+# The demo data is built by `bash scripts/main.sh`, or by
+#   .venv/bin/python -c 'from megatron_lbp.data import build_demo_data; build_demo_data("data")'
+# Every variable of scripts/frontier_gpt20b.sh applies; the defaults here:
+#   LBP_SITE [local: no Frontier network environment]  TASKS_PER_NODE [4]
+#   CPUS_PER_TASK [1]  GPUS_PER_TASK [0]  MASTER_PORT [29533]
+#   DATA_PATH [$LBP_REPO/data/lbp_demo_text_document]
+#   TOKENIZER_TYPE [SentencePieceTokenizer] TOKENIZER_MODEL [$LBP_REPO/tokenizer/lbp_bpe.model]
+#   CHECKPOINT_DIR [$LBP_REPO/runs/local_profile/checkpoint]
+#   NUM_LAYERS [2] HIDDEN_SIZE [128] NUM_ATTENTION_HEADS [4] SEQ_LENGTH [128]
+#   VOCAB_SIZE_PADDED [4096] MICRO_BATCH_SIZE [2] GLOBAL_BATCH_SIZE [16] TRAIN_ITERS [20]
+#   SAVE_INTERVAL [20] LOG_INTERVAL [5] HIER_SECONDARY_GROUP_SIZE [4: the emulated node]
+#   GCD_MEMORY_GB [4: per CPU rank]
+set -euo pipefail
+
+if [ -z "${LBP_REPO:-}" ]; then
+  here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+  if [ -f "$here/scripts/launch/lbp_launch.sh" ]; then
+    LBP_REPO=$here
+  elif [ -f "${SLURM_SUBMIT_DIR:-/nonexistent}/scripts/launch/lbp_launch.sh" ]; then
+    LBP_REPO=$SLURM_SUBMIT_DIR  # sbatch runs a copy of this script: submit from the repo root
+  else
+    echo "lbp_launch: error: cannot find the megatron-lbp checkout: set LBP_REPO" >&2
+    exit 2
+  fi
+fi
+export LBP_REPO
+
+: "${LBP_PROFILE:=local-tiny-cpu}" "${LBP_SITE:=local}" "${LBP_MODULES=}"
+: "${TASKS_PER_NODE:=4}" "${CPUS_PER_TASK:=1}" "${GPUS_PER_TASK:=0}" "${MASTER_PORT:=29533}"
+: "${DATA_PATH=$LBP_REPO/data/lbp_demo_text_document}" "${SPLIT:=98,2,0}"
+: "${TOKENIZER_TYPE:=SentencePieceTokenizer}" "${TOKENIZER_MODEL=$LBP_REPO/tokenizer/lbp_bpe.model}"
+: "${CHECKPOINT_DIR=$LBP_REPO/runs/local_profile/checkpoint}"
+: "${NUM_LAYERS:=2}" "${HIDDEN_SIZE:=128}" "${NUM_ATTENTION_HEADS:=4}" "${SEQ_LENGTH:=128}"
+: "${VOCAB_SIZE_PADDED:=4096}" "${MICRO_BATCH_SIZE:=2}" "${GLOBAL_BATCH_SIZE:=16}"
+: "${TRAIN_ITERS:=20}" "${LR:=3e-3}" "${MIN_LR:=3e-4}" "${LR_WARMUP_ITERS:=2}"
+: "${WEIGHT_DECAY:=0.1}" "${INIT_METHOD_STD:=0.02}" "${SAVE_INTERVAL:=20}" "${LOG_INTERVAL:=5}"
+: "${EVAL_INTERVAL:=1000}" "${EVAL_ITERS:=0}" "${DIST_TIMEOUT_MINS:=5}" "${RECOMPUTE:=none}"
+: "${HIER_SECONDARY_GROUP_SIZE:=4}" "${GCD_MEMORY_GB:=4}"
+
+# shellcheck source-path=SCRIPTDIR source=launch/lbp_launch.sh
+. "$LBP_REPO/scripts/launch/lbp_launch.sh"
+lbp_main "$@"
