@@ -133,13 +133,24 @@ def rank_traffic(scheme: str, micro_batches: int, bucket_size: int | None,
         trainer.run([COUNTED_STEP], result=result)
     out: dict[str, Any] = {"wrapper": ledger.by_class(),
                            "wrapper_control": ledger.by_class(include_control=True),
-                           "losses": result.losses}
+                           "losses": result.losses, "calls": _call_summary(ledger.calls)}
     if scheme in ENGINE_SCHEMES:
         report = result.step_reports[-1]
         hier = trainer.hier
         out.update(ledger=report["traffic_bytes"], by_phase=report["traffic_by_phase"],
                    bucket_numels=trainer.model.bucket_numels(), config=hier.config.as_dict(),
                    links=dict(hier.link_classes))
+    return out
+
+
+def _call_summary(calls) -> dict[str, dict[str, float]]:
+    """Rank's counted calls grouped as "op n=<group size> <link> <kind>" -> {count, bytes}."""
+    out: dict[str, dict[str, float]] = {}
+    for c in calls:
+        key = f"{c['op']} n={c['group_size']} {c['link']} {c['kind']}"
+        row = out.setdefault(key, {"count": 0, "bytes": 0.0})
+        row["count"] += 1
+        row["bytes"] += float(c["bytes"])
     return out
 
 
@@ -171,7 +182,7 @@ def measure(schemes=SCHEMES, micro_batches: int = 1, ranks: int = 16,
                  else "stock_accounting wrapper",
                  "uniform_across_ranks": all(r == rows[0] for r in rows),
                  "max_over_ranks": {c: max(r[c] for r in rows) for c in LINK_CLASS_ORDER},
-                 "losses": per_rank[0]["losses"]}
+                 "losses": per_rank[0]["losses"], "calls": per_rank[0]["calls"]}
         if key == "ledger":
             entry["wrapper_agrees"] = all(r["wrapper"] == r["ledger"] for r in per_rank)
             for field in ("by_phase", "bucket_numels", "config", "links"):
