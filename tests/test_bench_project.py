@@ -1,4 +1,4 @@
-"""The Frontier projection is a pure function: sane, monotone, reproducible, and printable as JSON."""
+"""The Frontier projection is a pure function: sane, monotone, reproducible, printable as JSON."""
 import json
 import subprocess
 import sys
@@ -89,7 +89,8 @@ def test_cli_json_shape_and_printed_assumptions():
     assert set(obj["results"]["20B"]) == set(pj.DEFAULT_SCHEMES)
     for rows in obj["results"]["20B"].values():
         assert set(rows) == {"8", "384"}
-        assert {"tflops_per_gcd", "scaling_efficiency", "step_s", "traffic_bytes"} <= set(rows["384"])
+        keys = {"tflops_per_gcd", "scaling_efficiency", "step_s", "traffic_bytes"}
+        assert keys <= set(rows["384"])
     assert obj["paper"]["lbp_over_zeropp_tflops_20B_384"] == 1.71
     assert "20B lbp/zeropp TFLOPS at 384" in obj["ratios"]
     text = subprocess.run(args, capture_output=True, text=True, timeout=120)

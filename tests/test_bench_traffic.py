@@ -82,7 +82,7 @@ def _engine_steps_counted_twice(cases):
 
 
 def test_wrapper_equals_engine_ledger():
-    """int8 secondary, qwZ, qgZ (all-to-all) and replicas (all-reduce): bulk bytes equal the ledger's."""
+    """int8 secondary, qwZ, qgZ (all-to-all), replicas (all-reduce): bulk bytes equal the ledger."""
     ranks = run_on_ranks(_engine_steps_counted_twice, WORLD, ENGINE_CASES,
                          rank_env=rank_location_env(NODE), timeout=240)
     for rank, per_case in enumerate(ranks):

@@ -96,7 +96,7 @@ class LinkModel:
     @classmethod
     def from_measured(cls, bandwidth: Mapping[str, float],
                       latency: Mapping[str, float] | None = None) -> "LinkModel":
-        """A model from measured per-rank bandwidths (bytes/s) and latencies (s), e.g. calibration."""
+        """A model from measured per-rank bandwidths (bytes/s) and latencies (s): calibration."""
         base = cls()
         bw = {c: float(bandwidth.get(c, base.bandwidth[c])) for c in LINK_CLASS_ORDER}
         lat = {c: float((latency or {}).get(c, base.latency[c])) for c in LINK_CLASS_ORDER}
@@ -283,9 +283,11 @@ def render(out: Mapping[str, Any]) -> str:
     for key, value in a.items():
         lines.append(f"  {key}: {json.dumps(value) if not isinstance(value, str) else value}")
     for name, per_scheme in out["results"].items():
-        gcds = list(next(iter(per_scheme.values())))
-        lines.append(f"\n{name} ({next(iter(next(iter(per_scheme.values())).values()))['params']/1e9:.2f} B "
-                     f"parameters): TFLOPS/GCD (scaling efficiency)")
+        first = next(iter(per_scheme.values()))
+        gcds = list(first)
+        params = first[gcds[0]]["params"]
+        lines.append(f"\n{name} ({params / 1e9:.2f} B parameters): TFLOPS/GCD "
+                     f"(scaling efficiency)")
         lines.append("  " + f"{'scheme':<14}" + "".join(f"{g + ' GCDs':>16}" for g in gcds))
         for scheme, rows in per_scheme.items():
             lines.append("  " + f"{scheme:<14}" + "".join(

@@ -198,7 +198,7 @@ def _first_error_line(message: str) -> str:
 
 
 def as_json(result: dict[str, Any]) -> dict[str, Any]:
-    """The --json object: {scheme: {"package", "node", "network"}} (unavailable schemes: their reason)."""
+    """The --json object: {scheme: {"package", "node", "network"}} (or {"unavailable": why})."""
     return {s: (dict(r["bytes"]) if "bytes" in r else {"unavailable": r["unavailable"]})
             for s, r in result.items()}
 
