@@ -79,33 +79,31 @@ class Collectives:
     def _charge(self, family: str, phase: str, nbytes: Fraction | int) -> None:
         self.ledger.record(phase, self.links[family], nbytes)
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, family: str, phase: str,
-                   async_op: bool = False):
+    def _exchange(self, collective, out: torch.Tensor, inp: torch.Tensor, family: str,
+                  phase: str, total_bytes: int, async_op: bool):
+        """One out-of-place collective whose rank sends (n-1)/n of ``total_bytes``."""
         n = self.sizes[family]
         if n == 1:
             out.copy_(inp)
             return None
-        self._charge(family, phase, Fraction(_nbytes(out) * (n - 1), n))
-        return dist.all_gather_into_tensor(out, inp, group=self.groups[family], async_op=async_op)
+        self._charge(family, phase, Fraction(total_bytes * (n - 1), n))
+        return collective(out, inp, group=self.groups[family], async_op=async_op)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, family: str, phase: str,
+                   async_op: bool = False):
+        return self._exchange(dist.all_gather_into_tensor, out, inp, family, phase,
+                              _nbytes(out), async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, family: str, phase: str,
                        async_op: bool = False):
-        n = self.sizes[family]
-        if n == 1:
-            out.copy_(inp)
-            return None
-        self._charge(family, phase, Fraction(_nbytes(inp) * (n - 1), n))
-        return dist.reduce_scatter_tensor(out, inp, group=self.groups[family], async_op=async_op)
+        return self._exchange(dist.reduce_scatter_tensor, out, inp, family, phase,
+                              _nbytes(inp), async_op)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, family: str, phase: str,
                    async_op: bool = False):
         """Chunk i of ``inp`` (n equal chunks) goes to group rank i; chunk j of ``out`` came from j."""
-        n = self.sizes[family]
-        if n == 1:
-            out.copy_(inp)
-            return None
-        self._charge(family, phase, Fraction(_nbytes(inp) * (n - 1), n))
-        return dist.all_to_all_single(out, inp, group=self.groups[family], async_op=async_op)
+        return self._exchange(dist.all_to_all_single, out, inp, family, phase, _nbytes(inp),
+                              async_op)
 
     def all_reduce(self, t: torch.Tensor, family: str, phase: str,
                    op=dist.ReduceOp.SUM, async_op: bool = False):
