@@ -313,7 +313,98 @@ def test_task_wrapper_reads_ranks_per_task(tmp_path):
 def test_shellcheck_clean():
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck not installed (apt-get install -y shellcheck; CI installs it)")
-    files = [*SCRIPTS.values(), LOCAL, LAUNCH / "lbp_launch.sh", LAUNCH / "lbp_task.sh"]
+    files = [*SCRIPTS.values(), LOCAL, LAUNCH / "lbp_launch.sh", LAUNCH / "lbp_task.sh",
+             LAUNCH / "local_slurm.sh"]
     r = subprocess.run(["shellcheck", "-x", *map(str, files)], capture_output=True, text=True,
                        cwd=REPO)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+# --------------------------------------------------------------------------- real Slurm
+#
+# bash scripts/test.sh --slow -k local_slurm   (root, Debian: installs slurm + munge with
+# apt-get; ~3 min on 2 cores). Starts a two-node Slurm on this machine
+# (scripts/launch/local_slurm.sh), sbatch's the local profile, the same launcher as the
+# Frontier scripts, and stops every daemon it started by PID whatever the outcome.
+
+LOCAL_SLURM = LAUNCH / "local_slurm.sh"
+
+
+def _wait_job(job: str, env: dict, timeout: float = 900.0) -> str:
+    import time
+
+    deadline = time.monotonic() + timeout
+    state = ""
+    while time.monotonic() < deadline:
+        out = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True,
+                             text=True).stdout
+        m = re.search(r"JobState=(\w+)", out)
+        state = m.group(1) if m else "UNKNOWN"
+        if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+            return state
+        time.sleep(2)
+    subprocess.run(["scancel", job], env=env)
+    return f"TIMEOUT (last {state})"
+
+
+def _sbatch(env: dict, jobs: Path, **export) -> str:
+    exports = ",".join(["ALL"] + [f"{k}={v}" for k, v in export.items()])
+    r = subprocess.run(["sbatch", "--parsable", "--chdir", str(REPO),
+                        "-o", f"{jobs}/%x-%j.out", "-e", f"{jobs}/%x-%j.err",
+                        f"--export={exports}", str(LOCAL)],
+                       env=env, capture_output=True, text=True, check=True)
+    return r.stdout.strip().split(";")[0]
+
+
+@pytest.mark.slow
+def test_local_slurm_job(tmp_path):
+    if os.geteuid() != 0 or (shutil.which("apt-get") is None and shutil.which("slurmctld") is None):
+        pytest.skip("needs root and Debian's slurm packages (or apt-get)")
+    subprocess.run(["bash", str(LOCAL_SLURM), "install"], check=True)
+    from megatron_lbp.data import build_demo_data
+
+    data = build_demo_data(REPO / "data", quiet=True)
+    cluster, jobs = tmp_path / "slurm", tmp_path / "jobs"
+    jobs.mkdir()
+    env = dict(os.environ, SLURM_CONF=str(cluster / "etc" / "slurm.conf"))
+    for k in [k for k in env if k.startswith("SLURM_") and k != "SLURM_CONF"]:
+        env.pop(k)
+    try:
+        subprocess.run(["bash", str(LOCAL_SLURM), "start", str(cluster)], check=True, env=env)
+
+        # 1. A real run: 2 emulated nodes x 4 CPU ranks, lbp, checkpoint at the end.
+        ckpt = tmp_path / "ckpt"
+        job = _sbatch(env, jobs, TRAIN_ITERS=10, SAVE_INTERVAL=10, LOG_INTERVAL=5,
+                      CHECKPOINT_DIR=ckpt, DATA_PATH=data, LBP_LOG_ALL_RANKS=1)
+        state = _wait_job(job, env)
+        out = (jobs / f"lbp-local-{job}.out").read_text()
+        err = (jobs / f"lbp-local-{job}.err").read_text()
+        assert state == "COMPLETED", f"{state}\n{out[-3000:]}\n{err[-3000:]}"
+        assert "srun -N 2 -n 8 --ntasks-per-node=4" in out
+        assert re.search(r"iteration\s+10/\s+10 \|.*lm loss", out)
+        for rank in range(8):
+            node, package = rank // 4, (rank % 4) // 2
+            assert (f"megatron-lbp hierarchy (lbp): W=8 P=2 S=4 G=4 O=8 R=1; rank {rank} on "
+                    in out)
+            assert re.search(rf"rank {rank} on \S+ node {node} package {package}\n", out)
+        assert "  grad           node     ranks [0, 1, 2, 3]" in out
+        assert "  grad           node     ranks [4, 5, 6, 7]" in out
+        assert "  optim          network  ranks [0, 1, 2, 3, 4, 5, 6, 7]" in out
+        assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+        assert (ckpt / "iter_0000010").is_dir()
+
+        # 2. A bad data path the launcher sees: FAILED before srun, the reason in the log.
+        job = _sbatch(env, jobs, DATA_PATH=tmp_path / "missing", CHECKPOINT_DIR=tmp_path / "c2")
+        assert _wait_job(job, env, 120) == "FAILED"
+        err = (jobs / f"lbp-local-{job}.err").read_text()
+        assert "lbp_launch: error: DATA_PATH:" in err and "missing.bin" in err
+
+        # 3. One only training can see (unreadable files): every task stops, the job FAILED.
+        for suffix in (".bin", ".idx"):
+            (tmp_path / f"garbage{suffix}").write_text("not an indexed dataset\n")
+        job = _sbatch(env, jobs, DATA_PATH=tmp_path / "garbage", CHECKPOINT_DIR=tmp_path / "c3")
+        assert _wait_job(job, env, 600) == "FAILED"
+        err = (jobs / f"lbp-local-{job}.err").read_text()
+        assert "error: --data-path" in err and "cannot read the indexed dataset" in err
+    finally:
+        subprocess.run(["bash", str(LOCAL_SLURM), "stop", str(cluster)], env=env)
