@@ -24,8 +24,11 @@
 #
 # Resubmitting the same script resumes from the latest checkpoint in
 # CHECKPOINT_DIR (--save and --load are the same directory, torch_dist format,
-# resharded on load when the node count changes). Extra arguments (or
-# EXTRA_ARGS) are appended to the training command line.
+# resharded on load when the node count changes); EXIT_DURATION_MINS makes a
+# job save and stop before its wall-clock limit. Keep TRAIN_ITERS and the LR
+# settings across resubmissions (Megatron checks the checkpoint's LR schedule;
+# EXTRA_ARGS=--override-opt_param-scheduler to change it on purpose). Extra
+# arguments (or EXTRA_ARGS) are appended to the training command line.
 #
 # None of this has been run on Frontier by the authors: the module names, the
 # RCCL/libfabric settings and the #SBATCH options are the conventions of OLCF's

@@ -323,7 +323,7 @@ def test_shellcheck_clean():
 # --------------------------------------------------------------------------- real Slurm
 #
 # bash scripts/test.sh --slow -k local_slurm   (root, Debian: installs slurm + munge with
-# apt-get; ~3 min on 2 cores). Starts a two-node Slurm on this machine
+# apt-get; 5-7 min on 2 cores). Starts a two-node Slurm on this machine
 # (scripts/launch/local_slurm.sh), sbatch's the local profile, the same launcher as the
 # Frontier scripts, and stops every daemon it started by PID whatever the outcome.
 
@@ -372,16 +372,18 @@ def test_local_slurm_job(tmp_path):
     try:
         subprocess.run(["bash", str(LOCAL_SLURM), "start", str(cluster)], check=True, env=env)
 
-        # 1. A real run: 2 emulated nodes x 4 CPU ranks, lbp, checkpoint at the end.
+        # 1. A real run: 2 emulated nodes x 4 CPU ranks, lbp; it stops at iteration 10 of 15
+        #    (as a Frontier job stops at EXIT_DURATION_MINS) and saves a checkpoint.
         ckpt = tmp_path / "ckpt"
-        job = _sbatch(env, jobs, TRAIN_ITERS=10, SAVE_INTERVAL=10, LOG_INTERVAL=5,
-                      CHECKPOINT_DIR=ckpt, DATA_PATH=data, LBP_LOG_ALL_RANKS=1)
+        job = _sbatch(env, jobs, TRAIN_ITERS=15, SAVE_INTERVAL=100, LOG_INTERVAL=5,
+                      CHECKPOINT_DIR=ckpt, DATA_PATH=data, LBP_LOG_ALL_RANKS=1,
+                      EXTRA_ARGS="--exit-interval 10")
         state = _wait_job(job, env)
         out = (jobs / f"lbp-local-{job}.out").read_text()
         err = (jobs / f"lbp-local-{job}.err").read_text()
         assert state == "COMPLETED", f"{state}\n{out[-3000:]}\n{err[-3000:]}"
         assert "srun -N 2 -n 8 --ntasks-per-node=4" in out
-        assert re.search(r"iteration\s+10/\s+10 \|.*lm loss", out)
+        assert re.search(r"iteration\s+10/\s+15 \|.*lm loss", out)
         for rank in range(8):
             node, package = rank // 4, (rank % 4) // 2
             assert (f"megatron-lbp hierarchy (lbp): W=8 P=2 S=4 G=4 O=8 R=1; rank {rank} on "
@@ -393,13 +395,24 @@ def test_local_slurm_job(tmp_path):
         assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
         assert (ckpt / "iter_0000010").is_dir()
 
-        # 2. A bad data path the launcher sees: FAILED before srun, the reason in the log.
+        # 2. The same job submitted again resumes from the checkpoint and finishes.
+        job = _sbatch(env, jobs, TRAIN_ITERS=15, SAVE_INTERVAL=100, LOG_INTERVAL=5,
+                      CHECKPOINT_DIR=ckpt, DATA_PATH=data)
+        state = _wait_job(job, env)
+        out = (jobs / f"lbp-local-{job}.out").read_text()
+        assert state == "COMPLETED", f"{state}\n{out[-3000:]}"
+        assert re.search(r"successfully loaded checkpoint from \S+ .*at iteration 10", out), out[-3000:]
+        assert re.search(r"iteration\s+15/\s+15 \|", out)
+        assert not re.search(r"iteration\s+5/\s+15 \|", out)
+        assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "15"
+
+        # 3. A bad data path the launcher sees: FAILED before srun, the reason in the log.
         job = _sbatch(env, jobs, DATA_PATH=tmp_path / "missing", CHECKPOINT_DIR=tmp_path / "c2")
         assert _wait_job(job, env, 120) == "FAILED"
         err = (jobs / f"lbp-local-{job}.err").read_text()
         assert "lbp_launch: error: DATA_PATH:" in err and "missing.bin" in err
 
-        # 3. One only training can see (unreadable files): every task stops, the job FAILED.
+        # 4. One only training can see (unreadable files): every task stops, the job FAILED.
         for suffix in (".bin", ".idx"):
             (tmp_path / f"garbage{suffix}").write_text("not an indexed dataset\n")
         job = _sbatch(env, jobs, DATA_PATH=tmp_path / "garbage", CHECKPOINT_DIR=tmp_path / "c3")
