@@ -3,6 +3,7 @@ import importlib
 import sys
 
 COMMANDS = {"overhead": "megatron_lbp.bench.overhead",
+            "report": "megatron_lbp.bench.report",
             "traffic": "megatron_lbp.bench.traffic",
             "project": "megatron_lbp.bench.project"}
 

@@ -1,0 +1,260 @@
+"""The issue's benchmark goals and the headline ratios, computed from the report's run records only.
+
+Nothing here runs anything or holds a number of its own: every figure comes
+from the JSON the sub-commands printed (``runs[key]["result"]``), and every
+reason given for a missed goal is built from those figures. Targets are the
+issue's; they are compared against, never tuned to.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+BYTES_VS_ZERO3 = 1 / 8
+BYTES_VS_ZEROPP = 1 / 3
+SPEEDUP_TARGETS = {"zeropp": 1.5, "zero3": 2.0, "megatron-fsdp": 2.0}
+OVERHEAD_TARGET = 1.15
+CALIBRATION_TOLERANCE = 0.20
+
+
+def result(runs: Mapping[str, Any], key: str) -> Any:
+    """The JSON a run printed, or None when it was skipped, failed or not run."""
+    r = runs.get(key) or {}
+    return r.get("result") if r.get("status") == "ok" else None
+
+
+def why_not(runs: Mapping[str, Any], *keys: str) -> str:
+    for key in keys:
+        r = runs.get(key) or {"reason": "not run"}
+        if r.get("status") != "ok":
+            return f"{key} not run: {r.get('reason', 'unknown')}"
+    return ""
+
+
+def fmt_ratio(x: float) -> str:
+    """A bytes ratio as '0.0500 (1/20.00)'."""
+    return f"{x:.4f} (1/{1 / x:.2f})" if x else "0"
+
+
+def traffic_bytes(runs, k: int) -> dict[str, dict[str, int]] | None:
+    out = result(runs, f"traffic_k{k}")
+    return None if out is None else {s: v for s, v in out.items() if "unavailable" not in v}
+
+
+def _goal(gid: str, goal: str, status: str, measured: str, value: float | None = None,
+          reason: str = "") -> dict[str, Any]:
+    return {"id": gid, "goal": goal, "status": status, "measured": measured, "value": value,
+            "reason": reason}
+
+
+def traffic_goals(runs) -> list[dict[str, Any]]:
+    k1, k4 = traffic_bytes(runs, 1), traffic_bytes(runs, 4)
+    goals = []
+    for gid, other, target, text in (
+            ("bytes_vs_zero3", "zero3", BYTES_VS_ZERO3, "≤ 1/8 of zero3"),
+            ("bytes_vs_zeropp", "zeropp", BYTES_VS_ZEROPP, "≤ 1/3 of zeropp (qwZ + hpZ)")):
+        goal = f"network bytes per rank per optimizer step, K=1: lbp {text}"
+        if not k1 or "lbp" not in k1 or other not in k1:
+            goals.append(_goal(gid, goal, "not measured", "—", None,
+                               why_not(runs, "traffic_k1") or f"lbp or {other} not in the run"))
+            continue
+        lbp, them = k1["lbp"]["network"], k1[other]["network"]
+        v = lbp / them
+        ok = v <= target
+        goals.append(_goal(gid, goal, "met" if ok else "missed",
+                           f"{fmt_ratio(v)}: lbp {lbp:,} B, {other} {them:,} B", v,
+                           "" if ok else f"lbp sends {lbp:,} B on the network per step, more "
+                           f"than {target:.3f} x {other}'s {them:,} B"))
+    goal = "lbp network bytes per rank per step independent of K (K=1 vs K=4)"
+    if not (k1 and k4 and "lbp" in k1 and "lbp" in k4):
+        goals.append(_goal("bytes_independent_of_k", goal, "not measured", "—", None,
+                           why_not(runs, "traffic_k1", "traffic_k4") or "lbp not in the run"))
+    else:
+        a, b = k1["lbp"]["network"], k4["lbp"]["network"]
+        goals.append(_goal("bytes_independent_of_k", goal, "met" if a == b else "missed",
+                           f"{a:,} B at K=1, {b:,} B at K=4", float(b == a),
+                           "" if a == b else f"lbp's network bytes change with K: {a:,} -> {b:,}"))
+    return goals
+
+
+def network_goals(runs) -> list[dict[str, Any]]:
+    net = result(runs, "network")
+    goals = []
+    for scheme, target in SPEEDUP_TARGETS.items():
+        goal = f"emulated network: lbp step ≥ {target:g}x faster than {scheme}"
+        row = (net or {}).get("schemes", {}).get(scheme)
+        if not net or not row or "ratio_to_lbp" not in row:
+            goals.append(_goal(f"speedup_vs_{scheme}", goal, "not measured", "—", None,
+                               why_not(runs, "network") or f"{scheme} not in the network run"))
+            continue
+        v = float(row["ratio_to_lbp"])
+        ok = v >= target
+        reason = ""
+        if not ok:
+            reason = (f"{scheme} / lbp step time measured {v:.2f} "
+                      f"({row['median_s']:.3f} s vs {net['schemes']['lbp']['median_s']:.3f} s)")
+            cal = net.get("calibration", {}).get(scheme)
+            if isinstance(cal, Mapping) and "predicted_ratio" in cal:
+                reason += (f"; the cost model calibrated on the same links predicts "
+                           f"{cal['predicted_ratio']:.2f} for this setup")
+        goals.append(_goal(f"speedup_vs_{scheme}", goal, "met" if ok else "missed",
+                           f"{v:.2f}x ({row['median_s']:.3f} s vs lbp "
+                           f"{net['schemes']['lbp']['median_s']:.3f} s)", v, reason))
+    goal = "calibration: cost model's predicted ratios within 20% of the emulated network's"
+    cal = calibrated_schemes(net)
+    if not cal:
+        goals.append(_goal("calibration", goal, "not measured", "—", None,
+                           why_not(runs, "network") or "no calibration in the network result"))
+    else:
+        worst = max(cal, key=lambda s: abs(cal[s]["rel_error"]))
+        err = abs(cal[worst]["rel_error"])
+        inside = [s for s, c in cal.items() if c["within_20pct"]]
+        misses = [f"{s}: measured {c['measured_ratio']:.2f}, predicted {c['predicted_ratio']:.2f} "
+                  f"({c['rel_error']:+.1%})" for s, c in cal.items() if not c["within_20pct"]]
+        goals.append(_goal("calibration", goal, "met" if len(inside) == len(cal) else "missed",
+                           f"{len(inside)}/{len(cal)} schemes' ratio to lbp within 20%, "
+                           f"largest error "
+                           f"{err:.1%} ({worst})", err, "; ".join(misses)))
+    return goals
+
+
+def calibration_rows(net) -> dict[str, dict[str, Any]]:
+    """The per-scheme entries of the network result's calibration (fitted link figures left out)."""
+    cal = (net or {}).get("calibration") or {}
+    return {s: c for s, c in cal.items()
+            if isinstance(c, Mapping) and {"measured_ratio", "predicted_ratio", "rel_error",
+                                           "within_20pct"} <= set(c)}
+
+
+def calibrated_schemes(net) -> dict[str, dict[str, Any]]:
+    """Calibration rows that test the model: lbp's own ratio is 1 on both sides by definition."""
+    return {s: c for s, c in calibration_rows(net).items() if s != "lbp"}
+
+
+def overhead_goal(runs) -> dict[str, Any]:
+    goal = f"step time on one unshaped node ≤ {OVERHEAD_TARGET}x stock distributed optimizer"
+    ov = result(runs, "overhead")
+    if not ov:
+        return _goal("overhead", goal, "not measured", "—", None, why_not(runs, "overhead"))
+    v = ov["ratio_lbp_over_stock"]
+    m = ov["median_step_s"]
+    ok = v <= OVERHEAD_TARGET
+    measured = (f"{v:.3f}x ({m['lbp']:.3f} s vs {m['megatron-distopt']:.3f} s per step, "
+                f"{ov['ranks']} ranks on {ov['machine']['cpus']} cores)")
+    return _goal("overhead", goal, "met" if ok else "missed", measured, v,
+                 "" if ok else overhead_reason(runs, ov))
+
+
+def overhead_reason(runs, ov) -> str:
+    """Where lbp's extra time on one node goes, from the plan for the run's own configuration."""
+    m = ov["median_step_s"]
+    text = (f"lbp takes {m['lbp'] - m['megatron-distopt']:+.3f} s per step more. On one unshaped "
+            f"node every link is the same loopback, so the hierarchy saves nothing and its extra "
+            f"collectives only cost")
+    plan = result(runs, "overhead_plan")
+    if plan:
+        k, buckets = plan["micro_batches"], plan["buckets"]
+        ph = plan["traffic_by_phase"]
+        per_mb = sum(sum(ph[p].values()) for p in ("forward_gather", "backward_gather",
+                                                   "grad_reduce"))
+        step = sum(sum(ph[p].values()) for p in ("step_reduce", "step_gather"))
+        g = plan["group_sizes"]
+        text += (f": per step lbp (P={g['param']}, G={g['grad']}) issues {3 * k * buckets} "
+                 f"per-micro-batch collectives ({k} micro-batches x {buckets} bucket(s) x forward "
+                 f"gather, backward regather, G-group gradient reduce-scatter: {per_mb:,} B per "
+                 f"rank) plus the step's all-gather ({step:,} B), where stock Megatron "
+                 f"accumulates the gradient locally and issues one reduce-scatter and one "
+                 f"all-gather per bucket per step")
+    k1, k4 = traffic_bytes(runs, 1), traffic_bytes(runs, 4)
+    if k1 and k4 and all("lbp" in t and "megatron-distopt" in t for t in (k1, k4)):
+        tot = {k: {s: sum(t[s].values()) for s in ("lbp", "megatron-distopt")}
+               for k, t in ((1, k1), (4, k4))}
+        text += (f". The traffic run counts the same pattern: lbp sends {tot[1]['lbp']:,} B per "
+                 f"rank per step over all links at K=1 and {tot[4]['lbp']:,} B at K=4, stock "
+                 f"{tot[1]['megatron-distopt']:,} B and {tot[4]['megatron-distopt']:,} B")
+    return text + (f". With {ov['ranks']} ranks on {ov['machine']['cpus']} cores each collective "
+                   f"is a blocking gloo wait that no compute hides")
+
+
+def projection_key(proj, model: str = "20B") -> tuple[str, str] | None:
+    """('20B lbp/zeropp TFLOPS at 384', '384') for the largest GCD count in the result."""
+    if not proj or model not in proj["results"] or "lbp" not in proj["results"][model]:
+        return None
+    top = str(max(int(g) for g in proj["results"][model]["lbp"]))
+    key = f"{model} lbp/zeropp TFLOPS at {top}"
+    return (key, top) if key in proj["ratios"] else None
+
+
+def projection_goal(runs) -> dict[str, Any]:
+    proj = result(runs, "project")
+    kt = projection_key(proj)
+    goal = "projection, 20B at 384 GCDs: lbp / zeropp TFLOPS per GCD next to the paper's 1.71"
+    if not kt:
+        return _goal("projection", goal, "not measured", "—", None,
+                     why_not(runs, "project") or "20B lbp/zeropp not in the projection")
+    key, top = kt
+    v = proj["ratios"][key]
+    paper = proj["paper"]["lbp_over_zeropp_tflops_20B_384"]
+    rows = {s: proj["results"]["20B"][s][top] for s in ("lbp", "zeropp")}
+
+    def parts(r):
+        return (f"{r['step_s']:.2f} s = compute {r['compute_s']:.2f} + exposed micro-batch comm "
+                f"{r['exposed_micro_batch_comm_s']:.2f} + optimizer-step comm "
+                f"{r['step_comm_s']:.2f} + Adam {r['adam_s']:.3f}")
+
+    a = proj["assumptions"]
+    low = min(int(g) for g in proj["results"]["20B"]["lbp"])
+    eff_key = f"20B lbp scaling efficiency {low}->{top}"
+    reason = (f"model {v:.3f} vs paper {paper} ({v / paper - 1:+.1%}). Model step at {top} GCDs: "
+              f"lbp {parts(rows['lbp'])}; zeropp {parts(rows['zeropp'])}. The model is not "
+              f"fitted to the paper: it assumes {a['micro_batches']} micro-batch(es) per step, "
+              f"{a['compute']['mfu']:.0%} MFU and "
+              f"{a['bandwidth_GB_per_s_per_gcd']['network']:g} GB/s network per GCD, hides all "
+              f"but one bucket of each micro-batch's communication behind compute and exposes the "
+              f"optimizer-step collectives fully")
+    if eff_key in proj["ratios"]:
+        reason += (f"; its lbp scaling efficiency is {proj['ratios'][eff_key]:.3f} against the "
+                   f"paper's {proj['paper']['lbp_scaling_efficiency']}")
+    return _goal("projection", goal, "compared", f"{v:.3f} (paper {paper})", v, reason)
+
+
+def goals(runs) -> list[dict[str, Any]]:
+    return [*traffic_goals(runs), *network_goals(runs), overhead_goal(runs),
+            projection_goal(runs)]
+
+
+def headline(runs, goal_list) -> list[dict[str, Any]]:
+    """One line per measured figure the README quotes; figures formatted as in the goals table."""
+    by_id = {g["id"]: g for g in goal_list}
+    lines = []
+    z3, zp = by_id["bytes_vs_zero3"], by_id["bytes_vs_zeropp"]
+    if z3["value"] is not None and zp["value"] is not None:
+        same = by_id["bytes_independent_of_k"]
+        k_note = ("" if same["value"] is None else "; the same at K=4" if same["value"]
+                  else "; different at K=4")
+        lines.append({"id": "network_bytes", "values": [z3["value"], zp["value"]],
+                      "text": f"Network bytes per rank per optimizer step (K=1): lbp / zero3 = "
+                              f"1/{1 / z3['value']:.2f}, lbp / zeropp = 1/{1 / zp['value']:.2f}"
+                              f"{k_note}"})
+    speed = [(s, by_id[f"speedup_vs_{s}"]["value"]) for s in SPEEDUP_TARGETS
+             if by_id[f"speedup_vs_{s}"]["value"] is not None]
+    if speed:
+        lines.append({"id": "emulated_speedup", "values": [v for _, v in speed],
+                      "text": "Emulated network, step time as a multiple of lbp's: " + ", ".join(
+                          f"{s} {v:.2f}x" for s, v in speed)})
+    if by_id["calibration"]["value"] is not None:
+        lines.append({"id": "calibration", "values": [by_id["calibration"]["value"]],
+                      "text": f"Calibration: {by_id['calibration']['measured']}"})
+    if by_id["overhead"]["value"] is not None:
+        lines.append({"id": "overhead", "values": [by_id["overhead"]["value"]],
+                      "text": f"Overhead vs stock Megatron distributed optimizer on one unshaped "
+                              f"CPU node: {by_id['overhead']['value']:.3f}x step time"})
+    if by_id["projection"]["value"] is not None:
+        lines.append({"id": "projection", "values": [by_id["projection"]["value"]],
+                      "text": f"Projection, 20B at 384 GCDs: lbp / zeropp TFLOPS per GCD "
+                              f"{by_id['projection']['measured']}"})
+    return lines
+
+
+def analyse(runs) -> dict[str, Any]:
+    goal_list = goals(runs)
+    return {"goals": goal_list, "headline": headline(runs, goal_list)}

@@ -1,0 +1,244 @@
+"""BENCHMARKS.md from the report's saved record (results.json): nothing is measured here.
+
+Every table cell is formatted from the record by the functions below, so
+``tests/test_bench_report.py`` can read the tables back and compare them with
+the JSON.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from megatron_lbp.bench.report_goals import calibration_rows, fmt_ratio, result, traffic_bytes
+from megatron_lbp.costs import LINK_CLASS_ORDER
+
+NOT_RUN = "not run: "
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
+
+
+def _rel(path: Path, out: Path) -> str:
+    """A link from the report to ``path``: relative when both live in one tree (the repository)."""
+    rel = os.path.relpath(path, out.parent)
+    return str(path) if rel.startswith("../..") else rel
+
+
+def _cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _provenance(run: dict[str, Any]) -> str:
+    if run.get("status") == "skipped":
+        return ""
+    note = f"`{run.get('command', '?')}`"
+    if run.get("reused"):
+        note += (f" (reused from the run started {run.get('started_utc', '?')} at commit "
+                 f"{run.get('git', {}).get('commit', '?')[:12]})")
+    return note
+
+
+def _not_run(runs, *keys) -> str | None:
+    for key in keys:
+        r = runs.get(key, {"status": "failed", "reason": "not run"})
+        if r["status"] != "ok":
+            return f"{NOT_RUN}{r.get('reason', 'unknown')}"
+    return None
+
+
+def headline(report) -> list[str]:
+    lines = ["## Headline", ""]
+    lines += [f"- {h['text']}" for h in report["headline"]] or ["- nothing was measured"]
+    return lines + [""]
+
+
+def goals_table(report) -> list[str]:
+    lines = ["## Goals", "", "Targets from the issue; measured values from the runs below.", "",
+             "| Goal | Measured | Status | Reason (misses, comparisons) |", "|---|---|---|---|"]
+    for g in report["goals"]:
+        lines.append(f"| {_cell(g['goal'])} | {_cell(g['measured'])} | **{g['status']}** | "
+                     f"{_cell(g['reason'])} |")
+    return lines + [""]
+
+
+def traffic_section(report, out: Path, plots: Path) -> list[str]:
+    runs = report["runs"]
+    lines = ["## Link traffic (`python -m megatron_lbp.bench traffic`)", "",
+             "Bytes sent per rank per optimizer step on the slowest link class each collective "
+             "spans; the second of two steps counted; engine rows by the engine's ledger, "
+             "stock rows by the torch.distributed wrapper (see docs/benchmarks.md).", ""]
+    for k in (1, 4):
+        key = f"traffic_k{k}"
+        lines += [f"### K = {k} micro-batch(es)", ""]
+        missing = _not_run(runs, key)
+        if missing:
+            lines += [missing, ""]
+            continue
+        lines += [f"Command: {_provenance(runs[key])}", "",
+                  "| scheme | package | node | network | lbp network / scheme network |",
+                  "|---|---:|---:|---:|---:|"]
+        data = traffic_bytes(runs, k)
+        lbp = data.get("lbp", {}).get("network")
+        for scheme, row in data.items():
+            ratio = fmt_ratio(lbp / row["network"]) if lbp and row["network"] else "—"
+            lines.append(f"| {scheme} | " + " | ".join(f"{row[c]:,}" for c in LINK_CLASS_ORDER)
+                         + f" | {ratio} |")
+        for scheme, row in result(runs, key).items():
+            if "unavailable" in row:
+                lines.append(f"| {scheme} | unavailable: {_cell(row['unavailable'])} | | | |")
+        lines.append("")
+    if "traffic.png" in report["plots"]:
+        lines += [f"![bytes per link class]({_rel(plots / 'traffic.png', out)})", ""]
+    return lines
+
+
+def network_section(report, out: Path, plots: Path) -> list[str]:
+    runs = report["runs"]
+    lines = ["## Emulated network (`python -m megatron_lbp.bench network`)", ""]
+    missing = _not_run(runs, "network")
+    if missing:
+        return lines + [missing, ""]
+    net = result(runs, "network")
+    lines += [f"Command: {_provenance(runs['network'])}", "", "Setup:", "", "```json",
+              json.dumps(net.get("config", {}), indent=1, sort_keys=True), "```", "",
+              "| scheme | median step (s) | ratio to lbp | step times (s) |", "|---|---:|---:|---|"]
+    for scheme, row in net["schemes"].items():
+        times = ", ".join(f"{t:.3f}" for t in row.get("step_s", []))
+        lines.append(f"| {scheme} | {row['median_s']:.3f} | {row['ratio_to_lbp']:.2f} | {times} |")
+    lines.append("")
+    cal = calibration_rows(net)
+    if cal:
+        lines += ["Calibration (the Frontier cost model with link figures fitted on this "
+                  "emulated network, predicting each scheme's step time ratio to lbp):", "",
+                  "| scheme | measured ratio | predicted ratio | relative error | within 20% |",
+                  "|---|---:|---:|---:|---|"]
+        for scheme, c in cal.items():
+            lines.append(f"| {scheme} | {c['measured_ratio']:.2f} | {c['predicted_ratio']:.2f} "
+                         f"| {c['rel_error']:+.1%} | {'yes' if c['within_20pct'] else 'no'} |")
+        fitted = {k: v for k, v in net["calibration"].items() if k not in cal}
+        if fitted:
+            lines += ["", "Fitted figures (long sample lists only in the results file):", "",
+                      "```json", json.dumps(_short(fitted), indent=1), "```"]
+        lines.append("")
+    if "network.png" in report["plots"]:
+        lines += [f"![step time on the emulated network]({_rel(plots / 'network.png', out)})", ""]
+    return lines
+
+
+def _short(value: Any, limit: int = 8) -> Any:
+    """``value`` with lists longer than ``limit`` replaced by their length."""
+    if isinstance(value, dict):
+        return {k: _short(v, limit) for k, v in value.items()}
+    if isinstance(value, list) and len(value) > limit:
+        return f"({len(value)} entries)"
+    return value
+
+
+def overhead_section(report) -> list[str]:
+    runs = report["runs"]
+    lines = ["## Overhead on one unshaped node (`python -m megatron_lbp.bench overhead`)", ""]
+    missing = _not_run(runs, "overhead")
+    if missing:
+        return lines + [missing, ""]
+    ov = result(runs, "overhead")
+    m = ov["model"]
+    lines += [f"Command: {_provenance(runs['overhead'])}", "",
+              f"{ov['ranks']} gloo ranks on this machine ({ov['machine']['cpus']} usable cores), "
+              f"GPT {m['layers']} layers, hidden {m['hidden']}, sequence {m['seq']}, vocabulary "
+              f"{m['vocab']}; {ov['runs']} alternating run(s) per scheme x "
+              f"{ov['steps_timed_per_run']} timed step(s); medians.", "",
+              "| scheme | median step (s) | run medians (s) |", "|---|---:|---|"]
+    for scheme, t in ov["median_step_s"].items():
+        runs_s = ", ".join(f"{x:.3f}" for x in ov["run_medians_s"][scheme])
+        lines.append(f"| {scheme} | {t:.3f} | {runs_s} |")
+    lines += ["", f"Ratio lbp / stock: **{ov['ratio_lbp_over_stock']:.3f}**", ""]
+    plan = runs.get("overhead_plan", {})
+    if plan.get("status") == "ok":
+        lines += [f"Where the time goes is read from the plan for the same configuration: "
+                  f"{_provenance(plan)}", ""]
+    return lines
+
+
+def project_section(report, out: Path, plots: Path) -> list[str]:
+    runs = report["runs"]
+    lines = ["## Frontier projection (`python -m megatron_lbp.bench project`)", ""]
+    missing = _not_run(runs, "project")
+    if missing:
+        return lines + [missing, ""]
+    proj = result(runs, "project")
+    lines += [f"Command: {_provenance(runs['project'])}", "",
+              "A cost model, not a measurement: model TFLOPS per GCD (scaling efficiency against "
+              "the same scheme at the smallest GCD count).", ""]
+    for name, per_scheme in proj["results"].items():
+        gcds = sorted({int(g) for rows in per_scheme.values() for g in rows})
+        params = next(iter(next(iter(per_scheme.values())).values()))["params"]
+        lines += [f"### {name} ({params / 1e9:.2f} B parameters)", "",
+                  "| scheme | " + " | ".join(f"{g} GCDs" for g in gcds) + " |",
+                  "|---|" + "---:|" * len(gcds)]
+        for scheme, rows in per_scheme.items():
+            lines.append(f"| {scheme} | " + " | ".join(
+                f"{rows[str(g)]['tflops_per_gcd']:.1f} ({rows[str(g)]['scaling_efficiency']:.2f})"
+                for g in gcds) + " |")
+        lines.append("")
+    paper = proj["paper"]
+    refs = {"lbp/zeropp TFLOPS": paper["lbp_over_zeropp_tflops_20B_384"],
+            "zeropp/zero3 TFLOPS": paper["zeropp_over_zero3_tflops"],
+            "lbp scaling efficiency": paper["lbp_scaling_efficiency"]}
+    lines += ["| ratio | model | paper |", "|---|---:|---:|"]
+    for key, value in proj["ratios"].items():
+        ref = next((v for k, v in refs.items() if k in key), None)
+        lines.append(f"| {key} | {value:.3f} | {ref if ref is not None else '—'} |")
+    lines += ["", f"Paper: {paper['source']}.", "", "Assumptions (printed by the command):", "",
+              "```json", json.dumps(proj["assumptions"], indent=1), "```", ""]
+    if "projection.png" in report["plots"]:
+        lines += [f"![projected TFLOPS per GCD]({_rel(plots / 'projection.png', out)})", ""]
+    return lines
+
+
+def provenance_section(report) -> list[str]:
+    mc, v, g = report["machine"], report["versions"], report["git"]
+    load = ", ".join(f"{x:.2f}" for x in mc["loadavg_at_start"])
+    lines = ["## Machine, versions, commands", "",
+             f"- Machine: {mc['cpu_model']}, {mc['cpus_usable']} usable of {mc['cpus_online']} "
+             f"CPUs, {mc['kernel']} ({mc['host_arch']}); load average at start {load} "
+             f"(other jobs share this machine, so times are noisy; byte counts are not)",
+             "- Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
+             f"- Git: {g['commit']}" + (" (dirty working tree" + (
+                 f"; uncommitted code: {', '.join(g['dirty_code_paths'])}"
+                 if g["dirty_code_paths"] else "; no uncommitted code") + ")" if g["dirty"]
+                 else " (clean)"),
+             f"- Report: `{report['command']}`, {report['started_utc']} to "
+             f"{report['finished_utc']}", "",
+             "| run | command | status | wall (s) | load at start | started |",
+             "|---|---|---|---:|---|---|"]
+    for key, r in report["runs"].items():
+        status = r["status"] + (" (reused)" if r.get("reused") else "")
+        if r["status"] != "ok":
+            status += f": {r.get('reason', '')}"
+        wall = f"{r['wall_s']:.0f}" if "wall_s" in r else ""
+        load = ", ".join(f"{x:.1f}" for x in r.get("loadavg_at_start", []))
+        cmd = f"`{r['command']}`" if "command" in r else ""
+        lines.append(f"| {key} | {cmd} | {_cell(status)} | {wall} | {load} | "
+                     f"{r.get('started_utc', '')} |")
+    return lines + [""]
+
+
+def markdown(report: dict[str, Any], out: Path, results_path: Path) -> str:
+    plots = results_path.parent
+    kind = "reduced (--quick) " if report["quick"] else ""
+    lines = ["# Benchmarks", "",
+             f"Generated by `{report['command']}` from {kind}fresh runs of the benchmark "
+             f"commands (their `--json` output), {report['finished_utc']}. Do not edit: rerun "
+             f"the command. Every figure below is in "
+             f"[{_rel(results_path, out)}]({_rel(results_path, out)}), with each command, its "
+             f"exit status and wall time; how each command counts and what it assumes is in "
+             f"[docs/benchmarks.md]({_rel(DOCS, out)}).",
+             ""]
+    lines += headline(report)
+    lines += goals_table(report)
+    lines += traffic_section(report, out, plots)
+    lines += network_section(report, out, plots)
+    lines += overhead_section(report)
+    lines += project_section(report, out, plots)
+    lines += provenance_section(report)
+    return "\n".join(lines)
