@@ -1,11 +1,12 @@
-"""python -m megatron_lbp.bench <command> [options]; commands: overhead, traffic, project."""
+"""python -m megatron_lbp.bench <command> [options]; commands: overhead, traffic, project, network."""
 import importlib
 import sys
 
 COMMANDS = {"overhead": "megatron_lbp.bench.overhead",
             "report": "megatron_lbp.bench.report",
             "traffic": "megatron_lbp.bench.traffic",
-            "project": "megatron_lbp.bench.project"}
+            "project": "megatron_lbp.bench.project",
+            "network": "megatron_lbp.bench.network"}
 
 
 def main(argv=None) -> int:

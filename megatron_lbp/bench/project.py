@@ -126,15 +126,20 @@ def model_flops_per_token(num_params: int, num_layers: int, hidden_size: int,
 
 
 def plan_for(model: Mapping[str, int], gcds: int, scheme: str, micro_batches: int,
-             bucket_size: int = DEFAULT_BUCKET_SIZE) -> dict[str, Any]:
-    """The plan tool's figures for one (model, GCD count, scheme): bytes by phase and link."""
+             bucket_size: int = DEFAULT_BUCKET_SIZE, gpus_per_node: int = 8,
+             gcds_per_package: int = 2) -> dict[str, Any]:
+    """The plan tool's figures for one (model, GCD count, scheme): bytes by phase and link.
+
+    ``gpus_per_node``/``gcds_per_package`` default to Frontier; the emulated
+    network's calibration passes its own node shape.
+    """
     from megatron_lbp.plan import make_plan
 
     argv = ["--world-size", str(gcds), "--num-layers", str(model["num_layers"]),
             "--hidden-size", str(model["hidden_size"]), "--vocab-size", str(model["vocab_size"]),
             "--micro-batches", str(micro_batches), "--params-dtype", "bf16",
-            "--grad-dtype", "fp32", "--gpus-per-node", "8", "--gcds-per-package", "2",
-            "--bucket-size", str(bucket_size)]
+            "--grad-dtype", "fp32", "--gpus-per-node", str(gpus_per_node),
+            "--gcds-per-package", str(gcds_per_package), "--bucket-size", str(bucket_size)]
     return make_plan(argv + SCHEMES[scheme])
 
 
@@ -272,6 +277,79 @@ def assumptions(models, micro_batches, bucket_size, links: LinkModel, compute: C
                         "not), contention between concurrent phases on one link, RCCL "
                         "algorithm choice, stragglers, pipeline/tensor parallelism",
     }
+
+
+# --------------------------------------------------------------------------- calibration
+# Only the link figures and the compute time are fitted to measurements; the
+# step model itself (step_time) is the one that projects Frontier, unchanged.
+
+
+def fit_link(samples: Sequence[tuple[float, int, float]]) -> tuple[float, float]:
+    """(bandwidth bytes/s, latency s) of one link class from timed collectives.
+
+    ``samples``: (bytes this rank sent, group size n, seconds). Fits
+    ``seconds = bytes / bandwidth + latency * ceil(log2 n)`` (step_time's
+    collective cost) by least squares on the relative error, so small and large
+    transfers weigh alike; latency is clamped at 0 (then bandwidth is refitted).
+    """
+    rows = [(b, math.ceil(math.log2(n)) if n > 1 else 0, t) for b, n, t in samples if t > 0]
+    if not rows or all(b <= 0 for b, _, _ in rows):
+        raise ValueError("fit_link needs timed samples with bytes > 0")
+    # Normal equations of sum(((b*x + s*y) / t - 1)^2) in x = 1/bandwidth, y = latency.
+    a11 = sum((b / t) ** 2 for b, s, t in rows)
+    a12 = sum(b * s / t ** 2 for b, s, t in rows)
+    a22 = sum((s / t) ** 2 for b, s, t in rows)
+    r1 = sum(b / t for b, s, t in rows)
+    r2 = sum(s / t for b, s, t in rows)
+    det = a11 * a22 - a12 * a12
+    x, y = ((r1 * a22 - r2 * a12) / det, (a11 * r2 - a12 * r1) / det) if det > 0 else (0.0, -1.0)
+    if y < 0 or x <= 0:
+        x, y = r1 / a11, 0.0
+    return 1.0 / x, y
+
+
+def compute_from_measured(model: Mapping[str, int], params: int, seq_length: int,
+                          micro_batch_size: int, micro_batch_s: float, adam_s: float,
+                          adam_elements: float) -> ComputeModel:
+    """A ComputeModel whose micro-batch (fwd+bwd) and Adam times equal measured ones.
+
+    The peak rate is chosen so that step_time's model FLOPs of one micro-batch
+    take ``micro_batch_s`` at MFU 1, and the memory rate so that Adam on
+    ``adam_elements`` takes ``adam_s``.
+    """
+    if micro_batch_s <= 0 or adam_s <= 0 or adam_elements <= 0:
+        raise ValueError(f"measured times must be > 0 (micro-batch {micro_batch_s}, "
+                         f"adam {adam_s}, elements {adam_elements})")
+    per_token = model_flops_per_token(params, model["num_layers"], model["hidden_size"],
+                                      seq_length)
+    base = ComputeModel()
+    return ComputeModel(peak_flops=per_token * seq_length * micro_batch_size / micro_batch_s,
+                        mfu=1.0, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                        hbm_bytes_per_s=adam_elements * base.adam_bytes_per_element / adam_s)
+
+
+def calibrate(measured_step_s: Mapping[str, float], plans: Mapping[str, Mapping[str, Any]],
+              model: Mapping[str, int], links: LinkModel, compute: ComputeModel,
+              reference: str = "lbp", tolerance: float = 0.2) -> dict[str, dict[str, Any]]:
+    """Per scheme: measured and predicted step time, both as ratios to ``reference``, and the error.
+
+    ``plans[scheme]`` is the plan whose traffic models that scheme's step;
+    ``rel_error`` = |predicted ratio - measured ratio| / measured ratio.
+    """
+    if reference not in measured_step_s:
+        raise ValueError(f"the reference scheme {reference!r} was not measured")
+    predicted = {s: step_time(plans[s], model, links, compute) for s in measured_step_s}
+    ref_meas, ref_pred = measured_step_s[reference], predicted[reference]["step_s"]
+    out = {}
+    for s, t in measured_step_s.items():
+        m, p = t / ref_meas, predicted[s]["step_s"] / ref_pred
+        err = abs(p - m) / m
+        out[s] = {"measured_s": t, "predicted_s": predicted[s]["step_s"],
+                  "predicted_parts_s": {k: v for k, v in predicted[s].items()
+                                        if k.endswith("_s") and k != "step_s"},
+                  "measured_ratio": m, "predicted_ratio": p, "rel_error": err,
+                  "within_20pct": err <= tolerance}
+    return out
 
 
 # --------------------------------------------------------------------------- output

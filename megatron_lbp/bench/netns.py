@@ -1,0 +1,208 @@
+"""Emulated nodes as Linux network namespaces behind one shaped switch, and their guaranteed removal.
+
+Topology (all of it inside namespaces named ``lbpn-<pid>-*``; the host's own
+namespace is never touched, so deleting the namespaces removes every link,
+bridge and qdisc):
+
+    lbpn-<pid>-n0  up0 10.77.0.1 --veth-- s0 \\
+    lbpn-<pid>-n1  up0 10.77.0.2 --veth-- s1  >-- bridge br0 in lbpn-<pid>-sw
+    ...                                      /
+
+Each node's uplink is a veth pair shaped with ``tc tbf`` on both ends (egress
+of ``up0`` limits what the node sends, egress of the switch port ``s<i>``
+limits what it receives), so the emulated NIC is rate-limited in each
+direction. Ranks that share a node namespace talk over its loopback, which is
+not shaped (the intra-node links).
+
+Cleanup is the reason this module exists: :class:`EmulatedNetwork` removes its
+namespaces on normal exit and on exceptions (a context manager), the network
+command turns SIGINT/SIGTERM into exceptions, and :func:`sweep_stale` removes
+namespaces of earlier runs whose process is gone (a SIGKILLed run), which the
+command does before it builds anything.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+PREFIX = "lbpn-"
+SUBNET = "10.77.0"
+UPLINK = "up0"
+CLONE_NEWNET = 0x40000000
+_NAME = re.compile(rf"^{PREFIX}(\d+)-")
+
+
+class NetworkSetupError(RuntimeError):
+    """The emulated network cannot be built here; the message is one line saying why."""
+
+
+def missing_requirements() -> str | None:
+    """Why namespaces cannot be built here (one line), or None when they can."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, veth and tc); run as root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"'{tool}' not found on PATH (iproute2 is needed)"
+    return None
+
+
+def _run(*cmd: str) -> str:
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise NetworkSetupError(f"{' '.join(cmd)}: {done.stderr.strip() or done.returncode}")
+    return done.stdout
+
+
+def namespaces() -> list[str]:
+    """Names of all network namespaces (``ip netns list``)."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _pids_in(ns: str) -> list[int]:
+    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _remove(ns: str) -> None:
+    """End the processes still inside ``ns`` (rank processes this tool started), then delete it."""
+    for attempt in range(20):
+        pids = [p for p in _pids_in(ns) if p != os.getpid()]
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05 * (attempt + 1))
+    subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale() -> list[str]:
+    """Delete ``lbpn-<pid>-*`` namespaces whose creating process no longer exists; their names."""
+    gone = []
+    for ns in namespaces():
+        m = _NAME.match(ns)
+        if m and not _alive(int(m.group(1))):
+            _remove(ns)
+            gone.append(ns)
+    return gone
+
+
+def enter(ns: str) -> None:
+    """Move the calling thread (a freshly started rank process) into namespace ``ns``."""
+    fd = os.open(f"/var/run/netns/{ns}", os.O_RDONLY)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into {ns}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class EmulatedNetwork:
+    """``nodes`` namespaces joined by a bridge, each uplink shaped to ``rate_mbit`` each way.
+
+    ``delay_ms`` (optional) adds one-way delay with netem under the tbf on each end.
+    Use as a context manager; :meth:`close` is idempotent.
+    """
+
+    nodes: int
+    rate_mbit: float
+    burst_kb: int = 64
+    queue_ms: int = 200
+    delay_ms: float = 0.0
+    tag: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}-")
+    created: list[str] = field(default_factory=list)
+
+    @property
+    def switch(self) -> str:
+        return f"{self.tag}sw"
+
+    def node_ns(self, i: int) -> str:
+        return f"{self.tag}n{i}"
+
+    def address(self, i: int) -> str:
+        return f"{SUBNET}.{i + 1}"
+
+    def __enter__(self) -> "EmulatedNetwork":
+        try:
+            self.build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+    def _add_ns(self, ns: str) -> None:
+        _run("ip", "netns", "add", ns)
+        self.created.append(ns)
+        _run("ip", "-n", ns, "link", "set", "lo", "up")
+
+    def _shape(self, ns: str, dev: str) -> None:
+        rate = f"{self.rate_mbit}mbit"
+        tbf = ["tbf", "rate", rate, "burst", f"{self.burst_kb}kb", "latency", f"{self.queue_ms}ms"]
+        if self.delay_ms > 0:
+            _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root",
+                 "handle", "1:", *tbf)
+            _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "parent", "1:1",
+                 "handle", "10:", "netem", "delay", f"{self.delay_ms}ms")
+        else:
+            _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", *tbf)
+
+    def build(self) -> None:
+        sw = self.switch
+        self._add_ns(sw)
+        _run("ip", "-n", sw, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", sw, "link", "set", "br0", "up")
+        for i in range(self.nodes):
+            ns = self.node_ns(i)
+            self._add_ns(ns)
+            port = f"s{i}"
+            _run("ip", "-n", sw, "link", "add", port, "type", "veth", "peer", "name", UPLINK,
+                 "netns", ns)
+            _run("ip", "-n", sw, "link", "set", port, "master", "br0")
+            _run("ip", "-n", sw, "link", "set", port, "up")
+            _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", UPLINK)
+            _run("ip", "-n", ns, "link", "set", UPLINK, "up")
+            self._shape(ns, UPLINK)
+            self._shape(sw, port)
+
+    def qdiscs(self) -> dict[str, str]:
+        """``tc qdisc show`` of every shaped device, for the printed setup."""
+        out = {}
+        for i in range(self.nodes):
+            out[f"{self.node_ns(i)}:{UPLINK}"] = _run(
+                "ip", "netns", "exec", self.node_ns(i), "tc", "qdisc", "show", "dev", UPLINK).strip()
+            out[f"{self.switch}:s{i}"] = _run(
+                "ip", "netns", "exec", self.switch, "tc", "qdisc", "show", "dev", f"s{i}").strip()
+        return out
+
+    def close(self) -> None:
+        # Nodes first (their rank processes), the switch last; each delete takes
+        # its veth ends, the bridge and the qdiscs with it.
+        for ns in reversed(self.created):
+            _remove(ns)
+        self.created.clear()

@@ -1,0 +1,240 @@
+"""The emulated-network benchmark: real namespaces, real tbf shaping, real training, real cleanup.
+
+Everything but the flag checks and the fit arithmetic needs root and iproute2;
+those tests skip with the reason the command itself would print.
+"""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatron_lbp.bench import netns
+from megatron_lbp.bench import project as pj
+
+CMD = [sys.executable, "-m", "megatron_lbp.bench", "network"]
+REQUIREMENT = netns.missing_requirements()
+needs_root = pytest.mark.skipif(REQUIREMENT is not None, reason=f"emulated network: {REQUIREMENT}")
+RATE_MBIT = 200
+REDUCED = ["--nodes", "2", "--ranks-per-node", "2", "--steps", "2", "--warmup", "1", "--runs", "1",
+           "--hidden", "128", "--layers", "2", "--seq", "32", "--link-sizes-mb", "0.5,2",
+           "--rate-mbit", str(RATE_MBIT)]
+
+
+def _ours(pid: int) -> list[str]:
+    return [ns for ns in netns.namespaces() if ns.startswith(f"{netns.PREFIX}{pid}-")]
+
+
+def _alive(pids) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    return alive
+
+
+def _wait_for_ranks(proc, timeout=120.0) -> list[int]:
+    """Pids of the rank processes inside the command's first node namespace, once there are some."""
+    deadline = time.monotonic() + timeout
+    ns = f"{netns.PREFIX}{proc.pid}-n0"
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"command ended early: {proc.communicate()[1][-2000:]}"
+        pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
+                                               text=True).stdout.split()]
+        if pids:
+            return pids
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"no rank process appeared in {ns} within {timeout} s")
+
+
+def _gone_within(pids, seconds=10.0) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _alive(pids)
+
+
+@needs_root
+def test_reduced_run_json_shaping_and_cleanup():
+    proc = subprocess.Popen(CMD + REDUCED + ["--schemes", "lbp,zero3", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 0, stderr[-3000:]
+    out = json.loads(stdout.strip().splitlines()[-1])
+    assert _ours(proc.pid) == [], f"namespaces left behind: {_ours(proc.pid)}"
+
+    c = out["config"]
+    assert (c["nodes"], c["ranks_per_node"], c["world_size"]) == (2, 2, 4)
+    assert c["uplink_rate_mbit"] == RATE_MBIT and c["schemes"] == ["lbp", "zero3"]
+    assert {"torch", "megatron_core", "python", "kernel"} <= set(c["versions"])
+    shaped = [q for q in c["qdiscs"].values() if "tbf" in q and "200Mbit" in q]
+    assert len(shaped) == 4, f"expected tbf at 200Mbit on both ends of 2 uplinks: {c['qdiscs']}"
+
+    assert set(out["schemes"]) == {"lbp", "zero3"}
+    for scheme, row in out["schemes"].items():
+        assert len(row["step_s"]) == 2 and all(t > 0 for t in row["step_s"]), (scheme, row)
+        assert row["median_s"] == pytest.approx(sorted(row["step_s"])[0] / 2
+                                                + sorted(row["step_s"])[1] / 2)
+        assert row["ratio_to_lbp"] == pytest.approx(
+            row["median_s"] / out["schemes"]["lbp"]["median_s"])
+        assert all(math.isfinite(x) for x in row["losses"]), row["losses"]
+    assert out["schemes"]["lbp"]["ratio_to_lbp"] == 1.0
+
+    cal = out["calibration"]
+    for scheme in ("lbp", "zero3"):
+        k = cal[scheme]
+        assert k["measured_ratio"] == pytest.approx(out["schemes"][scheme]["ratio_to_lbp"])
+        assert k["predicted_ratio"] > 0
+        assert k["rel_error"] == pytest.approx(
+            abs(k["predicted_ratio"] - k["measured_ratio"]) / k["measured_ratio"])
+        assert k["within_20pct"] is (k["rel_error"] <= 0.2)
+    links = cal["fit"]["links"]
+    assert links["network"]["bandwidth_MB_per_s"] > 0 and links["loopback"]["bandwidth_MB_per_s"] > 0
+
+    # Shaping is real: through a node's uplink the peer all-gathers (every
+    # rank of the node sending across at once) never beat the tbf rate, and
+    # get within a factor 4 of it; loopback in the same run is far faster.
+    rate = RATE_MBIT * 1e6 / 8
+    samples = cal["fit"]["link_samples"]
+    peers = [s for s in samples if s["pattern"] == "peers" and s["op"] == "all_gather"]
+    for s in peers:
+        through_uplink = c["ranks_per_node"] * s["bytes"] / s["s"]
+        assert rate / 4 < through_uplink < 1.1 * rate, (
+            f"{through_uplink / 1e6:.1f} MB/s through a {rate / 1e6:.1f} MB/s uplink: {s}")
+    node = max(s["bytes"] / s["s"] for s in samples if s["pattern"] == "node")
+    big_peer = max(s["bytes"] / s["s"] for s in peers)
+    assert node > 3 * big_peer, f"loopback {node / 1e6:.1f} vs uplink {big_peer / 1e6:.1f} MB/s"
+
+
+@needs_root
+@pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)],
+                         ids=["SIGINT", "SIGTERM"])
+def test_signal_mid_run_removes_everything(sig):
+    proc = subprocess.Popen(CMD + REDUCED + ["--schemes", "lbp", "--steps", "500"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ranks = _wait_for_ranks(proc)
+    assert len(_ours(proc.pid)) == 3, netns.namespaces()  # two nodes and the switch
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "interrupted; emulated network removed" in stderr
+    assert _ours(proc.pid) == [], f"namespaces left after {sig!r}: {_ours(proc.pid)}"
+    assert _gone_within(ranks) == [], "rank processes outlived the command"
+
+
+@needs_root
+def test_crashed_rank_fails_the_run_and_removes_everything():
+    proc = subprocess.Popen(CMD + REDUCED + ["--schemes", "lbp", "--steps", "500"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ranks = _wait_for_ranks(proc)
+    os.kill(ranks[0], signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=90)
+    assert proc.returncode == 1, stderr[-2000:]
+    assert "a rank failed; emulated network removed" in stderr, stderr[-2000:]
+    assert _ours(proc.pid) == [], f"namespaces left after a crash: {_ours(proc.pid)}"
+    assert _gone_within(ranks) == []
+
+
+@needs_root
+def test_killed_command_leaves_state_that_the_next_run_sweeps():
+    proc = subprocess.Popen(CMD + REDUCED + ["--schemes", "lbp", "--steps", "500"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks = _wait_for_ranks(proc)
+    proc.kill()  # SIGKILL: no handler runs
+    proc.wait(timeout=30)
+    stale = _ours(proc.pid)
+    assert len(stale) == 3, f"expected the killed run's namespaces to remain: {netns.namespaces()}"
+    sweep = subprocess.run(CMD + ["--sweep"], capture_output=True, text=True, timeout=60)
+    assert sweep.returncode == 0, sweep.stderr
+    assert all(ns in sweep.stdout for ns in stale), sweep.stdout
+    assert _ours(proc.pid) == []
+    assert _gone_within(ranks) == [], "the sweep left the dead run's rank processes"
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--nodes", "1"], "--nodes=1 must be >= 2"),
+    (["--ranks-per-node", "3"], "--ranks-per-node=3 must be a multiple of 2"),
+    (["--rate-mbit", "0"], "--rate-mbit=0.0 must be > 0"),
+    (["--schemes", "lbp,zero9"], "--schemes: zero9 not in"),
+    (["--hidden", "100", "--heads", "3"], "--hidden=100 must be a multiple of --heads=3"),
+    (["--steps", "0"], "--steps=0 must be >= 1"),
+    (["--link-sizes-mb", "1,-2"], "--link-sizes-mb='1,-2'"),
+    (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+])
+def test_bad_flags_are_one_line_errors(flags, says):
+    done = subprocess.run(CMD + flags, capture_output=True, text=True, timeout=60)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("python -m megatron_lbp.bench network: error:") and says in lines[0], \
+        lines[0]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop to another user")
+def test_refuses_without_root_in_one_line():
+    done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] + CMD
+                          + ["--schemes", "lbp"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HOME": "/tmp"})
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert lines[-1] == ("python -m megatron_lbp.bench network: error: needs root (network "
+                         "namespaces, veth and tc); run as root"), done.stderr[-2000:]
+
+
+def test_fit_link_recovers_bandwidth_and_latency():
+    bw, lat = 25e6, 300e-6
+    samples = [(b, n, b / bw + lat * math.ceil(math.log2(n)))
+               for b in (2e5, 1e6, 4e6) for n in (2, 4, 8)]
+    got_bw, got_lat = pj.fit_link(samples)
+    assert got_bw == pytest.approx(bw, rel=1e-9) and got_lat == pytest.approx(lat, rel=1e-6)
+    # Negative latency would be unphysical: clamped to 0 and the bandwidth refitted.
+    fast_small = [(1e6, 2, 0.01), (4e6, 2, 0.05)]
+    got_bw, got_lat = pj.fit_link(fast_small)
+    assert got_lat == 0.0 and 1e6 / 0.01 > got_bw > 4e6 / 0.05
+
+
+def test_calibrate_reports_ratios_to_lbp_and_the_error():
+    model = pj.MODELS["10B"]
+    plans = {s: pj.plan_for(model, 16, s, 1) for s in ("lbp", "zero3")}
+    compute = pj.ComputeModel()
+    predicted = {s: pj.step_time(plans[s], model, pj.LinkModel(), compute)["step_s"]
+                 for s in plans}
+    measured = {"lbp": 2.0, "zero3": 2.0 * predicted["zero3"] / predicted["lbp"] * 1.5}
+    out = pj.calibrate(measured, plans, model, pj.LinkModel(), compute)
+    assert out["lbp"]["measured_ratio"] == 1.0 and out["lbp"]["rel_error"] == 0.0
+    z = out["zero3"]
+    assert z["predicted_ratio"] == pytest.approx(predicted["zero3"] / predicted["lbp"])
+    assert z["rel_error"] == pytest.approx(1 / 3) and z["within_20pct"] is False
+    with pytest.raises(ValueError, match="reference scheme 'lbp' was not measured"):
+        pj.calibrate({"zero3": 1.0}, plans, model, pj.LinkModel(), compute)
+
+
+def test_compute_from_measured_reproduces_the_timed_compute():
+    model = {"num_layers": 4, "hidden_size": 256, "vocab_size": 1024}
+    plan = pj.plan_for(model, 8, "lbp", 2, gpus_per_node=4)
+    compute = pj.compute_from_measured(model, plan["params"], 64, 1, micro_batch_s=0.08,
+                                       adam_s=0.01, adam_elements=plan["padded_params"] / 8)
+    ideal = pj.LinkModel.from_measured({c: 1e30 for c in ("package", "node", "network")},
+                                       {c: 0.0 for c in ("package", "node", "network")})
+    t = pj.step_time(plan, model, ideal, compute)
+    assert t["compute_s"] == pytest.approx(2 * 0.08) and t["adam_s"] == pytest.approx(0.01)
+
+
+@pytest.mark.slow
+@needs_root
+def test_full_default_run():
+    """The documented default run (2 nodes x 4 ranks, every scheme): a few minutes."""
+    done = subprocess.run(CMD + ["--json"], capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    from megatron_lbp.bench.network import SCHEMES
+
+    assert list(out["schemes"]) == list(SCHEMES)
+    assert set(SCHEMES) <= set(out["calibration"])
