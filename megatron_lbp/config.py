@@ -377,6 +377,17 @@ def _int_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(f"invalid integer value: {text!r}") from None
 
 
+def _positive_seconds(text: str) -> float:
+    """argparse type: a positive number of seconds."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"invalid number of seconds: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
 def add_hier_arguments(parser: argparse.ArgumentParser, *, include_world: bool = False
                        ) -> argparse.ArgumentParser:
     """Register the --hier-* flags; usable as Megatron's ``extra_args_provider``.
@@ -450,6 +461,14 @@ def add_hier_arguments(parser: argparse.ArgumentParser, *, include_world: bool =
     g.add_argument("--hier-comm-report", default=None, metavar="PATH",
                    help="Write bytes per link class and phase, and bytes held per state, "
                         "as JSON lines, one per optimizer step.")
+    g.add_argument("--hier-collective-timeout-s", type=_positive_seconds, default=300.0,
+                   metavar="SECONDS",
+                   help="Timeout of every hierarchy collective (default 300): a peer that "
+                        "is alive but stuck fails the others after this long.")
+    g.add_argument("--hier-fault-checkin-s", type=_positive_seconds, default=15.0,
+                   metavar="SECONDS",
+                   help="After a collective fails, how long survivors wait for every rank "
+                        "to check in; ranks that do not are reported lost (default 15).")
     if include_world:
         g.add_argument("--hier-world-size", type=_int_arg, default=None, metavar="W",
                        help="Data-parallel size, for tools that run without a launcher.")

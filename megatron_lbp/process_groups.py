@@ -29,6 +29,7 @@ from typing import Any, Mapping
 
 import torch.distributed as dist
 
+from megatron_lbp.engine import faults
 from megatron_lbp.config import DEFAULT_GCDS_PER_PACKAGE, HierConfig, HierConfigError, hier_config_from_args
 from megatron_lbp.topology import (
     RankLocation,
@@ -139,10 +140,12 @@ def build_hier_groups(
     me = dist.get_rank()
     created: dict[tuple[int, ...], Any] = {}
     mine_ranks, mine_groups = {}, {}
+    # Bounded waits: a stuck peer fails its groups after --hier-collective-timeout-s.
+    timeout = faults.configure_from_args(args)
     for family, groups in families.items():
         for members in groups:
             if members not in created:
-                created[members] = dist.new_group(list(members))
+                created[members] = dist.new_group(list(members), timeout=timeout)
             if me in members:
                 mine_ranks[family], mine_groups[family] = members, created[members]
     return HierGroups(

@@ -14,6 +14,11 @@ class. The accounting is the same as the plan tool's (megatron_lbp.costs):
 
 Bulk phases are those the plan predicts; "control" holds the scalar
 collectives (gradient norm, inf/nan flags, start-up broadcast) that it does not.
+
+A collective that fails (a peer died, or the group's timeout ran out) is
+diagnosed once by :mod:`megatron_lbp.engine.faults` and raised as a
+``CollectiveFault`` naming the lost rank(s) and the phase; asynchronous work
+keeps the phase it was issued in until ``wait()``.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lbp.costs import LINK_CLASS_ORDER, PHASES
+from megatron_lbp.engine import faults
 
 CONTROL = "control"
 ALL_PHASES = PHASES + (CONTROL,)
@@ -75,6 +81,24 @@ class Collectives:
         self.sizes = dict(sizes)
         self.links = dict(links)
         self.ledger = ledger or CommLedger()
+        self._activity = {f: faults.Activity("", f, _group_ranks(g)) for f, g in self.groups.items()}
+        self._inject = faults.injection_for_this_rank()
+        faults.ensure_monitor()
+
+    def _issue(self, family: str, phase: str, collective, *args, group, async_op: bool, **kwargs):
+        """Issue one collective; a failure (now or at ``wait()``) becomes a diagnosed fault."""
+        base = self._activity.get(family)
+        activity = faults.Activity(phase, family, base.ranks if base else _group_ranks(group))
+        faults.TRACKER.enter(activity)
+        if self._inject is not None:
+            self._inject.before(phase)
+        try:
+            work = collective(*args, group=group, async_op=async_op, **kwargs)
+        except RuntimeError as err:
+            raise faults.diagnose(activity, err) from err
+        finally:
+            faults.TRACKER.leave()
+        return _TrackedWork(work, activity) if work is not None else None
 
     def _charge(self, family: str, phase: str, nbytes: Fraction | int) -> None:
         self.ledger.record(phase, self.links[family], nbytes)
@@ -87,7 +111,8 @@ class Collectives:
             out.copy_(inp)
             return None
         self._charge(family, phase, Fraction(total_bytes * (n - 1), n))
-        return collective(out, inp, group=self.groups[family], async_op=async_op)
+        return self._issue(family, phase, collective, out, inp, group=self.groups[family],
+                           async_op=async_op)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, family: str, phase: str,
                    async_op: bool = False):
@@ -111,11 +136,42 @@ class Collectives:
         if n == 1:
             return None
         self._charge(family, phase, Fraction(2 * _nbytes(t) * (n - 1), n))
-        return dist.all_reduce(t, op=op, group=self.groups[family], async_op=async_op)
+        return self._issue(family, phase, dist.all_reduce, t, op=op, group=self.groups[family],
+                           async_op=async_op)
 
     def broadcast(self, t: torch.Tensor, src: int, group: Any, link: str, group_size: int,
                   phase: str = CONTROL) -> None:
         """Broadcast over an arbitrary group (start-up only); charged as the root's sends."""
         if group_size > 1:
             self.ledger.record(phase, link, _nbytes(t) * (group_size - 1) if dist.get_rank() == src else 0)
-            dist.broadcast(t, src=src, group=group)
+            self._issue("broadcast", phase, dist.broadcast, t, src=src, group=group,
+                        async_op=False)
+
+
+class _TrackedWork:
+    """An issued collective that reports its own phase if waiting for it fails."""
+
+    __slots__ = ("work", "activity")
+
+    def __init__(self, work: Any, activity: faults.Activity) -> None:
+        self.work, self.activity = work, activity
+
+    def wait(self) -> None:
+        faults.TRACKER.enter(self.activity)
+        try:
+            self.work.wait()
+        except RuntimeError as err:
+            raise faults.diagnose(self.activity, err) from err
+        finally:
+            faults.TRACKER.leave()
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+def _group_ranks(group: Any) -> tuple[int, ...]:
+    try:
+        return tuple(dist.get_process_group_ranks(group)) if group is not None \
+            else tuple(range(dist.get_world_size()))
+    except (RuntimeError, ValueError, AttributeError):  # not a live group (no ranks to name)
+        return ()

@@ -76,6 +76,9 @@ class HierDataParallel(_megatron_base()):
             groups=hier.groups, sizes={f: len(r) for f, r in hier.ranks.items()},
             links=hier.link_classes, ledger=ledger)
         self.transient = TransientLedger()
+        # Count of this rank's own non-finite bucket gradients since the last optimizer
+        # step, taken before the reduction mixes ranks (read and reset by the optimizer).
+        self.local_nonfinite = torch.zeros((), dtype=torch.int32)
         self.grad_dtype = _GRAD_DTYPES[options.grad_reduce_dtype]
         self._params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._setup_quantization(hier)
@@ -304,6 +307,8 @@ class HierDataParallel(_megatron_base()):
         if b.grad_full is None:  # nothing arrived: still take part in the collective
             b.grad_view(b.slots[0])
         b.grad_full.mul_(1.0 / self.hier.config.world_size)
+        finite = torch.isfinite(b.grad_full.sum())  # inf/nan survive the sum; no sync on GPU
+        self.local_nonfinite = self.local_nonfinite.to(b.device) + ~finite
         send = b.grad_scatter_input()
         send_extra = 0 if send is b.grad_full else send.numel() * send.element_size()
         out = torch.empty(b.layout.grad_size, dtype=self.grad_dtype, device=b.device)

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lbp.engine.buckets import FlatBucket
+from megatron_lbp.engine import faults
 from megatron_lbp.engine.comm import CONTROL
 from megatron_lbp.engine.data_parallel import HierDataParallel
 from megatron_lbp.engine.memory import tensor_bytes
@@ -66,6 +67,10 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
         self.steps_done = 0
         self.last_step_report: dict[str, Any] = {}
         self.states: list[_BucketState] = []
+        # Megatron's --check-for-nan-in-loss-and-grad: stop on an inf/nan gradient
+        # (set by the training hooks); otherwise a loss scaler skips the step.
+        self.check_for_nan_in_grad = False
+        self.nonfinite_ranks: list[int] = []
         shard_of_param: dict[int, list[torch.nn.Parameter]] = {}
         for model in self.models:
             for b in model.buckets:
@@ -151,19 +156,51 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
             st.model.transient.alloc(st.grad.numel() * 4)
 
     def _unscale_and_check_for_inf(self) -> bool:
-        found = torch.zeros(1, device=self._device)
+        """Agree on every rank whether any gradient is inf/nan, and whose it was.
+
+        One byte per data-parallel rank (its own gradient was non-finite before
+        any reduction, counted by the data-parallel wrapper) plus one for a
+        non-finite reduced slice (a sum that overflowed), MAX-reduced over the
+        O-group and then the replicas: together they span every rank, so every
+        rank reaches the same verdict and names the same ranks.
+        """
+        hier = self.models[0].hier
+        flags = torch.zeros(len(hier.dp_ranks) + 1, dtype=torch.uint8, device=self._device)
+        for m in self.models:
+            flags[hier.dp_index] |= (m.local_nonfinite.to(self._device) > 0).to(torch.uint8)
+            m.local_nonfinite = torch.zeros_like(m.local_nonfinite)
         for st in self.states:
             if self.grad_scaler is not None:
                 st.grad.mul_(self.grad_scaler.inv_scale)
-            if not torch.isfinite(st.grad).all():
-                found.fill_(1.0)
-        # Replicas hold identical slices after the replica all-reduce, so the
-        # O-group's verdict is every rank's verdict.
-        self.comm.all_reduce(found, "optim", CONTROL, op=dist.ReduceOp.MAX)
-        found_inf = bool(found.item() > 0)
+            flags[-1] |= (~torch.isfinite(st.grad).all()).to(torch.uint8)
+        self.comm.all_reduce(flags, "optim", CONTROL, op=dist.ReduceOp.MAX)
+        self.comm.all_reduce(flags, "replica", CONTROL, op=dist.ReduceOp.MAX)
+        flags = flags.tolist()
+        found_inf = any(flags)
+        self.nonfinite_ranks = [hier.dp_ranks[i] for i, f in enumerate(flags[:-1]) if f]
+        if not found_inf:
+            if self.grad_scaler is not None:
+                self.grad_scaler.update(False)
+            return False
+        iteration = faults.TRACKER.iteration
+        origin = (f"rank(s) {self.nonfinite_ranks}" if self.nonfinite_ranks
+                  else "no single rank (the reduced sum overflowed)")
+        if self.check_for_nan_in_grad:
+            raise NonFiniteGradientError(
+                f"[megatron-lbp] iteration {iteration}: inf/nan gradient produced by {origin} "
+                "before the data-parallel reduction; stopping (--check-for-nan-in-loss-and-grad)",
+                self.nonfinite_ranks, iteration)
         if self.grad_scaler is not None:
-            self.grad_scaler.update(found_inf)
-        return found_inf
+            before = float(self.grad_scaler.scale.item())
+            self.grad_scaler.update(True)
+            what = (f"step skipped, loss scale {before:g} -> "
+                    f"{float(self.grad_scaler.scale.item()):g}")
+        else:
+            what = "no loss scaler and no --check-for-nan-in-loss-and-grad: step taken anyway"
+        if dist.get_rank() == hier.dp_ranks[0]:
+            print(f"[megatron-lbp] iteration {iteration}: inf/nan gradient from {origin}; {what}",
+                  flush=True)
+        return True
 
     def _grad_norm(self) -> float:
         sq = torch.zeros(1, dtype=torch.float64, device=self._device)
@@ -195,8 +232,10 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
 
     def _finish_step(self) -> None:
         self.steps_done += 1
+        faults.TRACKER.iteration += 1
         self.last_step_report = {"step": self.steps_done, **self.traffic_report(),
-                                 "memory_bytes": self.memory_bytes()}
+                                 "memory_bytes": self.memory_bytes(),
+                                 "nonfinite_ranks": list(self.nonfinite_ranks)}
         if self.comm_report:
             self._write_comm_report(self.last_step_report)
         for model in self.models:
@@ -311,6 +350,15 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
             group.update({k: v for k, v in saved.items() if k != "params"})
             for shard in group["params"]:
                 self.optimizer.state[shard]["step"].fill_(state_dict["step"])
+
+
+class NonFiniteGradientError(RuntimeError):
+    """An inf/nan gradient with --check-for-nan-in-loss-and-grad; raised on every rank alike."""
+
+    def __init__(self, message: str, ranks: list[int], iteration: int) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+        self.iteration = iteration
 
 
 def _intersect(a0: int, a1: int, b0: int, b1: int) -> tuple[int, int] | None:

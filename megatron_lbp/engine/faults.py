@@ -1,0 +1,391 @@
+"""A lost rank or a stuck collective: who, in which phase, one log line, and every rank exits.
+
+Why this is needed: gloo tells a dead peer's loss only to the ranks that read
+from that peer's socket. The others keep waiting in collectives with ranks
+that are alive but busy handling the error, so without help a dead rank
+turns into a job that hangs until the process-group timeout, and the log of
+whichever rank fails first says "Connection reset by peer" without naming
+anyone.
+
+How it works (all through the job's own rendezvous store, no extra service):
+
+1. Phase tracking: :class:`~megatron_lbp.engine.comm.Collectives` marks, for
+   every collective it issues or waits for, its phase, group family and ranks
+   (:data:`TRACKER`); asynchronous work carries the phase it was issued in, so
+   an error that surfaces at ``wait()`` is attributed to that phase.
+2. A monitor thread per rank blocks on one store key (the fault flag) over its
+   own connection: idle, it costs nothing. Whoever raises the flag wakes every
+   live rank's monitor, which checks in with what its main thread is doing --
+   even when that thread sits in a collective with a peer that is itself busy
+   diagnosing.
+3. A rank whose collective fails (:func:`diagnose`) checks in and raises the
+   flag; the first one (a store counter decides) waits up to the check-in
+   window for every rank and publishes the verdict: the ranks that never
+   checked in are lost. Every rank prints one line naming them and the phase,
+   and raises :class:`CollectiveFault` (exit status non-zero).
+4. The store lives in rank 0's process for plain and Slurm launches: when it
+   no longer answers, rank 0 is the lost one.
+5. Once a verdict is known a rank exits within ``exit_grace_s`` even if its
+   main thread is stuck somewhere else (Megatron's own collectives, shutdown).
+   The hierarchy's groups are created with ``--hier-collective-timeout-s``,
+   so a peer that is alive but stuck cannot hold the others forever either.
+
+Fault injection (testing aid): ``LBP_FAULT_INJECT="rank=3,phase=grad_reduce,
+iteration=2"`` makes rank 3 SIGKILL itself right before issuing its first
+``grad_reduce`` collective of iteration 2 (``action=hang``: sleep there
+instead). Unset, the engine never looks at it again after start-up.
+"""
+from __future__ import annotations
+
+import atexit
+import datetime
+import faulthandler
+import json
+import multiprocessing.util
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
+DEFAULT_CHECKIN_S = 15.0
+INJECT_ENV = "LBP_FAULT_INJECT"
+
+_PREFIX = "lbp_fault/"
+_FLAG = _PREFIX + "flag"            # set once a collective failed somewhere (or "closing")
+_DETECTORS = _PREFIX + "detectors"  # counter: the first detector coordinates
+_CHECKED_IN = _PREFIX + "checked_in"
+_VERDICT = _PREFIX + "verdict"
+_ACKS = _PREFIX + "acks"
+_CLOSING = "closing"
+_CLOSING_ACKS = _PREFIX + "closing_acks"
+
+
+class CollectiveFault(RuntimeError):
+    """A hierarchy collective failed; the message is the one-line diagnosis."""
+
+    def __init__(self, message: str, lost: list[int], verdict: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.lost = lost
+        self.verdict = verdict
+
+
+class RankLostError(CollectiveFault):
+    """One or more ranks died (or their host did): ``lost`` names them."""
+
+
+@dataclass(frozen=True)
+class Activity:
+    phase: str
+    family: str
+    ranks: tuple[int, ...]
+
+    def describe(self) -> str:
+        return f"{self.phase} (group '{self.family}', ranks {format_ranks(self.ranks)})"
+
+
+class _Tracker:
+    """What this rank's main thread is doing, for the monitor and the messages."""
+
+    def __init__(self) -> None:
+        self.iteration = 1
+        self.current: Activity | None = None
+        self.last: Activity | None = None
+
+    def enter(self, activity: Activity) -> None:
+        self.current = activity
+
+    def leave(self) -> None:
+        self.last, self.current = self.current or self.last, None
+
+    def describe(self) -> str:
+        if self.current is not None:
+            return f"in {self.current.phase} ('{self.current.family}')"
+        last = f" after {self.last.phase}" if self.last else ""
+        return f"computing{last}"
+
+
+TRACKER = _Tracker()
+
+
+def format_ranks(ranks) -> str:
+    ranks = sorted(ranks)
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return str(ranks)
+
+
+# --- settings -------------------------------------------------------------------------------
+_settings = {"checkin_s": DEFAULT_CHECKIN_S, "collective_timeout_s": DEFAULT_COLLECTIVE_TIMEOUT_S}
+
+
+def configure(checkin_s: float | None = None, collective_timeout_s: float | None = None) -> None:
+    if checkin_s is not None:
+        _settings["checkin_s"] = float(checkin_s)
+    if collective_timeout_s is not None:
+        _settings["collective_timeout_s"] = float(collective_timeout_s)
+
+
+def configure_from_args(args: Any) -> datetime.timedelta:
+    """Take --hier-fault-checkin-s / --hier-collective-timeout-s; return the groups' timeout."""
+    configure(getattr(args, "hier_fault_checkin_s", None),
+              getattr(args, "hier_collective_timeout_s", None))
+    return datetime.timedelta(seconds=_settings["collective_timeout_s"])
+
+
+def exit_grace_s() -> float:
+    """How long a rank that knows the verdict may take to exit on its own before it is ended."""
+    return 2.0 * _settings["checkin_s"] + 10.0
+
+
+# --- fault injection ------------------------------------------------------------------------
+class Injection:
+    """Kill (or hang) this process right before its first collective of ``phase`` at ``iteration``."""
+
+    def __init__(self, phase: str, iteration: int, action: str) -> None:
+        self.phase, self.iteration, self.action = phase, iteration, action
+
+    def before(self, phase: str) -> None:
+        if phase != self.phase or TRACKER.iteration != self.iteration:
+            return
+        print(f"[megatron-lbp] fault injection: rank {dist.get_rank()} {self.action}s before "
+              f"{phase} at iteration {self.iteration} ({INJECT_ENV})", file=sys.stderr, flush=True)
+        if self.action == "hang":
+            while True:
+                time.sleep(3600)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def parse_injection(text: str) -> dict[str, Any]:
+    fields = dict(part.split("=", 1) for part in text.split(",") if "=" in part)
+    unknown = set(fields) - {"rank", "phase", "iteration", "action"}
+    if unknown or not {"rank", "phase", "iteration"} <= set(fields):
+        raise ValueError(f"{INJECT_ENV}={text!r}: expected rank=R,phase=P,iteration=N"
+                         "[,action=kill|hang]")
+    action = fields.get("action", "kill")
+    if action not in ("kill", "hang"):
+        raise ValueError(f"{INJECT_ENV}={text!r}: action must be kill or hang")
+    return {"rank": int(fields["rank"]), "phase": fields["phase"],
+            "iteration": int(fields["iteration"]), "action": action}
+
+
+def injection_for_this_rank() -> Injection | None:
+    text = os.environ.get(INJECT_ENV)
+    if not text or not dist.is_initialized():
+        return None
+    spec = parse_injection(text)
+    if spec["rank"] != dist.get_rank():
+        return None
+    return Injection(spec["phase"], spec["iteration"], spec["action"])
+
+
+# --- the monitor ----------------------------------------------------------------------------
+class _Monitor:
+    def __init__(self, store: Any, rank: int, world: int) -> None:
+        self.store, self.rank, self.world = store, rank, world
+        self.lock = threading.Lock()
+        self.checked_in = False
+        self.verdict: dict[str, Any] | None = None
+        self.reported = False
+        self.thread = threading.Thread(target=self._watch, name="lbp-fault-monitor", daemon=True)
+
+    def check_in(self, store: Any, record: dict[str, Any]) -> None:
+        with self.lock:
+            if self.checked_in:
+                return
+            self.checked_in = True
+        store.set(f"{_PREFIX}in/{self.rank}", json.dumps(record))
+        store.add(_CHECKED_IN, 1)
+
+    def report(self, line: str) -> None:
+        """Print this rank's one line, once, whichever thread learns the verdict first."""
+        with self.lock:
+            if self.reported:
+                return
+            self.reported = True
+        print(line, file=sys.stderr, flush=True)
+
+    def _watch(self) -> None:
+        try:
+            store = self.store.clone()  # its own connection: a blocking wait stalls nobody
+            while True:
+                try:
+                    store.wait([_FLAG], datetime.timedelta(days=1))
+                    break
+                except RuntimeError as err:
+                    if "timeout" not in str(err).lower():
+                        raise
+            if store.get(_FLAG).decode() == _CLOSING:
+                store.add(_CLOSING_ACKS, 1)
+                return
+            self.check_in(store, _record(self.rank, TRACKER.current))
+            store.wait([_VERDICT], datetime.timedelta(seconds=_settings["checkin_s"] + 30))
+            self.verdict = json.loads(store.get(_VERDICT))
+            store.add(_ACKS, 1)
+        except Exception:  # noqa: BLE001 - the store went away: the main thread will see why
+            return
+        # Said now, wherever the main thread will fail (maybe outside the engine).
+        self.report(verdict_line(self.verdict, self.rank))
+        # Backstop: the main thread normally raises within seconds; if it is stuck
+        # elsewhere (a collective outside the engine, interpreter shutdown), end it.
+        faulthandler.dump_traceback_later(exit_grace_s() + 10.0, exit=True)
+        time.sleep(exit_grace_s())
+        print(f"[megatron-lbp] rank {self.rank}: still running {exit_grace_s():g} s after the "
+              "verdict; exiting", file=sys.stderr, flush=True)
+        os._exit(3)
+
+
+_monitor: _Monitor | None = None
+
+
+def ensure_monitor() -> None:
+    """Start this rank's monitor once torch.distributed is up (no-op on one rank)."""
+    global _monitor
+    if _monitor is not None or not dist.is_initialized() or dist.get_world_size() < 2:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    _monitor = _Monitor(store, dist.get_rank(), dist.get_world_size())
+    _monitor.thread.start()
+    if dist.get_rank() == 0:
+        # Rank 0's store leaves with it: release the monitors first, or each of them
+        # logs a lost connection at every normal end. Python's exit runs atexit;
+        # a multiprocessing child (the test harness) runs only its finalizers.
+        atexit.register(_announce_closing, store, dist.get_world_size())
+        multiprocessing.util.Finalize(None, _announce_closing, (store, dist.get_world_size()),
+                                      exitpriority=0)
+
+
+def _announce_closing(store: Any, world: int) -> None:
+    try:
+        if store.check([_FLAG]):
+            return
+        store.set(_FLAG, _CLOSING)
+        deadline = time.monotonic() + 2.0
+        while store.add(_CLOSING_ACKS, 0) < world and time.monotonic() < deadline:
+            time.sleep(0.01)
+    except Exception:  # noqa: BLE001 - nothing to tell anyone then
+        pass
+
+
+# --- diagnosis ------------------------------------------------------------------------------
+# Order of the collectives within one iteration: a rank that never joined an
+# earlier one cannot have been lost in a later one.
+PHASE_ORDER = ("forward_gather", "backward_gather", "grad_reduce", "step_reduce", "control",
+               "step_gather")
+
+
+def _record(rank: int, activity: Activity | None, error: str | None = None) -> dict[str, Any]:
+    return {"rank": rank, "iteration": TRACKER.iteration,
+            "doing": f"in {activity.phase}" if activity else TRACKER.describe(),
+            "activity": None if activity is None else
+            {"phase": activity.phase, "family": activity.family, "ranks": list(activity.ranks)},
+            "error": error}
+
+
+def diagnose(activity: Activity, error: BaseException) -> CollectiveFault:
+    """Turn a failed collective into one diagnosed fault (printed once); the caller raises it."""
+    rank = dist.get_rank()
+    mon = _monitor
+    verdict = mon.verdict if mon is not None and mon.verdict is not None else \
+        _coordinate(activity, error, rank)
+    line = verdict_line(verdict, rank)
+    if mon is not None:
+        mon.report(line)
+        # However this rank got here, it may not outlive the verdict for long.
+        faulthandler.dump_traceback_later(exit_grace_s() + 10.0, exit=True)
+    else:
+        print(line, file=sys.stderr, flush=True)
+    cls = RankLostError if verdict["lost"] else CollectiveFault
+    return cls(line, verdict["lost"], verdict)
+
+
+def _coordinate(activity: Activity, error: BaseException, rank: int) -> dict[str, Any]:
+    message = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+    record = _record(rank, activity, message)
+    mon = _monitor
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        if mon is not None:
+            mon.check_in(store, record)
+        first = store.add(_DETECTORS, 1) == 1
+        store.set(_FLAG, "fault")
+        if first:
+            return _decide(store, record)
+        try:
+            store.wait([_VERDICT], datetime.timedelta(seconds=_settings["checkin_s"] + 30))
+        except RuntimeError as err:
+            if "timeout" not in str(err).lower():
+                raise
+            return _decide(store, record)  # the coordinator went silent: decide here
+        return json.loads(store.get(_VERDICT))
+    except Exception as err:  # noqa: BLE001 - the store itself is gone
+        return {"lost": [0], "where": record, "store_lost": True,
+                "store_error": str(err).splitlines()[0][:200], "alive": {},
+                "agent_store": os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"}
+
+
+def _decide(store: Any, record: dict[str, Any]) -> dict[str, Any]:
+    world = dist.get_world_size()
+    deadline = time.monotonic() + _settings["checkin_s"]
+    while store.add(_CHECKED_IN, 0) < world and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = {}
+    for r in range(world):
+        key = f"{_PREFIX}in/{r}"
+        if store.check([key]):
+            alive[r] = json.loads(store.get(key))
+    lost = [r for r in range(world) if r not in alive]
+    # The phase a lost rank never joined: the earliest collective a survivor waits
+    # for it in (detection order between survivors is a race; this is not).
+    waiting = [a for a in alive.values()
+               if a["activity"] and set(a["activity"]["ranks"]) & set(lost)]
+    where = min(waiting, key=lambda a: (a["iteration"], _phase_rank(a["activity"]["phase"])),
+                default=record)
+    verdict = {"lost": lost, "where": where, "store_lost": False,
+               "waited_by": sorted(a["rank"] for a in waiting
+                                   if a["activity"]["phase"] == where["activity"]["phase"]),
+               "alive": {str(r): a["doing"] for r, a in alive.items()},
+               "checkin_s": _settings["checkin_s"]}
+    store.set(_VERDICT, json.dumps(verdict))
+    # Stay (and keep the store up, when this is rank 0) until every live rank's
+    # monitor has read it: a rank that learns it later may no longer reach the store.
+    try:
+        deadline = time.monotonic() + 5.0
+        while store.add(_ACKS, 0) < len(alive) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except Exception:  # noqa: BLE001 - the store host left after reading it: fine
+        pass
+    return verdict
+
+
+def _phase_rank(phase: str) -> int:
+    return PHASE_ORDER.index(phase) if phase in PHASE_ORDER else len(PHASE_ORDER)
+
+
+def verdict_line(verdict: dict[str, Any], rank: int) -> str:
+    where = verdict["where"]
+    act = where["activity"]
+    place = Activity(act["phase"], act["family"], tuple(act["ranks"])).describe()
+    if verdict.get("store_lost") and verdict.get("agent_store"):
+        return (f"[megatron-lbp] rank {rank}: {place} failed at iteration {where['iteration']} "
+                f"and torchrun's rendezvous store no longer answers ({verdict['store_error']}): "
+                "which rank was lost is unknown; exiting")
+    if verdict.get("store_lost"):
+        return (f"[megatron-lbp] rank {rank} lost rank(s) [0] during {place} at iteration "
+                f"{where['iteration']}: the rendezvous store rank 0 hosts no longer answers "
+                f"({verdict['store_error']}); exiting")
+    if verdict["lost"]:
+        return (f"[megatron-lbp] rank {rank} lost rank(s) {verdict['lost']} during {place} at "
+                f"iteration {where['iteration']} (waited for by rank(s) {verdict['waited_by']}; "
+                f"no check-in within {verdict['checkin_s']:g} s); exiting")
+    by_doing: dict[str, list[int]] = {}
+    for r, doing in verdict["alive"].items():
+        by_doing.setdefault(doing, []).append(int(r))
+    ranks = "; ".join(f"{format_ranks(rs)} {doing}" for doing, rs in sorted(by_doing.items()))
+    return (f"[megatron-lbp] rank {rank}: {place} failed at iteration {where['iteration']} "
+            f"({where['error']}) but every rank is alive; ranks: {ranks}; exiting")

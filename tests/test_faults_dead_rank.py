@@ -1,0 +1,90 @@
+"""A rank killed mid-step: every survivor exits non-zero, in bounded time, naming it and the phase.
+
+Real gloo ranks as plain processes (tests/fault_fns.launch: nobody kills the
+survivors for us), 8 ranks placed as 2 nodes x 2 packages x 2 GCDs, the tiny
+GPT trained through the engine; LBP_FAULT_INJECT makes one rank SIGKILL itself
+right before a collective of the given phase at iteration 2. The bound a
+survivor must meet is the hierarchy's collective timeout (60 s here) plus a
+margin: a survivor that relied on that timeout instead of the diagnosis would
+show up as a detection time near 60 s in the printed numbers.
+"""
+import pytest
+
+from megatron_lbp.engine import faults
+from megatron_lbp.testing.multirank import rank_location_env
+from tests.fault_fns import TOPOLOGY_ARGS, launch, train_tiny
+
+WORLD = 8
+CHECKIN_S = 3
+COLLECTIVE_TIMEOUT_S = 60
+ARGS = TOPOLOGY_ARGS + ["--hier-fault-checkin-s", str(CHECKIN_S),
+                        "--hier-collective-timeout-s", str(COLLECTIVE_TIMEOUT_S)]
+# Start-up of 8 ranks on a 2-core machine, plus the bound, plus slack.
+DEADLINE_S = 90 + COLLECTIVE_TIMEOUT_S
+
+
+def kill_and_watch(tmp_path, victim: int, phase: str):
+    runs = launch(train_tiny, (3, ARGS), WORLD, tmp_path,
+                  env={faults.INJECT_ENV: f"rank={victim},phase={phase},iteration=2"},
+                  rank_env=rank_location_env(4), deadline_s=DEADLINE_S)
+    dead = runs[victim]
+    assert dead.exitcode == -9, (
+        f"rank {victim} was to SIGKILL itself before {phase} but ended with {dead.exitcode}:\n"
+        f"{dead.output[-2000:]}")
+    assert "fault injection" in dead.output
+    hung = [r.rank for r in runs if r.exitcode is None]
+    assert not hung, (f"rank(s) {hung} still running {DEADLINE_S} s after launch (hang); "
+                      f"rank {hung[0]} log tail:\n{runs[hung[0]].output[-3000:]}")
+    detection = {}
+    for r in runs:
+        if r.rank == victim:
+            continue
+        assert r.exitcode != 0, f"rank {r.rank} exited 0 after losing rank {victim}:\n{r.output[-2000:]}"
+        lines = [l for l in r.output.splitlines() if l.startswith("[megatron-lbp] rank ")]
+        assert len(lines) == 1, f"rank {r.rank}: expected one diagnosis line, got {lines}"
+        want = f"[megatron-lbp] rank {r.rank} lost rank(s) [{victim}] during {phase} "
+        assert lines[0].startswith(want), (
+            f"rank {r.rank} said\n  {lines[0]}\nexpected it to start with\n  {want}")
+        detection[r.rank] = r.ended_at - dead.ended_at
+        assert detection[r.rank] < COLLECTIVE_TIMEOUT_S, (
+            f"rank {r.rank} took {detection[r.rank]:.1f} s, as long as the collective timeout")
+    print(f"\n{phase}: rank {victim} killed; survivors exited after "
+          f"{min(detection.values()):.1f}-{max(detection.values()):.1f} s "
+          f"(check-in window {CHECKIN_S} s): {lines[0]}")
+    return runs
+
+
+def test_rank_killed_in_grad_reduce_is_named_by_every_survivor(tmp_path):
+    kill_and_watch(tmp_path, victim=6, phase="grad_reduce")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim, phase", [
+    (3, "forward_gather"),
+    (5, "step_reduce"),
+    (2, "step_gather"),
+])
+def test_rank_killed_in_each_phase(tmp_path, victim, phase):
+    kill_and_watch(tmp_path, victim, phase)
+
+
+@pytest.mark.slow
+def test_store_host_killed(tmp_path):
+    """Rank 0 hosts the rendezvous store: with it gone, the survivors say so and name rank 0."""
+    runs = launch(train_tiny, (3, ARGS), WORLD, tmp_path,
+                  env={faults.INJECT_ENV: "rank=0,phase=forward_gather,iteration=2"},
+                  rank_env=rank_location_env(4), deadline_s=DEADLINE_S)
+    assert runs[0].exitcode == -9
+    for r in runs[1:]:
+        assert r.exitcode not in (0, None), f"rank {r.rank}: exit {r.exitcode}\n{r.output[-2000:]}"
+        assert f"[megatron-lbp] rank {r.rank} lost rank(s) [0] during " in r.output
+        assert "rendezvous store rank 0 hosts no longer answers" in r.output
+
+
+def test_injection_spec_is_checked():
+    assert faults.parse_injection("rank=3,phase=grad_reduce,iteration=2") == {
+        "rank": 3, "phase": "grad_reduce", "iteration": 2, "action": "kill"}
+    for bad in ("rank=3,phase=grad_reduce", "rank=3,phase=x,iteration=2,action=explode",
+                "rank=3,phase=x,iteration=2,when=now"):
+        with pytest.raises(ValueError, match=faults.INJECT_ENV):
+            faults.parse_injection(bad)
