@@ -248,6 +248,23 @@ def test_bad_flags_are_one_line_errors():
         assert out.returncode == 2 and msg in out.stderr, (args, out.stderr[-500:])
 
 
+def test_committed_report_matches_its_results_and_the_readme_quotes_it():
+    md_path, results_path = REPO / "BENCHMARKS.md", REPO / "docs" / "benchmarks" / "results.json"
+    if not md_path.exists():
+        pytest.fail("BENCHMARKS.md is not committed: run python -m megatron_lbp.bench report")
+    md, rec = check_report(md_path, results_path)
+    assert not rec["quick"], "the committed report must be the full form"
+    readme = (REPO / "README.md").read_text()
+    quoted = section(readme, "## Benchmarks")
+    # Measured figures are written as in the headline (1/20.00, 1.22x, 1.495);
+    # targets as 1/8, 1.5× so that they are not taken for measurements.
+    figures = re.findall(r"\d+/\d+\.\d+|\d+\.\d+x|\b\d\.\d{3}\b", quoted)
+    assert figures, "README's benchmark section quotes no headline figures"
+    head = section(md, "## Headline")
+    for fig in figures:
+        assert fig in head, f"README quotes {fig}, not in BENCHMARKS.md's headline"
+
+
 @pytest.mark.slow
 def test_quick_report_with_the_emulated_network(tmp_path):
     why = _network_runnable()
