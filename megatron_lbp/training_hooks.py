@@ -45,7 +45,17 @@ def add_arguments(parser):
 
     if any(a.dest == "hier_partition" for a in parser._actions):
         return parser  # both the patch and install() may ask; register once
+    parser.error = functools.partial(_one_line_parser_error, parser)
     return add_hier_arguments(parser)
+
+
+def _one_line_parser_error(parser, message: str) -> None:
+    """argparse's error without the usage block (Megatron's runs to hundreds of lines), once per job."""
+    import sys
+
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        print(f"{parser.prog}: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 # 2 -------------------------------------------------------------------------------------
@@ -100,6 +110,9 @@ def wrap_model(model: list, args: Any) -> list:
         raise ValueError(f"--hier-partition wraps one model chunk, got {len(model)}")
     hier = build_hier_groups(args, dp_group=megatron_adapter.data_parallel_group())
     _state["hier"] = hier
+    from megatron_lbp.engine import faults
+
+    faults.install_excepthook()  # a lost peer seen in Megatron's own collectives is named too
     if hier.location.rank == 0 or os.environ.get("LBP_LOG_ALL_RANKS"):
         print(hier.describe(), flush=True)
     for line in hier.warnings:
@@ -118,6 +131,9 @@ def build_optimizer(config: Any, model_chunks: list, args: Any):
     from megatron_lbp.config import engine_options_from_args
 
     optimizer = megatron_adapter.build_optimizer(config, model_chunks, engine_options_from_args(args))
+    # Megatron checks each rank's gradient in its DDP buckets; the engine checks the same
+    # at the step, agreed on every rank: stop on inf/nan instead of skipping.
+    optimizer.check_for_nan_in_grad = bool(getattr(args, "check_for_nan_in_loss_and_grad", False))
     _state["optimizers"].append(optimizer)
     return optimizer
 
@@ -137,7 +153,11 @@ def interval_line(iteration: int) -> str | None:
             f"{_gb(m['optimizer'])} peak transient {_gb(m['peak_transient'])} |")
 
 
-def after_training_log(iteration: int, args: Any) -> None:
+def after_training_log(iteration: int, args: Any, loss_dict: dict | None = None) -> None:
+    from megatron_lbp.engine import faults
+
+    faults.TRACKER.iteration = iteration + 1  # fault messages count as Megatron does
+    _record_losses(iteration, loss_dict)
     if not enabled(args) or iteration % max(args.log_interval, 1):
         return
     import torch.distributed as dist
@@ -146,6 +166,26 @@ def after_training_log(iteration: int, args: Any) -> None:
     # Megatron prints its iteration line on the last rank; this one follows it there.
     if line and dist.get_rank() == dist.get_world_size() - 1:
         print(line, flush=True)
+
+
+def _record_losses(iteration: int, loss_dict: dict | None) -> None:
+    """LBP_LOSS_LOG=PATH: every iteration's losses at full precision, one line each.
+
+    Megatron prints losses rounded to 6 digits and, after a resume, can average
+    the first logged value over iterations; bit-exact comparisons (resume,
+    determinism) need the value each step computed, whatever --log-interval is.
+    """
+    path = os.environ.get("LBP_LOSS_LOG")
+    if not path or not loss_dict:
+        return
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != dist.get_world_size() - 1:
+        return
+    with open(path, "a") as f:
+        for key, value in sorted(loss_dict.items()):
+            value = value[0] / value[1] if getattr(value, "numel", lambda: 1)() == 2 else value
+            f.write(f"{iteration}\t{key}\t{float(value)!r}\n")
 
 
 def _gb(nbytes) -> str:
@@ -215,12 +255,110 @@ def hook_training_module(ns: dict) -> None:
     @functools.wraps(orig_log)
     def training_log(loss_dict, total_loss_dict, learning_rate, iteration, *a, **k):
         out = orig_log(loss_dict, total_loss_dict, learning_rate, iteration, *a, **k)
-        after_training_log(iteration, _current_args())
+        after_training_log(iteration, _current_args(), loss_dict)
         return out
 
     ns["wrap_model_chunks_with_ddp"] = wrap_chunks
     ns["get_megatron_optimizer"] = get_optimizer
     ns["training_log"] = training_log
+    # training.py saves through checkpointing.py; hooking it from here also covers patched trees.
+    from megatron.training import checkpointing
+
+    hook_checkpointing_module(vars(checkpointing))
+
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+class _AtomicTrackerFile:
+    """What checkpointing.py's ``open(tracker, 'w')`` gets: the text lands atomically on close.
+
+    Megatron truncates the tracker and then writes it, so a kill in between
+    leaves an empty file, and the next start exits on it ("Invalid metadata
+    file") with every checkpoint intact. Megatron only writes the tracker after
+    the barrier that follows the last rank's shard write, so the checkpoint it
+    names is complete; its metadata.json and directory are fsynced before the
+    swap so that this also holds after a node crash (the shards are fsynced by
+    the writer).
+    """
+
+    def __init__(self, path: str):
+        self.path, self.parts = path, []
+
+    def write(self, text: str) -> int:
+        self.parts.append(text)
+        return len(text)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *_):
+        if exc_type is not None:
+            return False  # the old tracker stays
+        from megatron_lbp.engine.checkpoint import atomic_write_text
+
+        text = "".join(self.parts)
+        name = "release" if text.strip() == "release" else f"iter_{int(text):07d}"
+        ckpt = os.path.join(os.path.dirname(self.path), name)
+        atomic_write_text(self.path, text,
+                          also_sync=(os.path.join(ckpt, "metadata.json"),
+                                     os.path.join(ckpt, "common.pt"), ckpt),
+                          before_replace=lambda: _test_stall("tracker", text.strip()))
+        return False
+
+
+class _AtomicTrackerStorage:
+    """checkpointing.py's ``maybe_msc`` with the tracker write made atomic on local file systems."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def open(self, path, mode="r", *a, **k):
+        from megatron.core.msc_utils import MultiStorageClientFeature
+
+        if ("w" in mode and os.path.basename(str(path)) == TRACKER
+                and not MultiStorageClientFeature.is_enabled()):
+            return _AtomicTrackerFile(str(path))
+        return self._inner.open(path, mode, *a, **k)
+
+
+def hook_checkpointing_module(ns: dict) -> None:
+    """megatron/training/checkpointing.py: an atomic tracker write (every run, not only --hier-partition)."""
+    if ns.get("_lbp_hooked"):
+        return
+    ns["_lbp_hooked"] = True
+    ns["maybe_msc"] = _AtomicTrackerStorage(ns["maybe_msc"])
+    if os.environ.get("LBP_TEST_STALL_SAVE"):
+        from megatron.core.dist_checkpointing import serialization
+
+        orig_save_config = serialization.save_config
+
+        def save_config(config, checkpoint_dir):
+            # The shards and DCP's .metadata are on disk; metadata.json is not yet.
+            _test_stall("shards", os.path.basename(str(checkpoint_dir)).removeprefix("iter_").lstrip("0"))
+            return orig_save_config(config, checkpoint_dir)
+
+        vars(serialization)["save_config"] = save_config
+
+
+def _test_stall(point: str, iteration: str) -> None:
+    """Test-only (LBP_TEST_STALL_SAVE=ITERATION:POINT): hold the save at POINT so a test can kill the job there.
+
+    POINT ``shards``: every shard written, the checkpoint's metadata.json not;
+    ``tracker``: the checkpoint complete, the new tracker fsynced as a
+    temporary file but not swapped in. Prints one line, then sleeps until killed.
+    """
+    want = os.environ.get("LBP_TEST_STALL_SAVE", "")
+    if want != f"{iteration}:{point}":
+        return
+    import time
+
+    print(f"[megatron-lbp] test stall: {point} of iteration {iteration}", flush=True)
+    while True:
+        time.sleep(60)
 
 
 def install() -> None:

@@ -225,3 +225,40 @@ def load_optimizer_pieces(opt, state_dict: dict) -> None:
                                      f"this rank holds {buf.numel()}")
                 if got.data_ptr() != buf.data_ptr():
                     buf.copy_(got)
+
+
+def atomic_write_text(path: str, text: str, also_sync: tuple[str, ...] = (), before_replace=None) -> None:
+    """Write ``path`` so that a reader (or a restart after a kill) sees the old or the new text, never a torn one.
+
+    The text goes to a temporary file in the same directory, is fsynced,
+    ``also_sync`` files (what the new text points at) are fsynced too, and
+    ``os.replace`` swaps it in; the directory is fsynced last so the rename
+    survives a node crash. ``before_replace`` runs just before the swap (the
+    test-only stall point).
+    """
+    import os
+
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    for other in also_sync:
+        _fsync_path(other)
+    if before_replace is not None:
+        before_replace()
+    os.replace(tmp, path)
+    _fsync_path(directory)
+
+
+def _fsync_path(path: str) -> None:
+    import os
+
+    if not os.path.exists(path):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
