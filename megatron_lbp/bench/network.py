@@ -6,23 +6,26 @@ directions; all ranks of a node live in its namespace, so traffic inside a
 node goes over its (unshaped) loopback and traffic between nodes through the
 shaped uplink. gloo runs over TCP on the uplink addresses.
 
-For every scheme the same GPT (megatron-core, bf16, larger than the test
-default so that collectives are megabytes) trains a few steps; steps after the
-warm-up are timed between barriers on every rank (rank 0's figures are
-reported), and the median is the scheme's step time, also given as a ratio to
-lbp's (scheme / lbp: above 1 means lbp is faster).
+Every scheme trains the same GPT (megatron-core, bf16, larger than the test
+default so that collectives are megabytes) on the same rank processes, set up
+side by side and stepped in turns: round r runs one step of every scheme
+(order rotated each round), then the link timings and the compute timing
+below, so load from other processes on the machine falls on all of them alike.
+Steps are timed from a barrier to a barrier (rank 0's figures); rounds before
+the warm-up count are dropped; a scheme's step time is the median, also given
+as a ratio to lbp's (scheme / lbp: above 1 means lbp is faster).
 
-Calibration: the same namespaces are used to time all-gathers and
-reduce-scatters of a few sizes over the patterns the schemes use (the whole
-world and the node-to-node peer groups across the uplinks, the node groups on
-loopback), and one bandwidth and latency per link class is fitted
-(project.fit_link). Compute is timed without any communication: every rank
-runs the forward+backward of the micro-batches and Adam on its 1/W shard at
-the same time, outside the emulated network. project.step_time (the model that
-projects Frontier) then predicts each scheme's step from the plan tool's
-traffic for this topology; stock Megatron is modelled by the engine preset
-with the same traffic (megatron-distopt as zero2, megatron-fsdp as zero3; see
-``bench traffic``). Nothing else is fitted.
+Calibration, from timings in the same rounds (the slowest rank's, median over
+rounds): all-gathers (bf16) and reduce-scatters (fp32) of a few sizes over the
+patterns the schemes use, the whole world and the node-to-node peer groups
+across the uplinks, the node groups on loopback, give one bandwidth and
+latency per link class (project.fit_link; package and node are both
+loopback). Compute is timed without any communication: every rank runs the
+forward+backward of the micro-batches and Adam on a 1/W shard at once.
+project.step_time (the model that projects Frontier) then predicts each
+scheme's step from the plan tool's traffic for this topology; stock Megatron
+is modelled by the engine preset with the same traffic (megatron-distopt as
+zero2, megatron-fsdp as zero3; see ``bench traffic``). Nothing else is fitted.
 
     python -m megatron_lbp.bench network [--json] [--nodes 2] [--ranks-per-node 4]
         [--rate-mbit 400] [--schemes lbp,zero3,...] [--steps 4] [--hidden 256] ...
@@ -35,6 +38,7 @@ namespaces that the next run (or ``--sweep``) removes.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -54,6 +58,12 @@ SCHEMES = ("lbp", "zeropp", "zero3", "zero2", "hsdp") + STOCK_SCHEMES
 # 850,560 vs zero3's 814,080 on the network).
 MODELLED_AS = {"megatron-distopt": "zero2", "megatron-fsdp": "zero3"}
 LINK_SIZES_MB = (1.0, 4.0)
+# 50 MB/s per node each way = 12.5 MB/s per rank when all 4 ranks of a node send
+# across (Frontier's per-GCD figure in MB instead of GB); loopback gives each
+# rank ~100-200 MB/s at these sizes on the 2-core machine (node : network
+# ~ 8-16 : 1). Faster uplinks stop being the bottleneck: the 2 cores' TCP
+# stack, not the tbf, then limits what crosses (measured at 800 Mbit/s).
+RATE_MBIT = 400.0
 
 
 # --------------------------------------------------------------------------- rank side
@@ -82,47 +92,18 @@ def _trainer(scheme: str, spec, train, ranks_per_node: int):
         "--hier-gcds-per-package", str(GCDS_PER_PACKAGE)])
 
 
-def rank_train(ns_of_rank, master, scheme, spec, train, warmup, ranks_per_node):
-    """One scheme's training on this rank; seconds of each step after ``warmup`` and the losses."""
-    import torch.distributed as dist
-
-    _join(ns_of_rank, master)
-    trainer = _trainer(scheme, spec, train, ranks_per_node)
-    times, result = [], None
-    for step in range(train.steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        result = trainer.run([step], result=result)
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
-    return {"step_s": times[warmup:], "losses": result.losses}
-
-
-def _timed(op, reps: int) -> float:
-    import torch.distributed as dist
-
-    op()  # connection set-up and first-touch costs stay out of the figure
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        op()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def rank_links(ns_of_rank, master, ranks_per_node, sizes_mb, reps):
-    """Timed all-gathers (bf16) and reduce-scatters (fp32) per pattern; (pattern, op, n, bytes, s).
+def _link_ops(ranks_per_node: int, sizes_mb):
+    """Timed collectives (pattern, op, n, bytes charged, callable) on this rank's groups.
 
     Patterns: "world" (all ranks, across the uplinks), "peers" (rank i of every
-    node, all such groups at once: the inter-node hop of lbp and hsdp), "node"
-    (the ranks of one node on loopback, every node at once). Bytes are what
+    node; all such groups at once: the inter-node hop of lbp and hsdp), "node"
+    (the ranks of one node on loopback, every node at once). All-gathers in
+    bf16, reduce-scatters in fp32 (as the schemes issue them); bytes are what
     the engine's ledger charges a rank: (n-1)/n of the full buffer.
     """
     import torch
     import torch.distributed as dist
 
-    _join(ns_of_rank, master)
     rank, world = dist.get_rank(), dist.get_world_size()
     nodes = world // ranks_per_node
     node_groups = [dist.new_group(list(range(i * ranks_per_node, (i + 1) * ranks_per_node)))
@@ -131,29 +112,27 @@ def rank_links(ns_of_rank, master, ranks_per_node, sizes_mb, reps):
                    for i in range(ranks_per_node)]
     patterns = {"world": (None, world), "peers": (peer_groups[rank % ranks_per_node], nodes),
                 "node": (node_groups[rank // ranks_per_node], ranks_per_node)}
-    samples = []
+    ops = []
     for name, (group, n) in patterns.items():
         for mb in sizes_mb:
             numel = max(n, int(mb * 2 ** 20) // 4 // n * n)
             gathered = torch.empty(numel, dtype=torch.bfloat16)
             shard = torch.ones(numel // n, dtype=torch.bfloat16)
-            t = _timed(lambda: dist.all_gather_into_tensor(gathered, shard, group=group), reps)
-            samples.append((name, "all_gather", n, 2 * numel * (n - 1) / n, t))
             full = torch.ones(numel, dtype=torch.float32)
             part = torch.empty(numel // n, dtype=torch.float32)
-            t = _timed(lambda: dist.reduce_scatter_tensor(part, full, group=group), reps)
-            samples.append((name, "reduce_scatter", n, 4 * numel * (n - 1) / n, t))
-    return samples
+            ops.append((name, "all_gather", n, 2 * numel * (n - 1) / n, functools.partial(
+                dist.all_gather_into_tensor, gathered, shard, group=group)))
+            ops.append((name, "reduce_scatter", n, 4 * numel * (n - 1) / n, functools.partial(
+                dist.reduce_scatter_tensor, part, full, group=group)))
+    return ops
 
 
-def rank_compute(spec, train, steps, adam_elements):
-    """Forward+backward of the micro-batches and Adam on a 1/W shard, every rank at once, no comm."""
+def _compute_ops(spec, train, adam_elements):
+    """Forward+backward of the micro-batches, and Adam on a 1/W shard: no communication at all."""
     import torch
-    import torch.distributed as dist
 
     from megatron_lbp.testing import tiny_gpt
 
-    tiny_gpt.init_megatron_state(seed=spec.seed)
     model, _ = tiny_gpt.build_tiny_gpt(spec)
     rows = train.micro_batch_size
 
@@ -165,18 +144,56 @@ def rank_compute(spec, train, steps, adam_elements):
     shard = torch.zeros(int(adam_elements), dtype=torch.float32, requires_grad=True)
     shard.grad = torch.ones_like(shard)
     adam = torch.optim.Adam([shard], lr=1e-4)
-    fb, ad = [], []
-    for step in range(steps):
+    return fwd_bwd, adam.step
+
+
+def rank_bench(ns_of_rank, master, schemes, spec, train, warmup, ranks_per_node, sizes_mb,
+               adam_elements):
+    """Every scheme, the link collectives and the compute, interleaved step by step on this rank.
+
+    Round r runs one training step of every scheme (order rotated by r), each
+    timed collective once and the compute once, so that load from other
+    processes on the machine falls on all of them alike. Rounds before
+    ``warmup`` are not kept. Returns seconds per kept round for each.
+    """
+    import torch.distributed as dist
+
+    _join(ns_of_rank, master)
+    trainers = {s: _trainer(s, spec, train, ranks_per_node) for s in schemes}
+    results = dict.fromkeys(schemes)
+    links = _link_ops(ranks_per_node, sizes_mb)
+    fwd_bwd, adam_step = _compute_ops(spec, train, adam_elements)
+    out = {"step_s": {s: [] for s in schemes}, "link_s": [[] for _ in links],
+           "fwd_bwd_s": [], "adam_s": []}
+
+    def timed(fn, *a, until_all_done=False):
         dist.barrier()
         t0 = time.perf_counter()
-        fwd_bwd(step)
-        dist.barrier()
-        t1 = time.perf_counter()
-        adam.step()
-        dist.barrier()
-        fb.append(t1 - t0)
-        ad.append(time.perf_counter() - t1)
-    return {"fwd_bwd_s": statistics.median(fb[1:]), "adam_s": statistics.median(ad[1:])}
+        value = fn(*a)
+        if until_all_done:
+            dist.barrier()
+        return time.perf_counter() - t0, value
+
+    for step in range(train.steps):
+        keep = step >= warmup
+        shift = step % len(schemes)
+        for s in schemes[shift:] + schemes[:shift]:
+            t, results[s] = timed(trainers[s].run, [step], None, results[s], until_all_done=True)
+            if keep:
+                out["step_s"][s].append(t)
+        # Collectives and compute: this rank's own finish; the driver takes the slowest rank.
+        for i, (*_, op) in enumerate(links):
+            t, _ = timed(op)
+            if keep:
+                out["link_s"][i].append(t)
+        t, _ = timed(fwd_bwd, step)
+        t_adam, _ = timed(adam_step)
+        if keep:
+            out["fwd_bwd_s"].append(t)
+            out["adam_s"].append(t_adam)
+    out["losses"] = {s: results[s].losses for s in schemes}
+    out["links"] = [link[:4] for link in links]
+    return out
 
 
 # --------------------------------------------------------------------------- driver
@@ -269,41 +286,36 @@ def _calibration(args, measured, links_fit, compute_meas) -> dict[str, Any]:
 
 
 def run(args) -> dict[str, Any]:
-    """Rounds of (every scheme, the link timings, the compute timing); medians over the rounds.
-
-    Schemes are rotated from round to round and the calibration inputs are
-    re-measured in each, so load from other processes on the machine falls
-    on all of them alike.
-    """
-    from megatron_lbp.testing.multirank import run_on_ranks
-
+    """``--runs`` multi-rank runs of rank_bench (starting scheme rotated); medians over all rounds."""
     spec, train = _specs(args)
     world = args.nodes * args.ranks_per_node
     adam_elements = _plans(args, ["lbp"])["lbp"]["padded_params"] / world
     out: dict[str, Any] = {"config": config(args), "schemes": {}, "calibration": {}}
     steps = {s: [] for s in args.schemes}
-    losses: dict[str, list[float]] = {}
-    samples: list[list] = []
-    compute: list[dict[str, float]] = []
+    link_s: list[list[float]] = []
+    fwd_bwd: list[float] = []
+    adam: list[float] = []
     with netns.EmulatedNetwork(args.nodes, args.rate_mbit, delay_ms=args.delay_ms) as net:
         out["config"]["qdiscs"] = net.qdiscs()
-        for round_ in range(args.runs):
-            shift = round_ % len(args.schemes)
-            for scheme in args.schemes[shift:] + args.schemes[:shift]:
-                r = _on_network(net, args, rank_train, scheme, spec, train, args.warmup,
-                                args.ranks_per_node, timeout=args.timeout)[0]
-                steps[scheme] += r["step_s"]
-                losses.setdefault(scheme, r["losses"])
-                _progress(args, f"round {round_ + 1}/{args.runs} {scheme}: median "
-                                f"{statistics.median(r['step_s']):.3f} s/step")
-            per_rank = _on_network(net, args, rank_links, args.ranks_per_node,
-                                   args.link_sizes_mb, 3, timeout=args.timeout)
-            # A collective is done when its slowest rank is (groups of one pattern
-            # share the uplink and need not get equal shares of it).
-            samples.append([s[:4] + (max(r[i][4] for r in per_rank),)
-                            for i, s in enumerate(per_rank[0])])
-            compute.append(run_on_ranks(rank_compute, world, spec, train, 1 + max(2, args.steps),
-                                        adam_elements, timeout=args.timeout)[0])
+        for run_ in range(args.runs):
+            shift = run_ % len(args.schemes)
+            order = args.schemes[shift:] + args.schemes[:shift]
+            per_rank = _on_network(net, args, rank_bench, order, spec, train, args.warmup,
+                                   args.ranks_per_node, args.link_sizes_mb, adam_elements,
+                                   timeout=args.timeout)
+            first = per_rank[0]
+            for s in args.schemes:
+                steps[s] += first["step_s"][s]
+            # Collectives and compute end with their slowest rank.
+            slowest = [[max(r["link_s"][i][k] for r in per_rank) for k in range(args.steps)]
+                       for i in range(len(first["links"]))]
+            link_s = [old + new for old, new in zip(link_s, slowest)] if link_s else slowest
+            fwd_bwd += [max(r["fwd_bwd_s"][k] for r in per_rank) for k in range(args.steps)]
+            adam += [max(r["adam_s"][k] for r in per_rank) for k in range(args.steps)]
+            losses = first["losses"]
+            _progress(args, f"run {run_ + 1}/{args.runs}: " + ", ".join(
+                f"{s} {statistics.median(first['step_s'][s]):.3f}" for s in args.schemes)
+                + " s/step (medians)")
     for scheme in args.schemes:
         out["schemes"][scheme] = {"step_s": steps[scheme],
                                   "median_s": statistics.median(steps[scheme]),
@@ -311,12 +323,10 @@ def run(args) -> dict[str, Any]:
     lbp = out["schemes"]["lbp"]["median_s"]
     for row in out["schemes"].values():
         row["ratio_to_lbp"] = row["median_s"] / lbp
-    # Each timed collective: its median over the rounds.
-    merged = [s[:4] + (statistics.median(r[i][4] for r in samples),)
-              for i, s in enumerate(samples[0])]
-    compute_meas = {k: statistics.median(c[k] for c in compute) for k in compute[0]}
+    samples = [tuple(link) + (statistics.median(ts),) for link, ts in zip(first["links"], link_s)]
+    compute_meas = {"fwd_bwd_s": statistics.median(fwd_bwd), "adam_s": statistics.median(adam)}
     measured = {s: r["median_s"] for s, r in out["schemes"].items()}
-    out["calibration"] = _calibration(args, measured, _fit_links(merged), compute_meas)
+    out["calibration"] = _calibration(args, measured, _fit_links(samples), compute_meas)
     out["config"]["loadavg_end"] = list(os.getloadavg())
     return out
 
@@ -411,16 +421,16 @@ def parse(argv) -> argparse.Namespace:
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=4, help="even (packages of 2)")
-    p.add_argument("--rate-mbit", type=float, default=400.0,
-                   help="each node's uplink, Mbit/s each way (default 400 = 50 MB/s)")
+    p.add_argument("--rate-mbit", type=float, default=RATE_MBIT,
+                   help=f"each node's uplink, Mbit/s each way (default {RATE_MBIT:g} = "
+                        f"{RATE_MBIT / 8:g} MB/s)")
     p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay per uplink end")
     p.add_argument("--schemes", default=",".join(SCHEMES),
                    help=f"comma-separated subset of {','.join(SCHEMES)} (lbp is always run)")
     p.add_argument("--steps", type=int, default=4, help="timed steps per scheme")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    p.add_argument("--runs", type=int, default=2,
-                   help="rounds over all schemes (rotated), each with its own link and "
-                        "compute timings; medians over all rounds")
+    p.add_argument("--runs", type=int, default=1,
+                   help="separate multi-rank runs (starting scheme rotated); medians over all")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
