@@ -185,7 +185,7 @@ def overhead_reason(runs, ov) -> str:
         text += (f": per step lbp (P={g['param']}, G={g['grad']}) issues {3 * k * buckets} "
                  f"per-micro-batch collectives ({k} micro-batches x {buckets} bucket(s) x forward "
                  f"gather, backward regather, G-group gradient reduce-scatter: {per_mb:,} B per "
-                 f"rank) plus the step's all-gather ({step:,} B), where stock Megatron "
+                 f"rank) plus the optimizer step's collectives ({step:,} B), where stock Megatron "
                  f"accumulates the gradient locally and issues one reduce-scatter and one "
                  f"all-gather per bucket per step")
     k1, k4 = traffic_bytes(runs, 1), traffic_bytes(runs, 4)
