@@ -85,6 +85,46 @@ def launch(fn, args, world: int, tmp_path, *, env=None, rank_env=None,
     return runs
 
 
+def launch_pretrain(argv: list[str], world: int, tmp_path, *, env=None, rank_env=None,
+                    deadline_s: float = 300.0) -> list[RankRun]:
+    """``python -m megatron_lbp.pretrain_gpt`` once per rank, as srun starts tasks."""
+    import subprocess
+
+    from tests.pretrain_runner import REPO
+
+    port = free_port()
+    procs, logs = [], []
+    start = time.monotonic()
+    for rank in range(world):
+        rank_vars = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                     "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                     "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
+                     "PYTHONWARNINGS": "ignore"}
+        rank_vars.update(env or {})
+        if rank_env is not None:
+            rank_vars.update(rank_env(rank))
+        log = open(os.path.join(str(tmp_path), f"rank{rank}.log"), "w")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "megatron_lbp.pretrain_gpt", *argv], cwd=REPO,
+            env=dict(os.environ, **rank_vars), stdout=log, stderr=subprocess.STDOUT))
+        logs.append(log)
+    ended: dict[int, float] = {}
+    while len(ended) < world and time.monotonic() - start < deadline_s:
+        for r, p in enumerate(procs):
+            if r not in ended and p.poll() is not None:
+                ended[r] = time.monotonic() - start
+        time.sleep(0.05)
+    runs = []
+    for r, p in enumerate(procs):
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=10)
+        logs[r].close()
+        with open(logs[r].name, errors="replace") as f:
+            runs.append(RankRun(r, p.returncode if r in ended else None, ended.get(r), f.read()))
+    return runs
+
+
 # --- rank functions -------------------------------------------------------------------------
 def train_tiny(steps: int, hier_argv: list[str]) -> None:
     """The tiny GPT through the engine for ``steps`` steps (faults come from LBP_FAULT_INJECT).
@@ -176,4 +216,4 @@ def _tokens(spec, train, step, trainer):
     return tokens[lo:lo + train.micro_batch_size]
 
 
-__all__ = ["RankRun", "launch", "train_tiny", "poisoned_step", "TOPOLOGY_ARGS"]
+__all__ = ["RankRun", "launch", "launch_pretrain", "train_tiny", "poisoned_step", "TOPOLOGY_ARGS"]

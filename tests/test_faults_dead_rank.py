@@ -12,7 +12,8 @@ import pytest
 
 from megatron_lbp.engine import faults
 from megatron_lbp.testing.multirank import rank_location_env
-from tests.fault_fns import TOPOLOGY_ARGS, launch, train_tiny
+from tests.fault_fns import TOPOLOGY_ARGS, launch, launch_pretrain, train_tiny
+from tests.pretrain_runner import TINY, demo_data
 
 WORLD = 8
 CHECKIN_S = 3
@@ -27,6 +28,10 @@ def kill_and_watch(tmp_path, victim: int, phase: str):
     runs = launch(train_tiny, (3, ARGS), WORLD, tmp_path,
                   env={faults.INJECT_ENV: f"rank={victim},phase={phase},iteration=2"},
                   rank_env=rank_location_env(4), deadline_s=DEADLINE_S)
+    return check_survivors(runs, victim, phase, iteration=2)
+
+
+def check_survivors(runs, victim: int, phase: str, iteration: int):
     dead = runs[victim]
     assert dead.exitcode == -9, (
         f"rank {victim} was to SIGKILL itself before {phase} but ended with {dead.exitcode}:\n"
@@ -43,7 +48,7 @@ def kill_and_watch(tmp_path, victim: int, phase: str):
         lines = [l for l in r.output.splitlines() if l.startswith("[megatron-lbp] rank ")]
         assert len(lines) == 1, f"rank {r.rank}: expected one diagnosis line, got {lines}"
         want = f"[megatron-lbp] rank {r.rank} lost rank(s) [{victim}] during {phase} "
-        assert lines[0].startswith(want), (
+        assert lines[0].startswith(want) and f"at iteration {iteration} " in lines[0], (
             f"rank {r.rank} said\n  {lines[0]}\nexpected it to start with\n  {want}")
         detection[r.rank] = r.ended_at - dead.ended_at
         assert detection[r.rank] < COLLECTIVE_TIMEOUT_S, (
@@ -88,3 +93,44 @@ def test_injection_spec_is_checked():
                 "rank=3,phase=x,iteration=2,when=now"):
         with pytest.raises(ValueError, match=faults.INJECT_ENV):
             faults.parse_injection(bad)
+
+
+@pytest.mark.slow
+def test_rank_killed_under_the_training_entry(tmp_path):
+    """python -m megatron_lbp.pretrain_gpt per rank (as srun starts tasks), rank 6 killed in
+    grad_reduce at Megatron's iteration 3: the survivors leave megatron.training with the line."""
+    data = demo_data(tmp_path / "data")
+    argv = TINY + ["--data-path", data, "--train-iters", "6", "--global-batch-size", "16",
+                   "--hier-partition", "--hier-gpus-per-node", "4",
+                   "--hier-fault-checkin-s", str(CHECKIN_S),
+                   "--hier-collective-timeout-s", str(COLLECTIVE_TIMEOUT_S)]
+    runs = launch_pretrain(argv, WORLD, tmp_path,
+                           env={faults.INJECT_ENV: "rank=6,phase=grad_reduce,iteration=3"},
+                           rank_env=rank_location_env(4), deadline_s=240 + COLLECTIVE_TIMEOUT_S)
+    assert " iteration        2/" in runs[7].output, runs[7].output[-3000:]
+    check_survivors(runs, victim=6, phase="grad_reduce", iteration=3)
+
+
+@pytest.mark.slow
+def test_rank_stuck_alive_fails_the_others_after_the_collective_timeout(tmp_path):
+    """Rank 6 hangs (alive) before grad_reduce: its peers give up after
+    --hier-collective-timeout-s, everyone checks in, nobody is called lost, and the stuck
+    rank itself is ended once the verdict is out."""
+    timeout_s = 10
+    args = TOPOLOGY_ARGS + ["--hier-fault-checkin-s", str(CHECKIN_S),
+                            "--hier-collective-timeout-s", str(timeout_s)]
+    runs = launch(train_tiny, (3, args), WORLD, tmp_path,
+                  env={faults.INJECT_ENV: "rank=6,phase=grad_reduce,iteration=2,action=hang"},
+                  rank_env=rank_location_env(4), deadline_s=DEADLINE_S)
+    hung = [r.rank for r in runs if r.exitcode is None]
+    assert not hung, f"rank(s) {hung} still running at the deadline:\n{runs[hung[0]].output[-3000:]}"
+    for r in runs:
+        assert r.exitcode != 0, f"rank {r.rank} exited 0:\n{r.output[-2000:]}"
+        lines = [l for l in r.output.splitlines() if l.startswith("[megatron-lbp] rank ")]
+        assert "but every rank is alive" in lines[0], (r.rank, lines)
+        assert "Timed out" in lines[0] and " in grad_reduce" in lines[0], lines[0]
+    assert "still running" in runs[6].output, runs[6].output[-2000:]  # ended by its monitor
+    stuck_exit = runs[6].ended_at - min(r.ended_at for r in runs if r.rank != 6)
+    print(f"\nstuck rank 6: peers exited at {min(r.ended_at for r in runs):.1f}-"
+          f"{max(r.ended_at for r in runs if r.rank != 6):.1f} s after launch, rank 6 "
+          f"{stuck_exit:.1f} s after the first of them: {lines[0]}")

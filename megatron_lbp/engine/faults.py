@@ -86,6 +86,8 @@ class Activity:
     ranks: tuple[int, ...]
 
     def describe(self) -> str:
+        if not self.ranks:
+            return self.phase
         return f"{self.phase} (group '{self.family}', ranks {format_ranks(self.ranks)})"
 
 
@@ -312,6 +314,8 @@ def _coordinate(activity: Activity, error: BaseException, rank: int) -> dict[str
         store = dist.distributed_c10d._get_default_store()
         if mon is not None:
             mon.check_in(store, record)
+        # Also when the monitor checked in first: the error is what the verdict may quote.
+        store.set(f"{_PREFIX}error/{rank}", json.dumps(record))
         first = store.add(_DETECTORS, 1) == 1
         store.set(_FLAG, "fault")
         if first:
@@ -345,7 +349,7 @@ def _decide(store: Any, record: dict[str, Any]) -> dict[str, Any]:
     waiting = [a for a in alive.values()
                if a["activity"] and set(a["activity"]["ranks"]) & set(lost)]
     where = min(waiting, key=lambda a: (a["iteration"], _phase_rank(a["activity"]["phase"])),
-                default=record)
+                default=None) or (_timed_out(store, world) if not lost else None) or record
     verdict = {"lost": lost, "where": where, "store_lost": False,
                "waited_by": sorted(a["rank"] for a in waiting
                                    if a["activity"]["phase"] == where["activity"]["phase"]),
@@ -361,6 +365,22 @@ def _decide(store: Any, record: dict[str, Any]) -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - the store host left after reading it: fine
         pass
     return verdict
+
+
+def _timed_out(store: Any, world: int) -> dict[str, Any] | None:
+    """Nobody lost: the collective that timed out says most. Its peers may only have seen
+    the connection the timed-out rank closed, and may have reported first; wait briefly."""
+    deadline = time.monotonic() + 2.0
+    while True:
+        for r in range(world):
+            key = f"{_PREFIX}error/{r}"
+            if store.check([key]):
+                rec = json.loads(store.get(key))
+                if "Timed out" in (rec["error"] or ""):
+                    return rec
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
 
 
 def _phase_rank(phase: str) -> int:
@@ -389,3 +409,35 @@ def verdict_line(verdict: dict[str, Any], rank: int) -> str:
     ranks = "; ".join(f"{format_ranks(rs)} {doing}" for doing, rs in sorted(by_doing.items()))
     return (f"[megatron-lbp] rank {rank}: {place} failed at iteration {where['iteration']} "
             f"({where['error']}) but every rank is alive; ranks: {ranks}; exiting")
+
+
+# --- collectives outside the engine ----------------------------------------------------------
+OUTSIDE = Activity("a collective outside the engine", "", ())
+
+
+def install_excepthook() -> None:
+    """Diagnose a peer's loss that surfaced in a collective the engine does not issue
+    (Megatron's loss and timer reductions) before Python prints the traceback."""
+    previous = sys.excepthook
+    if getattr(previous, "_lbp_faults", False):
+        return
+
+    def hook(exc_type, exc, tb):
+        if _monitor is not None and _is_comm_error(exc):
+            try:
+                diagnose(OUTSIDE, exc)
+            except Exception:  # noqa: BLE001 - the traceback below still says what failed
+                pass
+        previous(exc_type, exc, tb)
+
+    hook._lbp_faults = True
+    sys.excepthook = hook
+
+
+def _is_comm_error(exc: BaseException) -> bool:
+    if isinstance(exc, CollectiveFault) or not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc)
+    return isinstance(exc, getattr(dist, "DistError", ())) or any(
+        key in text for key in ("gloo", "NCCL", "Connection reset", "Connection closed",
+                                "Timed out"))
