@@ -195,8 +195,8 @@ def overhead_reason(runs, ov) -> str:
         text += (f". The traffic run counts the same pattern: lbp sends {tot[1]['lbp']:,} B per "
                  f"rank per step over all links at K=1 and {tot[4]['lbp']:,} B at K=4, stock "
                  f"{tot[1]['megatron-distopt']:,} B and {tot[4]['megatron-distopt']:,} B")
-    return text + (f". With {ov['ranks']} ranks on {ov['machine']['cpus']} cores each collective "
-                   f"is a blocking gloo wait that no compute hides")
+    return text + (f". Here {ov['ranks']} ranks share {ov['machine']['cpus']} cores, so every "
+                   f"gloo collective's copies and waits take the cores the compute runs on")
 
 
 def projection_key(proj, model: str = "20B") -> tuple[str, str] | None:
