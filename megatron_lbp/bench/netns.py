@@ -190,14 +190,14 @@ class EmulatedNetwork:
             self._shape(ns, UPLINK)
             self._shape(sw, port)
 
-    def qdiscs(self) -> dict[str, str]:
-        """``tc qdisc show`` of every shaped device, for the printed setup."""
+    def qdiscs(self, stats: bool = False) -> dict[str, str]:
+        """``tc qdisc show`` (``-s``: with sent/dropped/overlimit counters) of every shaped device."""
+        flag = ["-s"] if stats else []
         out = {}
         for i in range(self.nodes):
-            out[f"{self.node_ns(i)}:{UPLINK}"] = _run(
-                "ip", "netns", "exec", self.node_ns(i), "tc", "qdisc", "show", "dev", UPLINK).strip()
-            out[f"{self.switch}:s{i}"] = _run(
-                "ip", "netns", "exec", self.switch, "tc", "qdisc", "show", "dev", f"s{i}").strip()
+            for ns, dev in ((self.node_ns(i), UPLINK), (self.switch, f"s{i}")):
+                text = _run("ip", "netns", "exec", ns, "tc", *flag, "qdisc", "show", "dev", dev)
+                out[f"{ns}:{dev}"] = " ".join(text.split())
         return out
 
     def close(self) -> None:

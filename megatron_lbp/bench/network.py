@@ -316,6 +316,8 @@ def run(args) -> dict[str, Any]:
             _progress(args, f"run {run_ + 1}/{args.runs}: " + ", ".join(
                 f"{s} {statistics.median(first['step_s'][s]):.3f}" for s in args.schemes)
                 + " s/step (medians)")
+        # Drops would mean retransmissions, i.e. TCP timers, not the rate, in the step times.
+        out["config"]["qdisc_stats_end"] = net.qdiscs(stats=True)
     for scheme in args.schemes:
         out["schemes"][scheme] = {"step_s": steps[scheme],
                                   "median_s": statistics.median(steps[scheme]),

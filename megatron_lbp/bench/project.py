@@ -29,10 +29,14 @@ efficiency is TFLOPS/GCD at n GCDs over the same scheme's at the smallest GCD
 count (one node). Every assumption is printed with the output; none is tuned
 to the paper's figures.
 
-Calibration hook: :class:`LinkModel` carries the bandwidths and latencies;
-``LinkModel.from_measured`` builds one from measured link bandwidths (e.g. on
-the emulated network) and :func:`step_time` predicts a step for any plan with
-it, so the model can be checked against measured step times.
+Calibration: :class:`LinkModel` carries the bandwidths and latencies;
+``LinkModel.from_measured`` builds one from measured link bandwidths and
+:func:`step_time` predicts a step for any plan with it. ``bench network``
+measures on an emulated network and uses :func:`fit_link` (bandwidth and
+latency of a link class from timed collectives), :func:`compute_from_measured`
+(a ComputeModel reproducing timed compute) and :func:`calibrate` (predicted vs
+measured step-time ratios to lbp); only those inputs are fitted, the step
+model is this one, unchanged.
 
     python -m megatron_lbp.bench project [--json] [--mfu 0.35] [--micro-batches 1] ...
 """
