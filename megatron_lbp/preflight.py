@@ -64,9 +64,7 @@ def _check_data(args) -> None:
             if os.path.getsize(path) == 0:
                 raise PreflightError(f"--data-path {prefix}: {path} is empty")
         try:
-            from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-            ds = IndexedDataset(prefix, mmap=True)
+            ds = _open_indexed(prefix)
             if len(ds) == 0:
                 raise PreflightError(f"--data-path {prefix}: the dataset has no documents")
         except PreflightError:
@@ -74,6 +72,18 @@ def _check_data(args) -> None:
         except Exception as err:  # a torn or foreign file: say which, not Megatron's traceback
             raise PreflightError(f"--data-path {prefix}: cannot read the indexed dataset "
                                  f"({type(err).__name__}: {err})") from None
+
+
+def _open_indexed(prefix: str):
+    """Megatron's IndexedDataset, minus the traceback its __del__ prints when the constructor failed."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    class _Checked(IndexedDataset):
+        def __del__(self):
+            if hasattr(self, "bin_reader") and hasattr(self, "index"):
+                super().__del__()
+
+    return _Checked(prefix, mmap=True)
 
 
 def _check_tokenizer_and_data(args) -> None:
@@ -85,10 +95,8 @@ def _check_tokenizer_and_data(args) -> None:
     vocab = getattr(args, "padded_vocab_size", None) or _tokenizer_vocab(args)
     if not vocab:
         return
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
     for prefix in _data_prefixes(args):
-        ds = IndexedDataset(prefix, mmap=True)
+        ds = _open_indexed(prefix)
         seen, top = 0, -1
         for i in range(len(ds)):
             doc = ds[i]
@@ -147,11 +155,17 @@ def _effective(args, name: str):
 
 def _saved_args(load: str, tracker: str, step: int | None):
     text = open(tracker).read().strip()
+    if step is None and text != "release" and not text.isdigit():
+        # Megatron would exit (status 0) with "Invalid metadata file" or a traceback.
+        raise PreflightError(f"--load {load}: {tracker} holds {text[:40]!r}, not an iteration "
+                             "number (torn by a kill during a stock-Megatron save?): write the "
+                             "iteration of the last complete iter_* directory into it")
     iteration = step if step is not None else (None if text == "release" else int(text))
     ckpt = os.path.join(load, "release" if iteration is None else f"iter_{iteration:07d}")
     if not os.path.isfile(os.path.join(ckpt, "metadata.json")):
         raise PreflightError(f"--load {load}: {ckpt} has no metadata.json (an incomplete "
                              "checkpoint, or not in the torch_dist format)")
+    _check_checkpoint_files(load, ckpt)
     from megatron.core import dist_checkpointing
 
     try:
@@ -160,3 +174,25 @@ def _saved_args(load: str, tracker: str, step: int | None):
         raise PreflightError(f"--load {load}: cannot read {ckpt} ({type(err).__name__}: "
                              f"{str(err).splitlines()[0] if str(err) else ''})") from None
     return common.get("args")
+
+
+def _check_checkpoint_files(load: str, ckpt: str) -> None:
+    """Every file DCP's .metadata points into exists and is long enough (a copy cut short, a torn write)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        meta = FileSystemReader(ckpt).read_metadata()
+    except Exception as err:
+        raise PreflightError(f"--load {load}: cannot read {os.path.join(ckpt, '.metadata')} "
+                             f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+                             ) from None
+    need: dict[str, int] = {}
+    for info in (getattr(meta, "storage_data", None) or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for rel, size in sorted(need.items()):
+        path = os.path.join(ckpt, rel)
+        if not os.path.isfile(path):
+            raise PreflightError(f"--load {load}: {path} is missing (an incomplete checkpoint)")
+        have = os.path.getsize(path)
+        if have < size:
+            raise PreflightError(f"--load {load}: {path} is truncated ({have} of {size} bytes)")

@@ -125,6 +125,23 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     return datasets
 
 
+def _usage_error(message: str) -> None:
+    # Every rank finds the same problem; one line from rank 0 says it.
+    if os.environ.get("RANK", "0") == "0":
+        print(f"python -m megatron_lbp.pretrain_gpt: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _refuse_unpatched_megatron() -> None:
+    """LBP_RUNTIME_HOOKS=0 trusts the megatron on the path to carry the hooks; say so if it does not."""
+    from megatron.training import arguments
+
+    if not vars(arguments).get("_lbp_hooked"):
+        tree = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(arguments.__file__))))
+        _usage_error(f"LBP_RUNTIME_HOOKS=0 but the Megatron-LM tree {tree} is not patched: run "
+                     f"scripts/apply_patches.sh {tree}, or unset LBP_RUNTIME_HOOKS")
+
+
 def main(argv: list[str] | None = None) -> None:
     if argv is not None:
         sys.argv = [sys.argv[0]] + list(argv)
@@ -138,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         # A patched megatron/ (scripts/apply_patches.sh) carries the hooks itself.
         compat.enable_training()
+        _refuse_unpatched_megatron()
 
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
@@ -148,11 +166,10 @@ def main(argv: list[str] | None = None) -> None:
     training_hooks._state["preflight"] = True
     try:
         args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
-    except training_hooks.UsageError as err:
-        # Every rank finds the same problem; one line from rank 0 says it.
-        if os.environ.get("RANK", "0") == "0":
-            print(f"python -m megatron_lbp.pretrain_gpt: error: {err}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    except (training_hooks.UsageError, AssertionError) as err:
+        # Megatron's own argument checks are asserts; like ours, one line, not a traceback.
+        _usage_error(str(err).strip().splitlines()[0] if str(err).strip()
+                     else "Megatron's argument checks failed without a message")
     full_config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
     pretrain(full_config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
              forward_step)

@@ -66,4 +66,4 @@ def test_patched_megatron_trains_with_hier_partition_and_unpatched_refuses(tree,
     assert code == 0, why(log)
     assert "megatron-lbp hierarchy (lbp): W=2 P=2" in log and sorted(losses) == [1, 2, 3], why(log)
     code, log, _ = run_pretrain(1, args, env=hooks_off)
-    assert code != 0 and "unrecognized arguments: --hier-partition" in log, why(log)
+    assert code == 2 and "LBP_RUNTIME_HOOKS=0 but the Megatron-LM tree" in log and "is not patched" in log, why(log)

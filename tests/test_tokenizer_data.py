@@ -327,68 +327,7 @@ def test_cli_with_workers_matches_in_process(pre, corpus_texts, tmp_path, capsys
 # --- bad input ---------------------------------------------------------------------
 
 
-def _bad_cases(tmp: Path) -> dict:
-    """name -> (argv without --output-prefix, text the one error line must contain)."""
-    good = _write_jsonl(tmp / "good.jsonl", [{"text": "Some text."}])
-    (tmp / "empty.jsonl").write_text("")
-    (tmp / "nodir").mkdir()
-    (tmp / "nodir" / "notes.txt").write_text("not JSONL\n")
-    _write_jsonl(tmp / "blank.jsonl", [{"text": ""}, {"text": ""}])
-    (tmp / "badjson.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n{"text": oops}\n')
-    _write_jsonl(tmp / "nokey.jsonl", [{"text": "a"}, {"body": "b"}])
-    _write_jsonl(tmp / "notstr.jsonl", [{"text": 3}])
-    (tmp / "array.jsonl").write_text("[1, 2]\n")
-    (tmp / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
-    (tmp / "broken.jsonl.gz").write_bytes(b"this is not gzip")
-    (tmp / "garbage.model").write_bytes(b"not a sentencepiece model")
-    (tmp / "afile").write_text("x")
-    g = str(good)
-    return {
-        "missing input": (["--input", str(tmp / "nope.jsonl"), *TOK], "nope.jsonl"),
-        "empty input": (["--input", str(tmp / "empty.jsonl"), *TOK], "empty.jsonl"),
-        "no input files in dir": (["--input", str(tmp / "nodir"), *TOK], "nodir"),
-        "no documents": (["--input", str(tmp / "blank.jsonl"), *TOK], "blank.jsonl"),
-        "bad JSON line": (["--input", str(tmp / "badjson.jsonl"), *TOK], "badjson.jsonl line 3"),
-        "missing key": (["--input", str(tmp / "nokey.jsonl"), *TOK], "nokey.jsonl line 2: no key 'text'"),
-        "value not a string": (["--input", str(tmp / "notstr.jsonl"), *TOK], "notstr.jsonl line 1"),
-        "not an object": (["--input", str(tmp / "array.jsonl"), *TOK], "array.jsonl line 1"),
-        "not UTF-8": (["--input", str(tmp / "latin1.txt"), "--input-format", "text", *TOK], "latin1.txt"),
-        "bad gzip": (["--input", str(tmp / "broken.jsonl.gz"), *TOK], "broken.jsonl.gz"),
-        "unknown tokenizer type": (["--input", g, "--tokenizer-type", "NoSuchTokenizer"], "NoSuchTokenizer"),
-        "no tokenizer type": (["--input", g], "--tokenizer-type"),
-        "missing tokenizer model": (
-            ["--input", g, "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
-             str(tmp / "missing.model")], "missing.model"),
-        "corrupt tokenizer model": (
-            ["--input", g, "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
-             str(tmp / "garbage.model")], "garbage.model"),
-        "gpt2 without vocab": (["--input", g, "--tokenizer-type", "GPT2BPETokenizer"], "--vocab-file"),
-        "workers 0": (["--input", g, "--workers", "0", *TOK], "--workers"),
-        "unwritable output dir": (["--input", g, *TOK], "afile"),
-    }
-
-
-BAD_NAMES = [
-    "missing input", "empty input", "no input files in dir", "no documents", "bad JSON line",
-    "missing key", "value not a string", "not an object", "not UTF-8", "bad gzip",
-    "unknown tokenizer type", "no tokenizer type", "missing tokenizer model",
-    "corrupt tokenizer model", "gpt2 without vocab", "workers 0", "unwritable output dir",
-]
-
-
-@pytest.mark.parametrize("name", BAD_NAMES)
-def test_bad_input_one_line_and_no_output(pre, tmp_path, capsys, name):
-    cases = _bad_cases(tmp_path)
-    assert sorted(cases) == sorted(BAD_NAMES)
-    argv, needle = cases[name]
-    out_dir = tmp_path / ("afile" if name == "unwritable output dir" else "out") / "sub"
-    before = sorted(p.name for p in tmp_path.rglob("*"))
-    rc, out, err = _run(pre, capsys, *argv, "--output-prefix", str(out_dir / "ds"))
-    assert rc != 0
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("preprocess_data.py: error: ") and needle in lines[0], lines[0]
-    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing written, no dirs left
+# Bad input to preprocess_data.py: tests/test_bad_input_matrix.py (every entry point's table).
 
 
 def test_failed_run_keeps_previous_outputs(pre, tmp_path, capsys):
@@ -401,16 +340,3 @@ def test_failed_run_keeps_previous_outputs(pre, tmp_path, capsys):
     rc, _, err = _run(pre, capsys, "--input", str(bad), "--output-prefix", str(prefix), *TOK)
     assert rc == 1 and "bad.jsonl line 3" in err
     assert {p.name: p.read_bytes() for p in tmp_path.glob("ds_*")} == old  # no tmp files either
-
-
-def test_cli_bad_input_prints_exactly_one_line(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "preprocess_data.py"), "--input",
-         str(tmp_path / "missing.jsonl"), "--output-prefix", str(tmp_path / "ds"), *TOK],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines() == [
-        f"preprocess_data.py: error: input {tmp_path / 'missing.jsonl'}: no such file or directory"
-    ]
-    assert list(tmp_path.iterdir()) == []
