@@ -40,19 +40,32 @@ def _alive(pids) -> list[int]:
     return alive
 
 
-def _wait_for_ranks(proc, timeout=120.0) -> list[int]:
-    """Pids of the rank processes inside the command's first node namespace, once there are some."""
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _wait_for_ranks(proc, ranks_per_node=2, timeout=180.0) -> list[int]:
+    """Pids of the rank processes in the command's first node, once all of them are in it.
+
+    Python processes only: while the network is built, ``ip netns exec ... tc``
+    runs briefly inside the namespaces too.
+    """
     deadline = time.monotonic() + timeout
     ns = f"{netns.PREFIX}{proc.pid}-n0"
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"command ended early: {proc.communicate()[1][-2000:]}"
         pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
                                                text=True).stdout.split()]
-        if pids:
-            return pids
+        ranks = [p for p in pids if "python" in _cmdline(p)]
+        if len(ranks) >= ranks_per_node:
+            return ranks
         time.sleep(0.2)
     proc.kill()
-    raise AssertionError(f"no rank process appeared in {ns} within {timeout} s")
+    raise AssertionError(f"the ranks did not appear in {ns} within {timeout} s")
 
 
 def _gone_within(pids, seconds=10.0) -> list[int]:
@@ -189,6 +202,16 @@ def test_refuses_without_root_in_one_line():
     assert done.returncode == 2, done.stderr[-2000:]
     assert lines[-1] == ("python -m megatron_lbp.bench network: error: needs root (network "
                          "namespaces, veth and tc); run as root"), done.stderr[-2000:]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="as non-root the root check answers first")
+def test_refuses_without_iproute2_in_one_line(tmp_path):
+    done = subprocess.run(CMD + ["--schemes", "lbp"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PATH": str(tmp_path)})
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert lines[-1] == ("python -m megatron_lbp.bench network: error: 'ip' not found on PATH "
+                         "(iproute2 is needed)"), done.stderr[-2000:]
 
 
 def test_fit_link_recovers_bandwidth_and_latency():
