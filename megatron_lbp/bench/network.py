@@ -330,6 +330,14 @@ def run(args) -> dict[str, Any]:
     measured = {s: r["median_s"] for s, r in out["schemes"].items()}
     out["calibration"] = _calibration(args, measured, _fit_links(samples), compute_meas)
     out["config"]["loadavg_end"] = list(os.getloadavg())
+    busiest = max(out["config"]["loadavg_start"][0], out["config"]["loadavg_end"][0])
+    if busiest > world + 2 * out["config"]["cpus"]:
+        # Beyond this run's own ranks, other processes then want most of the
+        # cores: the times measure them as much as the schemes.
+        out["config"]["load_warning"] = (
+            f"1-minute load average reached {busiest:.1f} on {out['config']['cpus']} CPUs "
+            f"({world} of it this run's ranks): other processes shared the cores; compare "
+            f"ratios only across runs at similar load")
     return out
 
 
@@ -378,6 +386,7 @@ def render(out: dict[str, Any]) -> str:
         f"{c['timed_steps']} timed steps per run, {c['runs']} run(s); load average "
         f"{c['loadavg_start'][0]:.1f} at start, {c['loadavg_end'][0]:.1f} at the end",
         f"versions: {json.dumps(c['versions'])}; {c['cpus']} CPUs",
+        *([f"WARNING: {c['load_warning']}"] if c.get("load_warning") else []),
         "",
         f"  {'scheme':<18}{'median s/step':>14}{'/ lbp':>8}{'pred / lbp':>12}{'error':>8}  within 20%",
     ]
