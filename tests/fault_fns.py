@@ -31,6 +31,24 @@ class RankRun:
     exitcode: int | None      # None: still running at the deadline (then killed)
     ended_at: float | None    # seconds since launch
     output: str
+    said_at: float | None = None  # when its first "[megatron-lbp] rank N" line appeared
+
+
+def _watch(procs, logs, world, start, deadline_s, poll):
+    """Wait until every process ended or the deadline; note when each ended and spoke."""
+    ended: dict[int, float] = {}
+    said: dict[int, float] = {}
+    while len(ended) < world and time.monotonic() - start < deadline_s:
+        for r in range(world):
+            now = time.monotonic() - start
+            if r not in said and os.path.exists(logs[r]):
+                with open(logs[r], errors="replace") as f:
+                    if f"[megatron-lbp] rank {r}" in f.read():
+                        said[r] = now
+            if r not in ended and poll(procs[r]) is not None:
+                ended[r] = now
+        time.sleep(0.05)
+    return ended, said
 
 
 def _child(fn, args, rank, env, log_path):
@@ -67,12 +85,7 @@ def launch(fn, args, world: int, tmp_path, *, env=None, rank_env=None,
         p.start()
         procs.append(p)
         logs.append(log)
-    ended: dict[int, float] = {}
-    while len(ended) < world and time.monotonic() - start < deadline_s:
-        for r, p in enumerate(procs):
-            if r not in ended and p.exitcode is not None:
-                ended[r] = time.monotonic() - start
-        time.sleep(0.05)
+    ended, said = _watch(procs, logs, world, start, deadline_s, lambda p: p.exitcode)
     for p in procs:
         if p.exitcode is None:
             p.kill()
@@ -81,7 +94,7 @@ def launch(fn, args, world: int, tmp_path, *, env=None, rank_env=None,
     for r, p in enumerate(procs):
         with open(logs[r], errors="replace") as f:
             out = f.read()
-        runs.append(RankRun(r, p.exitcode if r in ended else None, ended.get(r), out))
+        runs.append(RankRun(r, p.exitcode if r in ended else None, ended.get(r), out, said.get(r)))
     return runs
 
 
@@ -108,12 +121,8 @@ def launch_pretrain(argv: list[str], world: int, tmp_path, *, env=None, rank_env
             [sys.executable, "-m", "megatron_lbp.pretrain_gpt", *argv], cwd=REPO,
             env=dict(os.environ, **rank_vars), stdout=log, stderr=subprocess.STDOUT))
         logs.append(log)
-    ended: dict[int, float] = {}
-    while len(ended) < world and time.monotonic() - start < deadline_s:
-        for r, p in enumerate(procs):
-            if r not in ended and p.poll() is not None:
-                ended[r] = time.monotonic() - start
-        time.sleep(0.05)
+    ended, said = _watch(procs, [f.name for f in logs], world, start, deadline_s,
+                         lambda p: p.poll())
     runs = []
     for r, p in enumerate(procs):
         if p.poll() is None:
@@ -121,7 +130,8 @@ def launch_pretrain(argv: list[str], world: int, tmp_path, *, env=None, rank_env
         p.wait(timeout=10)
         logs[r].close()
         with open(logs[r].name, errors="replace") as f:
-            runs.append(RankRun(r, p.returncode if r in ended else None, ended.get(r), f.read()))
+            runs.append(RankRun(r, p.returncode if r in ended else None, ended.get(r), f.read(),
+                                said.get(r)))
     return runs
 
 

@@ -81,7 +81,8 @@ class Collectives:
         self.sizes = dict(sizes)
         self.links = dict(links)
         self.ledger = ledger or CommLedger()
-        self._activity = {f: faults.Activity("", f, _group_ranks(g)) for f, g in self.groups.items()}
+        self._activity = {f: faults.Activity("", f, _group_ranks(g))
+                          for f, g in self.groups.items()}
         self._inject = faults.injection_for_this_rank()
         faults.ensure_monitor()
 

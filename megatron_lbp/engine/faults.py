@@ -58,6 +58,7 @@ INJECT_ENV = "LBP_FAULT_INJECT"
 
 _PREFIX = "lbp_fault/"
 _FLAG = _PREFIX + "flag"            # set once a collective failed somewhere (or "closing")
+_WAKE = _PREFIX + "wake/"           # + rank: what that rank's monitor waits for
 _DETECTORS = _PREFIX + "detectors"  # counter: the first detector coordinates
 _CHECKED_IN = _PREFIX + "checked_in"
 _VERDICT = _PREFIX + "verdict"
@@ -147,7 +148,7 @@ def exit_grace_s() -> float:
 
 # --- fault injection ------------------------------------------------------------------------
 class Injection:
-    """Kill (or hang) this process right before its first collective of ``phase`` at ``iteration``."""
+    """Kill (or hang) this process right before its first ``phase`` collective of ``iteration``."""
 
     def __init__(self, phase: str, iteration: int, action: str) -> None:
         self.phase, self.iteration, self.action = phase, iteration, action
@@ -215,14 +216,15 @@ class _Monitor:
     def _watch(self) -> None:
         try:
             store = self.store.clone()  # its own connection: a blocking wait stalls nobody
+            wake = _WAKE + str(self.rank)
             while True:
                 try:
-                    store.wait([_FLAG], datetime.timedelta(days=1))
+                    store.wait([wake], datetime.timedelta(days=1))
                     break
                 except RuntimeError as err:
                     if "timeout" not in str(err).lower():
                         raise
-            if store.get(_FLAG).decode() == _CLOSING:
+            if store.get(wake).decode() == _CLOSING:
                 store.add(_CLOSING_ACKS, 1)
                 return
             self.check_in(store, _record(self.rank, TRACKER.current))
@@ -238,7 +240,8 @@ class _Monitor:
         faulthandler.dump_traceback_later(exit_grace_s() + 10.0, exit=True)
         time.sleep(exit_grace_s())
         print(f"[megatron-lbp] rank {self.rank}: still running {exit_grace_s():g} s after the "
-              "verdict; exiting", file=sys.stderr, flush=True)
+              "verdict; exiting (where each thread was:)", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         os._exit(3)
 
 
@@ -253,6 +256,9 @@ def ensure_monitor() -> None:
     store = dist.distributed_c10d._get_default_store()
     _monitor = _Monitor(store, dist.get_rank(), dist.get_world_size())
     _monitor.thread.start()
+    # A thread still blocked inside the store client when the interpreter tears
+    # down C++ state aborts the process ("terminate called"): release it first.
+    atexit.register(_stop_monitor, _monitor)
     if dist.get_rank() == 0:
         # Rank 0's store leaves with it: release the monitors first, or each of them
         # logs a lost connection at every normal end. Python's exit runs atexit;
@@ -262,11 +268,21 @@ def ensure_monitor() -> None:
                                       exitpriority=0)
 
 
+def _stop_monitor(mon: _Monitor) -> None:
+    if not mon.thread.is_alive() or mon.checked_in:
+        return  # already done, or busy with a fault (then it ends the process itself)
+    try:
+        mon.store.set(_WAKE + str(mon.rank), _CLOSING)
+        mon.thread.join(timeout=2.0)
+    except Exception:  # noqa: BLE001 - the store is gone, and with it the blocked wait
+        pass
+
+
 def _announce_closing(store: Any, world: int) -> None:
     try:
         if store.check([_FLAG]):
             return
-        store.set(_FLAG, _CLOSING)
+        store.multi_set([_WAKE + str(r) for r in range(world)], [_CLOSING] * world)
         deadline = time.monotonic() + 2.0
         while store.add(_CLOSING_ACKS, 0) < world and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -318,6 +334,8 @@ def _coordinate(activity: Activity, error: BaseException, rank: int) -> dict[str
         store.set(f"{_PREFIX}error/{rank}", json.dumps(record))
         first = store.add(_DETECTORS, 1) == 1
         store.set(_FLAG, "fault")
+        world = dist.get_world_size()
+        store.multi_set([_WAKE + str(r) for r in range(world)], ["fault"] * world)
         if first:
             return _decide(store, record)
         try:
