@@ -68,6 +68,35 @@ def _wait_for_ranks(proc, ranks_per_node=2, timeout=180.0) -> list[int]:
     raise AssertionError(f"the ranks did not appear in {ns} within {timeout} s")
 
 
+@pytest.fixture
+def launch():
+    """Start the command; whatever happens in the test, it does not outlive it.
+
+    SIGTERM first (the command removes its namespaces), SIGKILL if that hangs;
+    namespaces a SIGKILLed command leaves are swept.
+    """
+    procs = []
+
+    def start(args, **kw):
+        kw.setdefault("stdout", subprocess.PIPE)
+        kw.setdefault("stderr", subprocess.PIPE)
+        proc = subprocess.Popen(CMD + args, text=True, **kw)
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+    if any(_ours(p.pid) for p in procs):
+        subprocess.run(CMD + ["--sweep"], capture_output=True, timeout=120)
+
+
 def _gone_within(pids, seconds=10.0) -> list[int]:
     deadline = time.monotonic() + seconds
     while _alive(pids) and time.monotonic() < deadline:
@@ -76,9 +105,8 @@ def _gone_within(pids, seconds=10.0) -> list[int]:
 
 
 @needs_root
-def test_reduced_run_json_shaping_and_cleanup():
-    proc = subprocess.Popen(CMD + REDUCED + ["--schemes", "lbp,zero3", "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def test_reduced_run_json_shaping_and_cleanup(launch):
+    proc = launch(REDUCED + ["--schemes", "lbp,zero3", "--json"])
     stdout, stderr = proc.communicate(timeout=240)
     assert proc.returncode == 0, stderr[-3000:]
     out = json.loads(stdout.strip().splitlines()[-1])
@@ -131,9 +159,9 @@ def test_reduced_run_json_shaping_and_cleanup():
 @needs_root
 @pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)],
                          ids=["SIGINT", "SIGTERM"])
-def test_signal_mid_run_removes_everything(sig):
-    proc = subprocess.Popen(CMD + REDUCED + ["--schemes", "lbp", "--steps", "500"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def test_signal_mid_run_removes_everything(sig, launch):
+    # SIGINT arrives even if this test runs as a background job (SIGINT ignored).
+    proc = launch(REDUCED + ["--schemes", "lbp", "--steps", "500"])
     ranks = _wait_for_ranks(proc)
     assert len(_ours(proc.pid)) == 3, netns.namespaces()  # two nodes and the switch
     proc.send_signal(sig)
@@ -146,10 +174,9 @@ def test_signal_mid_run_removes_everything(sig):
 
 @pytest.mark.slow
 @needs_root
-def test_crashed_rank_fails_the_run_and_removes_everything():
+def test_crashed_rank_fails_the_run_and_removes_everything(launch):
     """A rank SIGKILLed mid-run: the run fails naming it and still removes everything (~25-100 s)."""
-    proc = subprocess.Popen(CMD + REDUCED + ["--schemes", "lbp", "--steps", "500"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = launch(REDUCED + ["--schemes", "lbp", "--steps", "500"])
     ranks = _wait_for_ranks(proc)
     os.kill(ranks[0], signal.SIGKILL)
     _, stderr = proc.communicate(timeout=90)
@@ -160,9 +187,9 @@ def test_crashed_rank_fails_the_run_and_removes_everything():
 
 
 @needs_root
-def test_killed_command_leaves_state_that_the_next_run_sweeps():
-    proc = subprocess.Popen(CMD + REDUCED + ["--schemes", "lbp", "--steps", "500"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def test_killed_command_leaves_state_that_the_next_run_sweeps(launch):
+    proc = launch(REDUCED + ["--schemes", "lbp", "--steps", "500"],
+                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ranks = _wait_for_ranks(proc)
     proc.kill()  # SIGKILL: no handler runs
     proc.wait(timeout=30)

@@ -507,7 +507,10 @@ def main(argv=None) -> int:
         return 0
     from megatron_lbp.testing.multirank import MultiRankError
 
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    # SIGINT too: a shell starts background jobs with SIGINT ignored, and this
+    # command must still unwind (and remove its namespaces) when sent one.
+    previous = {sig: signal.signal(sig, handler) for sig, handler in (
+        (signal.SIGTERM, _terminate), (signal.SIGINT, signal.default_int_handler))}
     try:
         out = run(args)
     except MultiRankError as e:
@@ -522,7 +525,8 @@ def main(argv=None) -> int:
         print(f"python -m megatron_lbp.bench network: error: {e}", file=sys.stderr)
         return 1
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     print(json.dumps(out) if args.json else render(out))
     return 0
 
