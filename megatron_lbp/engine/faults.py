@@ -13,16 +13,20 @@ How it works (all through the job's own rendezvous store, no extra service):
    every collective it issues or waits for, its phase, group family and ranks
    (:data:`TRACKER`); asynchronous work carries the phase it was issued in, so
    an error that surfaces at ``wait()`` is attributed to that phase.
-2. A monitor thread per rank blocks on one store key (the fault flag) over its
-   own connection: idle, it costs nothing. Whoever raises the flag wakes every
-   live rank's monitor, which checks in with what its main thread is doing --
-   even when that thread sits in a collective with a peer that is itself busy
-   diagnosing.
+2. A monitor thread per rank blocks on its own store key over its own
+   connection: idle, it costs nothing. A rank that raises the fault flag sets
+   every rank's key, which wakes every live monitor; it checks in with what
+   its main thread is doing -- even when that thread sits in a collective with
+   a peer that is itself busy diagnosing.
 3. A rank whose collective fails (:func:`diagnose`) checks in and raises the
    flag; the first one (a store counter decides) waits up to the check-in
    window for every rank and publishes the verdict: the ranks that never
-   checked in are lost. Every rank prints one line naming them and the phase,
-   and raises :class:`CollectiveFault` (exit status non-zero).
+   checked in are lost, and the phase is the earliest collective a survivor
+   waits for them in. Every rank prints one line naming them and the phase
+   (its monitor does, wherever the main thread fails), and the engine raises
+   :class:`CollectiveFault` (exit status non-zero). A failure surfacing in a
+   collective outside the engine (Megatron's own) is diagnosed by
+   :func:`install_excepthook` before the traceback.
 4. The store lives in rank 0's process for plain and Slurm launches: when it
    no longer answers, rank 0 is the lost one.
 5. Once a verdict is known a rank exits within ``exit_grace_s`` even if its
@@ -57,13 +61,13 @@ DEFAULT_CHECKIN_S = 15.0
 INJECT_ENV = "LBP_FAULT_INJECT"
 
 _PREFIX = "lbp_fault/"
-_FLAG = _PREFIX + "flag"            # set once a collective failed somewhere (or "closing")
+_FLAG = _PREFIX + "flag"            # set once a collective failed somewhere
 _WAKE = _PREFIX + "wake/"           # + rank: what that rank's monitor waits for
 _DETECTORS = _PREFIX + "detectors"  # counter: the first detector coordinates
 _CHECKED_IN = _PREFIX + "checked_in"
 _VERDICT = _PREFIX + "verdict"
 _ACKS = _PREFIX + "acks"
-_CLOSING = "closing"
+_CLOSING = "closing"                # a wake key's value at a normal end
 _CLOSING_ACKS = _PREFIX + "closing_acks"
 
 
