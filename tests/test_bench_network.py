@@ -138,7 +138,8 @@ def test_reduced_run_json_shaping_and_cleanup(launch):
             abs(k["predicted_ratio"] - k["measured_ratio"]) / k["measured_ratio"])
         assert k["within_20pct"] is (k["rel_error"] <= 0.2)
     links = cal["fit"]["links"]
-    assert links["network"]["bandwidth_MB_per_s"] > 0 and links["loopback"]["bandwidth_MB_per_s"] > 0
+    assert links["network"]["bandwidth_MB_per_s"] > 0
+    assert links["loopback"]["bandwidth_MB_per_s"] > 0
 
     # Shaping is real: through a node's uplink the largest peer all-gather
     # (every rank of the node sending across at once; 4 MB, so the tbf's 64 kB
@@ -157,7 +158,8 @@ def test_reduced_run_json_shaping_and_cleanup(launch):
 
 
 @needs_root
-@pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("sig", [signal.SIGINT,
+                                 pytest.param(signal.SIGTERM, marks=pytest.mark.slow)],
                          ids=["SIGINT", "SIGTERM"])
 def test_signal_mid_run_removes_everything(sig, launch):
     # SIGINT arrives even if this test runs as a background job (SIGINT ignored).
@@ -175,7 +177,7 @@ def test_signal_mid_run_removes_everything(sig, launch):
 @pytest.mark.slow
 @needs_root
 def test_crashed_rank_fails_the_run_and_removes_everything(launch):
-    """A rank SIGKILLed mid-run: the run fails naming it and still removes everything (~25-100 s)."""
+    """A rank SIGKILLed mid-run: the run fails naming it, still removes everything (~25-100 s)."""
     proc = launch(REDUCED + ["--schemes", "lbp", "--steps", "500"])
     ranks = _wait_for_ranks(proc)
     os.kill(ranks[0], signal.SIGKILL)
@@ -216,8 +218,8 @@ def test_bad_flags_are_one_line_errors(flags, says):
     done = subprocess.run(CMD + flags, capture_output=True, text=True, timeout=60)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr
-    assert lines[0].startswith("python -m megatron_lbp.bench network: error:") and says in lines[0], \
-        lines[0]
+    assert lines[0].startswith("python -m megatron_lbp.bench network: error:"), lines[0]
+    assert says in lines[0], lines[0]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop to another user")

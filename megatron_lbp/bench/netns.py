@@ -1,4 +1,4 @@
-"""Emulated nodes as Linux network namespaces behind one shaped switch, and their guaranteed removal.
+"""Emulated nodes as network namespaces behind one shaped switch, and their guaranteed removal.
 
 Topology (all of it inside namespaces named ``lbpn-<pid>-*``; the host's own
 namespace is never touched, so deleting the namespaces removes every link,
@@ -191,7 +191,7 @@ class EmulatedNetwork:
             self._shape(sw, port)
 
     def qdiscs(self, stats: bool = False) -> dict[str, str]:
-        """``tc qdisc show`` (``-s``: with sent/dropped/overlimit counters) of every shaped device."""
+        """``tc qdisc show`` (``-s``: with sent/dropped/overlimit counts) of every shaped device."""
         flag = ["-s"] if stats else []
         out = {}
         for i in range(self.nodes):

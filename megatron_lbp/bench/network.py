@@ -286,7 +286,7 @@ def _calibration(args, measured, links_fit, compute_meas) -> dict[str, Any]:
 
 
 def run(args) -> dict[str, Any]:
-    """``--runs`` multi-rank runs of rank_bench (starting scheme rotated); medians over all rounds."""
+    """``--runs`` multi-rank runs of rank_bench (first scheme rotated); medians over all rounds."""
     spec, train = _specs(args)
     world = args.nodes * args.ranks_per_node
     adam_elements = _plans(args, ["lbp"])["lbp"]["padded_params"] / world
@@ -388,7 +388,8 @@ def render(out: dict[str, Any]) -> str:
         f"versions: {json.dumps(c['versions'])}; {c['cpus']} CPUs",
         *([f"WARNING: {c['load_warning']}"] if c.get("load_warning") else []),
         "",
-        f"  {'scheme':<18}{'median s/step':>14}{'/ lbp':>8}{'pred / lbp':>12}{'error':>8}  within 20%",
+        f"  {'scheme':<18}{'median s/step':>14}{'/ lbp':>8}{'pred / lbp':>12}{'error':>8}"
+        "  within 20%",
     ]
     cal = out["calibration"]
     for s, r in out["schemes"].items():
@@ -456,8 +457,8 @@ def parse(argv) -> argparse.Namespace:
                    help="only remove namespaces left by runs that no longer exist")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    for flag in ("nodes", "ranks_per_node", "steps", "runs", "layers", "hidden", "heads", "vocab", "seq",
-                 "micro_batch_size", "micro_batches"):
+    for flag in ("nodes", "ranks_per_node", "steps", "runs", "layers", "hidden", "heads", "vocab",
+                 "seq", "micro_batch_size", "micro_batches"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
     if args.nodes < 2:
