@@ -136,6 +136,8 @@ def check_report(md_path: Path, results_path: Path):
     text = section(md, "## Emulated network")
     net = runs["network"]
     if net["status"] == "ok":
+        warning = net["result"]["config"].get("load_warning")
+        assert not warning or warning in text, "the network command's load warning is not shown"
         rows = {r[0]: r for r in table_rows(text.split("Calibration")[0])}
         for scheme, row in net["result"]["schemes"].items():
             assert rows[scheme][1:3] == [f"{row['median_s']:.3f}",

@@ -138,6 +138,8 @@ def network_reason(net, scheme: str, v: float) -> str:
         text += (f". The model counts link time and compute timed alone; during this run "
                  f"{cfg['world_size']} ranks shared {cfg['cpus']} cores"
                  + (f", load average{load}" if load else ""))
+    if cfg.get("load_warning"):
+        text += f" (the command warns: {cfg['load_warning']})"
     return text
 
 

@@ -99,7 +99,10 @@ def network_section(report, out: Path, plots: Path) -> list[str]:
     if missing:
         return lines + [missing, ""]
     net = result(runs, "network")
-    lines += [f"Command: {_provenance(runs['network'])}", "", "Setup:", "", "```json",
+    lines += [f"Command: {_provenance(runs['network'])}", ""]
+    if net.get("config", {}).get("load_warning"):
+        lines += [f"**Warning from the command:** {net['config']['load_warning']}", ""]
+    lines += ["Setup:", "", "```json",
               json.dumps(net.get("config", {}), indent=1, sort_keys=True), "```", "",
               "| scheme | median step (s) | ratio to lbp | step times (s) |", "|---|---:|---:|---|"]
     for scheme, row in net["schemes"].items():
