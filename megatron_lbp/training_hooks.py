@@ -258,9 +258,18 @@ def hook_training_module(ns: dict) -> None:
         after_training_log(iteration, _current_args(), loss_dict)
         return out
 
+    orig_save = ns["save_checkpoint"]
+
+    @functools.wraps(orig_save)
+    def save_checkpoint(iteration, *a, **k):
+        if not k.get("non_persistent_ckpt") and _resaves_loaded_checkpoint(iteration):
+            return None
+        return orig_save(iteration, *a, **k)
+
     ns["wrap_model_chunks_with_ddp"] = wrap_chunks
     ns["get_megatron_optimizer"] = get_optimizer
     ns["training_log"] = training_log
+    ns["save_checkpoint"] = save_checkpoint
     # training.py saves through checkpointing.py; hooking it from here also covers patched trees.
     from megatron.training import checkpointing
 
@@ -268,6 +277,37 @@ def hook_training_module(ns: dict) -> None:
 
 
 TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def _resaves_loaded_checkpoint(iteration: int) -> bool:
+    """Whether this save would rewrite, in place, the complete checkpoint the tracker names and this run loaded.
+
+    A job resubmitted after it finished loads its last checkpoint, trains
+    nothing, and Megatron's end-of-training save writes the same iteration
+    into the same iter_ directory again: a kill during that rewrite would tear
+    the only checkpoint the tracker names. The state is the loaded one, so skip it.
+    """
+    from megatron.training import checkpointing
+
+    args = _current_args()
+    save, load = getattr(args, "save", None), getattr(args, "load", None)
+    if not save or not load or os.path.realpath(save) != os.path.realpath(load):
+        return False
+    if checkpointing.get_loaded_iteration() != iteration:
+        return False
+    tracker = os.path.join(save, TRACKER)
+    try:
+        with open(tracker) as f:
+            named = f.read().strip()
+    except OSError:
+        return False
+    if named != str(iteration) or not os.path.isfile(
+            os.path.join(save, f"iter_{iteration:07d}", "metadata.json")):
+        return False
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"[megatron-lbp] not saving iteration {iteration} again: {save} already holds it "
+              "complete (this run loaded it), and rewriting it in place could tear it", flush=True)
+    return True
 
 
 class _AtomicTrackerFile:

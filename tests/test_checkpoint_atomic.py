@@ -115,3 +115,22 @@ def test_kill_during_save_on_4_ranks_matches_an_uninterrupted_run(data, referenc
         diffs = rh.tensor_differences(rh.checkpoint_tensors(save / name, tmp_path),
                                       rh.checkpoint_tensors(straight_save / name, tmp_path))
         assert not diffs, f"{name} differs from the uninterrupted run's:\n" + "\n".join(diffs[:20])
+
+
+@pytest.mark.slow
+def test_resubmitting_a_finished_job_does_not_rewrite_its_checkpoint(data, tmp_path):
+    """Megatron's end-of-training save would write the loaded iteration into its own directory again."""
+    save = tmp_path / "ckpt"
+    args = _args(data, save, "--hier-gpus-per-node", "2", "--save-interval", "4")  # saves 4, then 6 at the end
+    first = tmp_path / "first.log"
+    rh.finish(rh.start(2, args, first), first)
+    assert rh.tracker(save) == str(ITERS)
+    final = save / f"iter_{ITERS:07d}"
+    before = {p.name: p.stat().st_mtime_ns for p in final.iterdir()}
+    again = tmp_path / "again.log"
+    # Were the save to happen, it would stall here and the run would time out.
+    proc = rh.start(2, args, again, env={"LBP_TEST_STALL_SAVE": f"{ITERS}:shards"})
+    text = rh.finish(proc, again, timeout=300)
+    assert f"not saving iteration {ITERS} again" in text, "\n".join(text.splitlines()[-20:])
+    assert {p.name: p.stat().st_mtime_ns for p in final.iterdir()} == before, "the checkpoint was rewritten"
+    assert rh.tracker(save) == str(ITERS)
