@@ -284,6 +284,31 @@ def test_compute_from_measured_reproduces_the_timed_compute():
 
 @pytest.mark.slow
 @needs_root
+def test_package_tier(launch):
+    """--package-rate-mbit: packages as namespaces behind shaped links; three link classes fitted."""
+    proc = launch(["--nodes", "2", "--ranks-per-node", "4", "--steps", "2", "--warmup", "1",
+                   "--hidden", "128", "--layers", "2", "--seq", "32", "--link-sizes-mb", "4",
+                   "--rate-mbit", "100", "--package-rate-mbit", "300", "--schemes", "lbp,zero3",
+                   "--json"])
+    stdout, stderr = proc.communicate(timeout=400)
+    assert proc.returncode == 0, stderr[-3000:]
+    out = json.loads(stdout.strip().splitlines()[-1])
+    assert _ours(proc.pid) == []
+    qdiscs = list(out["config"]["qdiscs"].values())
+    # 2 uplinks and 4 package links, each shaped at both ends.
+    assert sum("100Mbit" in q for q in qdiscs) == 4 and sum("300Mbit" in q for q in qdiscs) == 8
+    links = out["calibration"]["fit"]["links"]
+    assert {"network", "node", "package"} <= set(links) and "loopback" not in links
+    per_rank = {}
+    for s in out["calibration"]["fit"]["link_samples"]:
+        if s["op"] == "all_gather":
+            per_rank[s["pattern"]] = s["bytes"] / s["s"]
+    # Loopback inside a package > 300 Mbit/s package links > 100 Mbit/s uplinks.
+    assert per_rank["package"] > per_rank["node"] > per_rank["peers"], per_rank
+
+
+@pytest.mark.slow
+@needs_root
 def test_full_default_run():
     """The documented default run (2 nodes x 4 ranks, every scheme): a few minutes."""
     done = subprocess.run(CMD + ["--json"], capture_output=True, text=True, timeout=1800)

@@ -123,16 +123,24 @@ class EmulatedNetwork:
     """``nodes`` namespaces joined by a bridge, each uplink shaped to ``rate_mbit`` each way.
 
     ``delay_ms`` (optional) adds one-way delay with netem under the tbf on each end.
+    With ``packages`` > 0, a second tier: each node namespace holds a bridge
+    instead of an address, and each of its ``packages`` packages is a namespace
+    ``...n<i>p<j>`` joined to it by a veth shaped to ``package_rate_mbit`` each
+    way (traffic between packages of a node); ranks then live in the package
+    namespaces and only ranks of one package share a loopback.
     Use as a context manager; :meth:`close` is idempotent.
     """
 
     nodes: int
     rate_mbit: float
+    packages: int = 0
+    package_rate_mbit: float = 0.0
     burst_kb: int = 64
     queue_ms: int = 200
     delay_ms: float = 0.0
     tag: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}-")
     created: list[str] = field(default_factory=list)
+    shaped: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def switch(self) -> str:
@@ -141,8 +149,13 @@ class EmulatedNetwork:
     def node_ns(self, i: int) -> str:
         return f"{self.tag}n{i}"
 
-    def address(self, i: int) -> str:
-        return f"{SUBNET}.{i + 1}"
+    def address(self, i: int, package: int = 0) -> str:
+        """The address ranks of node ``i`` (and ``package`` with the second tier) bind to."""
+        return f"10.77.{i}.{package + 1}" if self.packages else f"{SUBNET}.{i + 1}"
+
+    def place(self, i: int, package: int = 0) -> str:
+        """The namespace ranks of node ``i`` (and ``package`` with the second tier) live in."""
+        return f"{self.node_ns(i)}p{package}" if self.packages else self.node_ns(i)
 
     def __enter__(self) -> "EmulatedNetwork":
         try:
@@ -161,8 +174,9 @@ class EmulatedNetwork:
         self.created.append(ns)
         _run("ip", "-n", ns, "link", "set", "lo", "up")
 
-    def _shape(self, ns: str, dev: str) -> None:
-        rate = f"{self.rate_mbit}mbit"
+    def _shape(self, ns: str, dev: str, rate_mbit: float | None = None) -> None:
+        self.shaped.append((ns, dev))
+        rate = f"{rate_mbit or self.rate_mbit}mbit"
         tbf = ["tbf", "rate", rate, "burst", f"{self.burst_kb}kb", "latency", f"{self.queue_ms}ms"]
         if self.delay_ms > 0:
             _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root",
@@ -185,19 +199,38 @@ class EmulatedNetwork:
                  "netns", ns)
             _run("ip", "-n", sw, "link", "set", port, "master", "br0")
             _run("ip", "-n", sw, "link", "set", port, "up")
-            _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", UPLINK)
             _run("ip", "-n", ns, "link", "set", UPLINK, "up")
+            if self.packages:
+                self._packages(i, ns)
+            else:
+                _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", UPLINK)
             self._shape(ns, UPLINK)
             self._shape(sw, port)
+
+    def _packages(self, i: int, node: str) -> None:
+        """Node ``i`` as a bridge: its uplink and one shaped veth per package namespace."""
+        _run("ip", "-n", node, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", node, "link", "set", "br0", "up")
+        _run("ip", "-n", node, "link", "set", UPLINK, "master", "br0")
+        for j in range(self.packages):
+            pkg, port = self.place(i, j), f"p{j}"
+            self._add_ns(pkg)
+            _run("ip", "-n", node, "link", "add", port, "type", "veth", "peer", "name", UPLINK,
+                 "netns", pkg)
+            _run("ip", "-n", node, "link", "set", port, "master", "br0")
+            _run("ip", "-n", node, "link", "set", port, "up")
+            _run("ip", "-n", pkg, "addr", "add", f"{self.address(i, j)}/16", "dev", UPLINK)
+            _run("ip", "-n", pkg, "link", "set", UPLINK, "up")
+            self._shape(pkg, UPLINK, self.package_rate_mbit)
+            self._shape(node, port, self.package_rate_mbit)
 
     def qdiscs(self, stats: bool = False) -> dict[str, str]:
         """``tc qdisc show`` (``-s``: with sent/dropped/overlimit counts) of every shaped device."""
         flag = ["-s"] if stats else []
         out = {}
-        for i in range(self.nodes):
-            for ns, dev in ((self.node_ns(i), UPLINK), (self.switch, f"s{i}")):
-                text = _run("ip", "netns", "exec", ns, "tc", *flag, "qdisc", "show", "dev", dev)
-                out[f"{ns}:{dev}"] = " ".join(text.split())
+        for ns, dev in self.shaped:
+            text = _run("ip", "netns", "exec", ns, "tc", *flag, "qdisc", "show", "dev", dev)
+            out[f"{ns}:{dev}"] = " ".join(text.split())
         return out
 
     def close(self) -> None:
@@ -206,3 +239,4 @@ class EmulatedNetwork:
         for ns in reversed(self.created):
             _remove(ns)
         self.created.clear()
+        self.shaped.clear()

@@ -92,7 +92,7 @@ def _trainer(scheme: str, spec, train, ranks_per_node: int):
         "--hier-gcds-per-package", str(GCDS_PER_PACKAGE)])
 
 
-def _link_ops(ranks_per_node: int, sizes_mb):
+def _link_ops(ranks_per_node: int, sizes_mb, tiered: bool = False):
     """Timed collectives (pattern, op, n, bytes charged, callable) on this rank's groups.
 
     Patterns: "world" (all ranks, across the uplinks), "peers" (rank i of every
@@ -112,6 +112,10 @@ def _link_ops(ranks_per_node: int, sizes_mb):
                    for i in range(ranks_per_node)]
     patterns = {"world": (None, world), "peers": (peer_groups[rank % ranks_per_node], nodes),
                 "node": (node_groups[rank // ranks_per_node], ranks_per_node)}
+    if tiered:  # the two ranks of a package on their loopback, every package at once
+        pkg = GCDS_PER_PACKAGE
+        package_groups = [dist.new_group(list(range(i, i + pkg))) for i in range(0, world, pkg)]
+        patterns["package"] = (package_groups[rank // pkg], pkg)
     ops = []
     for name, (group, n) in patterns.items():
         for mb in sizes_mb:
@@ -148,7 +152,7 @@ def _compute_ops(spec, train, adam_elements):
 
 
 def rank_bench(ns_of_rank, master, schemes, spec, train, warmup, ranks_per_node, sizes_mb,
-               adam_elements):
+               adam_elements, tiered=False):
     """Every scheme, the link collectives and the compute, interleaved step by step on this rank.
 
     Round r runs one training step of every scheme (order rotated by r), each
@@ -161,7 +165,7 @@ def rank_bench(ns_of_rank, master, schemes, spec, train, warmup, ranks_per_node,
     _join(ns_of_rank, master)
     trainers = {s: _trainer(s, spec, train, ranks_per_node) for s in schemes}
     results = dict.fromkeys(schemes)
-    links = _link_ops(ranks_per_node, sizes_mb)
+    links = _link_ops(ranks_per_node, sizes_mb, tiered)
     fwd_bwd, adam_step = _compute_ops(spec, train, adam_elements)
     out = {"step_s": {s: [] for s in schemes}, "link_s": [[] for _ in links],
            "fwd_bwd_s": [], "adam_s": []}
@@ -229,19 +233,22 @@ def _on_network(net, args, fn, *fn_args, timeout):
     from megatron_lbp.testing.multirank import rank_location_env, run_on_ranks
 
     world = args.nodes * args.ranks_per_node
-    ns_of_rank = [net.node_ns(r // args.ranks_per_node) for r in range(world)]
+    rpn = args.ranks_per_node
+    ns_of_rank = [net.place(r // rpn, (r % rpn) // GCDS_PER_PACKAGE) for r in range(world)]
     return run_on_ranks(fn, world, ns_of_rank, net.address(0), *fn_args, timeout=timeout,
                         init_process_group=False,
                         env={"MASTER_ADDR": net.address(0), "GLOO_SOCKET_IFNAME": netns.UPLINK},
                         rank_env=rank_location_env(args.ranks_per_node))
 
 
-def _fit_links(samples) -> dict[str, Any]:
+def _fit_links(samples, tiered: bool = False) -> dict[str, Any]:
     from megatron_lbp.bench.project import fit_link
 
     out: dict[str, Any] = {"samples": [dict(zip(("pattern", "op", "n", "bytes", "s"), s))
                                        for s in samples]}
-    for cls, patterns in (("network", ("world", "peers")), ("loopback", ("node",))):
+    classes = [("network", ("world", "peers"))] + (
+        [("node", ("node",)), ("package", ("package",))] if tiered else [("loopback", ("node",))])
+    for cls, patterns in classes:
         bw, lat = fit_link([(b, n, t) for p, _, n, b, t in samples if p in patterns])
         out[cls] = {"bandwidth_MB_per_s": bw / 1e6, "latency_us": lat * 1e6,
                     "fitted_on": list(patterns)}
@@ -257,13 +264,13 @@ def _calibration(args, measured, links_fit, compute_meas) -> dict[str, Any]:
     plans = _plans(args, list(measured))
     ref_plan = plans["lbp"]
     world = args.nodes * args.ranks_per_node
+    tiered = "package" in links_fit
+    fitted = {"package": links_fit["package" if tiered else "loopback"],
+              "node": links_fit["node" if tiered else "loopback"],
+              "network": links_fit["network"]}
     links = pj.LinkModel.from_measured(
-        {"package": links_fit["loopback"]["bandwidth_MB_per_s"] * 1e6,
-         "node": links_fit["loopback"]["bandwidth_MB_per_s"] * 1e6,
-         "network": links_fit["network"]["bandwidth_MB_per_s"] * 1e6},
-        {"package": links_fit["loopback"]["latency_us"] * 1e-6,
-         "node": links_fit["loopback"]["latency_us"] * 1e-6,
-         "network": links_fit["network"]["latency_us"] * 1e-6})
+        {c: f["bandwidth_MB_per_s"] * 1e6 for c, f in fitted.items()},
+        {c: f["latency_us"] * 1e-6 for c, f in fitted.items()})
     compute = pj.compute_from_measured(
         _model(args), ref_plan["params"], args.seq, args.micro_batch_size,
         compute_meas["fwd_bwd_s"] / args.micro_batches, compute_meas["adam_s"],
@@ -280,8 +287,9 @@ def _calibration(args, measured, links_fit, compute_meas) -> dict[str, Any]:
         "buckets": {s: p["buckets"] for s, p in plans.items()},
         "network_bytes_per_rank": {s: p["traffic_bytes"]["network"] for s, p in plans.items()},
         "tolerance": 0.2,
-        "notes": "package and node links are both the namespace's loopback; "
-                 "only link bandwidth/latency and compute time are fitted",
+        "notes": ("package: a package's loopback, node: the shaped package links, "
+                  if tiered else "package and node links are both the namespace's loopback; ")
+                 + "only link bandwidth/latency and compute time are fitted",
     }}
 
 
@@ -295,14 +303,18 @@ def run(args) -> dict[str, Any]:
     link_s: list[list[float]] = []
     fwd_bwd: list[float] = []
     adam: list[float] = []
-    with netns.EmulatedNetwork(args.nodes, args.rate_mbit, delay_ms=args.delay_ms) as net:
+    tiered = args.package_rate_mbit > 0
+    packages = args.ranks_per_node // GCDS_PER_PACKAGE if tiered else 0
+    with netns.EmulatedNetwork(args.nodes, args.rate_mbit, packages=packages,
+                               package_rate_mbit=args.package_rate_mbit,
+                               delay_ms=args.delay_ms) as net:
         out["config"]["qdiscs"] = net.qdiscs()
         for run_ in range(args.runs):
             shift = run_ % len(args.schemes)
             order = args.schemes[shift:] + args.schemes[:shift]
             per_rank = _on_network(net, args, rank_bench, order, spec, train, args.warmup,
                                    args.ranks_per_node, args.link_sizes_mb, adam_elements,
-                                   timeout=args.timeout)
+                                   tiered, timeout=args.timeout)
             first = per_rank[0]
             for s in args.schemes:
                 steps[s] += first["step_s"][s]
@@ -328,7 +340,7 @@ def run(args) -> dict[str, Any]:
     samples = [tuple(link) + (statistics.median(ts),) for link, ts in zip(first["links"], link_s)]
     compute_meas = {"fwd_bwd_s": statistics.median(fwd_bwd), "adam_s": statistics.median(adam)}
     measured = {s: r["median_s"] for s, r in out["schemes"].items()}
-    out["calibration"] = _calibration(args, measured, _fit_links(samples), compute_meas)
+    out["calibration"] = _calibration(args, measured, _fit_links(samples, tiered), compute_meas)
     out["config"]["loadavg_end"] = list(os.getloadavg())
     busiest = max(out["config"]["loadavg_start"][0], out["config"]["loadavg_end"][0])
     if busiest > world + 2 * out["config"]["cpus"]:
@@ -349,12 +361,18 @@ def config(args) -> dict[str, Any]:
     plan = _plans(args, ["lbp"])["lbp"]
     return {
         "nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "world_size": world,
-        "packages": f"{GCDS_PER_PACKAGE} ranks each (no separate package tier: loopback)",
+        "packages": (f"{GCDS_PER_PACKAGE} ranks each, one namespace per package, joined to "
+                     f"their node's bridge by veths shaped to {args.package_rate_mbit} Mbit/s "
+                     f"each way" if args.package_rate_mbit > 0 else
+                     f"{GCDS_PER_PACKAGE} ranks each (no separate package tier: loopback)"),
+        "package_rate_mbit": args.package_rate_mbit,
         "uplink_rate_mbit": args.rate_mbit, "uplink_rate_MB_per_s": args.rate_mbit / 8,
         "uplink_shaping": "tc tbf on both ends of each node's veth (both directions), "
                           "burst 64 kB, queue 200 ms",
         "delay_ms": args.delay_ms,
-        "intra_node": "loopback inside the node's namespace, unshaped",
+        "intra_node": ("loopback inside a package's namespace (unshaped), package links "
+                       "between packages" if args.package_rate_mbit > 0 else
+                       "loopback inside the node's namespace, unshaped"),
         "model": {"num_layers": args.layers, "hidden_size": args.hidden,
                   "num_attention_heads": args.heads, "vocab_size": args.vocab,
                   "seq_length": args.seq, "params": plan["params"], "dtype": "bf16",
@@ -406,9 +424,10 @@ def render(out: dict[str, Any]) -> str:
             f"fitted links: network {lk['network']['bandwidth_MB_per_s']:.1f} MB/s per rank, "
             f"{lk['network']['latency_us']:.0f} us (world-only "
             f"{lk['network']['world_only']['bandwidth_MB_per_s']:.1f}, peers-only "
-            f"{lk['network']['peers_only']['bandwidth_MB_per_s']:.1f} MB/s); loopback "
-            f"{lk['loopback']['bandwidth_MB_per_s']:.1f} MB/s per rank, "
-            f"{lk['loopback']['latency_us']:.0f} us")
+            f"{lk['network']['peers_only']['bandwidth_MB_per_s']:.1f} MB/s); " + "; ".join(
+                f"{c} {lk[c]['bandwidth_MB_per_s']:.1f} MB/s per rank, "
+                f"{lk[c]['latency_us']:.0f} us" for c in ("node", "package", "loopback")
+                if c in lk))
         cm = fit["compute_measured"]
         lines.append(f"measured compute (all ranks at once, no comm): fwd+bwd "
                      f"{cm['fwd_bwd_s']:.3f} s per step, Adam on 1/W {cm['adam_s']:.4f} s; "
@@ -437,6 +456,10 @@ def parse(argv) -> argparse.Namespace:
                    help=f"each node's uplink, Mbit/s each way (default {RATE_MBIT:g} = "
                         f"{RATE_MBIT / 8:g} MB/s)")
     p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay per uplink end")
+    p.add_argument("--package-rate-mbit", type=float, default=0.0,
+                   help="second tier: each package of 2 ranks its own namespace, joined to its "
+                        "node by a link of this rate each way (default 0: off, a node's ranks "
+                        "share its loopback)")
     p.add_argument("--schemes", default=",".join(SCHEMES),
                    help=f"comma-separated subset of {','.join(SCHEMES)} (lbp is always run)")
     p.add_argument("--steps", type=int, default=4, help="timed steps per scheme")
@@ -472,6 +495,8 @@ def parse(argv) -> argparse.Namespace:
         p.error(f"--warmup={args.warmup} must be >= 0")
     if not args.rate_mbit > 0:
         p.error(f"--rate-mbit={args.rate_mbit} must be > 0")
+    if args.package_rate_mbit < 0:
+        p.error(f"--package-rate-mbit={args.package_rate_mbit} must be >= 0 (0: off)")
     if args.delay_ms < 0:
         p.error(f"--delay-ms={args.delay_ms} must be >= 0")
     if args.hidden % args.heads:
