@@ -12,7 +12,9 @@ Each node's uplink is a veth pair shaped with ``tc tbf`` on both ends (egress
 of ``up0`` limits what the node sends, egress of the switch port ``s<i>``
 limits what it receives), so the emulated NIC is rate-limited in each
 direction. Ranks that share a node namespace talk over its loopback, which is
-not shaped (the intra-node links).
+not shaped (the intra-node links). With ``packages`` (a second tier) each node
+namespace holds a bridge instead, with the uplink and one shaped veth per
+package namespace ``lbpn-<pid>-n<i>p<j>`` on it.
 
 Cleanup is the reason this module exists: :class:`EmulatedNetwork` removes its
 namespaces on normal exit and on exceptions (a context manager), the network

@@ -29,6 +29,7 @@ zero2, megatron-fsdp as zero3; see ``bench traffic``). Nothing else is fitted.
 
     python -m megatron_lbp.bench network [--json] [--nodes 2] [--ranks-per-node 4]
         [--rate-mbit 400] [--schemes lbp,zero3,...] [--steps 4] [--hidden 256] ...
+    python -m megatron_lbp.bench network --package-rate-mbit 1600   # + a package tier
     python -m megatron_lbp.bench network --sweep     # only remove stale lbpn-* namespaces
 
 Needs root and iproute2 (``ip``, ``tc``). Everything it creates is removed on
