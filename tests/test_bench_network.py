@@ -255,6 +255,32 @@ def test_fit_link_recovers_bandwidth_and_latency():
     assert got_lat == 0.0 and 1e6 / 0.01 > got_bw > 4e6 / 0.05
 
 
+def test_uplink_fit_recovers_the_uplink_from_world_and_peer_collectives():
+    """Samples timed by the shared-uplink rule: one uplink rate fits both patterns."""
+    from megatron_lbp.bench.network import _fit_links
+
+    uplink, lat, rpn = 30e6, 2e-3, 4
+    samples = []
+    for pattern, n, in_node in (("world", 8, rpn), ("peers", 2, 1)):
+        for op, b in (("all_gather", 4e5), ("all_gather", 1.6e6), ("reduce_scatter", 8e5),
+                      ("reduce_scatter", 3.2e6)):
+            t = pj.uplink_bytes(b, in_node, rpn) / uplink + lat * math.ceil(math.log2(n))
+            samples.append((pattern, op, n, b, t))
+    for mb in (1e6, 4e6):  # the node loopback, per rank
+        samples.append(("node", "all_gather", 4, mb, mb / 2e8 + 1e-4 * 2))
+    got_bw, got_lat = pj.fit_uplink([(b, n, rpn if p == "world" else 1, t)
+                                     for p, _, n, b, t in samples if p != "node"], rpn)
+    assert got_bw == pytest.approx(uplink, rel=1e-9) and got_lat == pytest.approx(lat, rel=1e-6)
+    fit = _fit_links(samples, rpn)
+    net = fit["network"]
+    assert net["bandwidth_MB_per_s"] == pytest.approx(30.0, rel=1e-9), net
+    for p in ("world", "peers"):
+        assert net[f"{p}_only"]["bandwidth_MB_per_s"] == pytest.approx(30.0, rel=1e-9), net
+    # Per rank the two patterns disagree by the peers' multiplicity (the old model's miss).
+    assert net["peers_only"]["per_rank_bandwidth_MB_per_s"] == pytest.approx(30.0 / rpn), net
+    assert fit["loopback"]["bandwidth_MB_per_s"] == pytest.approx(200.0, rel=1e-9), fit
+
+
 def test_calibrate_reports_ratios_to_lbp_and_the_error():
     model = pj.MODELS["10B"]
     plans = {s: pj.plan_for(model, 16, s, 1) for s in ("lbp", "zero3")}

@@ -1,5 +1,6 @@
 """The Frontier projection is a pure function: sane, monotone, reproducible, printable as JSON."""
 import json
+import pathlib
 import subprocess
 import sys
 from dataclasses import replace
@@ -100,3 +101,83 @@ def test_cli_json_shape_and_printed_assumptions():
     bad = subprocess.run(args[:4] + ["--schemes", "zero9"], capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "--schemes" in bad.stderr
+
+
+# --------------------------------------------------------------------------- shared uplink
+EMULATED = {"num_layers": 4, "hidden_size": 256, "vocab_size": 1024}
+
+
+def _emulated(scheme):
+    """The network bench's default topology: 2 nodes x 4 ranks, packages of 2."""
+    return pj.plan_for(EMULATED, 8, scheme, 1, gpus_per_node=4, gcds_per_package=2)
+
+
+def test_uplink_rule_world_peers_and_strided_groups():
+    # World group of 2 nodes x 4: its ring leaves each node once, T(n-1)/n = one rank's bytes.
+    assert pj.uplink_bytes(1000.0, members_in_node=4, ranks_per_node=4) == 1000.0
+    # Peer groups (one rank per node): all 4 of a node's groups cross its uplink at once.
+    assert pj.uplink_bytes(1000.0, members_in_node=1, ranks_per_node=4) == 4000.0
+    # Groups of 2 per node spanning both nodes: 2 groups touch each node, one crossing each.
+    assert pj.uplink_bytes(1000.0, members_in_node=2, ranks_per_node=4) == 2000.0
+    with pytest.raises(ValueError, match="split the node evenly"):
+        pj.uplink_bytes(1000.0, members_in_node=3, ranks_per_node=4)
+
+
+@pytest.mark.parametrize("scheme,argv,expected", [
+    # lbp: the 1/G -> 1/O hop runs in peer groups [0, 4]: 4 per node.
+    ("lbp", None, {"step_reduce": 4, "step_gather": 4}),
+    # zero3: every network collective spans the world, contiguous by node: 1.
+    ("zero3", None, {"forward_gather": 1, "grad_reduce": 1}),
+    # hsdp: the replica all-reduce over [0, 4]: 4 per node.
+    ("hsdp", None, {"step_reduce": 4}),
+    # inter groups [0, 2, 4, 6]: two members in each node, 2 groups per node.
+    (None, ["--hier-param-group-size", "2", "--hier-grad-group-size", "2",
+            "--hier-optim-group-size", "8"], {"step_reduce": 2, "step_gather": 2}),
+    # a node-contiguous group of 8 over 2 nodes of 4 in a world of 16: 1; replicas [0, 8]: 4.
+    (None, ["--world-size", "16", "--hier-param-group-size", "8", "--hier-grad-group-size",
+            "8", "--hier-optim-group-size", "8"], {"forward_gather": 1, "step_reduce": 4}),
+])
+def test_uplink_multiplicity_from_the_plans_groups(scheme, argv, expected):
+    from megatron_lbp.plan import make_plan
+
+    if scheme:
+        plan = _emulated(scheme)
+    else:
+        base = ["--world-size", "8", "--num-layers", "2", "--hidden-size", "128",
+                "--vocab-size", "1024", "--gpus-per-node", "4", "--gcds-per-package", "2",
+                "--params-dtype", "bf16", "--grad-dtype", "fp32"]
+        plan = make_plan(base + argv)
+    got = {ph: pj._uplink_multiplicity(plan, ph) for ph in expected}
+    assert got == expected, (plan["groups"], plan["link_classes"])
+    assert plan["traffic_by_phase"][next(iter(expected))]["network"] > 0
+
+
+@pytest.mark.parametrize("scheme,multiplicity", [("lbp", 4), ("zero3", 1), ("zeropp", 1)])
+def test_shared_uplink_step_is_the_per_rank_step_at_uplink_over_multiplicity(scheme,
+                                                                            multiplicity):
+    """Network families all of multiplicity m: an uplink of U acts as U/m per rank."""
+    plan = _emulated(scheme)
+    lat = {"package": 1e-4, "node": 2e-4, "network": 3e-3}
+    uplink = 30e6
+    shared = pj.LinkModel.from_measured({"package": 2e8, "node": 2e8, "network": uplink}, lat,
+                                        network="shared_uplink")
+    per_rank = pj.LinkModel.from_measured(
+        {"package": 2e8, "node": 2e8, "network": uplink / multiplicity}, lat)
+    compute = replace(pj.ComputeModel(), peak_flops=1e10, mfu=1.0, seq_length=64)
+    a = pj.step_time(plan, EMULATED, shared, compute)
+    b = pj.step_time(plan, EMULATED, per_rank, compute)
+    assert a == pytest.approx(b, rel=1e-12), (a, b)
+    if multiplicity > 1:  # and the per-rank model at the full uplink is too optimistic
+        assert pj.step_time(plan, EMULATED, pj.LinkModel.from_measured(
+            {**per_rank.bandwidth, "network": uplink}, lat), compute)["step_s"] < a["step_s"]
+
+
+def test_frontier_projection_keeps_the_per_gcd_model():
+    assert pj.LinkModel().network == "per_rank"
+    with pytest.raises(ValueError, match="network='uplink'"):
+        pj.LinkModel(network="uplink")
+    # The committed report's projection (bench project --json, defaults) is what the
+    # default model computes now.
+    path = pathlib.Path(__file__).resolve().parents[1] / "docs/benchmarks/results.json"
+    committed = json.loads(path.read_text())["runs"]["project"]["result"]
+    assert json.loads(json.dumps(pj.project())) == committed

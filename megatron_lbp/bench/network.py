@@ -20,7 +20,9 @@ rounds): all-gathers (bf16) and reduce-scatters (fp32) of a few sizes over the
 patterns the schemes use, the whole world and the node-to-node peer groups
 across the uplinks, the node groups on loopback, give one bandwidth and
 latency per link class (project.fit_link; package and node are both
-loopback). Compute is timed without any communication: every rank runs the
+loopback). The network is one shared uplink per node, so it is fitted and
+modelled on the bytes crossing that uplink (project.fit_uplink,
+LinkModel(network="shared_uplink")), not on the bytes each rank sends. Compute is timed without any communication: every rank runs the
 forward+backward of the micro-batches and Adam on a 1/W shard at once.
 project.step_time (the model that projects Frontier) then predicts each
 scheme's step from the plan tool's traffic for this topology; stock Megatron
@@ -242,20 +244,39 @@ def _on_network(net, args, fn, *fn_args, timeout):
                         rank_env=rank_location_env(args.ranks_per_node))
 
 
-def _fit_links(samples, tiered: bool = False) -> dict[str, Any]:
-    from megatron_lbp.bench.project import fit_link
+def _fit_links(samples, ranks_per_node: int, tiered: bool = False) -> dict[str, Any]:
+    """Bandwidth and latency per link class; the network's as one node's shared uplink.
+
+    Every node has one uplink, so the network is fitted on the bytes crossing
+    it (project.fit_uplink: the world group's ring crosses once, the
+    ranks_per_node peer groups once each); the per-rank fits (bytes one rank
+    sends) are kept beside it to show what the uplink rule reconciles.
+    """
+    from megatron_lbp.bench.project import fit_link, fit_uplink
 
     out: dict[str, Any] = {"samples": [dict(zip(("pattern", "op", "n", "bytes", "s"), s))
                                        for s in samples]}
-    classes = [("network", ("world", "peers"))] + (
-        [("node", ("node",)), ("package", ("package",))] if tiered else [("loopback", ("node",))])
+    in_node = {"world": ranks_per_node, "peers": 1}  # members of one group in one node
+    net = ("world", "peers")
+    bw, lat = fit_uplink([(b, n, in_node[p], t) for p, _, n, b, t in samples if p in net],
+                         ranks_per_node)
+    out["network"] = {"bandwidth_MB_per_s": bw / 1e6, "latency_us": lat * 1e6,
+                      "fitted_on": list(net), "per": "node uplink, each way"}
+    for p in net:
+        ubw, ulat = fit_uplink([(b, n, in_node[p], t) for q, _, n, b, t in samples if q == p],
+                               ranks_per_node)
+        pbw, plat = fit_link([(b, n, t) for q, _, n, b, t in samples if q == p])
+        out["network"][f"{p}_only"] = {"bandwidth_MB_per_s": ubw / 1e6, "latency_us": ulat * 1e6,
+                                       "per_rank_bandwidth_MB_per_s": pbw / 1e6,
+                                       "per_rank_latency_us": plat * 1e6}
+    pbw, plat = fit_link([(b, n, t) for p, _, n, b, t in samples if p in net])
+    out["network"]["per_rank"] = {"bandwidth_MB_per_s": pbw / 1e6, "latency_us": plat * 1e6}
+    classes = [("node", ("node",)), ("package", ("package",))] if tiered else [
+        ("loopback", ("node",))]
     for cls, patterns in classes:
         bw, lat = fit_link([(b, n, t) for p, _, n, b, t in samples if p in patterns])
         out[cls] = {"bandwidth_MB_per_s": bw / 1e6, "latency_us": lat * 1e6,
-                    "fitted_on": list(patterns)}
-        for p in patterns:
-            pbw, plat = fit_link([(b, n, t) for q, _, n, b, t in samples if q == p])
-            out[cls][f"{p}_only"] = {"bandwidth_MB_per_s": pbw / 1e6, "latency_us": plat * 1e6}
+                    "fitted_on": list(patterns), "per": "rank"}
     return out
 
 
@@ -271,7 +292,7 @@ def _calibration(args, measured, links_fit, compute_meas) -> dict[str, Any]:
               "network": links_fit["network"]}
     links = pj.LinkModel.from_measured(
         {c: f["bandwidth_MB_per_s"] * 1e6 for c, f in fitted.items()},
-        {c: f["latency_us"] * 1e-6 for c, f in fitted.items()})
+        {c: f["latency_us"] * 1e-6 for c, f in fitted.items()}, network="shared_uplink")
     compute = pj.compute_from_measured(
         _model(args), ref_plan["params"], args.seq, args.micro_batch_size,
         compute_meas["fwd_bwd_s"] / args.micro_batches, compute_meas["adam_s"],
@@ -281,6 +302,7 @@ def _calibration(args, measured, links_fit, compute_meas) -> dict[str, Any]:
         "links": {k: v for k, v in links_fit.items() if k != "samples"},
         "link_samples": links_fit["samples"],
         "model_links_MB_per_s": {c: links.bandwidth[c] / 1e6 for c in links.bandwidth},
+        "network_model": links.network,
         "model_latency_us": {c: links.latency[c] * 1e6 for c in links.latency},
         "compute_measured": compute_meas,
         "compute_model": asdict(compute),
@@ -290,7 +312,9 @@ def _calibration(args, measured, links_fit, compute_meas) -> dict[str, Any]:
         "tolerance": 0.2,
         "notes": ("package: a package's loopback, node: the shaped package links, "
                   if tiered else "package and node links are both the namespace's loopback; ")
-                 + "only link bandwidth/latency and compute time are fitted",
+                 + "network: one node's shared uplink, each way (a collective costs the "
+                 "bytes crossing it: per-rank bytes x groups of its family in the node); "
+                 "only link bandwidth/latency and compute time are fitted",
     }}
 
 
@@ -341,7 +365,8 @@ def run(args) -> dict[str, Any]:
     samples = [tuple(link) + (statistics.median(ts),) for link, ts in zip(first["links"], link_s)]
     compute_meas = {"fwd_bwd_s": statistics.median(fwd_bwd), "adam_s": statistics.median(adam)}
     measured = {s: r["median_s"] for s, r in out["schemes"].items()}
-    out["calibration"] = _calibration(args, measured, _fit_links(samples, tiered), compute_meas)
+    out["calibration"] = _calibration(args, measured, _fit_links(samples, args.ranks_per_node, tiered),
+                                      compute_meas)
     out["config"]["loadavg_end"] = list(os.getloadavg())
     busiest = max(out["config"]["loadavg_start"][0], out["config"]["loadavg_end"][0])
     if busiest > world + 2 * out["config"]["cpus"]:
@@ -421,11 +446,13 @@ def render(out: dict[str, Any]) -> str:
     if fit:
         lk = fit["links"]
         lines.append("")
+        net = lk["network"]
         lines.append(
-            f"fitted links: network {lk['network']['bandwidth_MB_per_s']:.1f} MB/s per rank, "
-            f"{lk['network']['latency_us']:.0f} us (world-only "
-            f"{lk['network']['world_only']['bandwidth_MB_per_s']:.1f}, peers-only "
-            f"{lk['network']['peers_only']['bandwidth_MB_per_s']:.1f} MB/s); " + "; ".join(
+            f"fitted links: network {net['bandwidth_MB_per_s']:.1f} MB/s per node uplink, "
+            f"{net['latency_us']:.0f} us (world-only {net['world_only']['bandwidth_MB_per_s']:.1f}"
+            f", peers-only {net['peers_only']['bandwidth_MB_per_s']:.1f} MB/s; per rank: world "
+            f"{net['world_only']['per_rank_bandwidth_MB_per_s']:.1f}, peers "
+            f"{net['peers_only']['per_rank_bandwidth_MB_per_s']:.1f}); " + "; ".join(
                 f"{c} {lk[c]['bandwidth_MB_per_s']:.1f} MB/s per rank, "
                 f"{lk[c]['latency_us']:.0f} us" for c in ("node", "package", "loopback")
                 if c in lk))

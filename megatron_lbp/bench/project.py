@@ -36,7 +36,11 @@ measures on an emulated network and uses :func:`fit_link` (bandwidth and
 latency of a link class from timed collectives), :func:`compute_from_measured`
 (a ComputeModel reproducing timed compute) and :func:`calibrate` (predicted vs
 measured step-time ratios to lbp); only those inputs are fitted, the step
-model is this one, unchanged.
+model is this one. Its one option there: the emulated nodes each have one
+shared uplink, so ``LinkModel(network="shared_uplink")`` charges a network
+collective the bytes crossing that uplink (:func:`uplink_bytes`: bytes per
+rank x groups of the family in a node) and :func:`fit_uplink` fits the
+uplink on the same rule; the projection keeps ``network="per_rank"``.
 
     python -m megatron_lbp.bench project [--json] [--mfu 0.35] [--micro-batches 1] ...
 """
@@ -88,26 +92,88 @@ PER_MICRO_BATCH = ("forward_gather", "backward_gather", "grad_reduce")
 STEP_PHASES = ("step_reduce", "step_gather")
 
 
+NETWORK_MODES = ("per_rank", "shared_uplink")
+
+
 @dataclass(frozen=True)
 class LinkModel:
-    """Per-GCD bandwidth (bytes/s each rank can send) and per-collective latency of each class."""
+    """Bandwidth (bytes/s) and per-collective latency of each link class.
+
+    ``network="per_rank"`` (the Frontier projection): every GCD has its own
+    share of the network, the bandwidth is per GCD and a collective costs the
+    bytes this rank sends. ``network="shared_uplink"`` (the emulated network:
+    one shaped uplink per node): the network bandwidth is the node's uplink,
+    each way, and a collective costs the bytes crossing it (uplink_bytes).
+    """
 
     bandwidth: Mapping[str, float] = field(default_factory=lambda: {
         "package": 200 * GB, "node": 50 * GB, "network": 12.5 * GB})
     latency: Mapping[str, float] = field(default_factory=lambda: {
         "package": 5 * US, "node": 10 * US, "network": 20 * US})
+    network: str = "per_rank"
+
+    def __post_init__(self):
+        if self.network not in NETWORK_MODES:
+            raise ValueError(f"network={self.network!r}: must be one of {NETWORK_MODES}")
 
     @classmethod
     def from_measured(cls, bandwidth: Mapping[str, float],
-                      latency: Mapping[str, float] | None = None) -> "LinkModel":
-        """A model from measured per-rank bandwidths (bytes/s) and latencies (s): calibration."""
+                      latency: Mapping[str, float] | None = None,
+                      network: str = "per_rank") -> "LinkModel":
+        """A model from measured bandwidths (bytes/s) and latencies (s): calibration."""
         base = cls()
         bw = {c: float(bandwidth.get(c, base.bandwidth[c])) for c in LINK_CLASS_ORDER}
         lat = {c: float((latency or {}).get(c, base.latency[c])) for c in LINK_CLASS_ORDER}
         for c in LINK_CLASS_ORDER:
             if bw[c] <= 0 or lat[c] < 0:
                 raise ValueError(f"{c}: bandwidth {bw[c]} must be > 0 and latency {lat[c]} >= 0")
-        return cls(bw, lat)
+        return cls(bw, lat, network)
+
+
+def groups_per_node(members_in_node: int, ranks_per_node: int) -> int:
+    """How many groups of one family have members in a node (every rank is in one group).
+
+    The families' groups are translates of each other (plan.py's layout), so a
+    node whose ranks sit ``members_in_node`` to a group meets
+    ranks_per_node / members_in_node of them.
+    """
+    if members_in_node < 1 or ranks_per_node % members_in_node:
+        raise ValueError(f"{members_in_node} members of a group in a node of {ranks_per_node} "
+                         f"ranks: groups must split the node evenly")
+    return ranks_per_node // members_in_node
+
+
+def uplink_bytes(bytes_per_rank: float, members_in_node: int, ranks_per_node: int) -> float:
+    """Bytes one collective family puts on a node's shared uplink, each way.
+
+    A ring (gloo) over a group whose ranks are sorted, nodes holding contiguous
+    rank ranges, leaves each node it spans over exactly one ring edge per
+    direction (edges inside a node are loopback); each of the n-1 ring steps
+    moves one chunk T/n over that edge, T(n-1)/n in all = the bytes one rank
+    sends. Every group of the family runs at once, so the uplink carries that
+    times the groups with members in the node: the world group once, the
+    one-rank-per-node peer groups ranks_per_node times.
+    """
+    return bytes_per_rank * groups_per_node(members_in_node, ranks_per_node)
+
+
+def _uplink_multiplicity(plan: Mapping[str, Any], phase: str) -> int:
+    """Groups per node of the network family of ``phase`` (uplink bytes per rank byte)."""
+    rpn = plan["gpus_per_node"]
+    found = set()
+    for fam in PHASE_FAMILIES[phase]:
+        if fam == "secondary|param":
+            fam = "secondary" if plan["group_sizes"]["secondary"] else "param"
+        if _family_size(plan, fam) <= 1 or plan["link_classes"].get(fam) != "network":
+            continue
+        # plan["groups"][fam] is rank 0's group; rank 0 sits in the first node.
+        in_node = sum(1 for r in plan["groups"][fam] if r // rpn == 0)
+        found.add(groups_per_node(in_node, rpn))
+    if len(found) > 1:
+        # The plan adds the families' bytes up per link class: they can't be split again.
+        raise ValueError(f"{phase}: network families with different uplink multiplicities "
+                         f"{sorted(found)}; the plan's per-class bytes cannot be split")
+    return found.pop() if found else 1
 
 
 @dataclass(frozen=True)
@@ -161,6 +227,8 @@ def _phase_times(plan: Mapping[str, Any], links: LinkModel) -> dict[str, dict[st
     for phase in PHASES:
         times = {c: plan["traffic_by_phase"][phase][c] / links.bandwidth[c]
                  for c in LINK_CLASS_ORDER}
+        if links.network == "shared_uplink":
+            times["network"] *= _uplink_multiplicity(plan, phase)
         for fam in PHASE_FAMILIES[phase]:
             if fam == "secondary|param":
                 fam = "secondary" if plan["group_sizes"]["secondary"] else "param"
@@ -310,6 +378,18 @@ def fit_link(samples: Sequence[tuple[float, int, float]]) -> tuple[float, float]
     if y < 0 or x <= 0:
         x, y = r1 / a11, 0.0
     return 1.0 / x, y
+
+
+def fit_uplink(samples: Sequence[tuple[float, int, int, float]],
+               ranks_per_node: int) -> tuple[float, float]:
+    """(uplink bandwidth bytes/s each way, latency s) of a node's shared uplink.
+
+    ``samples``: (bytes one rank sent, group size n, members of its group in
+    one node, seconds); fit_link on the uplink bytes (uplink_bytes) instead of
+    the per-rank bytes, the rule step_time applies with
+    ``LinkModel(network="shared_uplink")``.
+    """
+    return fit_link([(uplink_bytes(b, m, ranks_per_node), n, t) for b, n, m, t in samples])
 
 
 def compute_from_measured(model: Mapping[str, int], params: int, seq_length: int,
