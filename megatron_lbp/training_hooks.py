@@ -94,8 +94,16 @@ def _validate_hier_args(args: Any) -> None:
     dp = args.world_size // (tp * cp * pp)
     gpp = args.hier_gcds_per_package or (2 if gpus_per_node % 2 == 0 else 1)
     per_node, per_package = dp_domain_sizes(gpus_per_node, gpp, tp, cp)
-    hier_config_from_args(args, world_size=dp, gpus_per_node=per_node, gcds_per_package=per_package)
+    cfg = hier_config_from_args(args, world_size=dp, gpus_per_node=per_node, gcds_per_package=per_package)
     engine_options_from_args(args)
+    if len(set(info.tasks_per_node or (info.local_world_size,))) == 1:
+        # Block placement (torchrun, Slurm's default) is known now: refuse groups that straddle
+        # nodes or packages with one line, before any process group; build_hier_groups repeats
+        # the check on the placement the ranks report.
+        from megatron_lbp.topology import check_colocation, emulated_locations, hierarchy_groups
+
+        check_colocation(hierarchy_groups(range(dp), cfg), emulated_locations(dp, per_node, per_package),
+                         allow=bool(getattr(args, "hier_allow_non_colocated", False)))
 
 
 # 3 -------------------------------------------------------------------------------------
