@@ -65,6 +65,17 @@ def _child(fn, args, rank, env, log_path):
     dist.destroy_process_group()
 
 
+def _rank_vars(rank: int, world: int, port: int, env, rank_env, **extra: str) -> dict:
+    """The torch.distributed variables one rank gets (as torchrun or srun would set them)."""
+    rank_vars = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                 "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                 "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1", **extra}
+    rank_vars.update(env or {})
+    if rank_env is not None:
+        rank_vars.update(rank_env(rank))
+    return rank_vars
+
+
 def launch(fn, args, world: int, tmp_path, *, env=None, rank_env=None,
            deadline_s: float = 120.0) -> list[RankRun]:
     """Start ``fn(*args)`` on ``world`` gloo ranks; wait until all ended or the deadline."""
@@ -74,12 +85,7 @@ def launch(fn, args, world: int, tmp_path, *, env=None, rank_env=None,
     procs, logs = [], []
     start = time.monotonic()
     for rank in range(world):
-        rank_vars = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                     "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                     "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
-        rank_vars.update(env or {})
-        if rank_env is not None:
-            rank_vars.update(rank_env(rank))
+        rank_vars = _rank_vars(rank, world, port, env, rank_env)
         log = os.path.join(str(tmp_path), f"rank{rank}.log")
         p = ctx.Process(target=_child, args=(fn, args, rank, rank_vars, log), daemon=False)
         p.start()
@@ -109,13 +115,7 @@ def launch_pretrain(argv: list[str], world: int, tmp_path, *, env=None, rank_env
     procs, logs = [], []
     start = time.monotonic()
     for rank in range(world):
-        rank_vars = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                     "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                     "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
-                     "PYTHONWARNINGS": "ignore"}
-        rank_vars.update(env or {})
-        if rank_env is not None:
-            rank_vars.update(rank_env(rank))
+        rank_vars = _rank_vars(rank, world, port, env, rank_env, PYTHONWARNINGS="ignore")
         log = open(os.path.join(str(tmp_path), f"rank{rank}.log"), "w")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "megatron_lbp.pretrain_gpt", *argv], cwd=REPO,
