@@ -94,8 +94,11 @@ def test_store_host_killed(tmp_path):
 def test_injection_spec_is_checked():
     assert faults.parse_injection("rank=3,phase=grad_reduce,iteration=2") == {
         "rank": 3, "phase": "grad_reduce", "iteration": 2, "action": "kill"}
+    assert faults.parse_injection("rank=1,phase=grad_reduce,iteration=2,action=nan")["action"] \
+        == "nan"
     for bad in ("rank=3,phase=grad_reduce", "rank=3,phase=x,iteration=2,action=explode",
-                "rank=3,phase=x,iteration=2,when=now"):
+                "rank=3,phase=x,iteration=2,when=now",
+                "rank=3,phase=forward_gather,iteration=2,action=nan"):
         with pytest.raises(ValueError, match=faults.INJECT_ENV):
             faults.parse_injection(bad)
 

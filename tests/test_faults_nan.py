@@ -7,8 +7,10 @@ engine's own path (bucket, reduce-scatter in the node, cross-node reduce).
 """
 import math
 
+from megatron_lbp.engine import faults
 from megatron_lbp.testing.multirank import rank_location_env, run_on_ranks
-from tests.fault_fns import TOPOLOGY_ARGS, poisoned_step
+from tests.fault_fns import TOPOLOGY_ARGS, launch_pretrain, poisoned_step
+from tests.pretrain_runner import TINY, demo_data
 
 WORLD = 8
 TOPOLOGY = rank_location_env(4)
@@ -45,3 +47,22 @@ def test_without_poison_nothing_is_reported():
     for r, res in enumerate(ranks):
         assert res["error"] is None and all(s["applied"] and not s["nonfinite_ranks"]
                                             for s in res["steps"]), f"rank {r}: {res}"
+
+
+def test_training_entry_stops_every_rank_naming_the_poisoned_rank(tmp_path):
+    """Through python -m megatron_lbp.pretrain_gpt (one process per rank, as srun starts them),
+    Megatron's default --check-for-nan-in-loss-and-grad: rank 3 writes a nan into its own
+    gradient at iteration 3 (LBP_FAULT_INJECT action=nan); every rank stops non-zero, naming it."""
+    data = demo_data(tmp_path / "data")
+    argv = TINY + ["--data-path", data, "--train-iters", "6", "--global-batch-size", "8",
+                   "--hier-partition", "--hier-gpus-per-node", "2"]
+    runs = launch_pretrain(argv, 4, tmp_path,
+                           env={faults.INJECT_ENV: "rank=3,phase=grad_reduce,iteration=3,action=nan"},
+                           rank_env=rank_location_env(2), deadline_s=300)
+    assert " iteration        2/" in runs[3].output, runs[3].output[-3000:]
+    assert "writes a nan into its gradient" in runs[3].output, runs[3].output[-3000:]
+    for r in runs:
+        assert r.exitcode not in (None, 0), f"rank {r.rank} ended with {r.exitcode}:\n{r.output[-3000:]}"
+        assert "iteration 3: inf/nan gradient produced by rank(s) [3]" in r.output, (
+            f"rank {r.rank} does not name rank 3 at iteration 3:\n{r.output[-3000:]}")
+        assert " iteration        3/" not in r.output, f"rank {r.rank} logged iteration 3"

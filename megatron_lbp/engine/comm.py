@@ -101,6 +101,11 @@ class Collectives:
             faults.TRACKER.leave()
         return _TrackedWork(work, activity) if work is not None else None
 
+    def poison_if_injected(self, grad: torch.Tensor, phase: str) -> None:
+        """The fault-injection hook for gradients (LBP_FAULT_INJECT with action=nan)."""
+        if self._inject is not None:
+            self._inject.poison(grad, phase)
+
     def _charge(self, family: str, phase: str, nbytes: Fraction | int) -> None:
         self.ledger.record(phase, self.links[family], nbytes)
 

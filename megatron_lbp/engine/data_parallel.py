@@ -307,6 +307,7 @@ class HierDataParallel(_megatron_base()):
         if b.grad_full is None:  # nothing arrived: still take part in the collective
             b.grad_view(b.slots[0])
         b.grad_full.mul_(1.0 / self.hier.config.world_size)
+        self.comm.poison_if_injected(b.grad_full, "grad_reduce")
         finite = torch.isfinite(b.grad_full.sum())  # inf/nan survive the sum; no sync on GPU
         self.local_nonfinite = self.local_nonfinite.to(b.device) + ~finite
         send = b.grad_scatter_input()

@@ -37,7 +37,9 @@ How it works (all through the job's own rendezvous store, no extra service):
 Fault injection (testing aid): ``LBP_FAULT_INJECT="rank=3,phase=grad_reduce,
 iteration=2"`` makes rank 3 SIGKILL itself right before issuing its first
 ``grad_reduce`` collective of iteration 2 (``action=hang``: sleep there
-instead). Unset, the engine never looks at it again after start-up.
+instead; ``action=nan``, with ``phase=grad_reduce`` only: write a nan into the
+rank's own gradient before it is checked and reduced, as a poisoned batch
+would). Unset, the engine never looks at it again after start-up.
 """
 from __future__ import annotations
 
@@ -156,9 +158,21 @@ class Injection:
 
     def __init__(self, phase: str, iteration: int, action: str) -> None:
         self.phase, self.iteration, self.action = phase, iteration, action
+        self.poisoned = False
+
+    def poison(self, grad: Any, phase: str) -> None:
+        """``action=nan``: one nan in this rank's own gradient, once, in the chosen iteration."""
+        if (self.action != "nan" or self.poisoned or phase != self.phase
+                or TRACKER.iteration != self.iteration):
+            return
+        self.poisoned = True
+        print(f"[megatron-lbp] fault injection: rank {dist.get_rank()} writes a nan into its "
+              f"gradient before {phase} at iteration {self.iteration} ({INJECT_ENV})",
+              file=sys.stderr, flush=True)
+        grad.view(-1)[0] = float("nan")
 
     def before(self, phase: str) -> None:
-        if phase != self.phase or TRACKER.iteration != self.iteration:
+        if self.action == "nan" or phase != self.phase or TRACKER.iteration != self.iteration:
             return
         print(f"[megatron-lbp] fault injection: rank {dist.get_rank()} {self.action}s before "
               f"{phase} at iteration {self.iteration} ({INJECT_ENV})", file=sys.stderr, flush=True)
@@ -173,10 +187,13 @@ def parse_injection(text: str) -> dict[str, Any]:
     unknown = set(fields) - {"rank", "phase", "iteration", "action"}
     if unknown or not {"rank", "phase", "iteration"} <= set(fields):
         raise ValueError(f"{INJECT_ENV}={text!r}: expected rank=R,phase=P,iteration=N"
-                         "[,action=kill|hang]")
+                         "[,action=kill|hang|nan]")
     action = fields.get("action", "kill")
-    if action not in ("kill", "hang"):
-        raise ValueError(f"{INJECT_ENV}={text!r}: action must be kill or hang")
+    if action not in ("kill", "hang", "nan"):
+        raise ValueError(f"{INJECT_ENV}={text!r}: action must be kill, hang or nan")
+    if action == "nan" and fields["phase"] != "grad_reduce":
+        raise ValueError(f"{INJECT_ENV}={text!r}: action=nan poisons a gradient, so it needs "
+                         "phase=grad_reduce")
     return {"rank": int(fields["rank"]), "phase": fields["phase"],
             "iteration": int(fields["iteration"]), "action": action}
 
