@@ -27,8 +27,8 @@ class PreflightError(ValueError):
 
 
 def check(args: Any) -> None:
-    _check_data(args)
-    _check_tokenizer_and_data(args)
+    datasets = _check_data(args)
+    _check_tokenizer_and_data(args, datasets)
     _check_checkpoint_shape(args)
 
 
@@ -49,13 +49,15 @@ def _is_number(text: str) -> bool:
         return False
 
 
-def _check_data(args) -> None:
+def _check_data(args) -> dict[str, Any]:
+    """The opened dataset of every --data-path prefix (the vocabulary check samples them)."""
     if getattr(args, "mock_data", False):
-        return
+        return {}
     prefixes = _data_prefixes(args)
     if not prefixes and not getattr(args, "data_args_path", None):
         raise PreflightError("--data-path is missing: give the prefix of a preprocessed dataset "
                              "(scripts/preprocess_data.py writes <prefix>.bin/.idx) or --mock-data")
+    datasets = {}
     for prefix in prefixes:
         for ext in (".bin", ".idx"):
             path = prefix + ext
@@ -72,6 +74,8 @@ def _check_data(args) -> None:
         except Exception as err:  # a torn or foreign file: say which, not Megatron's traceback
             raise PreflightError(f"--data-path {prefix}: cannot read the indexed dataset "
                                  f"({type(err).__name__}: {err})") from None
+        datasets[prefix] = ds
+    return datasets
 
 
 def _open_indexed(prefix: str):
@@ -86,7 +90,7 @@ def _open_indexed(prefix: str):
     return _Checked(prefix, mmap=True)
 
 
-def _check_tokenizer_and_data(args) -> None:
+def _check_tokenizer_and_data(args, datasets: dict[str, Any]) -> None:
     model = getattr(args, "tokenizer_model", None)
     if model and not os.path.exists(model):
         raise PreflightError(f"--tokenizer-model {model} does not exist")
@@ -95,8 +99,7 @@ def _check_tokenizer_and_data(args) -> None:
     vocab = getattr(args, "padded_vocab_size", None) or _tokenizer_vocab(args)
     if not vocab:
         return
-    for prefix in _data_prefixes(args):
-        ds = _open_indexed(prefix)
+    for prefix, ds in datasets.items():
         seen, top = 0, -1
         for i in range(len(ds)):
             doc = ds[i]
@@ -171,8 +174,7 @@ def _saved_args(load: str, tracker: str, step: int | None):
     try:
         common = dist_checkpointing.load_common_state_dict(ckpt)
     except Exception as err:
-        raise PreflightError(f"--load {load}: cannot read {ckpt} ({type(err).__name__}: "
-                             f"{str(err).splitlines()[0] if str(err) else ''})") from None
+        raise PreflightError(f"--load {load}: cannot read {ckpt} ({_one_line(err)})") from None
     return common.get("args")
 
 
@@ -184,8 +186,7 @@ def _check_checkpoint_files(load: str, ckpt: str) -> None:
         meta = FileSystemReader(ckpt).read_metadata()
     except Exception as err:
         raise PreflightError(f"--load {load}: cannot read {os.path.join(ckpt, '.metadata')} "
-                             f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
-                             ) from None
+                             f"({_one_line(err)})") from None
     need: dict[str, int] = {}
     for info in (getattr(meta, "storage_data", None) or {}).values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
@@ -196,3 +197,9 @@ def _check_checkpoint_files(load: str, ckpt: str) -> None:
         have = os.path.getsize(path)
         if have < size:
             raise PreflightError(f"--load {load}: {path} is truncated ({have} of {size} bytes)")
+
+
+def _one_line(err: Exception) -> str:
+    """``Type: first line of the message``: library errors can run to many lines."""
+    text = str(err)
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
