@@ -19,12 +19,29 @@ CONFLICTING_FLAGS = (
 )
 
 
+def conflicting_flag_message(flag: str) -> str:
+    return (f"--hier-partition cannot be combined with {flag}: both replace Megatron's "
+            "data-parallel wrapper; drop one of them")
+
+
 def check_megatron_args(args: Any) -> None:
-    """Refuse Megatron flags the hierarchy cannot serve, naming both flags (one line each)."""
+    """Refuse Megatron flags the hierarchy cannot serve, naming both flags (one line each).
+
+    The command-line forms are refused earlier, before Megatron parses them
+    (megatron_lbp.capabilities.UNSERVABLE); these checks hold for arguments that
+    reach Megatron another way.
+    """
     for attr, flag in CONFLICTING_FLAGS:
         if getattr(args, attr, False):
-            raise ValueError(f"--hier-partition cannot be combined with {flag}: both replace "
-                             "Megatron's data-parallel wrapper; drop one of them")
+            raise ValueError(conflicting_flag_message(flag))
+    if getattr(args, "gradient_accumulation_fusion", False):
+        # Lifted once the engine gives each parameter a main_grad view into its bucket's fp32
+        # accumulation buffer (issue 12 item 2): until then the fused wgrad kernel would
+        # accumulate into a main_grad that does not exist.
+        raise ValueError("--hier-partition does not provide param.main_grad yet, which "
+                         "gradient-accumulation fusion writes into (Megatron's default, kept on "
+                         "because Apex's fused_weight_gradient_mlp_cuda imports here): pass "
+                         "--no-gradient-accumulation-fusion")
     if (getattr(args, "expert_model_parallel_size", 1) or 1) > 1 or getattr(args, "num_experts", None):
         raise ValueError("--hier-partition does not support expert-parallel (MoE) models yet "
                          "(--num-experts / --expert-model-parallel-size)")

@@ -9,9 +9,11 @@ megatron/ package patched by ``scripts/apply_patches.sh`` instead.
 
 Accepts Megatron-LM's ``pretrain_gpt.py`` arguments (parsed by megatron.training
 itself) plus the ``--hier-*`` group; one process per GPU/GCD (torchrun, or
-``srun`` with one task per GCD: ranks come from ``SLURM_*``). Without an
-accelerator it runs on CPU ranks with gloo and adds the flags that CPU needs
-(listed in ``CPU_FLAGS``, printed when added). It covers plain GPT
+``srun`` with one task per GCD: ranks come from ``SLURM_*``). At start-up it
+adds the flags this environment needs, decided by what is importable
+(megatron_lbp.capabilities: Megatron's local layers without Transformer Engine,
+no fused kernels that do not import, gloo on CPU ranks), one printed line each,
+and refuses flags that cannot work here. It covers plain GPT
 pretraining: data parallelism with the hierarchy, or stock Megatron DDP /
 distributed optimizer without ``--hier-partition`` for comparison. SFT, FIM,
 multi-token prediction, tensor/pipeline/context parallelism are Megatron-LM's
@@ -24,22 +26,7 @@ import sys
 from functools import partial
 
 import megatron_lbp  # noqa: F401  (Python 3.11 shim before megatron.training)
-from megatron_lbp import compat, training_hooks
-
-# Flags a CPU run needs: gloo, no CUDA-only fused kernels, Megatron's local layers.
-CPU_FLAGS = [
-    "--distributed-backend", "gloo",
-    "--use-cpu-initialization",
-    "--transformer-impl", "local",
-    "--no-gradient-accumulation-fusion",
-    "--no-masked-softmax-fusion",
-    "--no-bias-gelu-fusion",
-    "--no-bias-dropout-fusion",
-    "--no-rope-fusion",
-    "--no-persist-layer-norm",
-    "--attention-backend", "unfused",
-]
-
+from megatron_lbp import capabilities, compat, training_hooks
 
 def _env_rank_from_slurm() -> None:
     """One process per Slurm task: torch.distributed's env:// needs RANK/WORLD_SIZE/LOCAL_RANK."""
@@ -146,10 +133,12 @@ def main(argv: list[str] | None = None) -> None:
     if argv is not None:
         sys.argv = [sys.argv[0]] + list(argv)
     _env_rank_from_slurm()
-    if compat.enable():
-        sys.argv[1:1] = CPU_FLAGS
-        if os.environ.get("RANK", "0") == "0":
-            print(f"[megatron-lbp] CPU run: adding {' '.join(CPU_FLAGS)}", flush=True)
+    # Before Megatron is imported: a flag that cannot work here costs one line, not a start-up.
+    try:
+        training_hooks.resolve_flags()
+    except capabilities.CapabilityError as err:
+        _usage_error(str(err))
+    compat.enable()
     if os.environ.get("LBP_RUNTIME_HOOKS", "1") == "1":
         training_hooks.install()
     else:

@@ -1,7 +1,9 @@
 """Where megatron.training hands over to megatron-lbp when ``--hier-partition`` is set.
 
-Five call sites, each a function here:
+Six call sites, each a function here:
 
+0. ``resolve_flags()``         the flags this environment needs, added to sys.argv before
+                               Megatron's parser reads it (megatron_lbp.capabilities);
 1. ``add_arguments(parser)``   registers the ``--hier-*`` flags next to Megatron's own;
 2. ``validate_args(args)``     refuses what the engine cannot serve and resolves the
                                hierarchy from the launcher environment, before any
@@ -39,6 +41,44 @@ def enabled(args: Any) -> bool:
     return bool(getattr(args, "hier_partition", False))
 
 
+# 0 -------------------------------------------------------------------------------------
+def resolve_flags() -> None:
+    """What both training entries do before Megatron parses: sys.argv resolved in place.
+
+    The flags this environment needs are added (megatron_lbp.capabilities, one
+    line each from rank 0), flags the engine cannot serve are refused, and on
+    NCCL the fault environment is set before any process group exists. Raises
+    CapabilityError (one line). Resolving a resolved argv adds nothing, so the
+    entry and the parse_args hook may both call it.
+    """
+    import sys
+
+    from megatron_lbp import capabilities
+    from megatron_lbp.engine import faults
+
+    device = "gpu" if compat.accelerator_present() else "cpu"
+    capabilities.check_device_matches(device)
+    argv, reasons = capabilities.resolve_training_argv(sys.argv[1:], device=device)
+    sys.argv[1:] = argv
+    reasons += faults.prepare_backend_environment(argv, os.environ)
+    if _is_rank0():
+        for line in reasons:
+            print(line, flush=True)
+
+
+def _is_rank0() -> bool:
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+
+
+def _exit_one_line(prog: str, message: str) -> None:
+    """Every rank finds the same problem; rank 0 says it in one line, every rank exits 2."""
+    import sys
+
+    if _is_rank0():
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 # 1 -------------------------------------------------------------------------------------
 def add_arguments(parser):
     from megatron_lbp.config import add_hier_arguments
@@ -51,11 +91,7 @@ def add_arguments(parser):
 
 def _one_line_parser_error(parser, message: str) -> None:
     """argparse's error without the usage block (Megatron's runs to hundreds of lines), once per job."""
-    import sys
-
-    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-        print(f"{parser.prog}: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    _exit_one_line(parser.prog, message)
 
 
 # 2 -------------------------------------------------------------------------------------
@@ -79,7 +115,11 @@ def _validate_hier_args(args: Any) -> None:
     from megatron_lbp.config import engine_options_from_args, hier_config_from_args
     from megatron_lbp.topology import dp_domain_sizes, launcher_info_from_env, resolve_gpus_per_node
 
+    from megatron_lbp.engine import faults
+
     megatron_adapter.check_megatron_args(args)
+    faults.check_timing(getattr(args, "distributed_backend", "nccl"),
+                        args.hier_collective_timeout_s, args.hier_fault_checkin_s)
     if getattr(args, "use_distributed_optimizer", False):
         raise ValueError("--hier-partition replaces --use-distributed-optimizer (its optimizer "
                          "state is sharded by --hier-optim-group-size): drop one of them")
@@ -212,8 +252,25 @@ def hook_arguments_module(ns: dict) -> None:
     if ns.get("_lbp_hooked"):
         return
     ns["_lbp_hooked"] = True
-    orig_add, orig_validate = ns["add_megatron_arguments"], ns["validate_args"]
+    orig_add, orig_validate, orig_parse = (ns["add_megatron_arguments"], ns["validate_args"],
+                                           ns["parse_args"])
     ns["add_megatron_arguments"] = lambda parser: add_arguments(orig_add(parser))
+
+    @functools.wraps(orig_parse)
+    def parse_args(*a, **k):
+        # Megatron's parser reads sys.argv: the capability-resolved flags go in first
+        # (how a patched Megatron-LM tree's own pretrain_gpt.py gets them).
+        import sys
+
+        from megatron_lbp.capabilities import CapabilityError
+
+        try:
+            resolve_flags()
+        except CapabilityError as err:
+            _exit_one_line(os.path.basename(sys.argv[0]), str(err))
+        return orig_parse(*a, **k)
+
+    ns["parse_args"] = parse_args
 
     @functools.wraps(orig_validate)
     def validate(args, defaults={}):

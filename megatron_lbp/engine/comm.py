@@ -18,7 +18,9 @@ collectives (gradient norm, inf/nan flags, start-up broadcast) that it does not.
 A collective that fails (a peer died, or the group's timeout ran out) is
 diagnosed once by :mod:`megatron_lbp.engine.faults` and raised as a
 ``CollectiveFault`` naming the lost rank(s) and the phase; asynchronous work
-keeps the phase it was issued in until ``wait()``.
+keeps the phase it was issued in until ``wait()``. On NCCL, where ``wait()``
+only orders streams, every collective is also handed to the fault module's
+stall watch, which diagnoses one that does not complete in time.
 """
 from __future__ import annotations
 
@@ -93,13 +95,24 @@ class Collectives:
         faults.TRACKER.enter(activity)
         if self._inject is not None:
             self._inject.before(phase)
+        # NCCL's wait() does not block the host: the stall watch needs a handle on every
+        # collective, so a synchronous one is issued asynchronously and waited for at once.
+        watch = faults.stall_watch()
         try:
-            work = collective(*args, group=group, async_op=async_op, **kwargs)
+            work = collective(*args, group=group, async_op=async_op or watch is not None, **kwargs)
         except RuntimeError as err:
             raise faults.diagnose(activity, err) from err
         finally:
             faults.TRACKER.leave()
-        return _TrackedWork(work, activity) if work is not None else None
+        if work is None:
+            return None
+        tracked = _TrackedWork(work, activity)
+        if watch is not None:
+            watch.add(tracked)
+            if not async_op:
+                tracked.wait()
+                return None
+        return tracked
 
     def poison_if_injected(self, grad: torch.Tensor, phase: str) -> None:
         """The fault-injection hook for gradients (LBP_FAULT_INJECT with action=nan)."""

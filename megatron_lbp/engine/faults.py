@@ -34,6 +34,26 @@ How it works (all through the job's own rendezvous store, no extra service):
    The hierarchy's groups are created with ``--hier-collective-timeout-s``,
    so a peer that is alive but stuck cannot hold the others forever either.
 
+6. NCCL (and RCCL, which torch names nccl) is different: ``work.wait()`` only
+   makes the compute stream wait, a failure or timeout surfaces in
+   ProcessGroupNCCL's watchdog thread, and by default (TORCH_NCCL_ASYNC_ERROR_
+   HANDLING=3) that thread ends the process, before anyone could name anyone.
+   On the nccl backend the engine therefore (a) sets TORCH_NCCL_ASYNC_ERROR_
+   HANDLING=2 before any process group exists (:func:`prepare_backend_environment`:
+   an NCCL error or timeout aborts the communicators and leaves the process to
+   the engine) and (b) runs a stall watch (:class:`_StallWatch`): every engine
+   collective is registered when issued, and one that has not completed half of
+   ``--hier-collective-timeout-s`` after its issue (the watchdog's timeout)
+   starts the same check-in through the store as above; the verdict is out
+   after the stall window plus the check-in window, before the watchdog's
+   timeout (:func:`check_timing` refuses windows that would not be). A rank's
+   check-in then names the oldest collective it is waiting for on the device,
+   since its main thread is not inside one. A failed (aborted) collective
+   surfaces on the host at the next collective issued on its communicator, and
+   reaches :func:`diagnose` as on gloo. ``LBP_FAULT_STALL_WATCH=1`` runs the
+   stall watch on gloo as well, which is how the tests exercise this path on CPU
+   (a hung rank: gloo's blocking ``wait()`` would otherwise only fail at the timeout).
+
 Fault injection (testing aid): ``LBP_FAULT_INJECT="rank=3,phase=grad_reduce,
 iteration=2"`` makes rank 3 SIGKILL itself right before issuing its first
 ``grad_reduce`` collective of iteration 2 (``action=hang``: sleep there
@@ -61,6 +81,9 @@ import torch.distributed as dist
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
 DEFAULT_CHECKIN_S = 15.0
 INJECT_ENV = "LBP_FAULT_INJECT"
+STALL_WATCH_ENV = "LBP_FAULT_STALL_WATCH"
+# CleanUpOnly: an NCCL error or timeout aborts the communicators; the process stays for the verdict.
+NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 
 _PREFIX = "lbp_fault/"
 _FLAG = _PREFIX + "flag"            # set once a collective failed somewhere
@@ -248,7 +271,7 @@ class _Monitor:
             if store.get(wake).decode() == _CLOSING:
                 store.add(_CLOSING_ACKS, 1)
                 return
-            self.check_in(store, _record(self.rank, TRACKER.current))
+            self.check_in(store, _record(self.rank, waiting_on()))
             store.wait([_VERDICT], datetime.timedelta(seconds=_settings["checkin_s"] + 30))
             self.verdict = json.loads(store.get(_VERDICT))
             store.add(_ACKS, 1)
@@ -277,6 +300,10 @@ def ensure_monitor() -> None:
     store = dist.distributed_c10d._get_default_store()
     _monitor = _Monitor(store, dist.get_rank(), dist.get_world_size())
     _monitor.thread.start()
+    if dist.get_backend() == "nccl" or os.environ.get(STALL_WATCH_ENV) == "1":
+        global _stall_watch
+        _stall_watch = _StallWatch(_settings["collective_timeout_s"] / 2.0)
+        _stall_watch.thread.start()
     # A thread still blocked inside the store client when the interpreter tears
     # down C++ state aborts the process ("terminate called"): release it first.
     atexit.register(_stop_monitor, _monitor)
@@ -309,6 +336,111 @@ def _announce_closing(store: Any, world: int) -> None:
             time.sleep(0.01)
     except Exception:  # noqa: BLE001 - nothing to tell anyone then
         pass
+
+
+# --- NCCL: the stall watch ------------------------------------------------------------------
+class _StallWatch:
+    """Collectives issued and not yet completed on the device, oldest first; one that is
+    older than ``window_s`` is diagnosed from this thread (the main thread may sit in a
+    device synchronisation that only NCCL's watchdog would end)."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.poll_s = min(1.0, window_s / 20.0)
+        self.lock = threading.Lock()
+        self.pending: list[tuple[float, Any]] = []  # (issued at, tracked work), oldest first
+        self.thread = threading.Thread(target=self._run, name="lbp-stall-watch", daemon=True)
+
+    def add(self, tracked: Any) -> None:
+        with self.lock:
+            self._drop_completed()
+            self.pending.append((time.monotonic(), tracked))
+
+    def oldest(self) -> tuple[float, Any] | None:
+        """The oldest collective not completed yet."""
+        with self.lock:
+            self._drop_completed()
+            return self.pending[0] if self.pending else None
+
+    def _drop_completed(self) -> None:
+        # All of them, not only from the left: a work holds its tensors, and a slow
+        # collective on one communicator must not keep faster ones' buffers alive.
+        self.pending = [(at, t) for at, t in self.pending if not _completed(t)]
+
+    def _run(self) -> None:
+        while _monitor is None or _monitor.verdict is None:
+            time.sleep(self.poll_s)
+            head = self.oldest()
+            if head is None or time.monotonic() - head[0] <= self.window_s:
+                continue
+            issued, tracked = head
+            act = tracked.activity
+            diagnose(act, TimeoutError(
+                f"Timed out: {act.phase} not completed {time.monotonic() - issued:.0f} s after it "
+                f"was issued (stall window: half of --hier-collective-timeout-s "
+                f"{2 * self.window_s:g} s)"))
+            return
+
+
+def _completed(tracked: Any) -> bool:
+    try:
+        return bool(tracked.is_completed())
+    except RuntimeError:  # failed: the main thread's wait() or next issue raises it
+        return True
+
+
+_stall_watch: _StallWatch | None = None
+
+
+def stall_watch() -> _StallWatch | None:
+    """The stall watch when this backend's wait() does not block (NCCL), else None."""
+    return _stall_watch
+
+
+def waiting_on() -> Activity | None:
+    """What this rank waits for: the collective its main thread is in, else (NCCL) the
+    oldest one still running on the device."""
+    if TRACKER.current is not None or _stall_watch is None:
+        return TRACKER.current
+    head = _stall_watch.oldest()
+    return head[1].activity if head is not None else None
+
+
+def prepare_backend_environment(argv, environ) -> list[str]:
+    """Before any process group: the NCCL setting the verdict needs (--hier-partition on nccl).
+
+    Returns the lines to print: what was set, or why a value the user set
+    defeats the verdict.
+    """
+    from megatron_lbp.capabilities import flag_value, given
+
+    if not given(argv, "--hier-partition") or (flag_value(argv, "--distributed-backend")
+                                               or "nccl") != "nccl":
+        return []
+    name, value = NCCL_ERROR_HANDLING
+    if name not in environ:
+        environ[name] = value
+        return [f"[megatron-lbp] setting {name}={value} (CleanUpOnly): an NCCL error or timeout "
+                "aborts the communicators but leaves the process, so the survivors can name "
+                "the lost rank before exiting"]
+    if environ[name] != value:
+        return [f"[megatron-lbp] warning: {name}={environ[name]} (set in the environment): an "
+                "NCCL error may end this process before the survivors name the lost rank; "
+                f"{name}={value} lets them"]
+    return []
+
+
+def check_timing(backend: str, collective_timeout_s: float, checkin_s: float) -> None:
+    """On NCCL the verdict must be out before the watchdog's timeout: one line if it cannot."""
+    if backend != "nccl" and os.environ.get(STALL_WATCH_ENV) != "1":
+        return
+    need = 2.0 * (checkin_s + 10.0)
+    if collective_timeout_s < need:
+        raise ValueError(
+            f"--hier-collective-timeout-s {collective_timeout_s:g} is too short with "
+            f"--hier-fault-checkin-s {checkin_s:g} on {backend}: a stuck collective is "
+            f"diagnosed after half of it ({collective_timeout_s / 2:g} s) plus the check-in, "
+            f"and that verdict must come before NCCL's watchdog timeout; use at least {need:g}")
 
 
 # --- diagnosis ------------------------------------------------------------------------------
