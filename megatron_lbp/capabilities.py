@@ -139,7 +139,8 @@ def probe_environment(device: str | None = None) -> Environment:
                                     "FusedLayerNormAffineFunction"),
                                _imports("fused_layer_norm_cuda")),
         softmax_kernels=_probe(*(_imports(k) for k in SOFTMAX_KERNELS)),
-        triton=_probe(_imports("triton")),
+        # Only a GPU run's bias fusions depend on it (and importing it costs seconds).
+        triton=_probe(_imports("triton")) if device == "gpu" else "not needed on a CPU run",
         flash_attn=_first_of(_probe(_imports("flash_attn")),          # FlashAttention-2
                              _probe(_imports("flash_attn_interface"))),  # FlashAttention-3
         torch_build=(f"torch {torch.__version__}, CUDA {torch.version.cuda}, "

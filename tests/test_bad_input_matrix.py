@@ -30,6 +30,7 @@ import pytest
 
 from megatron_lbp.testing.multirank import free_port
 from tests.pretrain_runner import REPO, TINY, demo_data, run_pretrain, why
+from tests.standins import write_standins
 from tests.test_launchers import LOCAL, SCRIPTS, _megatron_tree, site  # noqa: F401  (site: fixture)
 
 PY = sys.executable
@@ -360,6 +361,31 @@ PRETRAIN = [
           ["global_batch_size"], env=FOUR_RANKS_ONE_NODE),
     train("unpatched Megatron with LBP_RUNTIME_HOOKS=0", lambda c: _base(c, "--hier-partition"),
           ["LBP_RUNTIME_HOOKS=0", "is not patched"], env={"LBP_RUNTIME_HOOKS": "0"}),
+    # what this environment or the engine cannot serve: refused by megatron_lbp.capabilities
+    # before Megatron is imported (a few seconds a row; every form: tests/test_capabilities.py)
+    *[train(" ".join(flags), lambda c, f=flags: _base(c, "--hier-partition", *f), needles,
+            slow=slow) for flags, needles, slow in [
+        (["--cuda-graph-impl", "local"], ["--cuda-graph-impl local", "CUDA graphs"], False),
+        (["--enable-cuda-graph"], ["--enable-cuda-graph", "CUDA graphs"], True),
+        (["--external-cuda-graph"], ["--external-cuda-graph", "CUDA graphs"], True),
+        (["--fp8-param-gather"], ["--fp8-param-gather", "fp8 parameters"], False),
+        (["--overlap-grad-reduce"], ["--overlap-grad-reduce", "--hier-overlap"], False),
+        (["--overlap-param-gather"], ["--overlap-param-gather", "--hier-overlap"], True),
+        (["--use-torch-fsdp2"], ["--use-torch-fsdp2"], False),
+        (["--use-megatron-fsdp"], ["--use-megatron-fsdp"], True)]],
+    train("--transformer-impl transformer_engine without Transformer Engine",
+          lambda c: _base(c, "--transformer-impl", "transformer_engine"),
+          ["--transformer-impl transformer_engine", "Transformer Engine"], slow=False),
+    train("LBP_DEVICE=gpu where torch sees no GPU", lambda c: _base(c), ["LBP_DEVICE=gpu"],
+          env={"LBP_DEVICE": "gpu"}, slow=False),
+    # these reach Megatron's parser (a start-up each)
+    train("gradient-accumulation fusion kept on by Apex's kernel (stand-in)",
+          lambda c: (write_standins(c.tmp / "standins", "apex_wgrad"), _base(c, "--hier-partition"))[1],
+          ["--no-gradient-accumulation-fusion", "main_grad"],
+          env={"PYTHONPATH": "{tmp}/standins" + os.pathsep + str(REPO), "PYTHONDONTWRITEBYTECODE": "1"}),
+    train("--hier-collective-timeout-s too short for the NCCL verdict",
+          lambda c: _base(c, "--hier-partition", "--hier-collective-timeout-s", "20"),
+          ["--hier-collective-timeout-s 20", "at least 50"], env={"LBP_FAULT_STALL_WATCH": "1"}),
 ]
 
 CASES = PLAN + PREPROCESS + LAUNCHER + APPLY + PRETRAIN

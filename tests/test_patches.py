@@ -1,5 +1,7 @@
 """The patch set applies to the wheel's megatron/ (identical to core_v0.19.0's) and the patched path trains."""
 import hashlib
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -67,3 +69,41 @@ def test_patched_megatron_trains_with_hier_partition_and_unpatched_refuses(tree,
     assert "megatron-lbp hierarchy (lbp): W=2 P=2" in log and sorted(losses) == [1, 2, 3], why(log)
     code, log, _ = run_pretrain(1, args, env=hooks_off)
     assert code == 2 and "LBP_RUNTIME_HOOKS=0 but the Megatron-LM tree" in log and "is not patched" in log, why(log)
+
+
+PARSE_IN_PATCHED_TREE = """
+import json, sys
+import megatron_lbp  # the Python 3.11 shim, as the patch's import does
+from megatron.training import arguments
+assert arguments.__file__.startswith(sys.argv[1]), arguments.__file__
+base = ["prog"] + sys.argv[2:]
+sys.argv = list(base)
+args = arguments.parse_args()  # what Megatron-LM's pretrain_gpt.py reaches through pretrain()
+print(json.dumps({k: getattr(args, k) for k in ("transformer_impl", "gradient_accumulation_fusion",
+                                                 "distributed_backend", "masked_softmax_fusion")}))
+sys.argv = base + ["--hier-partition", "--cuda-graph-impl", "local"]
+try:
+    arguments.parse_args()
+except SystemExit as e:
+    print("exit", e.code)
+"""
+
+
+def test_patched_tree_parses_with_the_capability_resolved_flags(tree):
+    """A patched tree's own entry gets the same resolution as python -m megatron_lbp.pretrain_gpt:
+    the parse_args hook adds the flags this environment needs and refuses what cannot work."""
+    assert apply(tree).returncode == 0
+    r = subprocess.run([sys.executable, "-c", PARSE_IN_PATCHED_TREE, str(tree), "--num-layers", "2"],
+                       capture_output=True, text=True, timeout=600, cwd=tree,
+                       env={**os.environ, "PYTHONPATH": str(tree),
+                            "PYTHONWARNINGS": "ignore", "RANK": "0"})
+    out = r.stdout.splitlines()
+    added = [l for l in out if l.startswith("[megatron-lbp] adding ")]
+    assert any("--transformer-impl local" in l for l in added), r.stdout + r.stderr
+    parsed = json.loads(next(l for l in out if l.startswith("{")))
+    assert parsed == {"transformer_impl": "local", "gradient_accumulation_fusion": False,
+                      "distributed_backend": "gloo", "masked_softmax_fusion": False}, parsed
+    assert out[-1] == "exit 2", r.stdout + r.stderr
+    errors = [l for l in r.stderr.splitlines() if ": error: " in l]
+    assert len(errors) == 1 and errors[0].startswith(
+        "prog: error: --hier-partition cannot run CUDA graphs (--cuda-graph-impl local)"), r.stderr
