@@ -8,27 +8,23 @@ its first forward/backward (e.g. ``TypeError: 'NoneType' object is not callable`
 from TE layers without TE). :func:`resolve_training_argv` adds the flag that
 switches each such default off, one reason line per flag, on every device:
 
-=================================  ==================================================  ======================================
-flag added                         when                                                the megatron-core 0.19.2 code needing it
-=================================  ==================================================  ======================================
-``--transformer-impl local``       ``import transformer_engine`` (and its fp8 module)   extensions/transformer_engine.py
-                                   fails                                               (``HAVE_TE``); gpt_layer_specs.py
-``--no-gradient-accumulation-      ``import fused_weight_gradient_mlp_cuda`` (Apex)     tensor_parallel/layers.py: every
-fusion``                           fails                                               ColumnParallelLinear (GPT's output layer
-                                                                                       whatever ``--transformer-impl``)
-``--no-masked-softmax-fusion``     local layers and one of Megatron's softmax kernels  fusions/fused_softmax.py (local
-                                   (``scaled_{upper_triang_masked,masked,}softmax_     DotProductAttention)
-                                   cuda``) does not import
-``--no-rope-fusion``               RoPE and TE's ``apply_rotary_pos_emb`` does not     transformer_config.py refuses
-                                   import                                              ``apply_rope_fusion`` without it
-``--no-persist-layer-norm``        local layers normalised by torch (no Apex, or        transformer/torch_norm.py asserts
-                                   ``--normalization RMSNorm``)                        ``not persist_layer_norm``
-``--no-bias-{gelu,swiglu,dropout}  GPU run: ``import triton`` fails (torch.compile's   core/jit.py: ``jit_fuser = torch.compile``
--fusion``                          code generator); CPU run: always (torch.compile
-                                   would build C++ kernels in every rank at first use)
-``--distributed-backend gloo``,    CPU run only                                        (NCCL needs a GPU; CUDA initialisation)
-``--use-cpu-initialization``
-=================================  ==================================================  ======================================
+- ``--transformer-impl local``: ``import transformer_engine`` (and its fp8
+  module) fails (extensions/transformer_engine.py ``HAVE_TE``, gpt_layer_specs.py);
+- ``--no-gradient-accumulation-fusion``: ``import fused_weight_gradient_mlp_cuda``
+  (Apex) fails; every tensor_parallel ColumnParallelLinear needs it, and GPT's
+  output layer is one whatever ``--transformer-impl``;
+- ``--no-masked-softmax-fusion``: local layers, and one of Megatron's softmax
+  kernels ``scaled_{upper_triang_masked,masked,}softmax_cuda`` does not import
+  (fusions/fused_softmax.py, the local DotProductAttention);
+- ``--no-rope-fusion``: RoPE, and TE's ``apply_rotary_pos_emb`` does not import
+  (transformer_config.py refuses ``apply_rope_fusion`` without it);
+- ``--no-persist-layer-norm``: local layers normalised by torch (no Apex, or
+  ``--normalization RMSNorm``: transformer/torch_norm.py asserts it off);
+- ``--no-bias-{gelu,swiglu,dropout}-fusion``: Megatron compiles them with
+  torch.compile (core/jit.py): on a GPU run when ``import triton`` (its code
+  generator) fails; on a CPU run always (it would build C++ kernels in every
+  rank at first use);
+- ``--distributed-backend gloo --use-cpu-initialization``: CPU runs only.
 
 A flag the user gives explicitly is kept when it can work and refused with one
 line (:class:`CapabilityError`) when it cannot: ``--transformer-impl
@@ -101,10 +97,11 @@ def _has(module: str, attr: str) -> Callable[[], object]:
 
 def _te_rope() -> object:
     # TE >= 2.3 moved it; megatron/core/extensions/transformer_engine.py tries the same two homes.
+    attention = "transformer_engine.pytorch.attention"
     try:
-        return importlib.import_module("transformer_engine.pytorch.attention.rope").apply_rotary_pos_emb
+        return importlib.import_module(attention + ".rope").apply_rotary_pos_emb
     except (ImportError, AttributeError):
-        return importlib.import_module("transformer_engine.pytorch.attention").apply_rotary_pos_emb
+        return importlib.import_module(attention).apply_rotary_pos_emb
 
 
 @dataclass(frozen=True)
@@ -264,7 +261,7 @@ def _as_given(argv: Sequence[str], option: str) -> str:
 
 
 def refuse_unservable(argv: Sequence[str]) -> None:
-    """Under --hier-partition: one CapabilityError line for the first flag the engine cannot serve."""
+    """Under --hier-partition: a CapabilityError for the first flag the engine cannot serve."""
     if not given(argv, "--hier-partition"):
         return
     for option, value in _options(argv):
@@ -363,8 +360,8 @@ def _bias_fusions(argv, env: Environment, add) -> None:
     if not missing:
         return
     if env.device == "cpu":
-        add(missing, f"{_cpu_run()}: Megatron compiles these with torch.compile (core/jit.py), which "
-            "on a CPU builds C++ kernels in every rank at their first use")
+        add(missing, f"{_cpu_run()}: Megatron compiles these with torch.compile (core/jit.py), "
+            "which on a CPU builds C++ kernels in every rank at their first use")
     elif env.triton:
         add(missing, "Triton, torch.compile's GPU code generator that Megatron's bias fusions "
             f"use (core/jit.py), is not importable ({env.triton})")
@@ -397,7 +394,8 @@ def _cpu_only(argv, env: Environment, add) -> None:
     backend = flag_value(argv, "--distributed-backend")
     if backend == "nccl":
         raise CapabilityError("--distributed-backend nccl needs a GPU, and this is a CPU run "
-                              f"({env.torch_build}): use --distributed-backend gloo, or run on GPUs")
+                              f"({env.torch_build}): use --distributed-backend gloo, or run on "
+                              "GPUs")
     if backend is None:
         flags += ["--distributed-backend", "gloo"]
     if not given(argv, "--use-cpu-initialization"):
