@@ -228,10 +228,10 @@ def _cuda_graph(option: str, value: str | None) -> bool:
             and not (value is not None and value.strip().lower() == "none"))
 
 
-def _conflicting_wrapper(option: str) -> str:
-    from megatron_lbp.megatron_adapter import conflicting_flag_message
-
-    return conflicting_flag_message(option.split()[0])
+def conflicting_flag_message(flag: str) -> str:
+    """Also megatron_adapter.check_megatron_args' message for the parsed flag."""
+    return (f"--hier-partition cannot be combined with {flag}: both replace Megatron's "
+            "data-parallel wrapper; drop one of them")
 
 
 UNSERVABLE = (
@@ -249,7 +249,7 @@ UNSERVABLE = (
                           "--hier-partition the engine overlaps its own weight gathers and "
                           "gradient reduce-scatters (--hier-overlap, on by default); drop it")),
     Unservable(lambda o, v: o in ("--use-torch-fsdp2", "--use-megatron-fsdp"),
-               _conflicting_wrapper),
+               lambda o: conflicting_flag_message(o.split()[0])),
 )
 
 

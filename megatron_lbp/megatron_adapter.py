@@ -9,6 +9,7 @@ from typing import Any, Iterable
 
 import torch
 
+from megatron_lbp.capabilities import conflicting_flag_message
 from megatron_lbp.config import EngineOptions
 
 # Megatron flags that pick another data-parallel implementation.
@@ -17,11 +18,6 @@ CONFLICTING_FLAGS = (
     ("use_torch_fsdp2", "--use-torch-fsdp2"),
     ("use_custom_fsdp", "--use-custom-fsdp"),
 )
-
-
-def conflicting_flag_message(flag: str) -> str:
-    return (f"--hier-partition cannot be combined with {flag}: both replace Megatron's "
-            "data-parallel wrapper; drop one of them")
 
 
 def check_megatron_args(args: Any) -> None:

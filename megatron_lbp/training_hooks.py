@@ -54,6 +54,8 @@ def resolve_flags() -> None:
     import sys
 
     from megatron_lbp import capabilities
+
+    capabilities.refuse_unservable(sys.argv[1:])  # the argv alone: no torch import to refuse
     from megatron_lbp.engine import faults
 
     device = "gpu" if compat.accelerator_present() else "cpu"

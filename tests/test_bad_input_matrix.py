@@ -361,18 +361,19 @@ PRETRAIN = [
           ["global_batch_size"], env=FOUR_RANKS_ONE_NODE),
     train("unpatched Megatron with LBP_RUNTIME_HOOKS=0", lambda c: _base(c, "--hier-partition"),
           ["LBP_RUNTIME_HOOKS=0", "is not patched"], env={"LBP_RUNTIME_HOOKS": "0"}),
-    # what this environment or the engine cannot serve: refused by megatron_lbp.capabilities
-    # before Megatron is imported (a few seconds a row; every form: tests/test_capabilities.py)
+    # what the engine cannot serve: refused by megatron_lbp.capabilities from the argument list
+    # alone, before torch or Megatron is imported (a fraction of a second a row)
     *[train(" ".join(flags), lambda c, f=flags: _base(c, "--hier-partition", *f), needles,
-            slow=slow) for flags, needles, slow in [
-        (["--cuda-graph-impl", "local"], ["--cuda-graph-impl local", "CUDA graphs"], False),
-        (["--enable-cuda-graph"], ["--enable-cuda-graph", "CUDA graphs"], True),
-        (["--external-cuda-graph"], ["--external-cuda-graph", "CUDA graphs"], True),
-        (["--fp8-param-gather"], ["--fp8-param-gather", "fp8 parameters"], False),
-        (["--overlap-grad-reduce"], ["--overlap-grad-reduce", "--hier-overlap"], False),
-        (["--overlap-param-gather"], ["--overlap-param-gather", "--hier-overlap"], True),
-        (["--use-torch-fsdp2"], ["--use-torch-fsdp2"], False),
-        (["--use-megatron-fsdp"], ["--use-megatron-fsdp"], True)]],
+            slow=False) for flags, needles in [
+        (["--cuda-graph-impl", "local"], ["--cuda-graph-impl local", "CUDA graphs"]),
+        (["--enable-cuda-graph"], ["--enable-cuda-graph", "CUDA graphs"]),
+        (["--external-cuda-graph"], ["--external-cuda-graph", "CUDA graphs"]),
+        (["--fp8-param-gather"], ["--fp8-param-gather", "fp8 parameters"]),
+        (["--overlap-grad-reduce"], ["--overlap-grad-reduce", "--hier-overlap"]),
+        (["--overlap-param-gather"], ["--overlap-param-gather", "--hier-overlap"]),
+        (["--use-torch-fsdp2"], ["--use-torch-fsdp2"]),
+        (["--use-megatron-fsdp"], ["--use-megatron-fsdp"])]],
+    # what this environment cannot serve (after torch is imported, before Megatron)
     train("--transformer-impl transformer_engine without Transformer Engine",
           lambda c: _base(c, "--transformer-impl", "transformer_engine"),
           ["--transformer-impl transformer_engine", "Transformer Engine"], slow=False),
