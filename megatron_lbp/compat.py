@@ -61,6 +61,10 @@ Two independent parts, both applied by :func:`enable` (idempotent):
      ``empty_cache``, ``memory_stats``): report 0 / empty, since Megatron prints
      them in its iteration log; megatron-lbp reports its own per-state bytes.
    - ``torch.cuda.nvtx`` range push/pop: no-ops (core/utils.py nvtx decorators).
+   - ``torch.compile`` of a plain function defers its Dynamo/Inductor set-up to
+     the first call (``_defer_torch_compile``): megatron-core's fusion kernels
+     are decorated at import, which otherwise imports Inductor in every rank
+     for kernels a CPU run never calls.
 
 3. megatron.training (``enable_training``, called by the training entry point
    after ``enable``):
@@ -278,6 +282,7 @@ def _activate_cpu_runtime() -> None:
     cuda.random.get_rng_state = cuda.get_rng_state
     cuda.random.set_rng_state = cuda.set_rng_state
 
+    _defer_torch_compile(torch)
     from megatron.core.tensor_parallel import random as mcore_random
 
     mcore_random._get_cuda_rng_state = (
@@ -292,6 +297,44 @@ def _activate_cpu_runtime() -> None:
         "megatron-lbp: no accelerator found; CPU runtime for megatron-core is active "
         "(CUDA device/RNG/stream calls mapped to CPU, see megatron_lbp/compat.py)"
     )
+
+
+def _defer_torch_compile(torch) -> None:
+    """``torch.compile(fn)`` on a function sets up Dynamo and Inductor when first called, not before.
+
+    megatron-core decorates its fusion kernels with ``torch.compile`` at import
+    (core/jit.py ``jit_fuser``: fusions/fused_bias_geglu.py, fused_bias_gelu.py,
+    ...), and that call alone imports torch._dynamo and torch._inductor: 1.3 s of
+    CPU per process, x8 ranks per launch, for kernels that a CPU run never calls
+    (its flags turn the fusions off). Deferring it changes nothing else: the real
+    ``torch.compile`` runs, with the same arguments, on the first call. Modules
+    and anything that is not a plain function are compiled at once as before.
+    """
+    import functools
+    import types
+
+    real = torch.compile
+    if getattr(real, "__lbp_wrapped__", False):
+        return
+
+    def compile_when_called(model=None, **kwargs):
+        if model is None:  # used as @torch.compile(mode=...)
+            return lambda fn: compile_when_called(fn, **kwargs)
+        if not isinstance(model, types.FunctionType):
+            return real(model, **kwargs)
+        compiled = None
+
+        @functools.wraps(model)
+        def call(*args, **kw):
+            nonlocal compiled
+            if compiled is None:
+                compiled = real(model, **kwargs)
+            return compiled(*args, **kw)
+
+        return call
+
+    compile_when_called.__lbp_wrapped__ = True
+    torch.compile = compile_when_called
 
 
 def enable_training() -> None:
