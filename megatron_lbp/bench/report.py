@@ -45,9 +45,9 @@ BENCH = [sys.executable, "-m", "megatron_lbp.bench"]
 DEFAULT_TIMEOUT_S = 3600.0
 STDERR_TAIL = 2000
 
-# overhead.measure trains 2 micro-batches per step with P=2 and G=W (its argv);
-# the plan run for its configuration has to match to explain its step time.
-OVERHEAD_MICRO_BATCHES = 2
+# The plan run for the overhead run's lbp configuration (P=2, G=W, its micro-batches
+# and bucket size, read from its JSON) explains lbp's extra collectives.
+OVERHEAD_MICRO_BATCHES = 2   # runs from before the overhead JSON carried its own
 OVERHEAD_DEFAULTS = {"ranks": 8, "hidden": 128, "layers": 4, "seq": 128}
 QUICK_TRAFFIC = ["--ranks", "8", "--gpus-per-node", "4", "--schemes", "lbp,zeropp,zero3"]
 QUICK_OVERHEAD = ["--ranks", "4", "--runs", "1", "--steps", "1", "--hidden", "32",
@@ -64,7 +64,7 @@ def section_commands(quick: bool) -> dict[str, dict[str, list[str]]]:
                     + traffic for k in (1, 4)},
         "project": {"project": BENCH + ["project", "--json"]},
         "overhead": {"overhead": BENCH + ["overhead", "--json"]
-                     + (QUICK_OVERHEAD if quick else [])},
+                     + (QUICK_OVERHEAD if quick else ["--profile"])},
         "network": {"network": BENCH + ["network", "--json"] + (QUICK_NETWORK if quick else [])},
     }
 
@@ -75,7 +75,9 @@ def overhead_plan_argv(overhead: dict[str, Any]) -> list[str]:
     return [sys.executable, "-m", "megatron_lbp.plan", "--world-size", str(overhead["ranks"]),
             "--gpus-per-node", str(overhead["ranks"]), "--num-layers", str(m["layers"]),
             "--hidden-size", str(m["hidden"]), "--vocab-size", str(m["vocab"]),
-            "--seq-length", str(m["seq"]), "--micro-batches", str(OVERHEAD_MICRO_BATCHES),
+            "--seq-length", str(m["seq"]),
+            "--micro-batches", str(overhead.get("micro_batches", OVERHEAD_MICRO_BATCHES)),
+            *(["--bucket-size", str(overhead["bucket_size"])] if "bucket_size" in overhead else []),
             "--params-dtype", "fp32", "--grad-dtype", "fp32", "--preset", "lbp",
             "--hier-param-group-size", "2", "--hier-grad-group-size", str(overhead["ranks"]),
             "--json"]

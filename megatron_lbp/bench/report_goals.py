@@ -13,6 +13,9 @@ BYTES_VS_ZERO3 = 1 / 8
 BYTES_VS_ZEROPP = 1 / 3
 SPEEDUP_TARGETS = {"zeropp": 1.5, "zero3": 2.0, "megatron-fsdp": 2.0}
 OVERHEAD_TARGET = 1.15
+# Like against like on one node (bench overhead's pairs): the engine's presets
+# against the stock schemes that shard the same way.
+PAIR_TARGETS = {"zero2/megatron-distopt": 1.05, "zero3/megatron-fsdp": 1.0}
 CALIBRATION_TOLERANCE = 0.20
 
 
@@ -201,6 +204,53 @@ def overhead_reason(runs, ov) -> str:
                    f"gloo collective's copies and waits take the cores the compute runs on")
 
 
+def pair_goals(runs) -> list[dict[str, Any]]:
+    ov = result(runs, "overhead")
+    goals = []
+    for key, target in PAIR_TARGETS.items():
+        a, b = key.split("/")
+        gid = f"overhead_{a}"
+        goal = (f"step time on one unshaped node, same model and buckets: {a} ≤ {target:g}x "
+                f"{b}")
+        pair = ((ov or {}).get("pairs") or {}).get(key)
+        if not pair:
+            goals.append(_goal(gid, goal, "not measured", "—", None,
+                               why_not(runs, "overhead") or f"no {key} pair in the overhead run"))
+            continue
+        v = pair["ratio"]
+        m = ov["median_step_s"]
+        ok = v <= target
+        measured = (f"{v:.3f}x ({m[a]:.3f} s vs {m[b]:.3f} s per step; buckets {a} "
+                    f"{pair['buckets'][a]}, {b} {pair['buckets'][b]})")
+        goals.append(_goal(gid, goal, "met" if ok else "missed", measured, v,
+                           "" if ok else pair_reason(ov, key, pair)))
+    return goals
+
+
+def pair_reason(ov, key: str, pair) -> str:
+    """Why A is slower than B: the run's own figures, and its profile where it has one."""
+    a, b = pair["a"], pair["b"]
+    m = ov["median_step_s"]
+    text = (f"{a} takes {m[a] - m[b]:+.3f} s per step more than {b} (median of the same-round "
+            f"ratios {pair['median_paired_ratio']:.3f}); {a} issues its collectives over "
+            f"{pair['buckets'][a]} buckets, {b} over {pair['buckets'][b]}")
+    prof = ov.get("profiles") or {}
+    if a in prof and b in prof:
+        ba, bb = prof[a]["breakdown_s_per_step"], prof[b]["breakdown_s_per_step"]
+        cats = [c for c in ba if c != "total"]
+        worst = sorted(cats, key=lambda c: ba[c] - bb[c], reverse=True)[:2]
+        text += (". Profiled (cProfile, rank 0, bench overhead --profile): " + ", ".join(
+            f"{c} {ba[c]:.4f} vs {bb[c]:.4f} s/step" for c in worst))
+        engine = prof[a].get("engine_cumulative") or []
+        if engine:
+            top = engine[0]
+            text += (f"; the engine's costliest call is {top['function']} "
+                     f"({top['s_per_step'] / ba['total']:.0%} of {a}'s profiled step)")
+    if ov.get("load_warning"):
+        text += f" (the command warns: {ov['load_warning']})"
+    return text
+
+
 def projection_key(proj, model: str = "20B") -> tuple[str, str] | None:
     """('20B lbp/zeropp TFLOPS at 384', '384') for the largest GCD count in the result."""
     if not proj or model not in proj["results"] or "lbp" not in proj["results"][model]:
@@ -245,7 +295,7 @@ def projection_goal(runs) -> dict[str, Any]:
 
 def goals(runs) -> list[dict[str, Any]]:
     return [*traffic_goals(runs), *network_goals(runs), overhead_goal(runs),
-            projection_goal(runs)]
+            *pair_goals(runs), projection_goal(runs)]
 
 
 def headline(runs, goal_list) -> list[dict[str, Any]]:
@@ -274,6 +324,13 @@ def headline(runs, goal_list) -> list[dict[str, Any]]:
         lines.append({"id": "overhead", "values": [by_id["overhead"]["value"]],
                       "text": f"Overhead vs stock Megatron distributed optimizer on one unshaped "
                               f"CPU node: {by_id['overhead']['value']:.3f}x step time"})
+    names = {"overhead_zero2": "zero2 / Megatron distributed optimizer",
+             "overhead_zero3": "zero3 / Megatron-FSDP"}
+    pairs = [(names[gid], by_id[gid]["value"]) for gid in names if by_id[gid]["value"] is not None]
+    if pairs:
+        lines.append({"id": "overhead_pairs", "values": [v for _, v in pairs],
+                      "text": "Like against like on one unshaped CPU node, step time: " + ", ".join(
+                          f"{name} {v:.3f}x" for name, v in pairs)})
     if by_id["projection"]["value"] is not None:
         lines.append({"id": "projection", "values": [by_id["projection"]["value"]],
                       "text": f"Projection, 20B at 384 GCDs: lbp / zeropp TFLOPS per GCD "

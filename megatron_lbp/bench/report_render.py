@@ -146,16 +146,40 @@ def overhead_section(report) -> list[str]:
         return lines + [missing, ""]
     ov = result(runs, "overhead")
     m = ov["model"]
+    buckets = ov.get("buckets", {})
     lines += [f"Command: {_provenance(runs['overhead'])}", "",
               f"{ov['ranks']} gloo ranks on this machine ({ov['machine']['cpus']} usable cores), "
               f"GPT {m['layers']} layers, hidden {m['hidden']}, sequence {m['seq']}, vocabulary "
-              f"{m['vocab']}; {ov['runs']} alternating run(s) per scheme x "
-              f"{ov['steps_timed_per_run']} timed step(s); medians.", "",
-              "| scheme | median step (s) | run medians (s) |", "|---|---:|---|"]
+              f"{m['vocab']}; {ov['runs']} run(s) x {ov['steps_timed_per_run']} timed round(s), "
+              f"every scheme stepped in turn in each round"
+              + (f"; bucket size {ov['bucket_size']:,} elements for every scheme, "
+                 f"{ov['micro_batches']} micro-batch(es) per step" if "bucket_size" in ov else "")
+              + (f"; load average {ov['loadavg_start'][0]:.1f} at the start, "
+                 f"{ov['loadavg_end'][0]:.1f} at the end" if "loadavg_start" in ov else "")
+              + "; medians.", "",
+              *([f"WARNING: {ov['load_warning']}", ""] if ov.get("load_warning") else []),
+              "| scheme | median step (s) | run medians (s) | buckets |", "|---|---:|---|---:|"]
     for scheme, t in ov["median_step_s"].items():
         runs_s = ", ".join(f"{x:.3f}" for x in ov["run_medians_s"][scheme])
-        lines.append(f"| {scheme} | {t:.3f} | {runs_s} |")
+        lines.append(f"| {scheme} | {t:.3f} | {runs_s} | {buckets.get(scheme, '—')} |")
+    if ov.get("pairs"):
+        lines += ["", "| pair (A / B) | A / B median step | median of same-round A / B | "
+                  "largest loss difference | measures |", "|---|---:|---:|---:|---|"]
+        for key, p in ov["pairs"].items():
+            lines.append(f"| {key} | **{p['ratio']:.3f}** | {p['median_paired_ratio']:.3f} | "
+                         f"{p['max_loss_difference']:.1e} | {p['measures']} |")
     lines += ["", f"Ratio lbp / stock: **{ov['ratio_lbp_over_stock']:.3f}**", ""]
+    if ov.get("profiles"):
+        from megatron_lbp.bench.overhead_profile import CATEGORIES
+
+        schemes = list(ov["profiles"])
+        lines += ["Where a step's time goes (cProfile of rank 0 in a run of its own, seconds per "
+                  "step; profiled steps run slower than the timed ones):", "",
+                  "| | " + " | ".join(schemes) + " |", "|---|" + "---:|" * len(schemes)]
+        for c in (*CATEGORIES, "total"):
+            lines.append(f"| {c} | " + " | ".join(
+                f"{ov['profiles'][s]['breakdown_s_per_step'][c]:.4f}" for s in schemes) + " |")
+        lines.append("")
     plan = runs.get("overhead_plan", {})
     if plan.get("status") == "ok":
         lines += [f"Where the time goes is read from the plan for the same configuration: "
