@@ -78,6 +78,10 @@ Two independent parts, both applied by :func:`enable` (idempotent):
    - CPU runtime only: training/initialize.py ``initialize_megatron`` asserts CUDA unless
      ``allow_no_cuda=True`` (its own documented switch "for cpu only"); the
      reference that training/training.py's ``pretrain`` calls passes it.
+   - CPU runtime only: ``pretrain``'s JIT warm-up (``set_jit_fusion_options``)
+     compiles bias+gelu and bias+dropout+add with Inductor in every rank even when
+     the flags turn those fusions off; it is skipped when the model calls none
+     of the warmed kernels (``_skip_unused_jit_warmup``).
 """
 from __future__ import annotations
 
@@ -358,6 +362,34 @@ def enable_training() -> None:
     initialize_megatron.__lbp_wrapped__ = True
     training.initialize_megatron = initialize_megatron
     initialize.initialize_megatron = initialize_megatron
+    training.set_jit_fusion_options = _skip_unused_jit_warmup(training.set_jit_fusion_options)
+
+
+def _skip_unused_jit_warmup(orig):
+    """``pretrain``'s JIT warm-up, skipped when the model will call none of the warmed kernels.
+
+    ``set_jit_fusion_options`` runs bias+gelu (or bias+swiglu) and bias+dropout+add
+    five times each so that torch.compile has compiled them before step 1. On
+    CPU that is Dynamo and Inductor compiling two kernels in every rank (~4 s of
+    CPU per rank per launch, measured with cProfile), and a CPU run turns both
+    fusions off (pretrain_gpt.CPU_FLAGS), so the compiled kernels are never
+    called. With any of those fusions on, the warm-up runs as before.
+    """
+    import functools
+
+    @functools.wraps(orig)
+    def set_jit_fusion_options(*args, **kwargs):
+        from megatron.training import get_args
+
+        a = get_args()
+        # The kernels it warms up, each with the flag under which the model calls it.
+        used = ((a.swiglu and a.bias_swiglu_fusion) or (not a.swiglu and a.bias_gelu_fusion)
+                or a.bias_dropout_fusion)
+        if used:
+            return orig(*args, **kwargs)
+        return None
+
+    return set_jit_fusion_options
 
 
 def _skip_helper_build_if_prebuilt() -> None:

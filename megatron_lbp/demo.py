@@ -9,8 +9,9 @@
    (``--hier-gpus-per-node 4``), lbp preset, and saves a distributed checkpoint;
 3. trains the same model on the same data with the same seed through stock
    Megatron (DDP + distributed optimizer): the yardstick for the loss;
-4. runs the zero3 and zeropp presets for a few iterations on the same ranks, for
-   their bytes per link class (``--hier-comm-report``);
+4. counts the bytes per link class of one optimizer step of the same model on
+   the same ranks under the zero3 and zeropp presets (megatron_lbp.demo_bytes:
+   one multi-rank job; its lbp count must equal the lbp run's own report);
 5. writes ``summary.json`` and ``loss_curve.png`` (both losses overlaid with their
    difference; bytes per rank per step on each link class, lbp beside zero3 and
    zeropp) and prints the summary: loss start and end, the largest loss
@@ -27,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -36,18 +39,14 @@ from megatron_lbp.demo_runs import MODEL, RunResult, RunSpec
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_ITERS = 100
-PRESET_ITERS = 2               # bytes per step are the same every step; the last is read
 PRESETS = ("zero3", "zeropp")
 
 
-def plan(iters: int, preset_iters: int, bf16: bool) -> list[RunSpec]:
+def plan(iters: int) -> list[RunSpec]:
     lbp = RunSpec("lbp", "lbp (hierarchy)", iters, ("--hier-partition", "--hier-preset", "lbp"),
                   comm_report=True, save=True)
     stock = RunSpec("stock", "stock Megatron distopt", iters, ("--use-distributed-optimizer",))
-    presets = [RunSpec(p, f"{p} (bytes only)", preset_iters,
-                       ("--hier-partition", "--hier-preset", p, *preset_extra(p, bf16)),
-                       comm_report=True) for p in PRESETS]
-    return [lbp, stock, *presets]
+    return [lbp, stock]
 
 
 def preset_extra(preset: str, bf16: bool) -> tuple[str, ...]:
@@ -77,6 +76,21 @@ def last_report(run: RunResult) -> dict:
     return json.loads(lines[-1])
 
 
+def count_preset_bytes(args, bf16: bool, lbp: RunResult) -> tuple[dict[str, dict], float]:
+    """Each preset's bytes per rank per step (demo_bytes), checked against the lbp run's own;
+    and the CPU seconds its ranks used."""
+    from megatron_lbp import demo_bytes
+
+    counted, cpu_s = demo_bytes.measure({p: preset_extra(p, bf16) for p in ("lbp", *PRESETS)},
+                                        args.ranks, args.gpus_per_node, bf16)
+    own = last_report(lbp)["traffic_bytes"]
+    if counted["lbp"] != own:
+        raise RuntimeError(f"the byte count's lbp step sent {counted['lbp']}, the lbp run reported "
+                           f"{own}: they do not count the same model, so the presets' rows would "
+                           f"not compare")
+    return counted, cpu_s
+
+
 def max_difference(a: dict[int, float], b: dict[int, float]) -> dict:
     common = sorted(set(a) & set(b))
     if not common:
@@ -94,8 +108,8 @@ def seconds_per_step(run: RunResult) -> float:
     return sum(r["ms"] for r in steady) / len(steady) / 1000.0
 
 
-def summarize(job_dir: Path, runs: dict[str, RunResult], args, bf16: bool, dtype_line: str,
-              timings: dict[str, float]) -> dict:
+def summarize(job_dir: Path, runs: dict[str, RunResult], preset_bytes: dict, args, bf16: bool,
+              dtype_line: str, timings: dict[str, float]) -> dict:
     """summary.json's content: lbp's losses and bytes, the comparison with stock and presets."""
     lbp, stock = runs["lbp"], runs["stock"]
     for run in (lbp, stock):
@@ -124,8 +138,8 @@ def summarize(job_dir: Path, runs: dict[str, RunResult], args, bf16: bool, dtype
         "bytes_sent_per_rank_per_step": report["traffic_bytes"],
         "bytes_by_phase": report["traffic_by_phase"],
         "bytes_held_per_rank": report["memory_bytes"],
-        "bytes_sent_per_rank_per_step_by_scheme": {
-            name: last_report(runs[name])["traffic_bytes"] for name in ("lbp", *PRESETS)},
+        "bytes_sent_per_rank_per_step_by_scheme": {"lbp": report["traffic_bytes"],
+                                                   **{p: preset_bytes[p] for p in PRESETS}},
         "preset_extra_args": {name: list(preset_extra(name, bf16)) for name in PRESETS},
         "timings_s": timings,
         "checkpoint": str(job_dir / "checkpoint"),
@@ -150,7 +164,8 @@ def draw(summary: dict, runs: dict[str, RunResult], path: Path) -> None:
                f"{summary['ranks_per_node'] // 2} packages x 2 GCDs, {summary['dtype']}"),
         note=(f"largest |lbp - stock| loss difference over {d['iterations_compared']} iterations: "
               f"{d['value']:.2e} (iteration {d['iteration']}, {d['relative']:.1e} relative); "
-              f"bytes from each run's last optimizer step"))
+              f"bytes: lbp from its run's last step (--hier-comm-report), zero3 and zeropp "
+              f"from one step of the same model on the same ranks"))
 
 
 def render(summary: dict, job_dir: Path) -> str:
@@ -176,6 +191,9 @@ def render(summary: dict, job_dir: Path) -> str:
         f"grad {kb(m['grad'])}, optimizer {kb(m['optimizer'])}, "
         f"peak transient {kb(m['peak_transient'])}",
         "  wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in times.items()),
+        "  CPU time: " + ", ".join(f"{k} {v:.0f} s" for k, v in summary["cpu_s"].items())
+        + f" ({summary['cpus']} cores; 1-minute load average {summary['loadavg_start'][0]:.1f} at "
+          f"the start, {summary['loadavg_end'][0]:.1f} at the end)",
         f"  checkpoint {summary['checkpoint']}",
         f"  loss curve {job_dir / 'loss_curve.png'}",
     ])
@@ -186,13 +204,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"python -m megatron_lbp.demo: error: {message}\n")
 
 
+def _self_cpu_s() -> float:
+    """CPU seconds of this process and its finished children (the data build may fork)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime + demo_runs.children_cpu_s()
+
+
 def parse(argv):
     p = _Parser(prog="python -m megatron_lbp.demo", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=DEFAULT_ITERS,
                    help=f"iterations of the lbp and the stock run (default {DEFAULT_ITERS})")
-    p.add_argument("--preset-iters", type=int, default=PRESET_ITERS,
-                   help=f"iterations of each of {', '.join(PRESETS)} (default {PRESET_ITERS})")
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--gpus-per-node", type=int, default=4,
                    help="ranks per emulated node (default 4: 8 ranks = 2 nodes)")
@@ -207,7 +229,7 @@ def parse(argv):
                    help="first rendezvous port, one more per launch (default: torchrun "
                         "--standalone picks free ones)")
     args = p.parse_args(argv)
-    for flag in ("iters", "preset_iters", "ranks", "gpus_per_node", "log_interval"):
+    for flag in ("iters", "ranks", "gpus_per_node", "log_interval"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
     if args.gpus_per_node % 2:
@@ -226,21 +248,25 @@ def main(argv=None) -> int:
 
     bf16, dtype_line = choose_dtype(args.bf16, args.fp32, native_bf16())
     t_job = time.perf_counter()
+    load_start = os.getloadavg()
     timings: dict[str, float] = {}
+    cpu: dict[str, float] = {}      # CPU seconds of each part: what a quiet machine waits for
 
     from megatron_lbp.data import build_demo_data
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _self_cpu_s()
     data_prefix = build_demo_data(args.data_dir)
     timings["data"] = time.perf_counter() - t0
+    cpu["data"] = _self_cpu_s() - cpu0
     job_dir = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
     job_dir.mkdir(parents=True, exist_ok=False)
     print(dtype_line, flush=True)
-    runs_plan = plan(args.iters, args.preset_iters, bf16)
+    runs_plan = plan(args.iters)
     progress = demo_runs.Progress(runs_plan)
     print(f"[main] {len(runs_plan)} launches of torchrun -m megatron_lbp.pretrain_gpt on "
           f"{args.ranks} ranks: " + "; ".join(f"{s.title}, {s.iters} iterations"
-                                               for s in runs_plan), flush=True)
+                                               for s in runs_plan)
+          + f"; then one step each of {', '.join(PRESETS)} for their bytes", flush=True)
     runs: dict[str, RunResult] = {}
     for index, spec in enumerate(runs_plan):
         run_dir = job_dir / spec.name
@@ -253,16 +279,27 @@ def main(argv=None) -> int:
               flush=True)
         code, runs[spec.name] = demo_runs.launch(index, spec, cmd, run_dir, progress)
         timings[spec.name] = runs[spec.name].wall_s
+        cpu[spec.name] = runs[spec.name].cpu_s
         if code:
             print(f"[main] the {spec.name} run failed with exit code {code}; full log: "
                   f"{run_dir / 'train.log'}", file=sys.stderr)
             return code
     t0 = time.perf_counter()
-    summary = summarize(job_dir, runs, args, bf16, dtype_line, timings)
+    print(f"[main] bytes per link class: one optimizer step of lbp, {', '.join(PRESETS)} on "
+          f"{args.ranks} ranks", flush=True)
+    preset_bytes, cpu["preset_bytes"] = count_preset_bytes(args, bf16, runs["lbp"])
+    timings["preset_bytes"] = time.perf_counter() - t0
+    t0, cpu0 = time.perf_counter(), _self_cpu_s()
+    summary = summarize(job_dir, runs, preset_bytes, args, bf16, dtype_line, timings)
     draw(summary, runs, job_dir / "loss_curve.png")
     timings["summary_and_plot"] = time.perf_counter() - t0
+    cpu["summary_and_plot"] = _self_cpu_s() - cpu0
     timings["total"] = time.perf_counter() - t_job
-    summary["timings_s"] = timings
+    cpu["total"] = sum(cpu.values())
+    summary["timings_s"], summary["cpu_s"] = timings, cpu
+    summary["cpus"] = len(os.sched_getaffinity(0))
+    summary["loadavg_start"] = list(load_start)
+    summary["loadavg_end"] = list(os.getloadavg())
     (job_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(render(summary, job_dir), flush=True)
     return 0

@@ -3,7 +3,7 @@
 Left: the loss of every iteration of both runs overlaid (top) and their
 difference lbp - stock (bottom), so equivalence is visible at two scales.
 Right: bytes each rank sent per optimizer step on each link class, lbp beside
-the zero3 and zeropp presets run on the same ranks and topology.
+the zero3 and zeropp presets on the same model, ranks and topology.
 """
 from __future__ import annotations
 
@@ -75,14 +75,14 @@ def draw(path: Path, losses: dict[str, dict[int, float]], bytes_per_scheme: dict
     ax_bytes.set_xticks(range(len(LINK_CLASS_ORDER)), [f"{c} link" for c in LINK_CLASS_ORDER])
     ax_bytes.set_ylim(0, top / 1e6 * 1.22)
     ax_bytes.set_ylabel("MB sent per rank per optimizer step")
-    ax_bytes.set_title("bytes per link class (engine ledger, --hier-comm-report)")
+    ax_bytes.set_title("bytes per link class, one optimizer step (engine ledger)")
     ax_bytes.legend(loc="upper left")
     net = {s: b["network"] for s, b in bytes_per_scheme.items()}
     if net.get("lbp"):
         ratios = [f"1/{net[s] / net['lbp']:.1f} of {s}" for s in net if s != "lbp" and net[s]]
         if ratios:
-            ax_bytes.text(0.98, 0.97, "lbp's network bytes:\n" + "\n".join(ratios),
-                          transform=ax_bytes.transAxes, ha="right", va="top", fontsize=9)
+            ax_bytes.text(0.03, 0.70, "lbp's network bytes:\n" + "\n".join(ratios),
+                          transform=ax_bytes.transAxes, ha="left", va="top", fontsize=9)
     ax_bytes.grid(axis="y", alpha=0.3)
 
     fig.suptitle(title, fontsize=11)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -46,6 +47,7 @@ class RunResult:
     spec: RunSpec
     dir: Path
     wall_s: float = 0.0
+    cpu_s: float = 0.0         # user + system CPU of the launch and all its ranks
     startup_s: float = 0.0     # launch to the first iteration line
     rows: list[dict] = field(default_factory=list)   # Megatron's interval lines
     losses: dict[int, float] = field(default_factory=dict)  # every iteration, full precision
@@ -83,6 +85,12 @@ def training_command(spec: RunSpec, *, ranks: int, gpus_per_node: int, data_pref
         cmd += ["--save", str(run_dir.parent / "checkpoint"), "--save-interval", str(spec.iters),
                 "--ckpt-format", "torch_dist"]
     return cmd
+
+
+def children_cpu_s() -> float:
+    """CPU seconds of every finished child process (torchrun counts its ranks in its own)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def parse_log(text: str) -> list[dict]:
@@ -124,9 +132,11 @@ class Progress:
         self.s_per_iter: float | None = None
 
     def remaining_after(self, index: int) -> float:
+        """The launches after ``index``, then the bytes step (taken as one more start-up)."""
         if self.launch_s is None or self.s_per_iter is None:
             return float("nan")
-        return sum(self.launch_s + s.iters * self.s_per_iter for s in self.plan[index + 1:])
+        return sum(self.launch_s + s.iters * self.s_per_iter
+                   for s in self.plan[index + 1:]) + self.launch_s
 
     def finished(self, result: "RunResult") -> None:
         """A launch's start-up and teardown (checkpoint, exit): its wall time less its iterations."""
@@ -157,7 +167,7 @@ def launch(index: int, spec: RunSpec, cmd: list[str], run_dir: Path, progress: P
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                LBP_LOSS_LOG=str(loss_log), **(env_extra or {}))
     (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), children_cpu_s()
     with open(run_dir / "train.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=env, cwd=REPO)
@@ -178,6 +188,7 @@ def launch(index: int, spec: RunSpec, cmd: list[str], run_dir: Path, progress: P
                 progress.show(line.rstrip())
         code = proc.wait()
     result.wall_s = time.perf_counter() - t0
+    result.cpu_s = children_cpu_s() - cpu0
     result.losses = read_loss_log(loss_log)
     progress.finished(result)
     return code, result

@@ -129,3 +129,49 @@ def test_python_311_shim_makes_megatron_training_importable():
     code = "import megatron_lbp, typing; import megatron.training.models.gpt; print(typing.override)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+_COMPILE_PROBE = """
+import sys, torch
+from megatron_lbp import compat
+compat.enable()
+import megatron.core, megatron.core.fusions.fused_bias_gelu  # decorates with torch.compile
+assert 'torch._inductor' not in sys.modules, 'Inductor imported by decorating alone'
+def f(x):
+    return x * 2 + 1
+g = torch.compile(f, backend='eager')
+assert g.__name__ == 'f' and torch.equal(g(torch.ones(3)), f(torch.ones(3)))
+assert 'torch._dynamo' in sys.modules, 'the first call did not compile'
+m = torch.compile(torch.nn.Linear(2, 2), backend='eager')
+assert type(m).__name__ == 'OptimizedModule', type(m)
+print('ok')
+"""
+
+
+def test_torch_compile_of_a_function_is_set_up_at_its_first_call():
+    out = subprocess.run([sys.executable, "-c", _COMPILE_PROBE], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("flags, warmed", [
+    (dict(swiglu=False, bias_gelu_fusion=False, bias_swiglu_fusion=True, bias_dropout_fusion=False),
+     False),
+    (dict(swiglu=False, bias_gelu_fusion=True, bias_swiglu_fusion=False, bias_dropout_fusion=False),
+     True),
+    (dict(swiglu=True, bias_gelu_fusion=False, bias_swiglu_fusion=True, bias_dropout_fusion=False),
+     True),
+    (dict(swiglu=False, bias_gelu_fusion=False, bias_swiglu_fusion=False, bias_dropout_fusion=True),
+     True),
+])
+def test_jit_warmup_runs_only_for_kernels_the_model_calls(monkeypatch, flags, warmed):
+    import types
+
+    import megatron.training
+
+    from megatron_lbp import compat
+
+    calls = []
+    monkeypatch.setattr(megatron.training, "get_args", lambda: types.SimpleNamespace(**flags))
+    compat._skip_unused_jit_warmup(lambda *a, **k: calls.append((a, k)))(tp_size=1)
+    assert calls == ([((), {"tp_size": 1})] if warmed else []), (flags, calls)

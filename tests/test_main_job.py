@@ -37,11 +37,14 @@ def png_size(path: Path) -> tuple[int, int]:
 FULL_LOSS = 6.0
 # fp32 on both sides, same data and seed: only the order of the gradient sums
 # differs (lbp reduces in the node, then across nodes), so the losses agree to
-# rounding; in bf16 the weights' rounding lets that grow to ~1e-2 by iteration 20.
+# rounding (4e-6 over 20 iterations). In bf16 a last-bit difference of an fp32
+# master weight can round its bf16 copy the other way, and the runs drift
+# apart by up to 5e-2 (0.9%) over the 100 iterations of the default job.
 FP32_LOSS_AGREEMENT = 1e-3
+BF16_LOSS_AGREEMENT = 0.1
 
 
-def check_run(stdout, run_dir, summary, iters, *, loss_below=None, agreement=None):
+def check_run(stdout, run_dir, summary, iters, log_interval, *, loss_below=None, agreement=None):
     assert summary["loss_start"] > 8.0, summary["loss_start"]
     assert summary["loss_end"] < summary["loss_start"] - 0.3, (
         f"loss {summary['loss_start']:.3f} -> {summary['loss_end']:.3f} did not fall")
@@ -72,12 +75,17 @@ def check_run(stdout, run_dir, summary, iters, *, loss_below=None, agreement=Non
     assert width >= 1000 and height >= 450, (width, height)
     assert (run_dir / "loss_curve.png").stat().st_size > 30_000
     assert (run_dir / "checkpoint" / "latest_checkpointed_iteration.txt").exists()
-    for name in ("lbp", "stock", "zero3", "zeropp"):
+    for name in ("lbp", "stock"):
         assert (run_dir / name / "train.log").exists(), name
-        assert f"{name}" in summary["timings_s"] and summary["timings_s"][name] > 0
+    for part in ("data", "lbp", "stock", "preset_bytes", "summary_and_plot", "total"):
+        assert summary["timings_s"][part] >= 0, (part, summary["timings_s"])
     # One progress line per logging interval, with the ETA.
-    assert "[main 1/4] lbp (hierarchy)" in stdout and "ETA" in stdout and "s/iteration" in stdout
-    assert "[main 2/4] stock Megatron distopt" in stdout
+    progress = [ln for ln in stdout.splitlines() if ln.startswith("[main 1/2] lbp (hierarchy)")
+                and "ETA" in ln]
+    # Megatron logs iteration 1, then every interval.
+    assert len(progress) == 1 + iters // log_interval, stdout
+    assert "s/iteration" in progress[-1] and f"iteration {iters:>4}/{iters}" in progress[-1]
+    assert any(ln.startswith("[main 2/2] stock Megatron distopt") for ln in stdout.splitlines())
 
 
 def test_main_job_reduced(tmp_path):
@@ -86,15 +94,15 @@ def test_main_job_reduced(tmp_path):
         tmp_path, "--ranks", "4", "--gpus-per-node", "2", "--iters", str(iters),
         "--log-interval", "3", "--fp32")
     assert summary["dtype"] == "fp32" and "[main] computing in fp32 (--fp32)" in stdout
-    check_run(stdout, run_dir, summary, iters, agreement=FP32_LOSS_AGREEMENT)
+    check_run(stdout, run_dir, summary, iters, 3, agreement=FP32_LOSS_AGREEMENT)
 
 
 @pytest.mark.slow
 def test_main_job_full(tmp_path):
     stdout, run_dir, summary = run_demo(tmp_path)
     iters = demo.DEFAULT_ITERS
-    agreement = FP32_LOSS_AGREEMENT if summary["dtype"] == "fp32" else 0.05
-    check_run(stdout, run_dir, summary, iters, loss_below=FULL_LOSS, agreement=agreement)
+    agreement = FP32_LOSS_AGREEMENT if summary["dtype"] == "fp32" else BF16_LOSS_AGREEMENT
+    check_run(stdout, run_dir, summary, iters, 10, loss_below=FULL_LOSS, agreement=agreement)
 
 
 # --- the dtype choice -------------------------------------------------------------------
