@@ -18,11 +18,14 @@ processes on the machine falls on all of them alike (ABAB...). Each step is
 timed on every rank between two barriers (rank 0's figures). A pair's ratio is
 A's median step over B's (medians over every round of every run); the median
 over rounds of A / B in the same round is given beside it. Every scheme uses
-the same bucket size (``--bucket-size``, default 40,000 elements: several
-buckets per transformer layer for the engine and for Megatron's DDP), and the
-bucket counts are reported; Megatron-FSDP makes each transformer layer one
-unit, gathered and reduced as one bucket whatever the size (the size applies
-to the parameters outside the layers). Every scheme overlaps communication
+the same bucket size (``--bucket-size``, default 70,000 elements), and the
+bucket counts are reported. The same size does not give the same buckets: the
+engine closes a bucket before it would exceed the size, Megatron's DDP once it
+has reached it, so at 70,000 the default model (4 layers of 198,272) has 13
+engine buckets (about 3 per layer) and 8 DDP buckets (about 2 per layer); at
+40,000, 26 and 13. Megatron-FSDP makes each transformer layer one unit,
+gathered and reduced as one bucket whatever the size (the size applies to the
+parameters outside the layers). Every scheme overlaps communication
 with compute as it does by default in training (Megatron's DDP needs
 ``overlap_grad_reduce`` for its buckets at all). With one micro-batch per step
 (default) both sides of a pair issue the same collectives per bucket; with
@@ -30,7 +33,7 @@ more, the engine reduce-scatters each micro-batch's gradient into its 1/G
 shard where Megatron accumulates the full gradient locally first.
 
     python -m megatron_lbp.bench overhead [--ranks 8] [--runs 3] [--steps 6] [--json]
-        [--bucket-size 40000] [--micro-batches 1] [--profile]
+        [--bucket-size 70000] [--micro-batches 1] [--profile]
 
 ``--profile`` adds one run, not timed, with cProfile on rank 0 around each
 scheme's steps, and reports for each pair the seconds per step by where they
@@ -50,7 +53,7 @@ import time
 from typing import Any
 
 WARMUP_STEPS = 2
-DEFAULT_BUCKET_SIZE = 40_000
+DEFAULT_BUCKET_SIZE = 70_000
 STOCK = "megatron-distopt"
 FSDP = "megatron-fsdp"
 # (A, B, what the pair measures)

@@ -67,8 +67,10 @@ def summarize(profile, steps: int) -> dict[str, Any]:
 
     engine = [(k, v) for k, v in stats.items()
               if "/megatron_lbp/engine/" in k[0].replace("\\", "/")]
+    compute = [(k, v) for k, v in stats.items() if category(k) == "torch compute"]
     return {"steps": steps, "breakdown_s_per_step": breakdown,
-            "top_self": rows(stats.items(), 2), "engine_cumulative": rows(engine, 3)}
+            "top_self": rows(stats.items(), 2), "top_compute": rows(compute, 2),
+            "engine_cumulative": rows(engine, 3)}
 
 
 def render(profiles: dict[str, dict], pairs: dict[str, dict]) -> str:
@@ -88,9 +90,11 @@ def render(profiles: dict[str, dict], pairs: dict[str, dict]) -> str:
         for c in (*CATEGORIES, "total"):
             lines.append(f"  {c:<24}{ba[c]:>10.4f}{bb[c]:>18.4f}{ba[c] - bb[c]:>+12.4f}")
         for side in (a, b):
-            lines.append(f"  {side}: top functions by self time (s/step, calls/step)")
-            lines += [f"    {r['s_per_step']:>8.4f} {r['calls_per_step']:>7.1f}  {r['function']}"
-                      for r in profiles[side]["top_self"]]
+            for key_, what in (("top_self", "top functions by self time"),
+                               ("top_compute", "top torch compute calls")):
+                lines.append(f"  {side}: {what} (s/step, calls/step)")
+                lines += [f"    {r['s_per_step']:>8.4f} {r['calls_per_step']:>7.1f}  "
+                          f"{r['function']}" for r in profiles[side].get(key_, [])]
         total = ba["total"]
         lines.append(f"  {a}: engine functions by cumulative time (s/step, share of the step)")
         lines += [f"    {r['s_per_step']:>8.4f} {r['s_per_step'] / total:>6.1%}  {r['function']}"
