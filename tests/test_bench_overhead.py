@@ -1,6 +1,6 @@
 """bench overhead: every pair's figures follow from the step times it reports (never a wall-time assert).
 
-One small run (4 ranks, a 2-layer GPT with buckets small enough for several
+One small run (2 ranks, a 2-layer GPT with buckets small enough for several
 per layer) with ``--profile``: the pairs' ratios are recomputed from the raw
 step times, the pairs are shown to train the same model on the same data (same
 losses), to have several buckets, and the profile's categories to add up.
@@ -20,8 +20,8 @@ LAYERS = 2
 @pytest.fixture(scope="module")
 def result():
     out = subprocess.run(
-        [sys.executable, "-m", "megatron_lbp.bench", "overhead", "--ranks", "4", "--runs", "1",
-         "--steps", "2", "--hidden", "32", "--layers", str(LAYERS), "--seq", "16",
+        [sys.executable, "-m", "megatron_lbp.bench", "overhead", "--ranks", "2", "--runs", "1",
+         "--steps", "1", "--hidden", "32", "--layers", str(LAYERS), "--seq", "16",
          "--bucket-size", "1500", "--profile", "--json"],
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
