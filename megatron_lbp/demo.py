@@ -163,7 +163,7 @@ def draw(summary: dict, runs: dict[str, RunResult], path: Path) -> None:
                f"{summary['ranks'] // summary['ranks_per_node']} nodes x "
                f"{summary['ranks_per_node'] // 2} packages x 2 GCDs, {summary['dtype']}"),
         note=(f"largest |lbp - stock| loss difference over {d['iterations_compared']} iterations: "
-              f"{d['value']:.2e} (iteration {d['iteration']}, {d['relative']:.1e} relative); "
+              f"{d['value']:.2e} (iteration {d['iteration']}, {d['relative']:.1e} relative)\n"
               f"bytes: lbp from its run's last step (--hier-comm-report), zero3 and zeropp "
               f"from one step of the same model on the same ranks"))
 

@@ -147,12 +147,16 @@ class Progress:
     def line(self, index: int, row: dict, total: int) -> str:
         spec = self.plan[index]
         s_it = row["ms"] / 1000.0
-        self.s_per_iter = s_it
+        # Megatron logs iteration 1 on its own; its time holds the first gathers and
+        # allocations, so the job's estimate waits for a full interval.
+        first = row["iteration"] == 1
+        if not first or self.s_per_iter is None:
+            self.s_per_iter = s_it
         run_eta = (total - row["iteration"]) * s_it
-        job = run_eta + self.remaining_after(index)
+        job = "?" if first and index == 0 else f"~{_clock(run_eta + self.remaining_after(index))}"
         return (f"[main {index + 1}/{len(self.plan)}] {spec.title:<24} iteration "
                 f"{row['iteration']:>4}/{total} | loss {row['loss']:.4f} | {s_it:.3f} s/iteration "
-                f"| ETA {_clock(run_eta)} this run, ~{_clock(job)} job")
+                f"| ETA {_clock(run_eta)} this run, {job} job")
 
     def show(self, text: str) -> None:
         print(text, file=self.out, flush=True)

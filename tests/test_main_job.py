@@ -150,3 +150,21 @@ def test_demo_rejects_bad_arguments(argv, words):
     out = subprocess.run([sys.executable, "-m", "megatron_lbp.demo", *argv], capture_output=True,
                          text=True, timeout=60, cwd=REPO)
     assert out.returncode == 2 and words in out.stderr, out.stderr
+
+
+def test_progress_line_and_eta():
+    import io
+
+    from megatron_lbp.demo_runs import Progress, RunResult, RunSpec
+
+    plan = [RunSpec("lbp", "lbp (hierarchy)", 100, ()), RunSpec("stock", "stock", 50, ())]
+    p = Progress(plan, io.StringIO())
+    p.launch_s = 20.0
+    first = p.line(0, {"iteration": 1, "ms": 3000.0, "loss": 8.31}, 100)
+    assert "iteration    1/100 | loss 8.3100 | 3.000 s/iteration | ETA 4:57 this run, ? job" in first
+    # 90 more lbp iterations at 0.5 s, the stock launch (20 s + 50 x 0.5 s), the bytes step (20 s).
+    line = p.line(0, {"iteration": 10, "ms": 500.0, "loss": 7.3}, 100)
+    assert line.endswith("ETA 0:45 this run, ~1:50 job"), line
+    # After a launch, its cost beyond the iterations is what the next estimate uses.
+    p.finished(RunResult(plan[0], None, wall_s=100.0, rows=[{"ms": 500.0}]))
+    assert p.launch_s == pytest.approx(50.0)
