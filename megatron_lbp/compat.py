@@ -372,8 +372,9 @@ def _skip_unused_jit_warmup(orig):
     five times each so that torch.compile has compiled them before step 1. On
     CPU that is Dynamo and Inductor compiling two kernels in every rank (~4 s of
     CPU per rank per launch, measured with cProfile), and a CPU run turns both
-    fusions off (pretrain_gpt.CPU_FLAGS), so the compiled kernels are never
-    called. With any of those fusions on, the warm-up runs as before.
+    fusions off (megatron_lbp.capabilities adds ``--no-bias-*-fusion``), so the
+    compiled kernels are never called. With any of those fusions on, the warm-up
+    runs as before.
     """
     import functools
 
