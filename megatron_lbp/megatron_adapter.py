@@ -121,3 +121,41 @@ def data_parallel_group():
     if parallel_state.model_parallel_is_initialized():
         return parallel_state.get_data_parallel_group()
     return None
+
+
+def install_gpt2_bpe_from_files() -> None:
+    """``--tokenizer-type GPT2BPETokenizer`` built from ``--vocab-file``/``--merge-file`` alone (idempotent).
+
+    megatron-core 0.19.2 builds that type as its "megatron" library,
+    ``MegatronHFTokenizer``, which cannot work offline: it calls transformers'
+    ``AutoTokenizer.from_pretrained("gpt2", vocab_file=..., merges_file=...)``.
+    Without transformers installed that fails with "name 'AutoTokenizer' is not
+    defined"; with it, "gpt2" is still a Hugging Face hub name whose config and
+    tokenizer files are fetched (or read from a hub cache), and compute nodes
+    have neither; given no files at all, it downloads GPT-2's with wget. Here the
+    two files make the tokenizer directly (megatron_lbp.gpt2_bpe).
+
+    megatron-core looks the library class up by name on
+    ``megatron.core.tokenizers.text.libraries`` each time it builds a tokenizer
+    (``MegatronTokenizerText._restore_model``), so replacing that name reaches
+    every builder: megatron.training's global tokenizer, the dataset config of
+    pretrain_gpt.py (ours and Megatron-LM's) and scripts/preprocess_data.py.
+    The BERT word-piece types, which share the class, keep megatron-core's.
+    """
+    from megatron.core.tokenizers.text import libraries
+
+    original = libraries.MegatronHFTokenizer
+    if getattr(original, "__lbp_gpt2_bpe__", False):
+        return
+
+    def megatron_library(tokenizer_path, vocab_file=None, merges_file=None, **kwargs):
+        if tokenizer_path == "GPT2BPETokenizer" and vocab_file and merges_file:
+            from megatron_lbp.gpt2_bpe import GPT2BPE
+
+            return GPT2BPE(vocab_file, merges_file,
+                           additional_special_tokens=kwargs.get("additional_special_tokens") or (),
+                           include_special_tokens=kwargs.get("include_special_tokens", True))
+        return original(tokenizer_path, vocab_file, merges_file, **kwargs)
+
+    megatron_library.__lbp_gpt2_bpe__ = True
+    libraries.MegatronHFTokenizer = megatron_library

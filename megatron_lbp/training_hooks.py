@@ -20,7 +20,11 @@ Six call sites, each a function here:
 ``install()`` points an imported megatron.training at these functions (that is
 how ``python -m megatron_lbp.pretrain_gpt`` runs); ``patches/`` inserts calls to
 the same functions into a Megatron-LM source tree. Without ``--hier-partition``
-every hook hands back to Megatron's own code path unchanged.
+every hook hands back to Megatron's own code path unchanged, with two exceptions
+that hold for every run: the checkpoint tracker is written atomically, and
+``--tokenizer-type GPT2BPETokenizer`` is built from ``--vocab-file``/``--merge-file``
+without the network megatron-core's own path needs
+(``megatron_adapter.install_gpt2_bpe_from_files``).
 """
 from __future__ import annotations
 
@@ -254,6 +258,10 @@ def hook_arguments_module(ns: dict) -> None:
     if ns.get("_lbp_hooked"):
         return
     ns["_lbp_hooked"] = True
+    from megatron_lbp import megatron_adapter
+
+    # Every way of starting training imports arguments.py: GPT-2 BPE from its two files from here on.
+    megatron_adapter.install_gpt2_bpe_from_files()
     orig_add, orig_validate, orig_parse = (ns["add_megatron_arguments"], ns["validate_args"],
                                            ns["parse_args"])
     ns["add_megatron_arguments"] = lambda parser: add_arguments(orig_add(parser))
