@@ -5,9 +5,10 @@ before any process group or model exists. Each failure is a ``PreflightError``
 whose message is one line naming the input, and nothing has been written yet.
 
 - ``--data-path``: every prefix has a non-empty ``.bin`` and a readable ``.idx``;
-- tokenizer: the model file exists and loads; the data's token ids (a sample
-  from the start of each prefix) fit its vocabulary — data tokenized with
-  another tokenizer is the usual way to waste a run;
+- tokenizer: it can be built here, offline, from local files
+  (megatron_lbp.tokenizer_check); the data's token ids (a sample from the start
+  of each prefix) fit its vocabulary — data tokenized with another tokenizer is
+  the usual way to waste a run;
 - ``--load``: a checkpoint there was written for the same model shape
   (layers, hidden size, heads, FFN size, vocabulary, sequence length).
 """
@@ -91,14 +92,18 @@ def _open_indexed(prefix: str):
 
 
 def _check_tokenizer_and_data(args, datasets: dict[str, Any]) -> None:
-    model = getattr(args, "tokenizer_model", None)
-    if model and not os.path.exists(model):
-        raise PreflightError(f"--tokenizer-model {model} does not exist")
+    from megatron_lbp import tokenizer_check
+
+    try:
+        exact = tokenizer_check.check(args)
+    except tokenizer_check.TokenizerInputError as err:
+        raise PreflightError(str(err)) from None
     if getattr(args, "mock_data", False):
         return
-    vocab = getattr(args, "padded_vocab_size", None) or _tokenizer_vocab(args)
+    vocab = exact or getattr(args, "padded_vocab_size", None)
     if not vocab:
         return
+    source = getattr(args, "tokenizer_model", None) or getattr(args, "vocab_file", None) or ""
     for prefix, ds in datasets.items():
         seen, top = 0, -1
         for i in range(len(ds)):
@@ -110,20 +115,8 @@ def _check_tokenizer_and_data(args, datasets: dict[str, Any]) -> None:
         if top >= vocab:
             raise PreflightError(
                 f"--data-path {prefix} holds token id {top} but the tokenizer "
-                f"({getattr(args, 'tokenizer_type', '?')} {model or ''}) has a vocabulary of "
+                f"({getattr(args, 'tokenizer_type', '?')} {source}) has a vocabulary of "
                 f"{vocab}: the data was tokenized with another tokenizer")
-
-
-def _tokenizer_vocab(args) -> int | None:
-    if getattr(args, "tokenizer_type", None) == "SentencePieceTokenizer" and args.tokenizer_model:
-        try:
-            import sentencepiece
-
-            return sentencepiece.SentencePieceProcessor(model_file=args.tokenizer_model).vocab_size()
-        except Exception as err:
-            raise PreflightError(f"--tokenizer-model {args.tokenizer_model} does not load as a "
-                                 f"SentencePiece model ({err})") from None
-    return None
 
 
 def _check_checkpoint_shape(args) -> None:
@@ -174,7 +167,7 @@ def _saved_args(load: str, tracker: str, step: int | None):
     try:
         common = dist_checkpointing.load_common_state_dict(ckpt)
     except Exception as err:
-        raise PreflightError(f"--load {load}: cannot read {ckpt} ({_one_line(err)})") from None
+        raise PreflightError(f"--load {load}: cannot read {ckpt} ({one_line(err)})") from None
     return common.get("args")
 
 
@@ -186,7 +179,7 @@ def _check_checkpoint_files(load: str, ckpt: str) -> None:
         meta = FileSystemReader(ckpt).read_metadata()
     except Exception as err:
         raise PreflightError(f"--load {load}: cannot read {os.path.join(ckpt, '.metadata')} "
-                             f"({_one_line(err)})") from None
+                             f"({one_line(err)})") from None
     need: dict[str, int] = {}
     for info in (getattr(meta, "storage_data", None) or {}).values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
@@ -199,7 +192,7 @@ def _check_checkpoint_files(load: str, ckpt: str) -> None:
             raise PreflightError(f"--load {load}: {path} is truncated ({have} of {size} bytes)")
 
 
-def _one_line(err: Exception) -> str:
+def one_line(err: Exception) -> str:
     """``Type: first line of the message``: library errors can run to many lines."""
     text = str(err)
     return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"

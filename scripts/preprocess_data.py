@@ -59,7 +59,6 @@ if str(REPO) not in sys.path:
 
 PROG = "preprocess_data.py"
 JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
-SP_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 
 
 class InputError(Exception):
@@ -84,6 +83,9 @@ def _import_megatron():
         from megatron.core.datasets import indexed_dataset
         from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
         from megatron.training.arguments import _add_tokenizer_args
+        from megatron_lbp import megatron_adapter
+
+        megatron_adapter.install_gpt2_bpe_from_files()  # as training builds it: offline, from the files
     return _add_tokenizer_args, build_tokenizer, indexed_dataset
 
 
@@ -292,29 +294,13 @@ class Progress:
 
 
 def _check_tokenizer_args(args: argparse.Namespace) -> None:
-    t = args.tokenizer_type
-    if t is None:
-        raise InputError("--tokenizer-type is required (e.g. SentencePieceTokenizer)")
+    """The training entry's check: the tokenizer can be built here, offline, from local files."""
+    from megatron_lbp import tokenizer_check
 
-    def need_file(flag: str, value) -> None:
-        if not value:
-            raise InputError(f"{flag} is required for --tokenizer-type {t}")
-        if not Path(value).is_file():
-            raise InputError(f"{flag} {value}: no such file")
-
-    if t in SP_TYPES or t in ("TikTokenizer", "SFTTokenizer"):
-        need_file("--tokenizer-model", args.tokenizer_model)
-    elif t in ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase"):
-        need_file("--vocab-file", args.vocab_file)
-        if t == "GPT2BPETokenizer":
-            need_file("--merge-file", args.merge_file)
-    elif t == "HuggingFaceTokenizer" and not args.tokenizer_model:
-        raise InputError("--tokenizer-model (a local directory or name) is required "
-                         "for --tokenizer-type HuggingFaceTokenizer")
-    elif t in ("NullTokenizer",) and not args.vocab_size:
-        raise InputError("--vocab-size is required for --tokenizer-type NullTokenizer")
-    if args.metadata_path:
-        need_file("--tokenizer-metadata", args.metadata_path)
+    try:
+        tokenizer_check.check(args)
+    except tokenizer_check.TokenizerInputError as e:
+        raise InputError(str(e)) from None
 
 
 def _missing_dirs(directory: Path) -> list[Path]:

@@ -38,7 +38,9 @@
 #   MASTER_ADDR, MASTER_PORT  rendezvous (default: this host's IP, 3442)
 #   DATA_PATH           Megatron data prefix(es) (<prefix>.bin/.idx), or MOCK_DATA=1
 #   TOKENIZER_TYPE      GPT2BPETokenizer (needs VOCAB_FILE, MERGE_FILE),
-#                       SentencePieceTokenizer / HuggingFaceTokenizer (need TOKENIZER_MODEL)
+#                       SentencePieceTokenizer / HuggingFaceTokenizer (need TOKENIZER_MODEL:
+#                       a .model file / a local save_pretrained directory), NullTokenizer;
+#                       all built offline (megatron_lbp/tokenizer_check.py says what each needs)
 #   VOCAB_SIZE_PADDED   Megatron's padded vocabulary (for the parameter count and memory)
 #   CHECKPOINT_DIR      --save and --load (resume from the latest checkpoint there)
 #   NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS SEQ_LENGTH FFN_HIDDEN_SIZE
@@ -205,6 +207,12 @@ lbp_check_paths() {
     *)
       [ -n "${TOKENIZER_MODEL:-}" ] || { lbp_die 2 "TOKENIZER_MODEL is not set" \
         "(TOKENIZER_TYPE=$TOKENIZER_TYPE needs it)"; return; }
+      if [ "$TOKENIZER_TYPE" = HuggingFaceTokenizer ] && [ ! -d "$TOKENIZER_MODEL" ]; then
+        lbp_die 2 "TOKENIZER_MODEL=$TOKENIZER_MODEL is not a local directory: a hub name cannot be" \
+          "fetched on compute nodes; save_pretrained the tokenizer to a directory where there is" \
+          "network and set TOKENIZER_MODEL to it"
+        return
+      fi
       [ -e "$TOKENIZER_MODEL" ] || { lbp_die 2 "TOKENIZER_MODEL=$TOKENIZER_MODEL does not exist:" \
         "set TOKENIZER_MODEL"; return; } ;;
   esac

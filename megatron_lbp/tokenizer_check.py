@@ -1,0 +1,141 @@
+"""Whether a command's tokenizer flags can build their tokenizer here, offline, from local files.
+
+Called on Megatron's parsed arguments by the training entry (preflight, before
+any process group or model) and by scripts/preprocess_data.py, before anything
+is written. A tokenizer that cannot work is a ``TokenizerInputError`` whose
+message is one line saying what is missing. Imports nothing from Megatron.
+
+Per ``--tokenizer-type`` (the ones the launchers document, and Megatron's
+aliases of them):
+
+- ``GPT2BPETokenizer``: ``--vocab-file`` and ``--merge-file`` (GPT-2's vocab.json
+  and merges.txt) are given and load (megatron_lbp.gpt2_bpe); without them
+  megatron-core would download GPT-2's files.
+- ``SentencePieceTokenizer``, ``GPTSentencePieceTokenizer``, ``Llama2Tokenizer``:
+  ``--tokenizer-model`` is a file that loads as a SentencePiece model.
+- ``HuggingFaceTokenizer``: ``--tokenizer-model`` is a local directory (a hub
+  name is refused: compute nodes have no hub), the ``transformers`` package is
+  installed (it is not among megatron-lbp's requirements), and the directory
+  loads with ``local_files_only=True``.
+- ``TikTokenizer``: the ``tiktoken`` package is installed and ``--tokenizer-model``
+  is a file.
+- ``NullTokenizer``: ``--vocab-size`` is given.
+
+Other types are left to megatron-core.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from megatron_lbp.preflight import one_line
+
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+OFFLINE_HINT = "there is no network on compute nodes"
+
+
+class TokenizerInputError(ValueError):
+    pass
+
+
+def check(args: Any) -> int | None:
+    """Refuse tokenizer flags that cannot work offline; the tokenizer's vocabulary size when it is exact."""
+    kind = getattr(args, "tokenizer_type", None)
+    if not kind:
+        raise TokenizerInputError("--tokenizer-type is required (e.g. GPT2BPETokenizer with --vocab-file "
+                                  "and --merge-file, or SentencePieceTokenizer with --tokenizer-model)")
+    metadata = getattr(args, "metadata_path", None)
+    if metadata and not os.path.isfile(metadata):
+        raise TokenizerInputError(f"--tokenizer-metadata {metadata} does not exist")
+    if kind == "GPT2BPETokenizer":
+        return _gpt2_bpe(args)
+    model = getattr(args, "tokenizer_model", None)
+    if kind in SENTENCEPIECE_TYPES:
+        return _sentencepiece(kind, _need_model(kind, model, "a SentencePiece .model file"))
+    if kind == "HuggingFaceTokenizer":
+        _huggingface(args, model)
+    elif kind == "TikTokenizer":
+        _need_package(kind, "tiktoken")
+        _need_model(kind, model, "a tiktoken vocabulary file")
+    elif kind == "NullTokenizer":
+        if not getattr(args, "vocab_size", None):
+            raise TokenizerInputError("--tokenizer-type NullTokenizer needs --vocab-size (its ids are "
+                                      "0..vocab-size-1)")
+    elif model and not os.path.exists(model):
+        raise TokenizerInputError(f"--tokenizer-model {model} does not exist")
+    return None
+
+
+def _gpt2_bpe(args) -> int:
+    from megatron_lbp import gpt2_bpe
+
+    vocab, merges = getattr(args, "vocab_file", None), getattr(args, "merge_file", None)
+    missing = [flag for flag, value in (("--vocab-file", vocab), ("--merge-file", merges)) if not value]
+    if missing:
+        raise TokenizerInputError(
+            f"--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file (GPT-2's vocab.json "
+            f"and merges.txt; {' and '.join(missing)} not given): without them megatron-core downloads "
+            f"GPT-2's, and {OFFLINE_HINT}")
+    try:
+        tok = gpt2_bpe.GPT2BPE(vocab, merges, additional_special_tokens=getattr(args, "special_tokens", None)
+                               or ())
+    except gpt2_bpe.GPT2FilesError as err:
+        raise TokenizerInputError(str(err)) from None
+    return tok.vocab_size
+
+
+def _need_model(kind: str, model: str | None, what: str) -> str:
+    if not model:
+        raise TokenizerInputError(f"--tokenizer-type {kind} needs --tokenizer-model ({what})")
+    if not os.path.exists(model):
+        raise TokenizerInputError(f"--tokenizer-model {model} does not exist")
+    if not os.path.isfile(model):
+        raise TokenizerInputError(f"--tokenizer-model {model} is not a file ({kind} takes {what})")
+    return model
+
+
+def _need_package(kind: str, package: str, model: str | None = None) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(package) is None:
+        given = f" (--tokenizer-model {model})" if model else ""
+        raise TokenizerInputError(f"--tokenizer-type {kind}{given} needs the '{package}' package, which is "
+                                  f"not installed here: pip install {package}")
+
+
+def _sentencepiece(kind: str, model: str) -> int:
+    try:
+        import sentencepiece
+
+        return sentencepiece.SentencePieceProcessor(model_file=model).vocab_size()
+    except Exception as err:
+        raise TokenizerInputError(f"--tokenizer-model {model} does not load as a SentencePiece model "
+                                  f"({one_line(err)})") from None
+
+
+def _huggingface(args, model: str | None) -> None:
+    kind = "HuggingFaceTokenizer"
+    if not model:
+        raise TokenizerInputError(f"--tokenizer-type {kind} needs --tokenizer-model (a local directory "
+                                  "written by save_pretrained)")
+    if not os.path.exists(model):
+        raise TokenizerInputError(
+            f"--tokenizer-model {model} is not a local directory: {kind} would fetch {model!r} from the "
+            f"Hugging Face hub, and {OFFLINE_HINT}; where there is network, save it with "
+            f"AutoTokenizer.from_pretrained({model!r}).save_pretrained(DIR) and pass DIR")
+    if not os.path.isdir(model):
+        raise TokenizerInputError(f"--tokenizer-model {model} is a file: {kind} takes the directory "
+                                  "written by save_pretrained (tokenizer.json, tokenizer_config.json)")
+    _need_package(kind, "transformers", model)
+    kwargs = {k: v for k, v in (("vocab_file", getattr(args, "vocab_file", None)),
+                                ("merges_file", getattr(args, "merge_file", None))) if v}
+    try:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(model, local_files_only=True,
+                                      use_fast=not getattr(args, "tokenizer_hf_no_use_fast", False),
+                                      trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
+                                      **kwargs)
+    except Exception as err:
+        raise TokenizerInputError(f"--tokenizer-model {model} does not load as a Hugging Face tokenizer "
+                                  f"directory ({one_line(err)})") from None
