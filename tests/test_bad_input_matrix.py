@@ -72,6 +72,17 @@ class Ctx:
             shutil.copy(str(src) + ext, self.tmp / (src.name + ext))
         return str(self.tmp / src.name)
 
+    def gpt2(self, vocab: dict | None = None) -> tuple[str, str]:
+        """GPT-2-format vocab.json and merges.txt (built from the shipped corpus), copied in; ``vocab`` edits it."""
+        import json
+
+        src = self.request.getfixturevalue("shared_gpt2")
+        merges = str(shutil.copy(src[1], self.tmp / "merges.txt"))
+        if vocab is None:
+            return str(shutil.copy(src[0], self.tmp / "vocab.json")), merges
+        edited = {**json.loads(Path(src[0]).read_text(encoding="utf-8")), **vocab}
+        return self.write("vocab.json", json.dumps({k: v for k, v in edited.items() if v is not None})), merges
+
     def checkpoint(self) -> Path:
         dst = self.tmp / "ckpt"
         shutil.copytree(self.request.getfixturevalue("shared_checkpoint"), dst)
@@ -141,6 +152,14 @@ def _good(c):
     return c.jsonl("good.jsonl", [{"text": "Some text."}])
 
 
+GPT2 = ["--tokenizer-type", "GPT2BPETokenizer"]
+HF = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model"]
+
+
+def _gpt2_files(vocab, merges):
+    return [*GPT2, "--vocab-file", vocab, "--merge-file", merges]
+
+
 PREPROCESS = [
     Case("preprocess missing input", "preprocess", lambda c: ["--input", str(c.tmp / "nope.jsonl"), *SP_TOK],
          ("nope.jsonl: no such file or directory",), code=1),
@@ -171,6 +190,25 @@ PREPROCESS = [
         "garbage.model"),
     pre("gpt2 without vocab", lambda c: ["--input", _good(c), "--tokenizer-type", "GPT2BPETokenizer"],
         "--vocab-file"),
+    # offline tokenizers: what is missing, before any output (megatron_lbp/tokenizer_check.py)
+    pre("gpt2 without merges", lambda c: ["--input", _good(c), *GPT2, "--vocab-file", c.gpt2()[0]],
+        "--merge-file not given"),
+    pre("gpt2 vocab file missing", lambda c: ["--input", _good(c), *_gpt2_files(str(c.tmp / "nope.json"),
+                                                                                c.gpt2()[1])], "nope.json"),
+    pre("gpt2 vocab not JSON", lambda c: ["--input", _good(c), *_gpt2_files(c.write("v.json", "{oops"),
+                                                                            c.gpt2()[1])], "v.json is not JSON"),
+    pre("gpt2 vocab without <|endoftext|>", lambda c: ["--input", _good(c), *_gpt2_files(
+        *c.gpt2({"<|endoftext|>": None}))], "has no <|endoftext|>"),
+    pre("gpt2 merges do not fit the vocab", lambda c: ["--input", _good(c), *_gpt2_files(
+        c.gpt2()[0], c.write("m.txt", "#version: 0.2\nzzzq qqqz\n"))], "--merge-file"),
+    pre("HuggingFaceTokenizer hub name", lambda c: ["--input", _good(c), *HF, "gpt2"],
+        "--tokenizer-model gpt2 is not a local directory"),
+    pre("HuggingFaceTokenizer directory it cannot load (no transformers, or not a tokenizer)",
+        lambda c: ["--input", _good(c), *HF, str(Path(c.write("hfdir/notes.txt", "x")).parent)], "hfdir"),
+    pre("SentencePiece without model", lambda c: ["--input", _good(c), "--tokenizer-type", "Llama2Tokenizer"],
+        "--tokenizer-model"),
+    pre("NullTokenizer without vocab size", lambda c: ["--input", _good(c), "--tokenizer-type", "NullTokenizer"],
+        "--vocab-size"),
     pre("workers 0", lambda c: ["--input", _good(c), "--workers", "0", *SP_TOK], "--workers"),
     pre("output under a file", lambda c: ["--input", _good(c), *SP_TOK, "--output-prefix",
                                           str(Path(c.write("afile", "x")) / "sub" / "ds")], "afile"),
@@ -213,6 +251,9 @@ LAUNCHER = [
            {"NNODES": "2", "DATA_PATH": "{tmp}/nope", "TOKENIZER_MODEL": str(REPO / "tokenizer" / "lbp_bpe.model")},
            "DATA_PATH"),
     launch("local profile, NNODES=two", LOCAL, ["--dry-run"], {"NNODES": "two"}, "NNODES=two"),
+    launch("HuggingFaceTokenizer given a hub name", SCRIPTS["20b"], ["--dry-run"],
+           {"NNODES": "2", "TOKENIZER_TYPE": "HuggingFaceTokenizer", "TOKENIZER_MODEL": "gpt2"},
+           ("TOKENIZER_MODEL=gpt2 is not a local directory",)),
 ]
 
 APPLY = [
@@ -238,6 +279,12 @@ def train(name, build, needles, env=None, slow=True):
 def _base(c, *extra, data=None):
     return TINY + ["--data-path", data or c.data(), "--train-iters", "2", "--global-batch-size", "2",
                    "--save", str(c.tmp / "save"), "--save-interval", "1", *extra]
+
+
+def _without_tokenizer(args):
+    i = args.index("--tokenizer-type")
+    assert args[i + 2] == "--tokenizer-model", args[i:i + 4]
+    return args[:i] + args[i + 4:]
 
 
 def _swap(args, flag, value):
@@ -317,6 +364,14 @@ PRETRAIN = [
     train("corrupt tokenizer model",
           lambda c: _swap(_base(c), "--tokenizer-model", c.write("garbage.model", b"not a model")),
           ["--tokenizer-model", "garbage.model", "does not load"]),
+    train("no tokenizer flags (Megatron's default GPT2BPETokenizer, no files)",
+          lambda c: _without_tokenizer(_base(c)), ["GPT2BPETokenizer needs --vocab-file and --merge-file"],
+          slow=False),
+    train("gpt2 vocab without <|endoftext|>",
+          lambda c: _without_tokenizer(_base(c)) + _gpt2_files(*c.gpt2({"<|endoftext|>": None})),
+          ["--vocab-file", "has no <|endoftext|>"]),
+    train("HuggingFaceTokenizer hub name", lambda c: _without_tokenizer(_base(c)) + [*HF, "gpt2"],
+          ["--tokenizer-model gpt2 is not a local directory"]),
     # checkpoints
     train("checkpoint of another model shape",
           lambda c: _swap(_load(c, c.checkpoint()), "--hidden-size", "32"),
@@ -397,6 +452,16 @@ CASES = PLAN + PREPROCESS + LAUNCHER + APPLY + PRETRAIN
 @pytest.fixture(scope="module")
 def shared_data(tmp_path_factory):
     return demo_data(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="module")
+def shared_gpt2(tmp_path_factory):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_lbp_matrix_gpt2", REPO / "tokenizer" / "build_gpt2_bpe.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    return tuple(map(str, build.build(tmp_path_factory.mktemp("gpt2"))))
 
 
 @pytest.fixture(scope="module")
