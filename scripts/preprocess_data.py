@@ -12,6 +12,7 @@ megatron.core's ``build_tokenizer``, exactly as pretrain_gpt builds it.
         --output-prefix data/lbp_demo \\
         --tokenizer-type SentencePieceTokenizer --tokenizer-model tokenizer/lbp_bpe.model
     # -> data/lbp_demo_text_document.bin / .idx
+    #    GPT-2 BPE, offline: --tokenizer-type GPT2BPETokenizer --vocab-file V --merge-file M
 
 Inputs (``--input``, one or more paths; ``.gz`` is read transparently):
 
@@ -31,7 +32,8 @@ pretraining needs document separators; ``--no-append-eod`` turns it off),
 (and counted), and there is no sentence splitting (no NLTK) or partitioning.
 
 Errors in the input (missing or empty input, no documents, a bad JSON line, a
-missing key, a bad tokenizer flag or file, an unwritable output directory) end
+missing key, a tokenizer that cannot be built here offline from local files
+(megatron_lbp/tokenizer_check.py, the training entry's check), an unwritable output directory) end
 the run with exit status 1 or 2 and one line on stderr naming the input. Outputs
 are written to temporary files and renamed into place only on success, so a
 failed or killed run never leaves a partial .bin/.idx (nor replaces an old one).

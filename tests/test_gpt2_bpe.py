@@ -163,6 +163,19 @@ def test_vocabulary_pads_as_megatron_pads_it(files, divisible_by, tp, padded):
     assert len(tok.vocab) == tok.vocab_size and tok.inv_vocab[EOD] == "<|endoftext|>"
 
 
+def test_a_gpt2_sized_vocabulary_pads_to_50304(files, tmp_path):
+    """GPT-2's own size: 256 bytes + 50000 merges + <|endoftext|> = 50257 ids (its files are not shipped)."""
+    base = [t for t, i in sorted(json.loads(Path(files[0]).read_text(encoding="utf-8")).items(),
+                                 key=lambda kv: kv[1])][:256]
+    merges = [(a, b) for a in base for b in base][:50000]
+    vocab = {t: i for i, t in enumerate(base + [a + b for a, b in merges] + ["<|endoftext|>"])}
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges),
+                                         encoding="utf-8")
+    tok, args = megatron_tokenizer(*gpt2_flags((str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"))))
+    assert (tok.vocab_size, tok.eod, args.padded_vocab_size) == (50257, 50256, 50304)
+
+
 def test_extra_special_tokens_take_the_next_ids(files):
     tok, args = megatron_tokenizer(*gpt2_flags(files), "--tokenizer-special-tokens", "<fim_prefix>", "<fim_suffix>")
     assert tok.vocab_size == BPE_TOKENS + 3 and args.padded_vocab_size == 1024
