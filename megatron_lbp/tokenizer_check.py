@@ -22,10 +22,21 @@ aliases of them):
 - ``NullTokenizer``: ``--vocab-size`` is given.
 
 Other types are left to megatron-core.
+
+Before submitting a job (no Megatron import, a second or so):
+
+    python -m megatron_lbp.tokenizer_check --tokenizer-type GPT2BPETokenizer \\
+        --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt [other training flags...]
+
+prints ``ok: ...`` and exits 0, or prints the one line and exits 2; training
+flags it does not know are ignored, so a whole training command line can be
+passed.
 """
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 from typing import Any
 
 from megatron_lbp.preflight import one_line
@@ -139,3 +150,35 @@ def _huggingface(args, model: str | None) -> None:
     except Exception as err:
         raise TokenizerInputError(f"--tokenizer-model {model} does not load as a Hugging Face tokenizer "
                                   f"directory ({one_line(err)})") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The tokenizer flags this check reads, named and defaulted as megatron.training's TokenizerConfig."""
+    p = argparse.ArgumentParser(prog="python -m megatron_lbp.tokenizer_check", add_help=True)
+    p.add_argument("--tokenizer-type")
+    p.add_argument("--vocab-file")
+    p.add_argument("--merge-file")
+    p.add_argument("--tokenizer-model")
+    p.add_argument("--vocab-size", type=int)
+    p.add_argument("--tokenizer-metadata", dest="metadata_path")
+    p.add_argument("--tokenizer-special-tokens", dest="special_tokens", nargs="+")
+    p.add_argument("--tokenizer-hf-no-use-fast", action="store_true")
+    p.add_argument("--trust-remote-code", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, _ = _parser().parse_known_args(argv)
+    args.tokenizer_type = args.tokenizer_type or "GPT2BPETokenizer"  # pretrain_gpt's default
+    try:
+        vocab = check(args)
+    except TokenizerInputError as err:
+        print(f"python -m megatron_lbp.tokenizer_check: error: {err}", file=sys.stderr)
+        return 2
+    size = f", vocabulary {vocab}" if vocab else ""
+    print(f"ok: --tokenizer-type {args.tokenizer_type} builds here from local files{size}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

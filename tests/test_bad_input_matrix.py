@@ -4,7 +4,8 @@ Entry points: the plan tool (python -m megatron_lbp.plan), the training entry
 (python -m megatron_lbp.pretrain_gpt, one process unless the case needs the
 launcher's view of several), the launchers (scripts/frontier_gpt{20,10}b.sh,
 scripts/local_profile.sh, with LBP_DRY_RUN/--dry-run or a fake srun),
-preprocessing (scripts/preprocess_data.py) and scripts/apply_patches.sh.
+preprocessing (scripts/preprocess_data.py), the tokenizer check
+(python -m megatron_lbp.tokenizer_check) and scripts/apply_patches.sh.
 
 Each row must: exit non-zero; write exactly one line to stderr (informational
 lines the entry always prints are set aside, see ``NOTICES``) that names the
@@ -37,9 +38,10 @@ PY = sys.executable
 # Lines an entry prints on stderr whatever happens (not part of the error message).
 NOTICES = ("megatron-lbp: no accelerator found; CPU runtime for megatron-core is active",)
 # Each entry's exit status for bad input and the start of its message line.
-EXIT = {"plan": 2, "pretrain": 2, "launcher": 2, "apply_patches": 2,
+EXIT = {"plan": 2, "pretrain": 2, "launcher": 2, "apply_patches": 2, "tokenizer_check": 2,
         "preprocess": None}  # preprocess: 2 for argparse's usage errors, 1 for bad input files
 PREFIX = {"plan": ("python -m megatron_lbp.plan: error: ",), "preprocess": ("preprocess_data.py: error: ",),
+          "tokenizer_check": ("python -m megatron_lbp.tokenizer_check: error: ",),
           "launcher": ("lbp_launch: error: ",),
           "pretrain": ("python -m megatron_lbp.pretrain_gpt: error: ", "pretrain_gpt.py: error: "),
           "apply_patches": ("scripts/apply_patches.sh: ", "usage: scripts/apply_patches.sh")}
@@ -50,7 +52,7 @@ SP_TOK = ["--tokenizer-type", "SentencePieceTokenizer",
 @dataclass
 class Case:
     id: str
-    entry: str                     # plan | pretrain | launcher | preprocess | apply_patches
+    entry: str                     # plan | pretrain | launcher | preprocess | tokenizer_check | apply_patches
     build: Callable                # (Ctx) -> argv (launcher: [script, *args])
     needles: tuple
     env: dict = field(default_factory=dict)
@@ -212,6 +214,16 @@ PREPROCESS = [
     pre("workers 0", lambda c: ["--input", _good(c), "--workers", "0", *SP_TOK], "--workers"),
     pre("output under a file", lambda c: ["--input", _good(c), *SP_TOK, "--output-prefix",
                                           str(Path(c.write("afile", "x")) / "sub" / "ds")], "afile"),
+]
+
+
+TOKENIZER_CHECK = [
+    Case("tokenizer_check no GPT-2 files (the default type)", "tokenizer_check", lambda c: ["--num-layers", "2"],
+         ("GPT2BPETokenizer needs --vocab-file and --merge-file",)),
+    Case("tokenizer_check HuggingFaceTokenizer hub name", "tokenizer_check", lambda c: [*HF, "gpt2"],
+         ("--tokenizer-model gpt2 is not a local directory",)),
+    Case("tokenizer_check gpt2 vocab without <|endoftext|>", "tokenizer_check",
+         lambda c: _gpt2_files(*c.gpt2({"<|endoftext|>": None})), ("vocab.json has no <|endoftext|>",)),
 ]
 
 
@@ -444,7 +456,7 @@ PRETRAIN = [
           ["--hier-collective-timeout-s 20", "at least 50"], env={"LBP_FAULT_STALL_WATCH": "1"}),
 ]
 
-CASES = PLAN + PREPROCESS + LAUNCHER + APPLY + PRETRAIN
+CASES = PLAN + PREPROCESS + TOKENIZER_CHECK + LAUNCHER + APPLY + PRETRAIN
 
 
 # --------------------------------------------------------------------------- running a row
@@ -509,6 +521,8 @@ def _run(case: Case, ctx: Ctx, argv: list, env_over: dict, site_env: dict | None
         if case.in_process:
             return _preprocess_in_process(argv)
         cmd, env = [PY, str(REPO / "scripts" / "preprocess_data.py"), *argv], base
+    elif case.entry == "tokenizer_check":
+        cmd, env = [PY, "-m", "megatron_lbp.tokenizer_check", *argv], base
     elif case.entry == "apply_patches":
         cmd, env = ["bash", str(REPO / "scripts" / "apply_patches.sh"), *argv], base
     elif case.entry == "launcher":
@@ -551,7 +565,8 @@ def _param(case):
 def test_every_row_has_a_unique_id():
     ids = [c.id for c in CASES]
     assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
-    assert {c.entry for c in CASES} == {"plan", "preprocess", "launcher", "apply_patches", "pretrain"}
+    assert {c.entry for c in CASES} == {"plan", "preprocess", "tokenizer_check", "launcher", "apply_patches",
+                                        "pretrain"}
 
 
 @pytest.mark.parametrize("case", [_param(c) for c in CASES])

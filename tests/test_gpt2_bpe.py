@@ -300,6 +300,13 @@ def test_check_accepts_what_works_offline(files, tmp_path):
     assert tokenizer_check.check(_ns(tokenizer_type="NullTokenizer", vocab_size=512)) is None
 
 
+def test_check_command_accepts_a_training_command_line(files, capsys):
+    argv = ["--num-layers", "2", *gpt2_flags(files), "--tokenizer-special-tokens", "<x>", "--bf16"]
+    assert tokenizer_check.main(argv) == 0
+    assert capsys.readouterr().out == (f"ok: --tokenizer-type GPT2BPETokenizer builds here from local files, "
+                                       f"vocabulary {BPE_TOKENS + 2}\n")
+
+
 def test_check_refuses_gpt2_inputs_that_cannot_work(files, tmp_path):
     gpt2 = "GPT2BPETokenizer"
     _refused("--vocab-file", "--merge-file", "not given", "downloads", tokenizer_type=gpt2)
