@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 
 import megatron_lbp  # noqa: F401  (typing.override shim before megatron.training)
-from megatron_lbp import gpt2_bpe, tokenizer_check
+from megatron_lbp import tokenizer_check
+from tests.test_launchers import site  # noqa: F401  (fixture: fake site paths and a recording srun)
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "data_src" / "python-docs-3.11.jsonl.gz"
@@ -361,3 +362,17 @@ def test_huggingface_tokenizer_is_refused_without_transformers(tmp_path):
         pytest.skip("transformers is installed here; the refusal is for environments without it")
     (tmp_path / "tokenizer.json").write_text("{}")
     _refused("needs the 'transformers' package", tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
+
+
+def test_frontier_profiles_default_tokenizer_takes_this_path(files, site):  # noqa: F811  (site: fixture)
+    """scripts/frontier_gpt20b.sh as shipped (TOKENIZER_TYPE=GPT2BPETokenizer from VOCAB_FILE/MERGE_FILE)."""
+    from tests.test_launchers import SCRIPTS, run, training_line
+
+    r = run(SCRIPTS["20b"], site, "--dry-run", NNODES=2, VOCAB_FILE=files[0], MERGE_FILE=files[1])
+    assert r.returncode == 0, r.stderr + r.stdout
+    argv = training_line(r.stdout)[4:]  # after "python -u -m megatron_lbp.pretrain_gpt"
+    assert argv[argv.index("--tokenizer-type") + 1] == "GPT2BPETokenizer"
+    assert tokenizer_check.main(argv) == 0
+    tok, _ = megatron_tokenizer(*gpt2_flags((argv[argv.index("--vocab-file") + 1],
+                                             argv[argv.index("--merge-file") + 1])))
+    assert tok.eod == EOD
