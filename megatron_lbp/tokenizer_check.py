@@ -152,9 +152,14 @@ def _huggingface(args, model: str | None) -> None:
                                   f"directory ({one_line(err)})") from None
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage block
+        raise TokenizerInputError(message)
+
+
 def _parser() -> argparse.ArgumentParser:
     """The tokenizer flags this check reads, named and defaulted as megatron.training's TokenizerConfig."""
-    p = argparse.ArgumentParser(prog="python -m megatron_lbp.tokenizer_check", add_help=True)
+    p = _Parser(prog="python -m megatron_lbp.tokenizer_check", add_help=False, allow_abbrev=False)
     p.add_argument("--tokenizer-type")
     p.add_argument("--vocab-file")
     p.add_argument("--merge-file")
@@ -167,18 +172,32 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def check_argv(argv: list[str], default_type: str | None = None) -> int | None:
+    """check() on a command line before Megatron parses it; without --tokenizer-type, ``default_type``.
+
+    The training entries call it with no default: Megatron's scripts differ in
+    theirs, and the preflight checks the parsed arguments again anyway.
+    """
     args, _ = _parser().parse_known_args(argv)
-    args.tokenizer_type = args.tokenizer_type or "GPT2BPETokenizer"  # pretrain_gpt's default
+    args.tokenizer_type = args.tokenizer_type or default_type
+    return check(args) if args.tokenizer_type else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
     try:
-        vocab = check(args)
+        kind = _parser().parse_known_args(argv)[0].tokenizer_type or "GPT2BPETokenizer"
+        vocab = check_argv(argv, default_type="GPT2BPETokenizer")  # pretrain_gpt's default
     except TokenizerInputError as err:
         print(f"python -m megatron_lbp.tokenizer_check: error: {err}", file=sys.stderr)
         return 2
     size = f", vocabulary {vocab}" if vocab else ""
-    print(f"ok: --tokenizer-type {args.tokenizer_type} builds here from local files{size}")
+    print(f"ok: --tokenizer-type {kind} builds here from local files{size}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

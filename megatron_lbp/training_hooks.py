@@ -50,7 +50,8 @@ def resolve_flags() -> None:
     """What both training entries do before Megatron parses: sys.argv resolved in place.
 
     The flags this environment needs are added (megatron_lbp.capabilities, one
-    line each from rank 0), flags the engine cannot serve are refused, and on
+    line each from rank 0), flags the engine cannot serve and a given
+    ``--tokenizer-type`` that cannot be built offline are refused, and on
     NCCL the fault environment is set before any process group exists. Raises
     CapabilityError (one line). Resolving a resolved argv adds nothing, so the
     entry and the parse_args hook may both call it.
@@ -60,6 +61,12 @@ def resolve_flags() -> None:
     from megatron_lbp import capabilities
 
     capabilities.refuse_unservable(sys.argv[1:])  # the argv alone: no torch import to refuse
+    from megatron_lbp import tokenizer_check
+
+    try:  # likewise: local files and packages decide whether the tokenizer can be built offline
+        tokenizer_check.check_argv(sys.argv[1:])
+    except tokenizer_check.TokenizerInputError as err:
+        raise capabilities.CapabilityError(str(err)) from None
     from megatron_lbp.engine import faults
 
     device = "gpu" if compat.accelerator_present() else "cpu"

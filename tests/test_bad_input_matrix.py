@@ -375,15 +375,15 @@ PRETRAIN = [
           ["--tokenizer-model", "does not exist"], slow=False),
     train("corrupt tokenizer model",
           lambda c: _swap(_base(c), "--tokenizer-model", c.write("garbage.model", b"not a model")),
-          ["--tokenizer-model", "garbage.model", "does not load"]),
+          ["--tokenizer-model", "garbage.model", "does not load"], slow=False),  # refused before Megatron
     train("no tokenizer flags (Megatron's default GPT2BPETokenizer, no files)",
           lambda c: _without_tokenizer(_base(c)), ["GPT2BPETokenizer needs --vocab-file and --merge-file"],
           slow=False),
     train("gpt2 vocab without <|endoftext|>",
           lambda c: _without_tokenizer(_base(c)) + _gpt2_files(*c.gpt2({"<|endoftext|>": None})),
-          ["--vocab-file", "has no <|endoftext|>"]),
+          ["--vocab-file", "has no <|endoftext|>"], slow=False),
     train("HuggingFaceTokenizer hub name", lambda c: _without_tokenizer(_base(c)) + [*HF, "gpt2"],
-          ["--tokenizer-model gpt2 is not a local directory"]),
+          ["--tokenizer-model gpt2 is not a local directory"], slow=False),
     # checkpoints
     train("checkpoint of another model shape",
           lambda c: _swap(_load(c, c.checkpoint()), "--hidden-size", "32"),
