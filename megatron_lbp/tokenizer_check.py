@@ -1,8 +1,10 @@
 """Whether a command's tokenizer flags can build their tokenizer here, offline, from local files.
 
-Called on Megatron's parsed arguments by the training entry (preflight, before
-any process group or model) and by scripts/preprocess_data.py, before anything
-is written. A tokenizer that cannot work is a ``TokenizerInputError`` whose
+Called by both training entries on the command line before Megatron is
+imported when it names ``--tokenizer-type`` (``check_argv`` from
+training_hooks.resolve_flags), again on Megatron's parsed arguments (preflight,
+before any process group or model), and by scripts/preprocess_data.py before
+anything is written. A tokenizer that cannot work is a ``TokenizerInputError`` whose
 message is one line saying what is missing. Imports nothing from Megatron.
 
 Per ``--tokenizer-type`` (the ones the launchers document, and Megatron's

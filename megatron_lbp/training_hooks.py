@@ -20,9 +20,9 @@ Six call sites, each a function here:
 ``install()`` points an imported megatron.training at these functions (that is
 how ``python -m megatron_lbp.pretrain_gpt`` runs); ``patches/`` inserts calls to
 the same functions into a Megatron-LM source tree. Without ``--hier-partition``
-every hook hands back to Megatron's own code path unchanged, with two exceptions
-that hold for every run: the checkpoint tracker is written atomically, and
-``--tokenizer-type GPT2BPETokenizer`` is built from ``--vocab-file``/``--merge-file``
+every hook hands back to Megatron's own code path unchanged, except for what
+holds for every run: the flags of 0, the atomic checkpoint tracker, and
+``--tokenizer-type GPT2BPETokenizer`` built from ``--vocab-file``/``--merge-file``
 without the network megatron-core's own path needs
 (``megatron_adapter.install_gpt2_bpe_from_files``).
 """
