@@ -49,7 +49,7 @@ from megatron_lbp.config import (PRESETS, HierConfigError, add_hier_arguments,
                                  resolve_hier_config)
 from megatron_lbp.layout import LayoutError
 from megatron_lbp.topology import (LINK_CLASSES, TopologyError, check_colocation,
-                                   emulated_locations, hierarchy_groups, link_class)
+                                   emulated_locations, family_link_classes, hierarchy_groups)
 
 PROG = "python -m megatron_lbp.plan"
 FAMILY_LABELS = {
@@ -268,19 +268,6 @@ def plan_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "link_classes": classes,
         "warnings": warnings,
     }
-
-
-def family_link_classes(groups: dict[str, list[tuple[int, ...]]], locations
-                        ) -> dict[str, str | None]:
-    """Slowest link class over each family's groups; None when every group is one rank."""
-    out: dict[str, str | None] = {}
-    for family, fam_groups in groups.items():
-        if all(len(g) <= 1 for g in fam_groups):
-            out[family] = None
-            continue
-        out[family] = max((link_class(g, locations) for g in fam_groups),
-                          key=LINK_CLASSES.index)
-    return out
 
 
 def _group_of(rank: int, fam_groups: list[tuple[int, ...]]) -> tuple[int, ...]:

@@ -348,6 +348,24 @@ def link_class(ranks: Sequence[int],
     return _link_class_of([_lookup(mapping, r) for r in ranks])
 
 
+def family_link_classes(groups: Mapping[str, Sequence[Sequence[int]]],
+                        locations: Mapping[int, RankLocation] | Sequence[RankLocation]
+                        ) -> dict[str, str | None]:
+    """Slowest link class over each family's groups; None when every group is one rank.
+
+    Shared by the plan tool and the engine (which picks qgZ's families from it),
+    so both read one answer from the same placement.
+    """
+    out: dict[str, str | None] = {}
+    for family, fam_groups in groups.items():
+        if all(len(g) <= 1 for g in fam_groups):
+            out[family] = None
+            continue
+        out[family] = max((link_class(g, locations) for g in fam_groups),
+                          key=LINK_CLASSES.index)
+    return out
+
+
 def _capacities(mapping: Mapping[int, RankLocation]) -> dict[str, int]:
     """Most ranks any one package / node holds (how big a group can fit in one)."""
     per_package: dict[tuple[int, int], int] = {}

@@ -9,10 +9,9 @@ import torch
 
 from megatron_lbp import costs
 from megatron_lbp.config import HierConfig
-from megatron_lbp.plan import family_link_classes
 from megatron_lbp.testing.multirank import rank_location_env, run_on_ranks
 from megatron_lbp.testing.tiny_gpt import TinyGPTSpec, TrainSpec, train_hier
-from megatron_lbp.topology import all_hierarchy_groups, emulated_locations
+from megatron_lbp.topology import all_hierarchy_groups, emulated_locations, family_link_classes
 from tests.test_engine_equivalence import PRESETS, TOPOLOGY, WORLD
 
 

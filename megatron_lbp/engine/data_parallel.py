@@ -131,8 +131,7 @@ class HierDataParallel(_megatron_base()):
         names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
         for dtype in sorted({p.dtype for _, p in self._params}, key=str):
             check_training_dtypes(cfg, names.get(dtype, str(dtype)))
-        from megatron_lbp.plan import family_link_classes
-        from megatron_lbp.topology import hierarchy_groups
+        from megatron_lbp.topology import family_link_classes, hierarchy_groups
 
         classes = family_link_classes(hierarchy_groups(hier.dp_ranks, cfg), hier.locations)
         self.quantized_grad_families = costs.quantized_grad_families(cfg, classes)
