@@ -12,9 +12,13 @@ environment -> :mod:`topology` locations, flags -> :mod:`config`, group families
 3. configuration and co-location are validated on that shared picture:
    an error is raised on every rank *before any hierarchy group is created*;
 4. only then are the groups created, every rank calling ``new_group`` for
-   every group in the same order (torch.distributed's rule), with identical
-   member lists created once and shared between families (zero3's P, G and O
-   groups are one communicator).
+   every group in the same order (torch.distributed's rule). Each family's
+   group gets a communicator per *channel* it uses (``FAMILY_CHANNELS``):
+   weight all-gathers run on "gather" communicators, gradient reductions and
+   the scalar all-reduces on "reduce" ones, so a backward gather never queues
+   behind a reduce-scatter over the same ranks (zero3, or S = G). Within one
+   channel, identical member lists are created once and shared between
+   families (zero3's G- and O-group reductions are one communicator).
 
 Megatron's model-parallel layout enters only as the caller's data-parallel
 group plus the tensor/context parallel sizes; this module imports nothing
@@ -44,6 +48,20 @@ from megatron_lbp.topology import (
 )
 
 
+# The communicators each family's collectives run on. "inter" carries both the
+# optimizer step's network reduce-scatter and the updated weights' all-gather.
+CHANNELS = ("gather", "reduce")
+FAMILY_CHANNELS = {
+    "param": ("gather",),
+    "secondary": ("gather",),
+    "grad_to_param": ("gather",),
+    "inter": ("gather", "reduce"),
+    "grad": ("reduce",),
+    "optim": ("reduce",),
+    "replica": ("reduce",),
+}
+
+
 @dataclass
 class HierGroups:
     """This rank's view of the hierarchy: its groups per family, as ranks and as process groups."""
@@ -54,8 +72,11 @@ class HierGroups:
     location: RankLocation
     locations: dict[int, RankLocation]     # every rank of the job
     ranks: dict[str, tuple[int, ...]]      # family -> this rank's group (global ranks, collective order)
-    groups: dict[str, Any]                 # family -> torch ProcessGroup
+    groups: dict[str, dict[str, Any]]      # family -> channel -> torch ProcessGroup
     link_classes: dict[str, str]           # family -> link class of this rank's group
+    # family -> channel -> the communicator's name ("<family>_<channel>" of the first
+    # family that created it): two collectives with one name queue behind each other.
+    comm_names: dict[str, dict[str, str]] = field(default_factory=dict)
     dp_group: Any = None                   # the data-parallel process group (None: the world)
     warnings: list[str] = field(default_factory=list)
 
@@ -138,16 +159,25 @@ def build_hier_groups(
                                 allow=bool(getattr(args, "hier_allow_non_colocated", False)))
 
     me = dist.get_rank()
-    created: dict[tuple[int, ...], Any] = {}
-    mine_ranks, mine_groups = {}, {}
+    created: dict[tuple[tuple[int, ...], str], tuple[Any, str]] = {}
+    mine_ranks: dict[str, tuple[int, ...]] = {}
+    mine_groups: dict[str, dict[str, Any]] = {}
+    mine_names: dict[str, dict[str, str]] = {}
     # Bounded waits: a stuck peer fails its groups after --hier-collective-timeout-s.
     timeout = faults.configure_from_args(args)
+    # Every rank walks the same families, groups and channels in the same order.
     for family, groups in families.items():
         for members in groups:
-            if members not in created:
-                created[members] = dist.new_group(list(members), timeout=timeout)
-            if me in members:
-                mine_ranks[family], mine_groups[family] = members, created[members]
+            for channel in FAMILY_CHANNELS[family]:
+                key = (members, channel)
+                if key not in created:
+                    created[key] = (dist.new_group(list(members), timeout=timeout),
+                                    f"{family}_{channel}")
+                if me in members:
+                    group, name = created[key]
+                    mine_ranks[family] = members
+                    mine_groups.setdefault(family, {})[channel] = group
+                    mine_names.setdefault(family, {})[channel] = name
     return HierGroups(
         config=config,
         dp_ranks=dp_ranks,
@@ -157,6 +187,7 @@ def build_hier_groups(
         ranks=mine_ranks,
         groups=mine_groups,
         link_classes={f: link_class(r, locations) for f, r in mine_ranks.items()},
+        comm_names=mine_names,
         dp_group=dp_group,
         warnings=warnings,
     )

@@ -13,7 +13,7 @@ def _parse(argv):
 
 
 def _build_and_exercise(argv, tp=1):
-    """Build the groups, then all-reduce (rank + 1) in each: proves each communicator's membership."""
+    """Build the groups, then all-reduce (rank + 1) on each communicator: proves its membership."""
     import torch
     import torch.distributed as dist
 
@@ -31,15 +31,21 @@ def _build_and_exercise(argv, tp=1):
     except (ValueError, RuntimeError) as err:
         return {"error": f"{type(err).__name__}: {err}"}
     sums = {}
-    for family, group in h.groups.items():
-        t = torch.tensor([float(dist.get_rank() + 1)])
-        dist.all_reduce(t, group=group)
-        sums[family] = t.item()
-    same = h.groups["param"] is h.groups["grad"]
+    for family, by_channel in h.groups.items():
+        for channel, group in by_channel.items():
+            t = torch.tensor([float(dist.get_rank() + 1)])
+            dist.all_reduce(t, group=group)
+            sums.setdefault(family, set()).add(t.item())
+    sums = {f: v.pop() if len(v) == 1 else sorted(v) for f, v in sums.items()}
+    g = h.groups
     return {"ranks": h.ranks, "links": h.link_classes, "sums": sums, "warnings": h.warnings,
             "sizes": (h.config.param_group_size, h.config.grad_group_size,
                       h.config.optim_group_size, h.config.replicas),
-            "param_is_grad_group": same, "describe": h.describe()}
+            "channels": {f: sorted(c) for f, c in g.items()}, "names": h.comm_names,
+            "gather_is_reduce": g["param"]["gather"] is g["grad"]["reduce"],
+            "grad_is_optim": g["grad"]["reduce"] is g["optim"]["reduce"],
+            "secondary_is_grad": "secondary" in g and g["secondary"]["gather"] is g["grad"]["reduce"],
+            "describe": h.describe()}
 
 
 TWO_NODES = rank_location_env(4)  # 8 ranks = 2 emulated nodes x 2 packages x 2 GCDs
@@ -78,10 +84,34 @@ def test_emulated_nodes_on_one_host_match_real_placement():
     assert out[0]["links"]["grad"] == "node" and out[0]["links"]["optim"] == "network"
 
 
-def test_zero3_shares_one_communicator_between_its_families():
+def test_zero3_gathers_and_reductions_run_on_separate_communicators():
+    # P = G = O = W: one member list, but a weight gather must never queue behind a
+    # gradient reduce-scatter, so gathers get a communicator of their own.
     out = run_on_ranks(_build_and_exercise, 4, ["--hier-preset", "zero3"], rank_env=rank_location_env(2))
-    assert out[0]["sizes"] == (4, 4, 4, 1) and out[0]["param_is_grad_group"], out[0]
+    for rank, got in enumerate(out):
+        assert got["sizes"] == (4, 4, 4, 1), got
+        assert not got["gather_is_reduce"], f"rank {rank}: gathers share the reduce communicator"
+        assert got["grad_is_optim"], f"rank {rank}: identical reduce groups were not shared"
+        assert got["names"]["param"] == {"gather": "param_gather"}, got["names"]
+        assert got["names"]["grad"] == got["names"]["optim"] == {"reduce": "grad_reduce"}, got["names"]
+        assert got["names"]["inter"] == {"gather": "inter_gather", "reduce": "inter_reduce"}
+        assert got["sums"]["param"] == got["sums"]["grad"] == 10, got["sums"]
     assert out[0]["links"]["param"] == "network"
+    assert out[0]["channels"] == {"param": ["gather"], "grad": ["reduce"], "optim": ["reduce"],
+                                  "inter": ["gather", "reduce"], "grad_to_param": ["gather"],
+                                  "replica": ["reduce"]}, out[0]["channels"]
+
+
+def test_secondary_gather_equal_to_the_grad_group_has_its_own_communicator():
+    # S = G (Frontier's lbp with S = 8): the backward gather and the reduce-scatter of
+    # the layer after it would otherwise queue on one communicator.
+    out = run_on_ranks(_build_and_exercise, 8, ["--hier-grad-group-size", "4",
+                                                "--hier-secondary-group-size", "4"],
+                       rank_env=TWO_NODES)
+    for rank, got in enumerate(out):
+        assert got["ranks"]["secondary"] == got["ranks"]["grad"], got["ranks"]
+        assert not got["secondary_is_grad"], f"rank {rank}: one communicator for both"
+        assert got["names"]["secondary"] == {"gather": "secondary_gather"}, got["names"]
 
 
 def test_hsdp_replicas_cross_the_network():

@@ -15,6 +15,16 @@ class. The accounting is the same as the plan tool's (megatron_lbp.costs):
 Bulk phases are those the plan predicts; "control" holds the scalar
 collectives (gradient norm, inf/nan flags, start-up broadcast) that it does not.
 
+Each family has one communicator per *channel* (megatron_lbp.process_groups):
+all-gathers run on its "gather" communicator, reduce-scatters, all-to-alls and
+all-reduces on its "reduce" one, so a weight gather never waits behind a
+gradient reduction over the same ranks.
+
+Two observers see every collective: :class:`CommStats` (counts of synchronous
+and asynchronous calls and of those in flight, CONTRACTS §2) and, with
+``--hier-trace``, the schedule trace (megatron_lbp.engine.trace), which records
+when each was issued, first waited for and done.
+
 A collective that fails (a peer died, or the group's timeout ran out) is
 diagnosed once by :mod:`megatron_lbp.engine.faults` and raised as a
 ``CollectiveFault`` naming the lost rank(s) and the phase; asynchronous work
@@ -25,6 +35,7 @@ stall watch, which diagnoses one that does not complete in time.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Mapping
 
@@ -74,24 +85,66 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-class Collectives:
-    """The engine's only door to torch.distributed for bulk data."""
+@dataclass
+class CommStats:
+    """Collectives this rank issued, and how many of them run under compute (CONTRACTS §2).
 
-    def __init__(self, groups: Mapping[str, Any], sizes: Mapping[str, int],
-                 links: Mapping[str, str], ledger: CommLedger | None = None) -> None:
-        self.groups = dict(groups)
+    ``async_issued``: issued with async_op=True (really in flight: gloo and NCCL
+    return work to wait for); ``sync_issued``: issued and completed in the call;
+    ``in_flight``: asynchronous ones not yet waited for, now; ``max_in_flight``:
+    the most at once. With --no-hier-overlap only ``sync_issued`` moves.
+    """
+
+    async_issued: int = 0
+    sync_issued: int = 0
+    in_flight: int = 0
+    max_in_flight: int = 0
+
+
+GATHER, REDUCE = "gather", "reduce"
+
+
+class Collectives:
+    """The engine's only door to torch.distributed for bulk data.
+
+    ``groups``: family -> channel ("gather" | "reduce") -> process group;
+    ``comm_names``: the same keys -> the communicator's name in the trace.
+    """
+
+    def __init__(self, groups: Mapping[str, Mapping[str, Any]], sizes: Mapping[str, int],
+                 links: Mapping[str, str], ledger: CommLedger | None = None,
+                 comm_names: Mapping[str, Mapping[str, str]] | None = None) -> None:
+        self.groups = {f: dict(by_channel) for f, by_channel in groups.items()}
         self.sizes = dict(sizes)
         self.links = dict(links)
         self.ledger = ledger or CommLedger()
-        self._activity = {f: faults.Activity("", f, _group_ranks(g))
-                          for f, g in self.groups.items()}
+        self.comm_names = {f: dict(by_channel) for f, by_channel in (comm_names or {}).items()}
+        self.stats = CommStats()
+        self.trace = None   # a ScheduleTrace with --hier-trace on a rank that writes one
+        self._activity = {f: faults.Activity("", f, _group_ranks(next(iter(g.values()))))
+                          for f, g in self.groups.items() if g}
         self._inject = faults.injection_for_this_rank()
+        self._unwaited: list[_TrackedWork] = []   # kept only under fault injection
         faults.ensure_monitor()
 
-    def _issue(self, family: str, phase: str, collective, *args, group, async_op: bool, **kwargs):
-        """Issue one collective; a failure (now or at ``wait()``) becomes a diagnosed fault."""
+    def _comm_name(self, family: str, channel: str) -> str:
+        return self.comm_names.get(family, {}).get(channel, f"{family}_{channel}")
+
+    def _issue(self, family: str, phase: str, collective, *args, group, async_op: bool,
+               trace_as: tuple | None = None, **kwargs):
+        """Issue one collective; a failure (now or at ``wait()``) becomes a diagnosed fault.
+
+        ``trace_as``: (unit, comm name, link, bytes) for the schedule trace.
+        """
         base = self._activity.get(family)
-        activity = faults.Activity(phase, family, base.ranks if base else _group_ranks(group))
+        if self._inject is not None and self._inject.fires(phase):
+            self._drain()  # die between collectives: everything issued before is complete
+        activity = faults.Activity(phase, family, base.ranks if base else _group_ranks(group),
+                                   faults.TRACKER.next_seq(), faults.TRACKER.iteration)
+        record = None
+        if self.trace is not None and trace_as is not None:
+            unit, comm, link, nbytes = trace_as
+            record = self.trace.issued(phase, unit, family, comm, link, nbytes, async_op)
         faults.TRACKER.enter(activity)
         if self._inject is not None:
             self._inject.before(phase)
@@ -104,15 +157,33 @@ class Collectives:
             raise faults.diagnose(activity, err) from err
         finally:
             faults.TRACKER.leave()
+        if work is not None and not async_op:
+            # A synchronous call issued asynchronously for the stall watch: still synchronous.
+            done = _TrackedWork(work, activity, self, counted=False)
+            watch.add(done)
+            done.wait()
+            work = None
         if work is None:
+            self.stats.sync_issued += 1
+            if record is not None:
+                record.wait, record.wait_seq = record.issued, record.issued_seq
+                self.trace.completed(record)
             return None
-        tracked = _TrackedWork(work, activity)
+        self.stats.async_issued += 1
+        self.stats.in_flight += 1
+        self.stats.max_in_flight = max(self.stats.max_in_flight, self.stats.in_flight)
+        faults.TRACKER.in_flight[activity.seq] = activity
+        tracked = _TrackedWork(work, activity, self, record)
         if watch is not None:
             watch.add(tracked)
-            if not async_op:
-                tracked.wait()
-                return None
+        if self._inject is not None:
+            self._unwaited = [w for w in self._unwaited if not w.waited] + [tracked]
         return tracked
+
+    def _drain(self) -> None:
+        """Wait for every asynchronous collective still in flight (fault injection only)."""
+        while self._unwaited:
+            self._unwaited.pop(0).wait()
 
     def poison_if_injected(self, grad: torch.Tensor, phase: str) -> None:
         """The fault-injection hook for gradients (LBP_FAULT_INJECT with action=nan)."""
@@ -122,60 +193,74 @@ class Collectives:
     def _charge(self, family: str, phase: str, nbytes: Fraction | int) -> None:
         self.ledger.record(phase, self.links[family], nbytes)
 
-    def _exchange(self, collective, out: torch.Tensor, inp: torch.Tensor, family: str,
-                  phase: str, total_bytes: int, async_op: bool):
+    def _exchange(self, collective, channel: str, out: torch.Tensor, inp: torch.Tensor,
+                  family: str, phase: str, total_bytes: int, async_op: bool, unit: int | None):
         """One out-of-place collective whose rank sends (n-1)/n of ``total_bytes``."""
         n = self.sizes[family]
         if n == 1:
             out.copy_(inp)
             return None
-        self._charge(family, phase, Fraction(total_bytes * (n - 1), n))
-        return self._issue(family, phase, collective, out, inp, group=self.groups[family],
-                           async_op=async_op)
+        nbytes = Fraction(total_bytes * (n - 1), n)
+        self._charge(family, phase, nbytes)
+        return self._issue(family, phase, collective, out, inp,
+                           group=self.groups[family][channel], async_op=async_op,
+                           trace_as=(unit, self._comm_name(family, channel),
+                                     self.links[family], nbytes))
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, family: str, phase: str,
-                   async_op: bool = False):
-        return self._exchange(dist.all_gather_into_tensor, out, inp, family, phase,
-                              _nbytes(out), async_op)
+                   async_op: bool = False, unit: int | None = None):
+        return self._exchange(dist.all_gather_into_tensor, GATHER, out, inp, family, phase,
+                              _nbytes(out), async_op, unit)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, family: str, phase: str,
-                       async_op: bool = False):
-        return self._exchange(dist.reduce_scatter_tensor, out, inp, family, phase,
-                              _nbytes(inp), async_op)
+                       async_op: bool = False, unit: int | None = None):
+        return self._exchange(dist.reduce_scatter_tensor, REDUCE, out, inp, family, phase,
+                              _nbytes(inp), async_op, unit)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, family: str, phase: str,
-                   async_op: bool = False):
+                   async_op: bool = False, unit: int | None = None):
         """Chunk i of ``inp`` (n equal chunks) goes to group rank i; chunk j of ``out`` came from j."""
-        return self._exchange(dist.all_to_all_single, out, inp, family, phase, _nbytes(inp),
-                              async_op)
+        return self._exchange(dist.all_to_all_single, REDUCE, out, inp, family, phase,
+                              _nbytes(inp), async_op, unit)
 
     def all_reduce(self, t: torch.Tensor, family: str, phase: str,
-                   op=dist.ReduceOp.SUM, async_op: bool = False):
+                   op=dist.ReduceOp.SUM, async_op: bool = False, unit: int | None = None):
         n = self.sizes[family]
         if n == 1:
             return None
-        self._charge(family, phase, Fraction(2 * _nbytes(t) * (n - 1), n))
-        return self._issue(family, phase, dist.all_reduce, t, op=op, group=self.groups[family],
-                           async_op=async_op)
+        nbytes = Fraction(2 * _nbytes(t) * (n - 1), n)
+        self._charge(family, phase, nbytes)
+        return self._issue(family, phase, dist.all_reduce, t, op=op,
+                           group=self.groups[family][REDUCE], async_op=async_op,
+                           trace_as=(unit, self._comm_name(family, REDUCE),
+                                     self.links[family], nbytes))
 
     def broadcast(self, t: torch.Tensor, src: int, group: Any, link: str, group_size: int,
                   phase: str = CONTROL) -> None:
         """Broadcast over an arbitrary group (start-up only); charged as the root's sends."""
         if group_size > 1:
-            self.ledger.record(phase, link, _nbytes(t) * (group_size - 1) if dist.get_rank() == src else 0)
+            nbytes = _nbytes(t) * (group_size - 1) if dist.get_rank() == src else 0
+            self.ledger.record(phase, link, nbytes)
             self._issue("broadcast", phase, dist.broadcast, t, src=src, group=group,
-                        async_op=False)
+                        async_op=False, trace_as=(None, "dp_broadcast", link, nbytes))
 
 
 class _TrackedWork:
-    """An issued collective that reports its own phase if waiting for it fails."""
+    """An issued collective that reports its own phase if waiting for it fails,
+    and tells the counters (and the trace) when it was waited for."""
 
-    __slots__ = ("work", "activity")
+    __slots__ = ("work", "activity", "_owner", "_record", "waited", "_counted")
 
-    def __init__(self, work: Any, activity: faults.Activity) -> None:
+    def __init__(self, work: Any, activity: faults.Activity, owner: Collectives,
+                 record=None, counted: bool = True) -> None:
         self.work, self.activity = work, activity
+        self._owner, self._record, self.waited = owner, record, False
+        self._counted = counted   # one of the asynchronous collectives CommStats counts
 
     def wait(self) -> None:
+        trace, record = self._owner.trace, self._record
+        if record is not None and trace is not None:
+            trace.waiting(record)
         faults.TRACKER.enter(self.activity)
         try:
             self.work.wait()
@@ -183,6 +268,12 @@ class _TrackedWork:
             raise faults.diagnose(self.activity, err) from err
         finally:
             faults.TRACKER.leave()
+        if not self.waited and self._counted:
+            self._owner.stats.in_flight -= 1
+            faults.TRACKER.in_flight.pop(self.activity.seq, None)
+            if record is not None and trace is not None:
+                trace.completed(record)
+        self.waited = True
 
     def is_completed(self) -> bool:
         return self.work.is_completed()

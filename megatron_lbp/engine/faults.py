@@ -56,8 +56,9 @@ How it works (all through the job's own rendezvous store, no extra service):
 
 Fault injection (testing aid): ``LBP_FAULT_INJECT="rank=3,phase=grad_reduce,
 iteration=2"`` makes rank 3 SIGKILL itself right before issuing its first
-``grad_reduce`` collective of iteration 2 (``action=hang``: sleep there
-instead; ``action=nan``, with ``phase=grad_reduce`` only: write a nan into the
+``grad_reduce`` collective of iteration 2, once the collectives it already
+issued have completed (so the collective it dies before is the one it never
+joined) (``action=hang``: sleep there instead; ``action=nan``, with ``phase=grad_reduce`` only: write a nan into the
 rank's own gradient before it is checked and reduced, as a poisoned batch
 would). Unset, the engine never looks at it again after start-up.
 """
@@ -114,6 +115,12 @@ class Activity:
     phase: str
     family: str
     ranks: tuple[int, ...]
+    seq: int | None = None          # this rank's count of issued collectives, at issue
+    iteration: int | None = None    # the iteration it was issued in
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"phase": self.phase, "family": self.family, "ranks": list(self.ranks),
+                "seq": self.seq, "iteration": self.iteration}
 
     def describe(self) -> str:
         if not self.ranks:
@@ -128,6 +135,12 @@ class _Tracker:
         self.iteration = 1
         self.current: Activity | None = None
         self.last: Activity | None = None
+        self.issued = 0                             # collectives issued so far
+        self.in_flight: dict[int, Activity] = {}    # seq -> issued asynchronously, not waited for
+
+    def next_seq(self) -> int:
+        self.issued += 1
+        return self.issued
 
     def enter(self, activity: Activity) -> None:
         self.current = activity
@@ -194,8 +207,12 @@ class Injection:
               file=sys.stderr, flush=True)
         grad.view(-1)[0] = float("nan")
 
+    def fires(self, phase: str) -> bool:
+        """Whether :meth:`before` kills (or hangs) this rank at a ``phase`` collective now."""
+        return self.action != "nan" and phase == self.phase and TRACKER.iteration == self.iteration
+
     def before(self, phase: str) -> None:
-        if self.action == "nan" or phase != self.phase or TRACKER.iteration != self.iteration:
+        if not self.fires(phase):
             return
         print(f"[megatron-lbp] fault injection: rank {dist.get_rank()} {self.action}s before "
               f"{phase} at iteration {self.iteration} ({INJECT_ENV})", file=sys.stderr, flush=True)
@@ -451,11 +468,19 @@ PHASE_ORDER = ("forward_gather", "backward_gather", "grad_reduce", "step_reduce"
 
 
 def _record(rank: int, activity: Activity | None, error: str | None = None) -> dict[str, Any]:
+    in_flight = TRACKER.in_flight.copy()  # one C call: safe against the main thread's edits
     return {"rank": rank, "iteration": TRACKER.iteration,
             "doing": f"in {activity.phase}" if activity else TRACKER.describe(),
-            "activity": None if activity is None else
-            {"phase": activity.phase, "family": activity.family, "ranks": list(activity.ranks)},
+            "activity": None if activity is None else activity.as_dict(),
+            "in_flight": [a.as_dict() for _, a in sorted(in_flight.items())],
             "error": error}
+
+
+def _issue_order(record: dict[str, Any], activity: dict[str, Any]) -> tuple:
+    """When ``activity`` was issued; older records without issue numbers go by phase."""
+    iteration = activity.get("iteration") or record["iteration"]
+    seq = activity.get("seq")
+    return (iteration, float("inf") if seq is None else seq, _phase_rank(activity["phase"]))
 
 
 def diagnose(activity: Activity, error: BaseException) -> CollectiveFault:
@@ -515,15 +540,20 @@ def _decide(store: Any, record: dict[str, Any]) -> dict[str, Any]:
         if store.check([key]):
             alive[r] = json.loads(store.get(key))
     lost = [r for r in range(world) if r not in alive]
-    # The phase a lost rank never joined: the earliest collective a survivor waits
-    # for it in (detection order between survivors is a race; this is not).
-    waiting = [a for a in alive.values()
-               if a["activity"] and set(a["activity"]["ranks"]) & set(lost)]
-    where = min(waiting, key=lambda a: (a["iteration"], _phase_rank(a["activity"]["phase"])),
-                default=None) or (_timed_out(store, world) if not lost else None) or record
+    # The collective a lost rank never joined: the earliest-issued one with it that a
+    # survivor is blocked in or has in flight (detection order between survivors is a
+    # race; issue order is the same on every rank).
+    waiting = [(a, act) for a in alive.values()
+               for act in ([a["activity"]] if a["activity"] else []) + a.get("in_flight", [])
+               if set(act["ranks"]) & set(lost)]
+    first = min(waiting, key=lambda w: _issue_order(*w), default=None)
+    where = ({**first[0], "activity": first[1], "iteration": _issue_order(*first)[0]}
+             if first else None) or (_timed_out(store, world) if not lost else None) or record
+    same = (lambda act: act.get("seq") == where["activity"].get("seq")
+            if where["activity"].get("seq") is not None
+            else act["phase"] == where["activity"]["phase"])
     verdict = {"lost": lost, "where": where, "store_lost": False,
-               "waited_by": sorted(a["rank"] for a in waiting
-                                   if a["activity"]["phase"] == where["activity"]["phase"]),
+               "waited_by": sorted({a["rank"] for a, act in waiting if same(act)}),
                "alive": {str(r): a["doing"] for r, a in alive.items()},
                "checkin_s": _settings["checkin_s"]}
     store.set(_VERDICT, json.dumps(verdict))

@@ -81,7 +81,8 @@ def _nbytes(t: torch.Tensor) -> int:
 def gather_packed_slices(comm: Collectives, out: torch.Tensor, packed: torch.Tensor,
                          block_size: int, family: str, phase: str,
                          transient: TransientLedger, async_op: bool = False,
-                         release: Callable[[], None] | None = None) -> Pending:
+                         release: Callable[[], None] | None = None,
+                         unit: int | None = None) -> Pending:
     """All-gather each rank's packed slice of ``out.numel() / n`` elements and dequantize into ``out``.
 
     ``release`` runs after landing (e.g. to free the caller's send buffer).
@@ -95,7 +96,8 @@ def gather_packed_slices(comm: Collectives, out: torch.Tensor, packed: torch.Ten
     else:
         recv = torch.empty(n * nb, dtype=torch.uint8, device=packed.device)
         transient.alloc(_nbytes(recv))
-    work = comm.all_gather(recv, packed, family, phase, async_op=async_op) if n > 1 else None
+    work = comm.all_gather(recv, packed, family, phase, async_op=async_op,
+                           unit=unit) if n > 1 else None
 
     def finish() -> None:
         for i in range(n):
@@ -113,7 +115,8 @@ def gather_packed_slices(comm: Collectives, out: torch.Tensor, packed: torch.Ten
 
 def all_gather_quantized(comm: Collectives, out: torch.Tensor, shard: torch.Tensor,
                          block_size: int, family: str, phase: str,
-                         transient: TransientLedger, async_op: bool = False) -> Pending:
+                         transient: TransientLedger, async_op: bool = False,
+                         unit: int | None = None) -> Pending:
     """qwZ: ``out`` = the group's shards, sent as int8 + scales and dequantized on arrival.
 
     Every rank, this one included, ends up with the dequantized values of every
@@ -124,12 +127,14 @@ def all_gather_quantized(comm: Collectives, out: torch.Tensor, shard: torch.Tens
     transient.alloc(nb)
     quantize_into(shard, send, block_size)
     return gather_packed_slices(comm, out, send, block_size, family, phase, transient,
-                                async_op=async_op, release=lambda: transient.free(nb))
+                                async_op=async_op, release=lambda: transient.free(nb),
+                                unit=unit)
 
 
 def reduce_scatter_quantized(comm: Collectives, out: torch.Tensor, inp: torch.Tensor,
                              my_index: int, block_size: int, family: str, phase: str,
-                             transient: TransientLedger, async_op: bool = False) -> Pending:
+                             transient: TransientLedger, async_op: bool = False,
+                             unit: int | None = None) -> Pending:
     """qgZ: ``out`` = sum over the group of every rank's chunk ``my_index`` of ``inp``.
 
     Chunk i of ``inp`` (``out.numel()`` elements) goes to group rank i as int8 +
@@ -149,7 +154,7 @@ def reduce_scatter_quantized(comm: Collectives, out: torch.Tensor, inp: torch.Te
     for i in range(n):
         if i != my_index:  # the own chunk's slot is sent to itself only and never read
             quantize_into(inp[i * c:(i + 1) * c], send[i * nb:(i + 1) * nb], block_size)
-    work = comm.all_to_all(recv, send, family, phase, async_op=async_op)
+    work = comm.all_to_all(recv, send, family, phase, async_op=async_op, unit=unit)
 
     def finish() -> None:
         own = inp[my_index * c:(my_index + 1) * c]
