@@ -47,6 +47,8 @@ __all__ = [
     "hier_config_from_args",
     "EngineOptions",
     "engine_options_from_args",
+    "prefetch_units_from_args",
+    "DEFAULT_PREFETCH_UNITS",
     "DEFAULT_QUANT_BLOCK_SIZE",
     "QUANT_KERNEL_ALIGN",
     "check_training_dtypes",
@@ -75,6 +77,7 @@ FLAGS = {
     "gcds_per_package": "--hier-gcds-per-package",
     "preset": "--hier-preset",
     "bucket_size": "--hier-bucket-size",
+    "prefetch_units": "--hier-prefetch-units",
     "grad_reduce_dtype": "--hier-grad-reduce-dtype",
     "quant_block_size": "--hier-quant-block-size",
     "quantize_weight_gather": "--hier-quantize-weight-gather",
@@ -85,6 +88,8 @@ GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 # Megatron's own default bucket (40M elements) keeps collectives large enough
 # to run near link bandwidth on Frontier; tests pass small sizes for many buckets.
 DEFAULT_BUCKET_SIZE = 40_000_000
+# Gather units whose all-gather runs ahead of the one being computed (FSDP2's default).
+DEFAULT_PREFETCH_UNITS = 1
 
 # Blockwise int8 (megatron_lbp.quant, which needs torch; these mirror its
 # DEFAULT_BLOCK_SIZE and KERNEL_ALIGN, and a test keeps them equal): one fp32
@@ -450,17 +455,28 @@ def add_hier_arguments(parser: argparse.ArgumentParser, *, include_world: bool =
                         "group spans a slower link than its size requires "
                         "(for experiments).")
     g.add_argument("--hier-bucket-size", type=_int_arg, default=None, metavar="ELEMENTS",
-                   help="Parameters per flat bucket, the unit of every gather and reduce "
-                        f"(default {DEFAULT_BUCKET_SIZE:,}; a parameter is never split).")
+                   help="Parameters per flat bucket for parameters outside the model's "
+                        "gather units (a GPT's embedding, layers and output layer are one "
+                        f"unit each, whatever their size; default {DEFAULT_BUCKET_SIZE:,}; "
+                        "a parameter is never split).")
     g.add_argument("--hier-overlap", action=argparse.BooleanOptionalAction, default=True,
-                   help="Prefetch the next bucket's weights and reduce gradients "
+                   help="Prefetch the next units' weights and reduce gradients "
                         "asynchronously (default on; --no-hier-overlap for debugging).")
+    g.add_argument("--hier-prefetch-units", type=_int_arg, default=None, metavar="N",
+                   help="Gather units whose all-gather is issued ahead of the unit being "
+                        "computed, in forward, backward and activation recomputation "
+                        f"(default {DEFAULT_PREFETCH_UNITS}; 0 = gather on demand).")
     g.add_argument("--hier-grad-reduce-dtype", choices=GRAD_REDUCE_DTYPES, default="fp32",
                    help="Dtype of the gradient shard and of every gradient reduction "
                         "(default fp32).")
     g.add_argument("--hier-comm-report", default=None, metavar="PATH",
                    help="Write bytes per link class and phase, and bytes held per state, "
                         "as JSON lines, one per optimizer step.")
+    g.add_argument("--hier-trace", default=None, metavar="PATH",
+                   help="Write the schedule trace: every collective (issued, waited for, "
+                        "done) and every unit's compute interval, one JSON line per "
+                        "optimizer step (PATH containing {rank}: one file per rank, else "
+                        "rank 0 only; docs/schedule-trace.md).")
     g.add_argument("--hier-collective-timeout-s", type=_positive_seconds, default=300.0,
                    metavar="SECONDS",
                    help="Timeout of every hierarchy collective (default 300): a peer that "
@@ -523,9 +539,12 @@ class EngineOptions:
     overlap: bool = True
     grad_reduce_dtype: str = "fp32"
     comm_report: str | None = None
+    prefetch_units: int = DEFAULT_PREFETCH_UNITS
+    trace: str | None = None
 
     def __post_init__(self) -> None:
         _check_int("bucket_size", self.bucket_size, 1)
+        _check_int("prefetch_units", self.prefetch_units, 0)
         _check_choice("grad_reduce_dtype", self.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
 
 
@@ -536,4 +555,12 @@ def engine_options_from_args(args: Any) -> EngineOptions:
         overlap=bool(getattr(args, "hier_overlap", True)),
         grad_reduce_dtype=getattr(args, "hier_grad_reduce_dtype", None) or "fp32",
         comm_report=getattr(args, "hier_comm_report", None),
+        prefetch_units=prefetch_units_from_args(args),
+        trace=getattr(args, "hier_trace", None),
     )
+
+
+def prefetch_units_from_args(args: Any) -> int:
+    """--hier-prefetch-units, checked (the plan tool reads it too)."""
+    value = getattr(args, "hier_prefetch_units", None)
+    return _check_int("prefetch_units", DEFAULT_PREFETCH_UNITS if value is None else value, 0)

@@ -328,27 +328,35 @@ def estimate(cfg, bucket_numels: Sequence[int], link_classes: Mapping[str, str],
 # --- model size --------------------------------------------------------------------------
 
 
-def gpt_param_count(num_layers: int, hidden_size: int, vocab_size: int,
-                    seq_length: int | None = None, ffn_hidden_size: int | None = None,
-                    tied: bool = True, *, position_embedding_type: str | None = None) -> int:
-    """Parameters of a megatron-core ``GPTModel`` (local or Transformer-Engine layer spec).
+UNIT_KINDS = ("embedding", "layer", "output", "other")
 
-    Assumes megatron-core defaults: LayerNorm (weight + bias), biased linears
+
+def gpt_units(num_layers: int, hidden_size: int, vocab_size: int,
+              seq_length: int | None = None, ffn_hidden_size: int | None = None,
+              tied: bool = True, *, position_embedding_type: str | None = None
+              ) -> list[tuple[str, int]]:
+    """The engine's gather units of a megatron-core ``GPTModel``: (kind, numel), forward order.
+
+    One unit is what one all-gather brings in (megatron_lbp.megatron_adapter's
+    ``gather_units`` declares the same split for a real model). Assumes
+    megatron-core defaults: LayerNorm (weight + bias), biased linears
     (``add_bias_linear=True``), multi-head attention (no GQA), a non-gated MLP
     with ``ffn_hidden_size`` (default 4h), a final LayerNorm, no tensor
     parallelism. With L layers, hidden h, ffn f, vocab V (pass Megatron's
     *padded* vocab size), sequence s::
 
-        per layer  = 2h            input LayerNorm
+        embedding  = V*h (word embeddings) + s*h if the position embedding is learned_absolute
+        layer      = 2h            input LayerNorm            (L of these)
                    + 3h*h + 3h     linear_qkv
                    + h*h + h       linear_proj
                    + 2h            pre-MLP LayerNorm
                    + h*f + f       linear_fc1
                    + f*h + h       linear_fc2
                    = 4h^2 + 2hf + 9h + f          (= 12h^2 + 13h when f = 4h)
-        total      = L*per_layer + 2h (final LayerNorm) + V*h (word embeddings)
-                   + V*h if not tied (output layer, no bias)
-                   + s*h if the position embedding is learned_absolute
+        output     = 2h (final LayerNorm) + V*h if not tied (output layer, no bias)
+
+    With tied embeddings the output layer computes with the embedding unit's
+    weight, so the output unit holds the final LayerNorm only.
 
     ``position_embedding_type``: None means "learned_absolute" when
     ``seq_length`` is given and "rope" (no position table) otherwise;
@@ -365,12 +373,98 @@ def gpt_param_count(num_layers: int, hidden_size: int, vocab_size: int,
         raise ValueError(f"position_embedding_type={pe!r}: must be learned_absolute, rope or none")
     if pe == "learned_absolute" and not seq_length:
         raise ValueError("position_embedding_type=learned_absolute needs seq_length > 0")
-    per_layer = 4 * h * h + 2 * h * f + 9 * h + f
-    total = L * per_layer + 2 * h + V * h
-    if not tied:
-        total += V * h
+    embedding = V * h
     if pe == "learned_absolute":
         if int(seq_length) <= 0:
             raise ValueError(f"seq_length={seq_length}: must be > 0")
-        total += int(seq_length) * h
-    return total
+        embedding += int(seq_length) * h
+    per_layer = 4 * h * h + 2 * h * f + 9 * h + f
+    output = 2 * h + (0 if tied else V * h)
+    return [("embedding", embedding)] + [("layer", per_layer)] * L + [("output", output)]
+
+
+def gpt_param_count(num_layers: int, hidden_size: int, vocab_size: int,
+                    seq_length: int | None = None, ffn_hidden_size: int | None = None,
+                    tied: bool = True, *, position_embedding_type: str | None = None) -> int:
+    """Parameters of a megatron-core ``GPTModel``: the sum of :func:`gpt_units` (see there)."""
+    return sum(n for _, n in gpt_units(num_layers, hidden_size, vocab_size, seq_length,
+                                       ffn_hidden_size, tied,
+                                       position_embedding_type=position_embedding_type))
+
+
+# --- transient memory --------------------------------------------------------------------
+
+# Gradient reduce-scatters kept in flight before the oldest is waited for (the
+# engine's bound on full gradient buffers alive at once during backward).
+MAX_PENDING_REDUCES = 2
+
+
+def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16",
+                    grad_dtype: str = "fp32", prefetch_units: int = 1,
+                    tied_embedding: bool = False, quantized_grad_families: Sequence[str] = (),
+                    quant_block_size: int | None = None,
+                    align: int = DEFAULT_ALIGN) -> dict[str, int]:
+    """Upper bounds of the engine's transient buffers per rank (bytes), per part of the step.
+
+    Counted as the engine's transient ledger counts them (full weight units,
+    their gather buffers, full gradient units, reduce-scatter buffers, the
+    step's 1/O gradients), assuming a module uses one unit at a time, as a
+    GPT's do, plus the tied embedding, which stays gathered from the
+    embedding to the output layer and through the whole backward
+    (``quantized_grad_families``: what :func:`quantized_grad_families` returns):
+
+    - ``unit_gather``: the largest unit while gathered (weights + gather buffers,
+      forward or backward, whichever is larger);
+    - ``prefetch``: what ``prefetch_units`` = d gathers running ahead add, d of those;
+    - ``forward``:  tied embedding + (1 + d) gathered units;
+    - ``backward``: tied embedding + (1 + d) gathered units + (1 + MAX_PENDING_REDUCES)
+      full gradient units with their reduce-scatter buffers;
+    - ``step``: the optimizer step's fp32 1/O gradient of every unit + one network
+      reduce-scatter's buffers;
+    - ``peak``: the largest of the three.
+
+    The engine's measured ``peak_transient`` never exceeds ``peak``
+    (tests/test_engine_accounting.py).
+    """
+    W, P, G, O, S, R = _sizes(cfg)
+    wb, gb = _dtype_bytes(param_dtype, grad_dtype)
+    if prefetch_units < 0:
+        raise ValueError(f"prefetch_units={prefetch_units}: must be >= 0")
+    B = _block(cfg, quant_block_size)
+    qwz = bool(getattr(cfg, "quantize_weight_gather", False))
+    sdt = _secondary_dtype(cfg)
+    padded = [padded_numel(n, cfg, align) for n in unit_numels]
+
+    def weight_gather(N: int) -> int:
+        return wb * N + ((P + 1) * int8_payload_bytes(N // P, B) if qwz and P > 1 else 0)
+
+    def backward_gather(N: int) -> int:
+        if not S:
+            return weight_gather(N)
+        if sdt == "int8":
+            return wb * N + (S * int8_payload_bytes(N // S, B) if S > 1 else 0)
+        return wb * N + (2 * N if wb != 2 else 0)  # bf16 copy of wider weights: widened on arrival
+
+    def reduce(N: int, families: set[str]) -> int:
+        transpose = gb * N if 1 < P < G else 0
+        out = gb * N // G
+        quantized = ("grad" in families and G > 1) and \
+            (2 * G * int8_payload_bytes(N // G, B) + 2 * 4 * (N // G))
+        return gb * N + transpose + out + (quantized or 0)
+
+    families = set(quantized_grad_families)
+    gather = max((max(weight_gather(N), backward_gather(N)) for N in padded), default=0)
+    tied = weight_gather(padded[0]) if tied_embedding and padded else 0
+    d = int(prefetch_units)
+    forward = tied + (1 + d) * max((weight_gather(N) for N in padded), default=0)
+    backward = (tied + (1 + d) * max((backward_gather(N) for N in padded), default=0)
+                + (1 + MAX_PENDING_REDUCES) * max((reduce(N, families) for N in padded),
+                                                  default=0))
+    n_inter = O // G
+    step_network = max(((2 * n_inter * int8_payload_bytes(N // O, B) + 2 * 4 * (N // O))
+                        if "inter" in families and n_inter > 1 else 0 for N in padded),
+                       default=0)
+    step = sum(4 * N // O for N in padded) + step_network
+    return {"prefetch_units": d, "unit_gather": gather, "prefetch": d * gather,
+            "forward": forward, "backward": backward, "step": step,
+            "peak": max(forward, backward, step)}

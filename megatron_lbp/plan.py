@@ -46,7 +46,7 @@ from typing import Any, Sequence
 from megatron_lbp import costs
 from megatron_lbp.config import (PRESETS, HierConfigError, add_hier_arguments,
                                  check_quantized_grad_families, check_training_dtypes,
-                                 resolve_hier_config)
+                                 prefetch_units_from_args, resolve_hier_config)
 from megatron_lbp.layout import LayoutError
 from megatron_lbp.topology import (LINK_CLASSES, TopologyError, check_colocation,
                                    emulated_locations, family_link_classes, hierarchy_groups)
@@ -123,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--micro-batches", metavar="K", default="1",
                    help="micro-batches per optimizer step (default 1)")
     s.add_argument("--bucket-size", metavar="ELEMS", default=None,
-                   help="bucket size in elements (default: the whole model as one bucket)")
+                   help="bucket size in elements for a model sized by --params (default: the "
+                        "whole model as one bucket); a GPT shape is cut into the engine's "
+                        "gather units instead (embedding, each layer, output layer)")
     s.add_argument("--quant-block-size", metavar="B", default=None,
                    help="elements per fp32 scale of every int8 payload (default 256); "
                         "same as --hier-quant-block-size")
@@ -151,7 +153,8 @@ def _pick_alias(args, short: str, long: str, default):
     return next(iter(values.values()), default)
 
 
-def _model_params(args) -> int:
+def _model_units(args, bucket: int | None) -> list[tuple[str, int]]:
+    """(kind, numel) of each gather unit: a GPT shape's units, or --params cut into buckets."""
     shape_flags = ("--num-layers", "--hidden-size", "--vocab-size")
     extra_flags = ("--ffn-hidden-size", "--seq-length")
     given = {f: getattr(args, f[2:].replace("-", "_")) for f in shape_flags + extra_flags}
@@ -160,7 +163,8 @@ def _model_params(args) -> int:
         if both:
             raise UsageError(f"--params={args.params} and {both[0]}={given[both[0]]} both "
                              "given: give --params or a model shape, not both")
-        return _number("--params", args.params)
+        return [("other", n) for n in costs.split_buckets(_number("--params", args.params),
+                                                           bucket)]
     missing = [f for f in shape_flags if given[f] is None]
     if len(missing) == len(shape_flags):
         extras = [f for f in extra_flags if given[f] is not None]
@@ -178,10 +182,10 @@ def _model_params(args) -> int:
     if pe == "learned_absolute" and seq is None:
         raise UsageError("--position-embedding-type=learned_absolute needs --seq-length "
                          "(the position table has seq-length rows)")
-    return costs.gpt_param_count(num["--num-layers"], num["--hidden-size"],
-                                 num["--vocab-size"], seq_length=seq, ffn_hidden_size=ffn,
-                                 tied=not args.untie_embeddings_and_output_weights,
-                                 position_embedding_type=pe)
+    return costs.gpt_units(num["--num-layers"], num["--hidden-size"], num["--vocab-size"],
+                           seq_length=seq, ffn_hidden_size=ffn,
+                           tied=not args.untie_embeddings_and_output_weights,
+                           position_embedding_type=pe)
 
 
 def _int_or_none(flag: str, value) -> int | None:
@@ -206,7 +210,8 @@ def plan_from_args(args: argparse.Namespace) -> dict[str, Any]:
     block = _pick_alias(args, "--quant-block-size", "--hier-quant-block-size",
                         costs.DEFAULT_QUANT_BLOCK)
     bucket = _int_or_none("--bucket-size", args.bucket_size)
-    params = _model_params(args)
+    units = _model_units(args, bucket)
+    numels = [n for _, n in units]
 
     try:
         cfg = resolve_hier_config(
@@ -225,9 +230,14 @@ def plan_from_args(args: argparse.Namespace) -> dict[str, Any]:
         classes = family_link_classes(groups, locations)
         qgz = costs.quantized_grad_families(cfg, classes)
         check_quantized_grad_families(cfg, qgz)
-        result = costs.estimate(cfg, costs.split_buckets(params, bucket), classes,
-                                param_dtype=args.params_dtype, grad_dtype=args.grad_dtype,
-                                micro_batches=k)
+        result = costs.estimate(cfg, numels, classes, param_dtype=args.params_dtype,
+                                grad_dtype=args.grad_dtype, micro_batches=k)
+        depth = prefetch_units_from_args(args)
+        transient = costs.transient_bytes(
+            cfg, numels, param_dtype=args.params_dtype, grad_dtype=args.grad_dtype,
+            prefetch_units=depth if args.hier_overlap else 0,
+            tied_embedding=units[0][0] == "embedding" and not args.untie_embeddings_and_output_weights,
+            quantized_grad_families=qgz)
     except (HierConfigError, TopologyError, LayoutError) as exc:
         msg = str(exc)
         # Speak the spelling the user typed.
@@ -261,6 +271,10 @@ def plan_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "padded_params": result["padded_params"],
         "padding": result["padded_params"] - result["params"],
         "buckets": len(result["bucket_numels"]),
+        "units": {kind: sum(1 for k_, _ in units if k_ == kind) for kind in costs.UNIT_KINDS},
+        "largest_unit": max(numels),
+        "prefetch_units": transient["prefetch_units"],
+        "transient_bytes": {key: v for key, v in transient.items() if key != "prefetch_units"},
         "memory_bytes": result["memory_bytes"],
         "traffic_bytes": result["traffic_bytes"],
         "traffic_by_phase": result["traffic_by_phase"],
@@ -297,6 +311,12 @@ def _bytes(x) -> str:
     return f"{x:,.0f}" if isinstance(x, float) and not float(x).is_integer() else f"{int(x):,}"
 
 
+def _units_text(counts: dict[str, int]) -> str:
+    names = {"embedding": "embedding", "layer": "layer", "output": "output", "other": "bucket"}
+    return ", ".join(f"{n} {names[k]}{'s' if n > 1 and k in ('layer', 'other') else ''}"
+                     for k, n in counts.items() if n)
+
+
 def _uses_int8(plan: dict[str, Any]) -> bool:
     return bool((plan["group_sizes"]["secondary"] and plan["secondary_dtype"] == "int8")
                 or plan["quantize_weight_gather"] or plan["quantize_grad_reduce"])
@@ -314,7 +334,8 @@ def render(plan: dict[str, Any]) -> str:
         f"group sizes: P={gs['param']}  S={gs['secondary'] or 0}"
         f"{' (' + plan['secondary_dtype'] + ')' if gs['secondary'] else ' (off)'}"
         f"  G={gs['grad']}  O={gs['optim']}  R={gs['replicas']} replica(s)",
-        f"model: {plan['params']:,} parameters in {plan['buckets']} bucket(s), padded to "
+        f"model: {plan['params']:,} parameters in {plan['buckets']} gather unit(s)"
+        f" ({_units_text(plan['units'])}), padded to "
         f"{plan['padded_params']:,} (+{plan['padding']:,} padding elements, "
         f"{100 * plan['padding'] / plan['params']:.4f}%)",
         f"step: weights {plan['params_dtype']}, gradients {plan['grad_dtype']}, "
@@ -337,6 +358,12 @@ def render(plan: dict[str, Any]) -> str:
         if state == "total":
             lines.append("  " + "-" * 52)
         lines.append(f"  {state:<28}{_gb(v)}  {_bytes(v):>18}")
+    t = plan["transient_bytes"]
+    lines += ["", f"transient per rank, at most (GB; prefetch {plan['prefetch_units']} unit(s) ahead)",
+              f"  {'largest unit gathered':<28}{_gb(t['unit_gather'])}",
+              f"  {'prefetch':<28}{_gb(t['prefetch'])}",
+              f"  {'forward / backward / step':<28}{_gb(t['forward'])} {_gb(t['backward'])} "
+              f"{_gb(t['step'])}"]
     lines += ["", "bytes sent per rank per optimizer step (GB)",
               f"  {'phase':<20}" + "".join(f"{c:>12}" for c in LINK_CLASSES)]
     for ph, by_cls in plan["traffic_by_phase"].items():

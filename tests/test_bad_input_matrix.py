@@ -138,6 +138,7 @@ PLAN = [plan(a, f) for a, f in [
     (PLAN_W + ["--hier-param-group-size", "0"], "--hier-param-group-size"),
     (PLAN_W + ["--params-dtype", "int4"], "--params-dtype"),
     (PLAN_W + ["--bucket-size", "0"], "--bucket-size"),
+    (PLAN_W + ["--hier-prefetch-units", "-1"], "--hier-prefetch-units"),
     (PLAN_W + ["--quant-block-size", "0"], "--quant-block-size"),
     (PLAN_W + ["--no-such-flag"], "--no-such-flag"),
     # non-co-located: a P-group of 3 on nodes of 4 straddles two nodes
@@ -405,6 +406,8 @@ PRETRAIN = [
           ["--use-distributed-optimizer"]),
     train("grad group does not divide", lambda c: _base(c, "--hier-partition", "--hier-grad-group-size", "3"),
           ["--hier-grad-group-size=3"]),
+    train("negative prefetch depth", lambda c: _base(c, "--hier-partition", "--hier-prefetch-units", "-1"),
+          ["--hier-prefetch-units=-1"]),
     train("preset contradicted", lambda c: _base(c, "--hier-partition", "--hier-preset", "zero3",
                                                  "--hier-param-group-size", "2"),
           ["contradicts --hier-preset zero3"]),

@@ -38,7 +38,7 @@ def test_more_bandwidth_or_less_latency_is_never_slower(base, cls):
 def test_faster_compute_is_never_slower_and_bounds_hold(base):
     quick = _steps(pj.project(**SMALL, compute=replace(pj.ComputeModel(), mfu=0.7)))
     for key, t in _steps(base).items():
-        assert quick[key] <= t, key
+        assert quick[key] <= t + 1e-12, (key, t, quick[key])  # equal when comm-bound
     c = pj.ComputeModel()
     for per in base["results"].values():
         for rows in per.values():

@@ -315,15 +315,42 @@ def test_link_classes_hsdp_replica_network(capsys):
 # --------------------------------------------------------------------------- other inputs
 
 
-def test_model_shape_and_buckets(capsys):
+def test_model_shape_and_units(capsys):
     shape = ["--num-layers", "4", "--hidden-size", "256", "--vocab-size", "1024"]
     got = run_plan(["--world-size", "8", *shape, "--bucket-size", "300000", "--json"], capsys)
     h, L, V = 256, 4, 1024
     assert got["params"] == L * (12 * h * h + 13 * h) + 2 * h + V * h
-    assert got["buckets"] == -(-got["params"] // 300000)
+    # A GPT shape is cut as the engine cuts a GPT: one unit per layer, whatever the bucket size.
+    assert got["buckets"] == L + 2, got["buckets"]
+    assert got["units"] == {"embedding": 1, "layer": L, "output": 1, "other": 0}, got["units"]
+    assert got["largest_unit"] == 12 * h * h + 13 * h
+    by_params = run_plan(["--world-size", "8", "--params", str(got["params"]),
+                          "--bucket-size", "300000", "--json"], capsys)
+    assert by_params["buckets"] == -(-got["params"] // 300000)
+    assert by_params["units"]["other"] == by_params["buckets"]
     got2 = run_plan(["--world-size", "8", *shape, "--seq-length", "128",
                      "--position-embedding-type", "learned_absolute", "--json"], capsys)
     assert got2["params"] == got["params"] + 128 * h
+
+
+def test_prefetch_depth_costs_whole_units_of_transient_memory(capsys):
+    shape = ["--world-size", "16", "--num-layers", "8", "--hidden-size", "512",
+             "--vocab-size", "2048", "--json"]
+    plans = {d: run_plan(shape + ["--hier-prefetch-units", str(d)], capsys) for d in (0, 1, 3)}
+    assert run_plan(shape, capsys)["prefetch_units"] == 1, "the default depth is FSDP2's 1"
+    layer = 12 * 512 * 512 + 13 * 512
+    unit_bytes = 2 * -(-layer // (16 * 128)) * (16 * 128)   # bf16, padded to O*128
+    for d, got in plans.items():
+        t = got["transient_bytes"]
+        assert got["prefetch_units"] == d and t["unit_gather"] == unit_bytes, (d, t)
+        assert t["prefetch"] == d * unit_bytes
+        assert t["peak"] == max(t["forward"], t["backward"], t["step"])
+    for d in (1, 3):
+        for part in ("forward", "backward"):
+            grew = plans[d]["transient_bytes"][part] - plans[0]["transient_bytes"][part]
+            assert grew == d * unit_bytes, (d, part, grew)
+    off = run_plan(shape + ["--no-hier-overlap", "--hier-prefetch-units", "3"], capsys)
+    assert off["prefetch_units"] == 0, "without overlap nothing is prefetched"
 
 
 def test_both_spellings_agreeing_are_accepted(capsys):
