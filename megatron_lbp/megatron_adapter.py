@@ -66,16 +66,36 @@ def extra_weight_users(model: torch.nn.Module) -> dict[torch.nn.Module, list[tor
     return users
 
 
-def hook_units(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Modules whose forward brackets every use of their parameters: Megatron's transformer layers.
+def gather_units(model: torch.nn.Module) -> list:
+    """The gather units of a megatron-core model: embedding, each transformer layer, output.
 
-    Inside a layer, linear modules return their bias for the layer to add
-    (skip_bias_add), so the layer, not the linear module, is the unit whose
-    forward must keep those weights gathered.
+    A transformer layer is one unit because its forward brackets every use of
+    its weights: its linear modules return their bias (skip_bias_add) for the
+    layer to add later, so the layer, not the linear module, must keep them
+    gathered. The output unit is the decoder's final norm plus the output
+    layer (which, with tied embeddings, owns no weight and computes with the
+    embedding unit's, declared by :func:`extra_weight_users`). Anything else
+    that holds parameters is left to the engine's "other" units.
     """
+    from megatron.core.models.common.embeddings.language_model_embedding import (
+        LanguageModelEmbedding)
     from megatron.core.transformer.transformer_layer import BaseTransformerLayer
 
-    return [m for m in model.modules() if isinstance(m, BaseTransformerLayer)]
+    from megatron_lbp.engine.grouping import UnitSpec
+
+    specs = []
+    for m in model.modules():
+        if isinstance(m, LanguageModelEmbedding):
+            specs.append(UnitSpec("embedding", (m,)))
+        elif isinstance(m, BaseTransformerLayer):
+            number = getattr(m, "layer_number", None)
+            specs.append(UnitSpec("layer", (m,), None if number is None else number - 1))
+        elif hasattr(m, "output_layer") and hasattr(m, "decoder"):
+            norm = getattr(m.decoder, "final_layernorm", None)
+            modules = tuple(x for x in (norm, m.output_layer) if x is not None)
+            if modules:
+                specs.append(UnitSpec("output", modules))
+    return specs
 
 
 def optimizer_param_groups(model_chunks: Iterable[torch.nn.Module], opt_config: Any) -> list[dict]:
@@ -91,7 +111,7 @@ def wrap_model(config: Any, model: torch.nn.Module, hier, options: EngineOptions
     from megatron_lbp.engine.data_parallel import HierDataParallel
 
     return HierDataParallel(config, model, hier, options, extra_weight_users=extra_weight_users(model),
-                            units=hook_units(model))
+                            units=gather_units(model))
 
 
 def build_optimizer(opt_config: Any, model_chunks: list, options: EngineOptions):

@@ -70,20 +70,32 @@ def test_bf16_memory_has_a_separate_fp32_master():
     assert mem["primary"] == 2 * n // 2 and mem["optimizer"] == 12 * n // 8, (mem, n)
 
 
-def test_peak_transient_is_a_few_buckets_not_the_model():
-    train = TrainSpec(steps=2, micro_batches=1, bucket_size=5000)
-    res = run_on_ranks(train_hier, WORLD, TinyGPTSpec(num_layers=4), train, PRESETS["zero3"],
-                       rank_env=TOPOLOGY)[0]
-    plan = predicted(res, "fp32", 1)
-    padded = plan["padded_params"]
-    biggest = max(plan["padded_bucket_numels"]) * 4 * 2   # one bucket's weights + gradient
-    peak = res.step_reports[-1]["memory_bytes"]["peak_transient"]
-    whole_model = padded * 4 * 2
-    # Alive at worst: the tied embedding bucket (first and last user), the bucket
-    # being computed, the prefetched one, and two reduce-scatters in flight.
-    assert 0 < peak <= 6 * biggest and peak < whole_model / 3, (
-        f"peak transient {peak} bytes; one bucket {biggest}, whole model {whole_model}: "
-        "buckets are not being freed")
+def _peaks_by_prefetch_depth(depths):
+    from megatron_lbp.testing.tiny_gpt import setup_hier
+
+    out = {}
+    for depth in depths:
+        trainer = setup_hier(TinyGPTSpec(num_layers=4), TrainSpec(steps=2, micro_batches=1),
+                             PRESETS["zero3"] + ["--hier-prefetch-units", str(depth)])
+        report = trainer.run(range(2)).step_reports[-1]
+        out[depth] = (report["memory_bytes"]["peak_transient"], trainer.model.bucket_numels(),
+                      trainer.hier.config.as_dict())
+    return out
+
+
+def test_peak_transient_stays_within_the_plan_and_grows_with_prefetch_depth():
+    out = run_on_ranks(_peaks_by_prefetch_depth, WORLD, (0, 1, 2), rank_env=TOPOLOGY)[0]
+    peaks = {d: peak for d, (peak, _, _) in out.items()}
+    for depth, (peak, numels, config) in out.items():
+        bound = costs.transient_bytes(HierConfig(**config), numels, param_dtype="fp32",
+                                      prefetch_units=depth, tied_embedding=True)
+        assert 0 < peak <= bound["peak"], (
+            f"depth {depth}: peak transient {peak} bytes above the plan's bound {bound}")
+        assert peak - peaks[0] <= bound["prefetch"], (depth, peaks, bound)
+        whole_model = sum(costs.padded_numel(n, HierConfig(**config)) for n in numels) * 4 * 2
+        # Weights and gradients of 6 units: units are being freed as the passes move on.
+        assert peak < whole_model * 0.75, (depth, peak, whole_model)
+    assert peaks[0] < peaks[1] < peaks[2], f"each unit of look-ahead holds one more unit: {peaks}"
 
 
 def test_network_bytes_do_not_grow_with_gradient_accumulation():

@@ -209,9 +209,9 @@ def test_after_a_checkpoint_load_the_backward_uses_the_loaded_weights():
 def _backward_gather_after_step():
     trainer = setup_hier(BF16, TrainSpec(steps=1, bucket_size=20000), S(2))
     trainer.run(range(1))  # forward, backward, step: the weights changed after the copy was made
-    b = trainer.model.buckets[0]
+    unit = trainer.model.units[0]
     try:
-        trainer.model._gather(b, "backward_gather", async_op=False)
+        unit.unshard("backward_gather", async_op=False)
     except RuntimeError as err:
         return str(err)
     return None

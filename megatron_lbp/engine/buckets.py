@@ -1,4 +1,4 @@
-"""Flat buckets: the parameters of a model laid end to end, and what one rank keeps of them.
+"""Flat buckets: the parameters of a gather unit laid end to end, and what one rank keeps of them.
 
 A bucket owns three kinds of memory:
 
@@ -22,7 +22,6 @@ Slices come from :mod:`megatron_lbp.layout`; nothing here talks to other ranks.
 """
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 import torch
@@ -31,12 +30,6 @@ from megatron_lbp.engine.memory import TransientLedger
 from megatron_lbp.layout import BucketLayout, plan_bucket
 from megatron_lbp.engine.quantized import quantize_into
 from megatron_lbp.quant import DEFAULT_BLOCK_SIZE, quantized_nbytes
-
-
-class GatherState(enum.Enum):
-    SHARDED = "sharded"        # only the primary slice exists
-    GATHERING = "gathering"    # an asynchronous all-gather into ``full`` is in flight
-    GATHERED = "gathered"      # ``full`` holds the whole bucket
 
 
 @dataclass
@@ -50,21 +43,6 @@ class ParamSlot:
     @property
     def stop(self) -> int:
         return self.start + self.numel
-
-
-def split_into_buckets(named_params: list[tuple[str, torch.nn.Parameter]],
-                       bucket_size: int) -> list[list[tuple[str, torch.nn.Parameter]]]:
-    """Consecutive parameters, at most ``bucket_size`` elements per bucket; a larger one alone."""
-    buckets, current, filled = [], [], 0
-    for name, p in named_params:
-        if current and filled + p.numel() > bucket_size:
-            buckets.append(current)
-            current, filled = [], 0
-        current.append((name, p))
-        filled += p.numel()
-    if current:
-        buckets.append(current)
-    return buckets
 
 
 class FlatBucket:
@@ -108,6 +86,7 @@ class FlatBucket:
             self.full[slot.start:slot.stop].copy_(slot.param.detach().reshape(-1))
             # From here on the parameter is a window onto the bucket.
             slot.param.data = self.full[slot.start:slot.stop].view(slot.shape)
+        # The primary slice is first filled here, from the module's own weights.
         self.primary = self.full[self.primary_range.slice].clone()
         self.grad_shard = torch.zeros(self.layout.grad_size, dtype=grad_dtype, device=self.device)
         self.grad_full: torch.Tensor | None = None
@@ -127,8 +106,6 @@ class FlatBucket:
                             device=self.device)
                 if secondary_dtype == "int8"
                 else torch.zeros(m, dtype=torch.bfloat16, device=self.device))
-        self.state = GatherState.GATHERED
-        self.pending = None
         self._transient.alloc(self.full_nbytes)
         self.free_full()
 
@@ -151,7 +128,6 @@ class FlatBucket:
         if self.full.untyped_storage().nbytes():
             self.full.untyped_storage().resize_(0)
             self._transient.free(self.full_nbytes)
-        self.state = GatherState.SHARDED
 
     def is_resident(self) -> bool:
         return self.full.untyped_storage().nbytes() > 0

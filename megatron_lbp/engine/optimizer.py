@@ -21,9 +21,7 @@ With fp32 weights the master slice *is* the primary slice's optimizer part
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -35,6 +33,7 @@ from megatron_lbp.engine import faults
 from megatron_lbp.engine.comm import CONTROL
 from megatron_lbp.engine.data_parallel import HierDataParallel
 from megatron_lbp.engine.memory import tensor_bytes
+from megatron_lbp.engine.trace import append_json_line, output_path
 
 
 def _megatron_optimizer_base():
@@ -121,9 +120,14 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
     @torch.no_grad()
     def step(self):
         self._reduce_to_optimizer_slices()
+        trace = self.comm.trace
+        # The host side of the step (inf check, norm, clipping, Adam) in the schedule trace.
+        interval = trace.compute_start(None, "optimizer") if trace is not None else None
         found_inf = self._unscale_and_check_for_inf()
         if found_inf and self.grad_scaler is not None:
             self._drop_grads()
+            if interval is not None:
+                trace.compute_end(interval)
             self._finish_step()
             return False, None, None
         grad_norm = self._grad_norm()
@@ -138,6 +142,8 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
                 shard.grad = shard._lbp_bucket_state.grad[lo:hi]
         self.optimizer.step()
         self._drop_grads()
+        if interval is not None:
+            trace.compute_end(interval)
         self._gather_updated_weights()
         num_zeros = None
         self._finish_step()
@@ -150,8 +156,9 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
             b = st.bucket
             grad = torch.empty(b.layout.optim_size, dtype=b.grad_dtype, device=b.device)
             # int8 all-to-all summed in fp32 when qgZ covers this (cross-node) hop
-            st.model.reduce_scatter_grad(grad, b.grad_shard, "inter", "step_reduce").wait()
-            st.model.comm.all_reduce(grad, "replica", "step_reduce")
+            st.model.reduce_scatter_grad(grad, b.grad_shard, "inter", "step_reduce",
+                                         unit=b.index).wait()
+            st.model.comm.all_reduce(grad, "replica", "step_reduce", unit=b.index)
             st.grad = grad.float() if grad.dtype != torch.float32 else grad
             st.model.transient.alloc(st.grad.numel() * 4)
 
@@ -226,9 +233,10 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
             if st.master.data_ptr() != own.data_ptr():
                 own.copy_(st.master)
             # In-place gathers: this rank's chunk already sits at its place in the output.
-            comm.all_gather(b.primary[b.grad_in_primary.slice], own.clone(), "inter", "step_gather")
+            comm.all_gather(b.primary[b.grad_in_primary.slice], own.clone(), "inter", "step_gather",
+                            unit=b.index)
             grad_part = b.primary[b.grad_in_primary.slice].clone()
-            comm.all_gather(b.primary, grad_part, "grad_to_param", "step_gather")
+            comm.all_gather(b.primary, grad_part, "grad_to_param", "step_gather", unit=b.index)
 
     def _finish_step(self) -> None:
         self.steps_done += 1
@@ -239,6 +247,7 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
         if self.comm_report:
             self._write_comm_report(self.last_step_report)
         for model in self.models:
+            model.end_step(self.steps_done)
             model.comm.ledger.reset()
             model.transient.reset_peak()
 
@@ -261,15 +270,9 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
         return {"traffic_bytes": ledger.by_class(), "traffic_by_phase": ledger.by_phase()}
 
     def _write_comm_report(self, report: dict[str, Any]) -> None:
-        record = {"rank": dist.get_rank(), **report}
-        path = self.comm_report
-        if "{rank}" in path:
-            path = path.format(rank=dist.get_rank())
-        elif dist.get_rank() != 0:
-            return
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        path = output_path(self.comm_report, dist.get_rank())
+        if path is not None:
+            append_json_line(path, {"rank": dist.get_rank(), **report})
 
     # --- Megatron's optimizer interface --------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:

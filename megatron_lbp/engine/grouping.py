@@ -1,0 +1,176 @@
+"""Cutting a model into gather units, and which module's forward needs which unit.
+
+The model declares its units (:class:`UnitSpec`, built for megatron-core by
+megatron_lbp.megatron_adapter.gather_units): a GPT's embedding, each
+transformer layer and the output layer are one unit each, whatever their size,
+so one all-gather brings in everything a layer computes with and a layer's
+biases and norms travel with its matrices instead of as separately padded
+tiny buckets. Parameters no declared unit holds (another model, or parts of one
+the adapter does not name) form "other" units: consecutive runs in parameter
+order, cut at ``bucket_size`` elements. That is the only place the bucket size
+still applies: a declared unit is never split, because splitting it would turn
+the unit's one gather back into several that each wait in turn.
+
+A unit also holds one dtype (a flat bucket is one tensor), so a declared unit
+mixing dtypes becomes one unit per dtype run, with the same kind and layer.
+
+Users: the declared modules of a unit bracket every use of its weights (a
+transformer layer adds the biases its linear modules hand back), so their
+forward and backward hooks gather it; an "other" unit is used by the modules
+that register its parameters. A module may also use a weight of another unit
+(the output layer computing with the tied embedding), which the caller passes
+as ``extra_weight_users``. A module's *home* unit is the one it was declared
+in (or owns parameters of): its compute is the home unit's compute in the
+schedule trace, and prefetching runs ahead from the home unit's position.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+import torch
+
+from megatron_lbp.costs import UNIT_KINDS
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """A unit the model declares: its kind, the modules whose forward uses it, the layer number."""
+
+    kind: str
+    modules: tuple[torch.nn.Module, ...]
+    layer: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in UNIT_KINDS:
+            raise ValueError(f"unit kind {self.kind!r}: must be one of {UNIT_KINDS}")
+
+
+@dataclass
+class UnitPlan:
+    """One unit as it will be built: its parameters in model order and the modules using it."""
+
+    kind: str
+    layer: int | None
+    params: list[tuple[str, torch.nn.Parameter]]
+    users: list[torch.nn.Module] = field(default_factory=list)
+
+
+@dataclass
+class UnitMap:
+    units: list[UnitPlan]
+    uses: dict[torch.nn.Module, list[int]]     # module -> units its forward needs gathered
+    home: dict[torch.nn.Module, int]           # module -> the unit its compute belongs to
+
+
+def split_into_buckets(named_params: list[tuple[str, torch.nn.Parameter]],
+                       bucket_size: int) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    """Consecutive parameters, at most ``bucket_size`` elements per bucket; a larger one alone."""
+    buckets, current, filled = [], [], 0
+    for name, p in named_params:
+        if current and filled + p.numel() > bucket_size:
+            buckets.append(current)
+            current, filled = [], 0
+        current.append((name, p))
+        filled += p.numel()
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def same_dtype_runs(named_params):
+    """Consecutive runs of parameters with one dtype (a flat bucket holds one dtype)."""
+    runs, current = [], []
+    for name, p in named_params:
+        if current and current[-1][1].dtype != p.dtype:
+            runs.append(current)
+            current = []
+        current.append((name, p))
+    if current:
+        runs.append(current)
+    return runs
+
+
+def group_into_units(root: torch.nn.Module, specs: Iterable[UnitSpec], bucket_size: int,
+                     extra_weight_users: Mapping[torch.nn.Module,
+                                                 Iterable[torch.nn.Parameter]] | None = None
+                     ) -> UnitMap:
+    """Units of ``root``'s trainable parameters, ordered by their first parameter."""
+    named = [(n, p) for n, p in root.named_parameters() if p.requires_grad]
+    position = {id(p): i for i, (_, p) in enumerate(named)}
+    specs = list(specs)
+    claimed: dict[int, int] = {}            # id(param) -> spec index
+    for i, spec in enumerate(specs):
+        for m in spec.modules:
+            for p in m.parameters():
+                if id(p) in position:
+                    claimed.setdefault(id(p), i)
+
+    # Declared units: their parameters in model order; the rest in consecutive runs.
+    groups: list[tuple[int, str, int | None, list, list[torch.nn.Module]]] = []
+    declared: dict[int, list] = {}
+    run: list = []
+
+    def close_run() -> None:
+        if run:
+            groups.append((position[id(run[0][1])], "other", None, list(run), []))
+            run.clear()
+
+    for name, p in named:
+        i = claimed.get(id(p))
+        if i is None:
+            run.append((name, p))
+            continue
+        close_run()
+        if i not in declared:
+            declared[i] = []
+            groups.append((position[id(p)], specs[i].kind, specs[i].layer, declared[i],
+                           list(specs[i].modules)))
+        declared[i].append((name, p))
+    close_run()
+    groups.sort(key=lambda g: g[0])
+
+    owner = _registering_modules(root)
+    units: list[UnitPlan] = []
+    for _, kind, layer, params, modules in groups:
+        pieces = (split_into_buckets(params, bucket_size) if kind == "other" else [params])
+        for piece in pieces:
+            for same in same_dtype_runs(piece):
+                users = list(modules) if modules else _unique(owner[id(p)] for _, p in same)
+                units.append(UnitPlan(kind, layer, same, users))
+
+    unit_of = {id(p): u for u, plan in enumerate(units) for _, p in plan.params}
+    uses: dict[torch.nn.Module, list[int]] = {}
+    home: dict[torch.nn.Module, int] = {}
+    for u, plan in enumerate(units):
+        for m in plan.users:
+            uses.setdefault(m, [])
+            if u not in uses[m]:
+                uses[m].append(u)
+            home.setdefault(m, u)
+    for m, params in (extra_weight_users or {}).items():
+        for p in params:
+            u = unit_of[id(p)]
+            if m not in units[u].users:
+                units[u].users.append(m)
+            uses.setdefault(m, [])
+            if u not in uses[m]:
+                uses[m].append(u)
+    return UnitMap(units, uses, home)
+
+
+def _registering_modules(root: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """id(param) -> the first module (in module order) that registers it directly."""
+    owner: dict[int, torch.nn.Module] = {}
+    for m in root.modules():
+        for p in m.parameters(recurse=False):
+            owner.setdefault(id(p), m)
+    return owner
+
+
+def _unique(modules):
+    out = []
+    for m in modules:
+        if m not in out:
+            out.append(m)
+    return out

@@ -1,0 +1,279 @@
+"""When each gather unit is gathered, freed and reduced: the engine's schedule, in one place.
+
+Hooks (megatron_lbp.engine.data_parallel) call the methods here; the units
+(megatron_lbp.engine.unit) do the collectives. One micro-batch:
+
+forward     the root module's pre-forward opens the pass. A module's pre-forward
+            *needs* the units it uses: each one not yet gathered is gathered
+            (asynchronously when overlap is on), then the gathers of the next
+            ``prefetch_units`` units in forward order are issued, and only then
+            does the module wait for its own units and compute. So the next
+            unit's all-gather is in flight while the current one computes. The
+            first need of a unit in a forward also keeps its 1/S secondary copy
+            (S > 0). A unit is freed after its last user's post-forward.
+backward    the first backward hook opens the pass. A module's pre-backward (a
+            hook on its outputs' gradients) needs its units again, in backward
+            order and with the same look-ahead; the gathers read the secondary
+            copy when S > 0. Activation recomputation is the forward of a
+            module running inside the backward pass: it needs its units like a
+            backward hook does, prefetching as well. When a unit's last
+            gradient has arrived its weights are freed and its gradient
+            reduce-scatter is issued, asynchronously when overlap is on, at
+            most MAX_PENDING_REDUCES of them in flight before the oldest is
+            waited for. Weight gathers and reductions run on separate
+            communicators, so a gather never queues behind a reduce-scatter.
+between     the next forward (or finish_grad_sync) first completes what the
+            backward left: units whose gradients never came are reduced anyway
+            (every rank takes part in every collective), every reduce-scatter is
+            waited for.
+
+Order: prefetching follows each pass's order, the order in which units were
+first needed in the previous pass of that kind (forward, or backward with its
+recomputation); before any pass has run, module order for forward and its
+reverse for backward. The look-ahead counts from the *home* unit of the module
+being run (megatron_lbp.engine.grouping), so the tied output layer, which also
+uses the embedding unit, does not make the window jump back to the start.
+Every rank runs the same modules in the same order, so every rank issues the
+same collectives in the same order.
+
+The schedule also samples ``comm.stats.in_flight`` at the start of each unit's
+compute (``overlap_samples``) and, with a trace, records each unit's compute
+intervals per pass.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch
+
+from megatron_lbp.costs import MAX_PENDING_REDUCES
+from megatron_lbp.engine.buckets import ParamSlot
+from megatron_lbp.engine.comm import Collectives
+from megatron_lbp.engine.grouping import UnitMap
+from megatron_lbp.engine.unit import GatherUnit, ReduceInFlight, WeightState
+
+FORWARD, BACKWARD = "forward", "backward"
+
+
+class Pass(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"      # including activation recomputation
+
+
+def in_autograd_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread now."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class UnitSchedule:
+    def __init__(self, units: list[GatherUnit], unit_map: UnitMap, comm: Collectives, *,
+                 overlap: bool, prefetch_units: int) -> None:
+        self.units = units
+        self.comm = comm
+        self.overlap = overlap
+        self.depth = prefetch_units if overlap else 0
+        self.uses = {m: [units[i] for i in idx] for m, idx in unit_map.uses.items()}
+        self.home = {m: units[i] for m, i in unit_map.home.items()}
+        self._users = [len(plan.users) for plan in unit_map.units]
+        self._home_modules = [0] * len(units)
+        for u in self.home.values():
+            self._home_modules[u.index] += 1
+        self.slot_of: dict[int, tuple[GatherUnit, ParamSlot]] = {
+            id(s.param): (u, s) for u in units for s in u.bucket.slots}
+        n = len(units)
+        self._order = {FORWARD: list(range(n)), BACKWARD: list(reversed(range(n)))}
+        self._position = {k: {u: i for i, u in enumerate(v)} for k, v in self._order.items()}
+        self.overlap_samples: list[int] = []
+        self._pass = Pass.IDLE
+        self._recording: list[int] = []
+        self._used: set[int] = set()
+        self._reduced: set[int] = set()
+        self._users_left: list[int] = list(self._users)
+        self._open_compute: dict[int, list[Any]] = {}    # unit -> [interval, home modules left]
+        self._open_backward: dict[int, Any] = {}         # unit -> its backward interval
+        self._pending_reduces: list[ReduceInFlight] = []
+        self._backward_ran = False
+
+    # --- forward -------------------------------------------------------------------------
+    def begin_forward(self) -> None:
+        """The root module's pre-forward: complete the last backward, open a forward pass."""
+        self.flush_backward()
+        self._pass = Pass.FORWARD
+        self._used, self._reduced, self._recording = set(), set(), []
+        self._users_left = list(self._users)
+        self._open_compute, self._open_backward = {}, {}
+        for u in self.units:
+            u.reset_pass()
+        trace = self.comm.trace
+        if trace is not None:
+            if torch.is_grad_enabled():
+                trace.start_micro_batch()
+            else:
+                trace.micro_batch = None  # an evaluation forward: no micro-batch of the step
+
+    def end_forward(self) -> None:
+        """The root module's post-forward: free what users that did not run left gathered."""
+        if self._pass is not Pass.FORWARD:
+            return
+        for u in self.units:
+            if u.state is not WeightState.SHARDED:
+                u.reshard()
+        self._keep_order(FORWARD)
+
+    def pre_forward(self, module: torch.nn.Module) -> None:
+        if in_autograd_backward():   # activation recomputation inside the backward pass
+            self._enter_backward()
+            self._need(module, self.uses.get(module, []), "backward_gather", BACKWARD)
+            self._start_compute(module, "recompute")
+            return
+        self._need(module, self.uses.get(module, []), "forward_gather", FORWARD)
+        self._start_compute(module, "forward")
+
+    def post_forward(self, module: torch.nn.Module) -> None:
+        recompute = self._pass is Pass.BACKWARD
+        self._end_compute(module)
+        if recompute:
+            return  # the weights stay gathered for the backward that follows
+        for u in self.uses.get(module, []):
+            self._users_left[u.index] -= 1
+            if self._users_left[u.index] == 0:
+                u.reshard()
+
+    # --- backward ------------------------------------------------------------------------
+    def pre_backward(self, module: torch.nn.Module) -> None:
+        """Gradients of ``module``'s outputs are ready: its backward is next."""
+        self._enter_backward()
+        units = [u for u in self.uses.get(module, []) if u.index not in self._reduced]
+        self._need(module, units, "backward_gather", BACKWARD)
+        home = self.home.get(module)
+        if home is not None and home.index not in self._open_backward \
+                and home.index not in self._reduced:
+            self._open_backward[home.index] = self._open_interval(home, "backward")
+
+    def grad_ready(self, param: torch.nn.Parameter) -> None:
+        unit, slot = self.slot_of[id(param)]
+        self._backward_ran = True
+        last = unit.accumulate(slot, param.grad)
+        param.grad = None
+        if last:
+            self._reduce(unit)
+
+    def _enter_backward(self) -> None:
+        if self._pass is not Pass.BACKWARD:
+            self._pass = Pass.BACKWARD
+            self._used, self._recording = set(), []
+            self._open_compute = {}
+            self._backward_ran = True
+
+    def _reduce(self, unit: GatherUnit) -> None:
+        self._reduced.add(unit.index)
+        interval = self._open_backward.pop(unit.index, None)
+        if interval is not None:
+            self.comm.trace.compute_end(interval)
+        self._pending_reduces.append(unit.start_reduce(async_op=self.overlap))
+        limit = MAX_PENDING_REDUCES if self.overlap else 0
+        while len(self._pending_reduces) > limit:
+            self._complete_oldest_reduce()
+
+    def _complete_oldest_reduce(self) -> None:
+        reduce = self._pending_reduces.pop(0)
+        reduce.unit.finish_reduce(reduce)
+
+    def flush_backward(self) -> None:
+        """Reduce what the last backward left (unused parameters) and wait for every reduce."""
+        if self._backward_ran:
+            for u in self.units:
+                if u.index not in self._reduced:
+                    self._reduce(u)
+            self._backward_ran = False
+            self._keep_order(BACKWARD)
+        while self._pending_reduces:
+            self._complete_oldest_reduce()
+
+    def finish(self) -> None:
+        """finish_grad_sync: everything of the micro-batches done, every unit sharded."""
+        self.flush_backward()
+        self._pass = Pass.IDLE
+        for u in self.units:
+            if u.state is not WeightState.SHARDED:
+                u.reshard()
+        trace = self.comm.trace
+        if trace is not None:
+            trace.micro_batch = None
+
+    # --- gathers and prefetch ------------------------------------------------------------
+    def _need(self, module: torch.nn.Module, units: list[GatherUnit], phase: str,
+              kind: str) -> None:
+        """Gather ``units`` for ``module``, issue the look-ahead, then wait for ``units``."""
+        first = []
+        for u in units:
+            if u.index not in self._used:
+                self._used.add(u.index)
+                self._recording.append(u.index)
+                first.append(u)
+            if u.state is WeightState.SHARDED:
+                u.unshard(phase, async_op=self.overlap)
+        home = self.home.get(module)
+        if self.depth and home is not None:
+            self._prefetch_after(home, phase, kind)
+        for u in units:
+            u.wait_for_unshard()
+        if phase == "forward_gather":
+            # The weights this forward computes with, kept as this rank's 1/S
+            # slice for the backward: rebuilt by every forward, never stale.
+            for u in first:
+                u.build_secondary()
+
+    def _prefetch_after(self, home: GatherUnit, phase: str, kind: str) -> None:
+        """Keep the ``depth`` units that follow ``home`` in this pass's order gathered or in flight."""
+        position = self._position[kind].get(home.index)
+        if position is None:
+            return
+        ahead = 0
+        for index in self._order[kind][position + 1:]:
+            if ahead >= self.depth:
+                return
+            if index in self._used or index in self._reduced:
+                continue
+            unit = self.units[index]
+            if (phase == "backward_gather" and unit.bucket.has_secondary
+                    and not unit.bucket.secondary_is_current()):
+                continue  # not run forward this micro-batch: its own need will say so
+            if unit.state is WeightState.SHARDED:
+                unit.unshard(phase, async_op=True)
+            ahead += 1
+
+    def _keep_order(self, kind: str) -> None:
+        """The pass just ended sets the order the next pass of its kind prefetches in."""
+        if not self._recording:
+            return
+        seen = set(self._recording)
+        order = self._recording + [u for u in self._order[kind] if u not in seen]
+        self._order[kind] = order
+        self._position[kind] = {u: i for i, u in enumerate(order)}
+        self._recording = []
+
+    # --- compute intervals ---------------------------------------------------------------
+    def _open_interval(self, unit: GatherUnit, pass_: str):
+        self.overlap_samples.append(self.comm.stats.in_flight)
+        trace = self.comm.trace
+        return trace.compute_start(unit.index, pass_) if trace is not None else None
+
+    def _start_compute(self, module: torch.nn.Module, pass_: str) -> None:
+        home = self.home.get(module)
+        if home is not None and home.index not in self._open_compute:
+            self._open_compute[home.index] = [self._open_interval(home, pass_),
+                                              self._home_modules[home.index]]
+
+    def _end_compute(self, module: torch.nn.Module) -> None:
+        home = self.home.get(module)
+        entry = self._open_compute.get(home.index) if home is not None else None
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del self._open_compute[home.index]
+            if entry[0] is not None:
+                self.comm.trace.compute_end(entry[0])

@@ -1,0 +1,174 @@
+"""The schedule trace: what the engine did in one optimizer step, in the order it did it.
+
+``--hier-trace PATH`` (EngineOptions.trace) makes every rank that writes keep one
+:class:`ScheduleTrace`; without it no trace object exists and every recording
+point in the engine is a skipped ``if trace is not None``. The format is
+docs/schedule-trace.md (the contract between this module, ``bench trace`` and
+the schedule benchmarks):
+
+- each collective the engine issues, as one record: phase, unit, micro-batch,
+  group family, communicator, link class, the bytes the ledger charged for it,
+  whether it was asynchronous, and three points in time, ``issued`` (the engine
+  called it), ``wait`` (the engine first blocked on it; equal to ``issued`` for
+  a synchronous call) and ``done`` (that wait returned);
+- each unit's compute intervals per micro-batch and pass (forward,
+  recompute, backward; "optimizer" for the host side of the step).
+
+Times are seconds of this rank's ``time.perf_counter()`` minus ``t_start`` (the
+start of the step's first forward); ``*_seq`` numbers every recorded point of
+the step in program order, which breaks ties in time.
+
+A record covers exactly what the comm report of the same step covers: every
+collective since the previous step's record was written (so a checkpoint load
+or an evaluation before a step's first forward lands in that step, at negative
+times). A collective still in flight when the record is written (none are with
+today's schedule: the step waits for everything it issued) is written with
+``wait``/``done`` null, and again, once completed, under ``carried`` in the
+record of the step it completed in, its times relative to that record's
+``t_start`` (its ``issued_seq`` still counts in the step that issued it).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+PASSES = ("forward", "recompute", "backward", "optimizer")
+
+
+def output_path(path: str, rank: int) -> str | None:
+    """Where ``rank`` writes a per-step JSON-lines report named ``path``, or None.
+
+    ``{rank}`` in ``path`` gives one file per rank; otherwise only rank 0 writes
+    (the rule of --hier-comm-report and --hier-trace).
+    """
+    if "{rank}" in path:
+        return path.format(rank=rank)
+    return path if rank == 0 else None
+
+
+def append_json_line(path: str, record: dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+class CollectiveRecord:
+    """One collective as the trace sees it; times are absolute perf_counter values."""
+
+    __slots__ = ("phase", "unit", "micro_batch", "family", "comm", "link", "nbytes",
+                 "async_op", "issued", "issued_seq", "wait", "wait_seq", "done", "done_seq")
+
+    def __init__(self, phase, unit, micro_batch, family, comm, link, nbytes, async_op):
+        self.phase, self.unit, self.micro_batch = phase, unit, micro_batch
+        self.family, self.comm, self.link = family, comm, link
+        self.nbytes, self.async_op = nbytes, async_op
+        self.issued = self.wait = self.done = None
+        self.issued_seq = self.wait_seq = self.done_seq = None
+
+    def as_json(self, origin: float) -> dict[str, Any]:
+        def rel(t):
+            return None if t is None else t - origin
+
+        return {"phase": self.phase, "unit": self.unit, "micro_batch": self.micro_batch,
+                "family": self.family, "comm": self.comm, "link": self.link,
+                "bytes": self.nbytes, "async": self.async_op,
+                "issued": rel(self.issued), "issued_seq": self.issued_seq,
+                "wait": rel(self.wait), "wait_seq": self.wait_seq,
+                "done": rel(self.done), "done_seq": self.done_seq}
+
+
+class ScheduleTrace:
+    """Collects one step's records and writes them as one JSON line when the step ends."""
+
+    def __init__(self, path: str, rank: int, clock=time.perf_counter) -> None:
+        self.path = path
+        self.rank = rank
+        self._clock = clock
+        self.micro_batch: int | None = None   # the micro-batch being run (None: outside one)
+        self.prefetch_units = 0
+        self.units: list[dict[str, Any]] = []  # the unit table, set by the engine
+        self._carried: list[CollectiveRecord] = []
+        self._open()
+
+    def _open(self) -> None:
+        self._seq = 0
+        self._micro_batches = 0
+        self._t_start: float | None = None
+        self._opened = self._clock()
+        self._collectives: list[CollectiveRecord] = []
+        self._compute: list[dict[str, Any]] = []
+        self.micro_batch = None
+
+    def _point(self) -> tuple[float, int]:
+        self._seq += 1
+        return self._clock(), self._seq
+
+    # --- what the engine reports -----------------------------------------------------------
+    def start_micro_batch(self) -> None:
+        """A training forward starts (the root module's pre-forward hook)."""
+        if self._t_start is None:
+            self._t_start = self._clock()
+        self.micro_batch = self._micro_batches
+        self._micro_batches += 1
+
+    def issued(self, phase: str, unit: int | None, family: str, comm: str, link: str,
+               nbytes, async_op: bool) -> CollectiveRecord:
+        rec = CollectiveRecord(phase, unit, self.micro_batch, family, comm, link,
+                               _number(nbytes), async_op)
+        rec.issued, rec.issued_seq = self._point()
+        self._collectives.append(rec)
+        return rec
+
+    def waiting(self, rec: CollectiveRecord) -> None:
+        if rec.wait is None:
+            rec.wait, rec.wait_seq = self._point()
+
+    def completed(self, rec: CollectiveRecord) -> None:
+        rec.done, rec.done_seq = self._point()
+
+    def compute_start(self, unit: int | None, pass_: str) -> dict[str, Any]:
+        t, seq = self._point()
+        interval = {"unit": unit, "micro_batch": self.micro_batch, "pass": pass_,
+                    "start": t, "start_seq": seq, "end": None, "end_seq": None}
+        self._compute.append(interval)
+        return interval
+
+    def compute_end(self, interval: dict[str, Any]) -> None:
+        interval["end"], interval["end_seq"] = self._point()
+
+    # --- the step's line -------------------------------------------------------------------
+    def end_step(self, step: int) -> dict[str, Any]:
+        """Write this step's record (one JSON line) and start the next; returns the record."""
+        t_end = self._clock()
+        origin = self._t_start if self._t_start is not None else self._opened
+        record = {
+            "rank": self.rank, "step": step, "t_start": 0.0, "t_end": t_end - origin,
+            "clock": origin,
+            "micro_batches": self._micro_batches, "prefetch_units": self.prefetch_units,
+            "units": self.units,
+            "collectives": [c.as_json(origin) for c in self._collectives],
+            "compute": [_interval_json(i, origin) for i in self._compute],
+            "carried": [c.as_json(origin) for c in self._carried if c.done is not None],
+        }
+        self._carried = [c for c in self._carried + self._collectives if c.done is None]
+        append_json_line(self.path, record)
+        self._open()
+        return record
+
+
+def _interval_json(interval: dict[str, Any], origin: float) -> dict[str, Any]:
+    out = dict(interval)
+    out["start"] -= origin
+    if out["end"] is not None:
+        out["end"] -= origin
+    return out
+
+
+def _number(x):
+    from fractions import Fraction
+
+    if isinstance(x, Fraction):
+        return int(x) if x.denominator == 1 else float(x)
+    return x

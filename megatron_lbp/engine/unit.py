@@ -1,0 +1,217 @@
+"""A gather unit: what one all-gather brings in and one reduce-scatter sends back.
+
+A unit is one :class:`~megatron_lbp.engine.buckets.FlatBucket` (one layout, one
+padding) holding the weights of one part of the model that is computed as a
+whole: a transformer layer, the embedding, the output layer (see
+megatron_lbp.engine.grouping for how a model is cut into units). The unit owns
+its collectives and its state; *when* they run is the schedule's business
+(megatron_lbp.engine.schedule), and hooks only call the schedule.
+
+Weights: ``SHARDED`` (only this rank's 1/P primary slice, and the 1/S secondary
+copy when S > 0) -> :meth:`GatherUnit.unshard` -> ``GATHERING`` (an asynchronous
+all-gather into ``full`` in flight) -> :meth:`GatherUnit.wait_for_unshard` ->
+``GATHERED`` -> :meth:`GatherUnit.reshard` -> ``SHARDED``. In forward the gather
+reads the primary slices in the P-group (int8 + scales with qwZ); in backward,
+the secondary copies in the S-group when S > 0.
+
+Gradients: each parameter's gradient is added into the unit's transient fp32
+``grad_full`` (:meth:`GatherUnit.accumulate`); when the last one has arrived the
+schedule calls :meth:`GatherUnit.start_reduce`, which frees the weights, scales
+by 1/W, reduce-scatters in the G-group (int8 all-to-all with qgZ) and, at
+:meth:`GatherUnit.finish_reduce`, adds the result to the persistent 1/G shard.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_lbp.engine.buckets import FlatBucket, ParamSlot
+from megatron_lbp.engine.comm import CONTROL, Collectives
+from megatron_lbp.engine.memory import TransientLedger
+from megatron_lbp.engine.quantized import (Pending, all_gather_quantized, gather_packed_slices,
+                                           reduce_scatter_quantized)
+
+
+class WeightState(enum.Enum):
+    SHARDED = "sharded"        # only the primary slice (and the secondary copy) exist
+    GATHERING = "gathering"    # an asynchronous all-gather into ``full`` is in flight
+    GATHERED = "gathered"      # ``full`` holds the whole unit
+
+
+@dataclass
+class UnitContext:
+    """What every unit of one wrapper shares: the collectives, the ledgers, the settings."""
+
+    comm: Collectives
+    transient: TransientLedger
+    world_size: int
+    grad_dtype: torch.dtype
+    quantize_weight_gather: bool
+    quant_block_size: int
+    quantized_grad_families: tuple[str, ...]
+    group_index: dict[str, int]
+    # This rank's own non-finite unit gradients since the last optimizer step,
+    # counted before the reduction mixes ranks (read and reset by the optimizer).
+    local_nonfinite: torch.Tensor = field(
+        default_factory=lambda: torch.zeros((), dtype=torch.int32))
+
+    def reduce_scatter_grad(self, out: torch.Tensor, inp: torch.Tensor, family: str,
+                            phase: str, async_op: bool = False,
+                            unit: int | None = None) -> Pending:
+        """A gradient reduce-scatter in ``family``: int8 all-to-all with qgZ when that
+        family crosses nodes, else the plain reduce-scatter. Call ``.wait()`` on the result."""
+        if family in self.quantized_grad_families:
+            return reduce_scatter_quantized(self.comm, out, inp, self.group_index[family],
+                                            self.quant_block_size, family, phase,
+                                            self.transient, async_op=async_op, unit=unit)
+        return Pending(self.comm.reduce_scatter(out, inp, family, phase, async_op=async_op,
+                                                unit=unit))
+
+
+@dataclass
+class ReduceInFlight:
+    """A unit's gradient reduce-scatter between issue and completion, with its buffers."""
+
+    unit: "GatherUnit"
+    pending: Pending
+    out: torch.Tensor
+    send: torch.Tensor
+    nbytes: int             # transient bytes held by ``out`` and a separate ``send``
+
+
+class GatherUnit:
+    def __init__(self, index: int, kind: str, layer: int | None, bucket: FlatBucket,
+                 ctx: UnitContext) -> None:
+        self.index = index
+        self.kind = kind
+        self.layer = layer
+        self.bucket = bucket
+        self.ctx = ctx
+        self.state = WeightState.SHARDED
+        self._pending: Pending | None = None
+        self.grads_left = len(bucket.slots)
+
+    def describe(self) -> dict[str, Any]:
+        """The unit's row in the schedule trace's unit table."""
+        row: dict[str, Any] = {"unit": self.index, "kind": self.kind}
+        if self.layer is not None:
+            row["layer"] = self.layer
+        row.update(numel=self.bucket.numel, padded_numel=self.bucket.layout.padded_numel)
+        return row
+
+    @property
+    def numel(self) -> int:
+        return self.bucket.numel
+
+    # --- weights -------------------------------------------------------------------------
+    def unshard(self, phase: str, async_op: bool) -> None:
+        """Start filling ``full``: from the secondary copy in backward when there is one,
+        else from the primary slices in the P-group (int8 on the wire with qwZ)."""
+        b, ctx = self.bucket, self.ctx
+        b.alloc_full()
+        if phase == "backward_gather" and b.has_secondary:
+            pending = self._gather_secondary(async_op)
+        elif ctx.quantize_weight_gather and phase != CONTROL:
+            pending = all_gather_quantized(ctx.comm, b.full, b.primary, ctx.quant_block_size,
+                                           "param", phase, ctx.transient, async_op=async_op,
+                                           unit=self.index)
+        else:
+            pending = Pending(ctx.comm.all_gather(b.full, b.primary, "param", phase,
+                                                  async_op=async_op, unit=self.index))
+        if async_op and pending.in_flight:
+            self._pending, self.state = pending, WeightState.GATHERING
+        else:
+            pending.wait()
+            self.state = WeightState.GATHERED
+
+    def _gather_secondary(self, async_op: bool) -> Pending:
+        b, ctx = self.bucket, self.ctx
+        if not b.secondary_is_current():
+            raise RuntimeError(
+                f"unit {self.index} ({self.kind}): the backward pass needs the secondary "
+                "weight copy, but it was not built from the current weights (no forward "
+                "since they changed); run the forward pass before its backward")
+        if b.secondary_dtype == "int8":
+            return gather_packed_slices(ctx.comm, b.full, b.secondary, ctx.quant_block_size,
+                                        "secondary", "backward_gather", ctx.transient,
+                                        async_op=async_op, unit=self.index)
+        if b.full.dtype == b.secondary.dtype:
+            return Pending(ctx.comm.all_gather(b.full, b.secondary, "secondary",
+                                               "backward_gather", async_op=async_op,
+                                               unit=self.index))
+        # bf16 copy of wider weights: gather in bf16, widen on arrival.
+        tmp = torch.empty(b.layout.padded_numel, dtype=b.secondary.dtype, device=b.device)
+        nbytes = tmp.numel() * tmp.element_size()
+        ctx.transient.alloc(nbytes)
+        work = ctx.comm.all_gather(tmp, b.secondary, "secondary", "backward_gather",
+                                   async_op=async_op, unit=self.index)
+
+        def finish() -> None:
+            b.full.copy_(tmp)
+            ctx.transient.free(nbytes)
+
+        return Pending(work, finish)
+
+    def wait_for_unshard(self) -> None:
+        if self.state is WeightState.GATHERING:
+            pending, self._pending = self._pending, None
+            pending.wait()
+            self.state = WeightState.GATHERED
+
+    def reshard(self) -> None:
+        """Free ``full`` (waiting first for a gather still in flight into it)."""
+        self.wait_for_unshard()
+        self.bucket.free_full()
+        self.state = WeightState.SHARDED
+
+    def build_secondary(self) -> None:
+        """Keep this rank's 1/S slice of the weights this forward computes with (S > 0)."""
+        if self.bucket.has_secondary:
+            self.bucket.build_secondary()
+
+    # --- gradients -----------------------------------------------------------------------
+    def grad_buffer(self, slot: ParamSlot) -> torch.Tensor:
+        """The parameter's window of the unit's full gradient, allocated at the first use.
+
+        (Where ``main_grad`` views for fused weight-gradient accumulation would be
+        handed out: the buffer lives from here until the reduce-scatter is done.)
+        """
+        return self.bucket.grad_view(slot)
+
+    def accumulate(self, slot: ParamSlot, grad: torch.Tensor) -> bool:
+        """Add one parameter's gradient; True when it was the unit's last one."""
+        with torch.no_grad():
+            self.grad_buffer(slot).add_(grad.reshape(-1))
+        self.grads_left -= 1
+        return self.grads_left == 0
+
+    def start_reduce(self, async_op: bool) -> ReduceInFlight:
+        """Free the weights and reduce-scatter the unit's gradient in the G-group."""
+        b, ctx = self.bucket, self.ctx
+        self.reshard()
+        if b.grad_full is None:  # nothing arrived: still take part in the collective
+            self.grad_buffer(b.slots[0])
+        b.grad_full.mul_(1.0 / ctx.world_size)
+        ctx.comm.poison_if_injected(b.grad_full, "grad_reduce")
+        finite = torch.isfinite(b.grad_full.sum())  # inf/nan survive the sum; no sync on GPU
+        ctx.local_nonfinite = ctx.local_nonfinite.to(b.device) + ~finite
+        send = b.grad_scatter_input()
+        send_extra = 0 if send is b.grad_full else send.numel() * send.element_size()
+        out = torch.empty(b.layout.grad_size, dtype=ctx.grad_dtype, device=b.device)
+        nbytes = send_extra + out.numel() * out.element_size()
+        ctx.transient.alloc(nbytes)
+        pending = ctx.reduce_scatter_grad(out, send, "grad", "grad_reduce", async_op=async_op,
+                                          unit=self.index)
+        return ReduceInFlight(self, pending, out, send, nbytes)
+
+    def finish_reduce(self, reduce: ReduceInFlight) -> None:
+        reduce.pending.wait()
+        self.bucket.grad_shard.add_(reduce.out)
+        self.ctx.transient.free(reduce.nbytes)
+        self.bucket.release_grad_full()
+
+    def reset_pass(self) -> None:
+        self.grads_left = len(self.bucket.slots)
