@@ -1,4 +1,4 @@
-"""python -m megatron_lbp.bench <command> [options]; commands: overhead, traffic, project, network."""
+"""python -m megatron_lbp.bench <command> [options]; commands: overhead, traffic, project, network, report, trace."""
 import importlib
 import sys
 
@@ -6,7 +6,8 @@ COMMANDS = {"overhead": "megatron_lbp.bench.overhead",
             "report": "megatron_lbp.bench.report",
             "traffic": "megatron_lbp.bench.traffic",
             "project": "megatron_lbp.bench.project",
-            "network": "megatron_lbp.bench.network"}
+            "network": "megatron_lbp.bench.network",
+            "trace": "megatron_lbp.bench.trace"}
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,381 @@
+"""The engine's schedule on real gloo ranks, read back from its own trace.
+
+8 ranks as 2 nodes x 2 packages x 2 GCDs, a 3-layer megatron-core GPT, lbp with
+P=2, G=4, O=8 and a bf16 secondary copy with S = G = 4 (so the backward gather
+and the gradient reduce-scatter run over the same ranks). Three trainers in the
+same ranks, two optimizer steps of two micro-batches each:
+
+- ``recompute``: full activation recomputation, prefetch depth 1 (defaults);
+- ``depth2``: no recomputation, ``--hier-prefetch-units 2``, trace on rank 0 only;
+- ``off``: no recomputation, ``--no-hier-overlap``.
+
+What is checked: the units are the model's (embedding, each layer, output) and
+the plan tool, given the same GPT shape, predicts the engine's bytes and memory
+exactly; the next units' gathers are issued before the current unit computes, in
+forward, backward and recomputation; gathers and reductions never share a
+communicator; the trace's fields, and its bytes against the comm report; the
+counters; ``bench trace`` on the files.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from dataclasses import asdict
+
+import pytest
+
+from megatron_lbp import costs, plan
+from megatron_lbp.bench import trace as bench_trace
+from megatron_lbp.engine.comm import ALL_PHASES
+from megatron_lbp.engine.trace import ScheduleTrace, output_path
+from megatron_lbp.testing.multirank import rank_location_env, run_on_ranks
+from megatron_lbp.testing.tiny_gpt import TinyGPTSpec, TrainSpec
+
+WORLD = 8
+NODE = 4
+LAYERS = 3
+HIER = ["--hier-param-group-size", "2", "--hier-grad-group-size", "4",
+        "--hier-optim-group-size", "8", "--hier-secondary-group-size", "4",
+        "--hier-secondary-dtype", "bf16"]
+TRAIN = TrainSpec(steps=2, micro_batches=2)   # Megatron's 40M bucket size: units regardless
+KINDS = ["embedding"] + ["layer"] * LAYERS + ["output"]
+
+
+def _runs(trace_dir):
+    import torch.distributed as dist
+
+    from megatron_lbp.testing.tiny_gpt import setup_hier
+
+    runs = {
+        "recompute": (True, HIER + ["--hier-trace", f"{trace_dir}/recompute-{{rank}}.jsonl"]),
+        "depth2": (False, HIER + ["--hier-prefetch-units", "2",
+                                  "--hier-trace", f"{trace_dir}/depth2.jsonl"]),
+        "off": (False, HIER + ["--no-hier-overlap",
+                               "--hier-trace", f"{trace_dir}/off-{{rank}}.jsonl"]),
+    }
+    out = {}
+    for name, (recompute, argv) in runs.items():
+        trainer = setup_hier(TinyGPTSpec(num_layers=LAYERS, recompute=recompute), TRAIN, argv)
+        model = trainer.model
+        result = trainer.run(range(TRAIN.steps))
+        out[name] = {
+            "losses": result.losses, "reports": result.step_reports,
+            "units": model.unit_table(),
+            "names": [[s.name for s in u.bucket.slots] for u in model.units],
+            "stats": asdict(model.comm.stats), "samples": model.take_overlap_samples(),
+            "traced": model.comm.trace is not None,
+        }
+    hier = trainer.hier
+    untraced = setup_hier(TinyGPTSpec(num_layers=LAYERS), TRAIN, HIER)
+    out["groups"] = {"secondary": hier.ranks["secondary"], "grad": hier.ranks["grad"],
+                     "rank": dist.get_rank(), "untraced_has_trace": untraced.model.comm.trace
+                     is not None}
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    trace_dir = tmp_path_factory.mktemp("trace")
+    return trace_dir, run_on_ranks(_runs, WORLD, str(trace_dir), rank_env=rank_location_env(NODE),
+                                   timeout=600)
+
+
+def _records(trace_dir, name, rank=None):
+    path = trace_dir / (f"{name}-{rank}.jsonl" if rank is not None else f"{name}.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _plan(k=TRAIN.micro_batches, extra=()):
+    return plan.make_plan(["--world-size", str(WORLD), "--gpus-per-node", str(NODE),
+                           "--num-layers", str(LAYERS), "--hidden-size", "64",
+                           "--vocab-size", "128", "--params-dtype", "fp32",
+                           "--micro-batches", str(k), "--json", *HIER, *extra])
+
+
+# --- units -------------------------------------------------------------------------------
+
+def test_units_are_the_models_layers_and_the_plan_predicts_them_exactly(ranks):
+    _, out = ranks
+    want = costs.gpt_units(LAYERS, 64, 128)   # the tiny GPT: tied embeddings, rope
+    for rank, got in enumerate(out):
+        run = got["recompute"]
+        table = run["units"]
+        assert [u["kind"] for u in table] == KINDS, table
+        assert [u.get("layer") for u in table] == [None, *range(LAYERS), None], table
+        assert [u["numel"] for u in table] == [n for _, n in want], (table, want)
+        for u, names in zip(table, run["names"]):
+            prefix = {"embedding": "embedding.", "output": "decoder.final_layernorm.",
+                      "layer": f"decoder.layers.{u.get('layer')}."}[u["kind"]]
+            assert all(n.startswith(prefix) for n in names), (u, names)
+        # Biases and norms travel with their layer: one unit per layer, nothing else.
+        assert sum(1 for u in table if u["kind"] == "layer") == LAYERS
+        for name in ("recompute", "depth2", "off"):
+            report = got[name]["reports"][-1]
+            depth = {"recompute": 1, "depth2": 2, "off": 0}[name]
+            p = _plan(extra=["--hier-prefetch-units", str(depth)] if name != "off"
+                      else ["--no-hier-overlap"])
+            measured = {ph: v for ph, v in report["traffic_by_phase"].items() if ph != "control"}
+            assert measured == p["traffic_by_phase"], (
+                f"{name} rank {rank}: engine bytes per phase and link\n {measured}\n"
+                f"plan for the GPT shape\n {p['traffic_by_phase']}")
+            for state in costs.MEMORY_STATES:
+                assert report["memory_bytes"][state] == p["memory_bytes"][state], (name, state)
+            peak = report["memory_bytes"]["peak_transient"]
+            assert 0 < peak <= p["transient_bytes"]["peak"], (
+                f"{name} rank {rank}: peak transient {peak} above the plan's bound "
+                f"{p['transient_bytes']}")
+            assert p["buckets"] == len(table) and p["padded_params"] == sum(
+                u["padded_numel"] for u in table)
+
+
+# --- prefetch ----------------------------------------------------------------------------
+
+def _index(record):
+    """(phase, unit, micro-batch) -> collective; (pass, unit, micro-batch) -> compute interval."""
+    gathers = {}
+    for c in record["collectives"]:
+        if c["phase"] in ("forward_gather", "backward_gather"):
+            gathers.setdefault((c["phase"], c["unit"], c["micro_batch"]), c)
+    compute = {}
+    for i in record["compute"]:
+        compute.setdefault((i["pass"], i["unit"], i["micro_batch"]), i)
+    return gathers, compute
+
+
+def _assert_ahead(gathers, compute, phase, pass_, order, depth, label):
+    """Unit order[i + j]'s gather was issued before order[i] started computing, j = 1..depth."""
+    for mb in range(TRAIN.micro_batches):
+        for i, current in enumerate(order):
+            start = compute[(pass_, current, mb)]["start_seq"]
+            for nxt in order[i + 1:i + 1 + depth]:
+                issued = gathers[(phase, nxt, mb)]["issued_seq"]
+                assert issued < start, (
+                    f"{label}, micro-batch {mb}: the {phase} of unit {nxt} was issued at point "
+                    f"{issued}, after unit {current}'s {pass_} began at point {start}")
+
+
+def test_next_units_are_gathered_before_the_current_one_computes(ranks):
+    trace_dir, _ = ranks
+    layers = list(range(1, LAYERS + 1))
+    for rank in (0, 5):
+        # Full recomputation: forward, then each layer recomputed in backward order.
+        gathers, compute = _index(_records(trace_dir, "recompute", rank)[-1])
+        _assert_ahead(gathers, compute, "forward_gather", "forward", [0, *layers, 4], 1,
+                      f"rank {rank} forward")
+        _assert_ahead(gathers, compute, "backward_gather", "recompute", layers[::-1], 1,
+                      f"rank {rank} recompute")
+        # The output layer's backward already has the last layer's gather in flight.
+        _assert_ahead(gathers, compute, "backward_gather", "backward", [4, LAYERS], 1,
+                      f"rank {rank} backward")
+    gathers, compute = _index(_records(trace_dir, "depth2")[-1])
+    _assert_ahead(gathers, compute, "forward_gather", "forward", [0, *layers, 4], 2, "depth 2")
+    # The tied embedding is gathered with the output layer: then layers back to front.
+    _assert_ahead(gathers, compute, "backward_gather", "backward", [4, *layers[::-1]], 2,
+                  "depth 2 backward")
+
+
+def test_counters_and_trace_agree_on_what_ran_under_compute(ranks):
+    trace_dir, out = ranks
+    for rank, got in enumerate(out):
+        on, off = got["recompute"], got["off"]
+        assert on["stats"]["async_issued"] > 0 and on["stats"]["in_flight"] == 0, on["stats"]
+        assert got["depth2"]["stats"]["max_in_flight"] >= 3, got["depth2"]["stats"]
+        # The next unit is in flight whenever a unit starts computing, except at the end
+        # of a pass (output unit, last layer recomputed, embedding's backward).
+        busy = sum(1 for s in on["samples"] if s > 0)
+        per_micro_batch = 2 * len(KINDS) + LAYERS     # forward, backward, recompute
+        assert len(on["samples"]) == TRAIN.micro_batches * per_micro_batch, on["samples"]
+        assert busy >= len(on["samples"]) // 2, on["samples"]
+        assert off["stats"] == {"async_issued": 0, "sync_issued": off["stats"]["sync_issued"],
+                                "in_flight": 0, "max_in_flight": 0} and \
+            off["stats"]["sync_issued"] > 0, off["stats"]
+        assert set(off["samples"]) == {0}, off["samples"]
+        assert got["depth2"]["losses"] == off["losses"], "prefetch depth changed the losses"
+        assert got["depth2"]["traced"] == (rank == 0), "without {rank} only rank 0 traces"
+        assert not got["groups"]["untraced_has_trace"]
+    for rec in _records(trace_dir, "off", 3):
+        assert all(not c["async"] and c["wait_seq"] == c["issued_seq"]
+                   for c in rec["collectives"]), "a collective ran asynchronously with overlap off"
+
+
+def test_gathers_never_share_a_communicator_with_reductions(ranks):
+    trace_dir, out = ranks
+    assert out[0]["groups"]["secondary"] == out[0]["groups"]["grad"], out[0]["groups"]
+    for rank in (0, 6):
+        comms = defaultdict(set)
+        for rec in _records(trace_dir, "recompute", rank):
+            for c in rec["collectives"]:
+                comms[c["phase"]].add(c["comm"])
+        assert comms["backward_gather"] == {"secondary_gather"}, comms
+        assert comms["forward_gather"] == {"param_gather"}, comms
+        assert comms["grad_reduce"] == {"grad_reduce"}, comms
+        gathers = comms["forward_gather"] | comms["backward_gather"] | comms["step_gather"]
+        reductions = comms["grad_reduce"] | comms["step_reduce"] | comms["control"]
+        assert not gathers & reductions, (gathers, reductions)
+
+
+# --- the trace itself --------------------------------------------------------------------
+
+COLLECTIVE_FIELDS = {"phase", "unit", "micro_batch", "family", "comm", "link", "bytes", "async",
+                     "issued", "issued_seq", "wait", "wait_seq", "done", "done_seq"}
+
+
+def test_trace_fields_and_bytes_equal_the_comm_report(ranks):
+    trace_dir, out = ranks
+    for rank, got in enumerate(out):
+        records = _records(trace_dir, "recompute", rank)
+        assert [r["step"] for r in records] == [1, 2]
+        for rec, report in zip(records, got["recompute"]["reports"]):
+            assert rec["rank"] == rank and rec["t_start"] == 0.0 < rec["t_end"]
+            assert rec["micro_batches"] == 2 and rec["prefetch_units"] == 1
+            assert rec["units"] == got["recompute"]["units"] and rec["carried"] == []
+            seqs = []
+            sent = defaultdict(lambda: defaultdict(float))
+            for c in rec["collectives"]:
+                assert set(c) == COLLECTIVE_FIELDS, sorted(c)
+                assert c["issued"] <= c["wait"] <= c["done"], c
+                assert c["issued_seq"] <= c["wait_seq"] < c["done_seq"], c
+                assert (c["wait_seq"] > c["issued_seq"]) == c["async"], c
+                seqs += [c["issued_seq"], c["done_seq"]] + ([c["wait_seq"]] if c["async"] else [])
+                sent[c["phase"]][c["link"]] += c["bytes"]
+                if c["phase"] in ("step_reduce", "step_gather", "control"):
+                    assert c["micro_batch"] is None, c
+                else:
+                    assert c["micro_batch"] in (0, 1) and c["unit"] in range(len(KINDS)), c
+            passes = defaultdict(int)
+            for i in rec["compute"]:
+                assert i["start"] <= i["end"] and i["start_seq"] < i["end_seq"], i
+                seqs += [i["start_seq"], i["end_seq"]]
+                passes[i["pass"]] += 1
+            assert len(seqs) == len(set(seqs)), "two points share a sequence number"
+            assert dict(passes) == {"forward": 2 * len(KINDS), "recompute": 2 * LAYERS,
+                                    "backward": 2 * len(KINDS), "optimizer": 1}, dict(passes)
+            for ph, by_link in report["traffic_by_phase"].items():
+                for link, nbytes in by_link.items():
+                    assert sent[ph][link] == pytest.approx(nbytes, abs=1e-6), (
+                        f"rank {rank} step {rec['step']} {ph}/{link}: trace {sent[ph][link]} "
+                        f"bytes, comm report {nbytes}")
+
+
+def test_bench_trace_summarises_the_files(ranks, capsys):
+    trace_dir, out = ranks
+    pattern = str(trace_dir / "recompute-{rank}.jsonl")
+    r = subprocess.run([sys.executable, "-m", "megatron_lbp.bench", "trace", pattern, "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout)
+    assert got["steps"] == [2] and sorted(got["ranks"], key=int) == [str(i) for i in range(WORLD)]
+    report = out[0]["recompute"]["reports"][-1]["traffic_by_phase"]
+    for ph in ALL_PHASES:
+        row = got["median"]["phases"][ph]
+        assert row["bytes"] == pytest.approx(sum(report[ph].values())), (ph, row)
+        assert row["exposed_s"] >= 0 and row["count"] >= 0
+    assert 0 < got["median"]["exposed_s"] < got["median"]["step_s"]
+    assert bench_trace.main([pattern, "--steps", "all"]) == 0
+    text = capsys.readouterr().out
+    assert "step(s) 1-2" in text and "1 embedding, 3 layers, 1 output" in text, text
+    for bad, needle in (([str(trace_dir / "nothing.jsonl")], "nothing.jsonl"),
+                        ([pattern, "--steps", "x"], "--steps=x"),
+                        ([pattern, "--steps", "7"], "none of the steps [7]"),
+                        ([], "give a trace PATH")):
+        assert bench_trace.main(bad) == 2, bad
+        err = capsys.readouterr().err
+        assert needle in err and len(err.splitlines()) == 1, (bad, err)
+
+
+# --- pure parts --------------------------------------------------------------------------
+
+class _Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        self.t += 1.0
+        return self.t
+
+
+def test_trace_record_carries_collectives_still_in_flight(tmp_path):
+    path = tmp_path / "t.jsonl"
+    trace = ScheduleTrace(str(path), rank=3, clock=_Clock())
+    trace.start_micro_batch()                           # each clock reading adds 1 s
+    late = trace.issued("step_gather", 2, "inter", "inter_gather", "network", 64, True)
+    early = trace.issued("forward_gather", 1, "param", "param_gather", "package", 32, True)
+    trace.waiting(early)
+    trace.completed(early)
+    first = trace.end_step(1)
+    trace.start_micro_batch()                                   # the next step's t_start
+    trace.waiting(late)
+    trace.completed(late)
+    second = trace.end_step(2)
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert lines == [first, second]
+    assert first["collectives"][0]["done"] is None and first["carried"] == []
+    assert first["collectives"][1]["issued"] == 2.0 and first["collectives"][1]["done"] == 4.0
+    carried = second["carried"]
+    assert len(carried) == 1 and carried[0]["phase"] == "step_gather", second
+    assert carried[0]["issued"] < 0 < carried[0]["wait"] < carried[0]["done"], carried
+    assert second["collectives"] == [] and second["micro_batches"] == 1
+    assert bench_trace.exposed(carried[0]) == 1.0 and bench_trace.exposed(
+        first["collectives"][0]) == 0.0
+
+
+def test_trace_path_rule_is_the_comm_reports():
+    assert output_path("t-{rank}.jsonl", 5) == "t-5.jsonl"
+    assert output_path("t.jsonl", 0) == "t.jsonl" and output_path("t.jsonl", 1) is None
+
+
+def test_the_engine_does_not_import_the_planning_cli():
+    """What the engine and the plan tool share lives below both (costs, topology, layout)."""
+    import ast
+    from pathlib import Path
+
+    engine = Path(__file__).resolve().parents[1] / "megatron_lbp" / "engine"
+    for path in sorted(engine.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if isinstance(node, ast.ImportFrom) and node.module == "megatron_lbp":
+                names = [f"megatron_lbp.{a.name}" for a in node.names]
+            assert "megatron_lbp.plan" not in names, f"{path.name}:{node.lineno} imports the plan CLI"
+
+
+def test_grouping_declared_units_other_runs_dtypes_and_tied_users():
+    import torch
+
+    from megatron_lbp.engine.grouping import UnitSpec, group_into_units
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(16, 8)
+            self.blocks = torch.nn.ModuleList([Block(), Block()])
+            self.extra = torch.nn.Linear(8, 30)            # 270 elements, in no declared unit
+            self.half = torch.nn.Linear(4, 4).to(torch.bfloat16)
+            self.head = torch.nn.Linear(8, 16, bias=False)
+
+    m = Model()
+    specs = [UnitSpec("embedding", (m.emb,)),
+             *[UnitSpec("layer", (blk,), i) for i, blk in enumerate(m.blocks)],
+             UnitSpec("output", (m.head,))]
+    got = group_into_units(m, specs, bucket_size=100, extra_weight_users={m.head: [m.emb.weight]})
+    kinds = [(u.kind, u.layer, sum(p.numel() for _, p in u.params)) for u in got.units]
+    # A declared unit whole, whatever the bucket size; the rest cut at it, one dtype per unit.
+    assert kinds == [("embedding", None, 128), ("layer", 0, 88), ("layer", 1, 88),
+                     ("other", None, 240), ("other", None, 30), ("other", None, 20),
+                     ("output", None, 128)], kinds
+    assert [n for n, _ in got.units[1].params] == ["blocks.0.a.weight", "blocks.0.a.bias",
+                                                   "blocks.0.b.weight", "blocks.0.b.bias"]
+    assert got.units[5].params[0][1].dtype == torch.bfloat16
+    # The head computes with the embedding's weight: it uses both units, its home is its own.
+    assert got.uses[m.head] == [6, 0] and got.home[m.head] == 6
+    assert got.uses[m.blocks[1]] == [2] and got.uses[m.extra] == [3, 4]
+    assert m.head in got.units[0].users and m.emb in got.units[0].users
+    with pytest.raises(ValueError, match="unit kind"):
+        UnitSpec("decoder", (m.emb,))
