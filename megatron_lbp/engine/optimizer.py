@@ -331,7 +331,10 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
         if self.grad_scaler is not None and state_dict.get("grad_scaler"):
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
         self._gather_updated_weights()
+        # Not part of the next step's report, nor of its trace record.
         self.comm.ledger.reset()
+        if self.comm.trace is not None:
+            self.comm.trace.discard()
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False,
                            metadata=None, **kwargs):

@@ -138,6 +138,10 @@ class ScheduleTrace:
     def compute_end(self, interval: dict[str, Any]) -> None:
         interval["end"], interval["end_seq"] = self._point()
 
+    def discard(self) -> None:
+        """Forget what was recorded since the last record (the comm report's ledger was reset)."""
+        self._open()
+
     # --- the step's line -------------------------------------------------------------------
     def end_step(self, step: int) -> dict[str, Any]:
         """Write this step's record (one JSON line) and start the next; returns the record."""
