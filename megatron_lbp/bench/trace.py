@@ -31,10 +31,10 @@ then each rank's exposed time per phase. ``--json`` prints::
 ``--record DIR`` first makes a trace: the tests' tiny megatron-core GPT (``--layers``
 layers of ``--hidden``, full activation recomputation unless ``--no-recompute``)
 trains through the engine (lbp, P=2, G = ``--gpus-per-node``) on gloo ranks of
-this machine, three times in the same ranks: with overlap and the trace
-(DIR/overlap-on/trace-{rank}.jsonl), without overlap and with the trace
-(DIR/overlap-off/...), and with overlap but no trace, each step timed between
-two barriers. It prints both summaries side by side and the median step time
+this machine, three ways in the same ranks, one step of each in turn (the order
+rotated every step): with overlap and the trace (DIR/overlap-on/trace-{rank}.jsonl),
+without overlap and with the trace (DIR/overlap-off/...), and with overlap but
+no trace, each step timed between two barriers. It prints both summaries side by side and the median step time
 with and without the trace (what recording costs when it is on). ``--json``
 prints ``{"overlap-on": S, "overlap-off": S, "step_s": {"traced": s, "untraced": s}}``
 with S as above.
@@ -222,21 +222,22 @@ RECORDED_RUNS = ("overlap-on", "overlap-off", "untraced")
 
 
 def _record_on_rank(spec, train, runs: dict[str, list[str]]) -> dict[str, list[float]]:
-    """Train each run's trainer in turn on this rank; each step's wall time between barriers."""
+    """Every run's trainer on this rank, stepped in turns (the order rotated each step, so
+    load from other processes hits all alike); each step's wall time between barriers."""
     import time
 
     import torch.distributed as dist
 
     from megatron_lbp.testing.tiny_gpt import setup_hier
 
-    times = {}
-    for name, argv in runs.items():
-        trainer = setup_hier(spec, train, argv)
-        times[name] = []
-        for step in range(train.steps):
+    trainers = {name: setup_hier(spec, train, argv) for name, argv in runs.items()}
+    names = list(trainers)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for step in range(train.steps):
+        for name in names[step % len(names):] + names[:step % len(names)]:
             dist.barrier()
             t0 = time.perf_counter()
-            trainer.run([step])
+            trainers[name].run([step])
             dist.barrier()
             times[name].append(time.perf_counter() - t0)
     return times

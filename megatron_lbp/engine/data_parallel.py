@@ -76,8 +76,8 @@ class HierDataParallel(_megatron_base()):
         self.units: list[GatherUnit] = []
         for plan in unit_map.units:
             index = len(self.units)
-            # Where a unit's memory comes into being: the primary (and master)
-            # slices are first filled from the module's weights here.
+            # Where a unit's memory comes into being: its primary slice is first
+            # filled from the module's weights in here.
             bucket = FlatBucket(
                 index, plan.params, dp_index=hier.dp_index, world_size=cfg.world_size,
                 param_group_size=cfg.param_group_size, grad_group_size=cfg.grad_group_size,
