@@ -19,13 +19,13 @@ timed on every rank between two barriers (rank 0's figures). A pair's ratio is
 A's median step over B's (medians over every round of every run); the median
 over rounds of A / B in the same round is given beside it. Every scheme uses
 the same bucket size (``--bucket-size``, default 70,000 elements), and the
-bucket counts are reported. The same size does not give the same buckets: the
-engine closes a bucket before it would exceed the size, Megatron's DDP once it
-has reached it, so at 70,000 the default model (4 layers of 198,272) has 13
-engine buckets (about 3 per layer) and 8 DDP buckets (about 2 per layer); at
-40,000, 26 and 13. Megatron-FSDP makes each transformer layer one unit,
+bucket counts are reported. The same size does not give the same buckets:
+Megatron's DDP closes a bucket once it has reached the size, so at 70,000 the
+default model (4 layers of 198,272) has 8 DDP buckets (about 2 per layer; 13 at
+40,000). The engine and Megatron-FSDP make each transformer layer one unit,
 gathered and reduced as one bucket whatever the size (the size applies to the
-parameters outside the layers). Every scheme overlaps communication
+parameters outside the layers; the engine's embedding and output layer are
+units of their own: 6 in all). Every scheme overlaps communication
 with compute as it does by default in training (Megatron's DDP needs
 ``overlap_grad_reduce`` for its buckets at all). With one micro-batch per step
 (default) both sides of a pair issue the same collectives per bucket; with
