@@ -7,7 +7,10 @@
 #SBATCH -o logs/%x-%j.out
 #SBATCH -e logs/%x-%j.err
 #SBATCH --network=disable_rdzv_get
-# (-q debug for a <= 2 h test job; -p extended for <= 64 nodes and 24 h.)
+#SBATCH --signal=TERM@150
+# (-q debug for a <= 2 h test job; -p extended for <= 64 nodes and 24 h; -C nvme with
+# LBP_SBCAST_ENV. --signal: Megatron's --exit-signal-handler saves and stops on it, the
+# backstop of the computed exit time; Slurm may send it up to 60 s early.)
 #
 # GPT 20B (GPT-NeoX-20B shape: 44 layers, hidden 6144, 64 heads, seq 2048,
 # vocabulary 50257 padded to 50304; 20.24 B parameters) pretrained with
@@ -22,9 +25,21 @@
 #
 # Resubmitting the same script resumes from the latest checkpoint in
 # CHECKPOINT_DIR (--save and --load are the same directory, torch_dist format,
-# resharded on load when the node count changes); EXIT_DURATION_MINS makes a
-# job save and stop before its wall-clock limit. Keep TRAIN_ITERS and the LR
-# settings across resubmissions (Megatron checks the checkpoint's LR schedule;
+# resharded on load when the node count changes). A campaign of many jobs:
+#   sbatch -A <proj> scripts/frontier_gpt20b.sh --chain 20
+# runs this job and 19 more, each submitted by the previous one at its start
+# (--dependency=afterany, the same account/partition/QOS/nodes/time limit); a job
+# that finds training complete, or no progress since the previous job started (the
+# tracker's iteration unchanged), does not train or resubmit and says why. Each job
+# stops to save at its remaining wall time minus one save, one step and a slack
+# (EXIT_DURATION_MINS=auto: a 30-minute debug job and a 24-hour extended one both end
+# with a checkpoint); SAVE_INTERVAL=auto saves about every 45 minutes of training;
+# the newest 2 complete checkpoints and the first after every 10000 iterations are
+# kept, the rest deleted (LBP_KEEP_LAST, LBP_MILESTONE_EVERY), and a job refuses to
+# start with less free space than two checkpoints. Before training, a health check
+# (its own srun step) times one all-gather per link class against the cost model's
+# bandwidth and refuses named slow nodes. Keep TRAIN_ITERS and the LR settings across
+# resubmissions (Megatron checks the checkpoint's LR schedule;
 # EXTRA_ARGS=--override-opt_param-scheduler to change it on purpose). Extra
 # arguments (or EXTRA_ARGS) are appended to the training command line.
 #
@@ -43,13 +58,27 @@
 #     LBP_REPO         megatron-lbp checkout [this script's repo, or $SLURM_SUBMIT_DIR]
 #     MEGATRON_LM_DIR  patched Megatron-LM tree (scripts/apply_patches.sh <dir>); unset:
 #                      python -m megatron_lbp.pretrain_gpt   [unset]
-#     RCCL_NET_PLUGIN_DIR  aws-ofi-rccl lib dir prepended to LD_LIBRARY_PATH [unset: module]
-#     NCCL_SOCKET_IFNAME [hsn0]  NCCL_NET [OFI when NNODES > 1]  NCCL_CROSS_NIC [1]
-#     NCCL_NET_GDR_LEVEL [3]  FI_MR_CACHE_MONITOR [kdreg2]  FI_CXI_ATS [0]
-#     FI_CXI_DISABLE_HOST_REGISTER [1]  FI_CXI_DEFAULT_CQ_SIZE [131072]
-#     FI_CXI_DEFAULT_TX_SIZE [2048]  FI_CXI_RX_MATCH_MODE [hybrid]  FI_CXI_RDZV_PROTO [alt_read]
-#     HSA_FORCE_FINE_GRAIN_PCIE [1]  CUDA_DEVICE_MAX_CONNECTIONS [1]  OMP_NUM_THREADS [7]
-#     LBP_MIOPEN_CACHE_ROOT  node-local dir for MIOpen caches, fresh per job and task [/tmp]
+#     RCCL_NET_PLUGIN_DIR  aws-ofi-rccl lib dir: NCCL_NET_PLUGIN=<dir>/librccl-net.so
+#                      [unset: the rccl-net-plugin module provides it]
+#     RCCL/libfabric, as OLCF's "PyTorch on Frontier" page lists them (the page and
+#     section of each value: scripts/launch/lbp_launch.sh, lbp_frontier_defaults):
+#       NCCL_NET [OFI; Socket on one node] NCCL_CROSS_NIC [1] NCCL_NET_GDR_LEVEL [PHB]
+#       NCCL_SOCKET_IFNAME [hsn0,hsn1,hsn2,hsn3; hsn0 if you see hangs]
+#       HSA_FORCE_FINE_GRAIN_PCIE [1] FI_MR_CACHE_MONITOR [kdreg2]
+#       FI_CXI_DISABLE_HOST_REGISTER [1] FI_CXI_DEFAULT_CQ_SIZE [131072]
+#       FI_CXI_RDZV_PROTO [alt_read] FI_CXI_RDZV_EAGER_SIZE [0] FI_CXI_RDZV_THRESHOLD [0]
+#       FI_CXI_RDZV_GET_MIN [0] FI_CXI_DEFAULT_TX_SIZE [2048] FI_CXI_RX_MATCH_MODE [hybrid]
+#       OMP_NUM_THREADS [7]
+#     Order: LBP_MODULES are loaded first, then these defaults are applied, and a
+#     variable you exported wins over both; LD_LIBRARY_PATH gets the loaded
+#     modules' CRAY_LD_LIBRARY_PATH first. CUDA_DEVICE_MAX_CONNECTIONS is not set
+#     (data parallelism only; Megatron needs 1 only with tensor parallelism).
+#     LBP_NODE_LOCAL_ROOT  node-local dir for the MIOpen and Triton caches, fresh per
+#                      job and task [/tmp; /mnt/bb/$USER with -C nvme]
+#     LBP_SBCAST_ENV   a conda-pack'd environment (.tar.gz) to sbcast to every node's
+#                      NVMe (LBP_SBCAST_DIR [/mnt/bb/$USER]) and activate there [unset]
+#     LBP_REQUIRE_GPU  [rocm]: the job refuses to start when torch is not a ROCm build
+#                      (torch.version.hip) or sees no GCDs, instead of running on CPU
 #     MASTER_ADDR [this node's IP]  MASTER_PORT [3442]
 #   Paths (required)
 #     DATA_PATH        data prefix(es) of .bin/.idx (a blend "w1 p1 w2 p2" works)
@@ -57,19 +86,34 @@
 #                      SentencePieceTokenizer/HuggingFaceTokenizer set TOKENIZER_MODEL)
 #     CHECKPOINT_DIR   --save and --load
 #   Job shape
-#     NNODES [allocation's node count]  TASKS_PER_NODE [8]  CPUS_PER_TASK [7]
+#     NNODES [allocation's node count; dry run: the #SBATCH -N above]  TASKS_PER_NODE [8]  CPUS_PER_TASK [7]
 #     GPUS_PER_TASK [1]  GPU_BIND [closest]  SRUN_EXTRA_ARGS []  GCD_MEMORY_GB [64]
 #   Model and training
 #     NUM_LAYERS [44] HIDDEN_SIZE [6144] NUM_ATTENTION_HEADS [64] SEQ_LENGTH [2048]
-#     VOCAB_SIZE_PADDED [50304] MICRO_BATCH_SIZE [1] GLOBAL_BATCH_SIZE [1536 = 3.1 M tokens]
+#     VOCAB_SIZE_PADDED [50304] GLOBAL_BATCH_SIZE [1536 = 3.1 M tokens]
+#     MICRO_BATCH_SIZE [auto: the largest the memory estimate fits with RECOMPUTE]
+#     RECOMPUTE [full; selective, none, or auto: the least recomputation that fits]
 #     TRAIN_ITERS [150000] LR [9.7e-5] MIN_LR [9.7e-6] LR_WARMUP_ITERS [1500]
-#     WEIGHT_DECAY [0.01] CLIP_GRAD [1.0] PRECISION [bf16] RECOMPUTE [full]
-#     SAVE_INTERVAL [500] LOG_INTERVAL [10] EVAL_INTERVAL [1000] EVAL_ITERS [10]
-#     EXIT_DURATION_MINS [110: save and stop 10 min before -t 02:00:00]
+#     WEIGHT_DECAY [0.01] CLIP_GRAD [1.0] PRECISION [bf16]
+#     LOG_INTERVAL [10] EVAL_INTERVAL [1000] EVAL_ITERS [10]
+#     DATA_CACHE_PATH [$CHECKPOINT_DIR/data_cache] TENSORBOARD_DIR [$CHECKPOINT_DIR/tensorboard]
+#   Campaign (the dry run prints every figure)
+#     SAVE_INTERVAL [auto: ~LBP_SAVE_MINUTES=45 of training at the estimated step time,
+#                    a divisor of LBP_MILESTONE_EVERY; LBP_STEP_SECONDS replaces the estimate]
+#     EXIT_DURATION_MINS [auto: the job's time left (SLURM_JOB_END_TIME or squeue %L)
+#                    minus one save (14 B/param at LBP_WRITE_GBPS=1 per node, x2, +
+#                    LBP_SAVE_FIXED_S=60), one step and LBP_EXIT_SLACK_S=120]
+#     LBP_KEEP_LAST [2] LBP_MILESTONE_EVERY [10000] LBP_PRUNE_EVERY_S [600]
+#     LBP_CHAIN_SBATCH_ARGS [] more sbatch options for the chain's next jobs
+#     LBP_HEALTH_CHECK [1; 0: device checks only] LBP_HEALTH_MIN_FRACTION [0.25]
+#     LBP_HEALTH_EXPECT_GBPS [package=200,node=50,network=12.5: the cost model's]
+#     LBP_HEALTH_MB [64] GCD_MEMORY_GB [64] LBP_MEMORY_RESERVE_GB [4]
 #   Hierarchy (--hier-partition --hier-preset lbp: P = 2 (package), G = 8 (node), O = all)
 #     HIER_SECONDARY_GROUP_SIZE [8]  HIER_SECONDARY_DTYPE [int8]
 #   LBP_DRY_RUN=1 or --dry-run: print the srun and training commands, the parameter
-#     count and the per-GCD memory, launch nothing.
+#     count, the per-GCD memory of each recomputation/micro-batch choice, the step time,
+#     save interval, checkpoint size, exit time for the #SBATCH -t (LBP_WALLTIME), the
+#     retention and the free space, launch nothing.
 #
 # Why the int8 secondary copy over S = 8 (the node) and not S = 2 (the package),
 # from python -m megatron_lbp.plan for this model (GB per GCD, weights + int8
@@ -99,11 +143,12 @@ fi
 export LBP_REPO
 
 : "${LBP_PROFILE:=frontier-gpt20b}" "${LBP_SITE:=frontier}"
+: "${LBP_PROFILE_SCRIPT:=$LBP_REPO/scripts/frontier_gpt20b.sh}"
 : "${LBP_MODULES=PrgEnv-gnu/8.7.0 cpe/26.03 miniforge3/23.11.0-0 rocm/7.1.1 rccl-net-plugin craype-accel-amd-gfx90a}"
 : "${NUM_LAYERS:=44}" "${HIDDEN_SIZE:=6144}" "${NUM_ATTENTION_HEADS:=64}" "${SEQ_LENGTH:=2048}"
-: "${VOCAB_SIZE_PADDED:=50304}" "${MICRO_BATCH_SIZE:=1}" "${GLOBAL_BATCH_SIZE:=1536}"
+: "${VOCAB_SIZE_PADDED:=50304}" "${GLOBAL_BATCH_SIZE:=1536}"
 : "${TRAIN_ITERS:=150000}" "${LR:=9.7e-5}" "${MIN_LR:=9.7e-6}" "${LR_WARMUP_ITERS:=1500}"
-: "${EXIT_DURATION_MINS:=110}" "${HIER_SECONDARY_GROUP_SIZE:=8}" "${HIER_SECONDARY_DTYPE:=int8}"
+: "${HIER_SECONDARY_GROUP_SIZE:=8}" "${HIER_SECONDARY_DTYPE:=int8}"
 
 # shellcheck source-path=SCRIPTDIR source=launch/lbp_launch.sh
 . "$LBP_REPO/scripts/launch/lbp_launch.sh"

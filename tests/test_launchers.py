@@ -1,8 +1,10 @@
 """The Frontier launchers (scripts/frontier_gpt{20,10}b.sh) and their local profile.
 
 Dry runs need no Slurm: the node count comes from NNODES (or the allocation's
-SLURM_JOB_NUM_NODES). A fake ``srun`` first on PATH records any call, so every
-bad-input case also proves that it stopped before srun.
+SLURM_JOB_NUM_NODES, or the script's #SBATCH -N). Recording stand-ins for srun, sbatch,
+scancel and squeue come first on PATH, so every bad-input case also proves that it
+stopped before srun, and a launch "in a job" (SLURM_JOB_ID set) shows every command the
+batch script would run and the environment it gives them.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,22 +27,37 @@ SHAPES = {"20b": dict(layers=44, hidden=6144, heads=64, target=20e9),
           "10b": dict(layers=32, hidden=5120, heads=40, target=10e9)}
 
 
+# Stand-ins for the site's Slurm commands (they cannot run here): each records its
+# arguments, one line per call, in <tmp>/calls/<name>.log and the environment it was
+# given in <tmp>/calls/<name>.<n>.env; squeue prints what Slurm prints for job 42.
+STAND_INS = {
+    "srun": "",
+    "sbatch": "echo 4242",
+    "scancel": "",
+    "squeue": ("case \"$*\" in *'%L'*) echo \"${FAKE_TIME_LEFT:-1:59:00}\" ;; "
+               "*) echo 'proj123|batch|(null)|2:00:00|(null)|lbp-gpt20b' ;; esac"),
+}
+
+
 @pytest.fixture
 def site(tmp_path):
-    """Fake site paths (data prefix, GPT-2 BPE files, checkpoint dir) and a recording srun."""
+    """Fake site paths (data prefix, GPT-2 BPE files, checkpoint dir) and recording Slurm commands."""
     for name in ("corpus_text_document.bin", "corpus_text_document.idx", "gpt2-vocab.json",
                  "gpt2-merges.txt"):
         (tmp_path / name).write_text("x")
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    marker = tmp_path / "srun_was_called"
-    srun = bindir / "srun"
-    srun.write_text(f"#!/bin/sh\necho \"$@\" > {marker}\n")
-    srun.chmod(0o755)
+    calls = tmp_path / "calls"
+    for name, body in STAND_INS.items():
+        tool = bindir / name
+        tool.write_text(f"#!/bin/bash\nmkdir -p {calls}\necho \"$*\" >> {calls}/{name}.log\n"
+                        f"env > {calls}/{name}.$(wc -l < {calls}/{name}.log).env\n{body}\n")
+        tool.chmod(0o755)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "NCCL_", "FI_", "MEGATRON_LM_DIR", "LBP_", "NNODES",
                                 "DATA_PATH", "CHECKPOINT_DIR", "VOCAB_FILE", "MERGE_FILE",
-                                "TOKENIZER_", "RANK", "LOCAL_RANK", "WORLD_SIZE"))}
+                                "TOKENIZER_", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+                                "CUDA_DEVICE_MAX_CONNECTIONS", "CRAY_", "OMP_NUM_THREADS"))}
     env.update(
         PATH=f"{bindir}:{Path(sys.executable).parent}:{env.get('PATH', '/usr/bin:/bin')}",
         DATA_PATH=str(tmp_path / "corpus_text_document"),
@@ -48,7 +66,31 @@ def site(tmp_path):
         CHECKPOINT_DIR=str(tmp_path / "ckpt"),
         LBP_ACTIVATE="",  # the test's own interpreter is first on PATH
     )
-    return {"env": env, "tmp": tmp_path, "srun_marker": marker}
+    return {"env": env, "tmp": tmp_path, "srun_marker": calls}
+
+
+def calls(site, name: str) -> list[str]:
+    log = site["srun_marker"] / f"{name}.log"
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def call_env(site, name: str, n: int) -> dict:
+    text = (site["srun_marker"] / f"{name}.{n}.env").read_text()
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+
+
+# A job of the Frontier profile at a small size (the override set issue 16 runs locally):
+# what differs is the model, the node count and, on this CPU-only machine, the GPU check.
+SMALL = {"NUM_LAYERS": "2", "HIDDEN_SIZE": "256", "NUM_ATTENTION_HEADS": "4", "SEQ_LENGTH": "256",
+         "GLOBAL_BATCH_SIZE": "64"}
+
+
+def in_job(nodes: int = 2, **over) -> dict:
+    env = {"SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": str(nodes), "NNODES": str(nodes),
+           "SLURM_JOB_END_TIME": str(int(time.time()) + 7200), "LBP_REQUIRE_GPU": "none",
+           "SLURM_SUBMIT_DIR": str(REPO), **SMALL}
+    env.update(over)
+    return env
 
 
 def run(script: Path, site, *args, **env):
@@ -59,7 +101,7 @@ def run(script: Path, site, *args, **env):
         else:
             e[k] = str(v)
     return subprocess.run(["bash", str(script), *args], env=e, cwd=site["tmp"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=180)
 
 
 def srun_line(out: str) -> str:
@@ -76,6 +118,14 @@ def training_line(out: str) -> list[str]:
 
 def flag(words: list[str], name: str) -> str:
     return words[words.index(name) + 1]
+
+
+# Frontier's RCCL/libfabric list as OLCF's "PyTorch on Frontier" page gives it.
+OLCF_ENV = ("NCCL_CROSS_NIC=1", "NCCL_NET_GDR_LEVEL=PHB", "NCCL_SOCKET_IFNAME=hsn0,hsn1,hsn2,hsn3",
+            "HSA_FORCE_FINE_GRAIN_PCIE=1", "FI_MR_CACHE_MONITOR=kdreg2",
+            "FI_CXI_DISABLE_HOST_REGISTER=1", "FI_CXI_DEFAULT_CQ_SIZE=131072",
+            "FI_CXI_RDZV_PROTO=alt_read", "FI_CXI_RDZV_EAGER_SIZE=0", "FI_CXI_RDZV_THRESHOLD=0",
+            "FI_CXI_RDZV_GET_MIN=0", "FI_CXI_DEFAULT_TX_SIZE=2048", "FI_CXI_RX_MATCH_MODE=hybrid")
 
 
 @pytest.mark.parametrize("model", ["20b", "10b"])
@@ -97,9 +147,14 @@ def test_dry_run_frontier(site, model, nodes):
     assert flag(cmd, "--hidden-size") == str(shape["hidden"])
     assert flag(cmd, "--num-attention-heads") == str(shape["heads"])
     assert flag(cmd, "--seq-length") == "2048"
-    assert flag(cmd, "--micro-batch-size") == "1"
-    assert int(flag(cmd, "--global-batch-size")) % (8 * nodes) == 0
-    for f in ("--bf16", "--hier-partition", "--log-throughput"):
+    # MICRO_BATCH_SIZE=auto: the largest the estimate fits with full recomputation
+    mbs = int(flag(cmd, "--micro-batch-size"))
+    assert f"choice: RECOMPUTE=full MICRO_BATCH_SIZE={mbs} (MICRO_BATCH_SIZE=auto" in out
+    assert re.search(rf"RECOMPUTE=full +MICRO_BATCH_SIZE={mbs} .* fits  <- chosen", out)
+    bigger = re.search(rf"RECOMPUTE=full +MICRO_BATCH_SIZE={2 * mbs} .*", out)
+    assert bigger is None or "DOES NOT FIT" in bigger.group(0)
+    assert int(flag(cmd, "--global-batch-size")) % (8 * nodes * mbs) == 0
+    for f in ("--bf16", "--hier-partition", "--log-throughput", "--exit-signal-handler"):
         assert f in cmd
     assert flag(cmd, "--hier-preset") == "lbp"
     assert flag(cmd, "--hier-gpus-per-node") == "8"
@@ -109,15 +164,25 @@ def test_dry_run_frontier(site, model, nodes):
     ckpt = site["env"]["CHECKPOINT_DIR"]
     assert flag(cmd, "--save") == ckpt and flag(cmd, "--load") == ckpt
     assert flag(cmd, "--ckpt-format") == "torch_dist"
-    assert int(flag(cmd, "--save-interval")) > 0
+    assert flag(cmd, "--data-cache-path") == f"{ckpt}/data_cache"
+    assert flag(cmd, "--tensorboard-dir") == f"{ckpt}/tensorboard"
     assert flag(cmd, "--data-path") == site["env"]["DATA_PATH"]
     assert flag(cmd, "--vocab-file") == site["env"]["VOCAB_FILE"]
     assert flag(cmd, "--merge-file") == site["env"]["MERGE_FILE"]
     assert flag(cmd, "--recompute-granularity") == "full"
+    # SAVE_INTERVAL=auto from the estimated step time, a divisor of the 10000 milestones;
+    # the exit time for the script's 2-hour job leaves one save, one step and the slack
+    step = float(re.search(r"step time: ([\d.]+) s per iteration \(cost model", out).group(1))
+    interval = int(flag(cmd, "--save-interval"))
+    assert 10000 % interval == 0 and 30 <= interval * step / 60 <= 60, (interval, step)
+    m = re.search(r"-t 02:00:00\); margin (\d+) s \(save (\d+) s .*-> --exit-duration-in-mins (\d+)", out)
+    assert m and int(flag(cmd, "--exit-duration-in-mins")) == int(m.group(3)) == (7200 - int(m.group(1))) // 60
+    assert re.search(r"checkpoint: [\d.]+ GB per save \(14 B/param\)", out)
 
-    for setting in ("NCCL_NET=OFI", "NCCL_SOCKET_IFNAME=hsn0", "FI_MR_CACHE_MONITOR=kdreg2",
-                    "FI_CXI_ATS=0", "CUDA_DEVICE_MAX_CONNECTIONS=1", "LBP_MIOPEN_CACHE_ROOT=/tmp"):
-        assert setting in out
+    for setting in OLCF_ENV + ("NCCL_NET=OFI", "OMP_NUM_THREADS=7"):
+        assert f" {setting}" in out, setting
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in out and "FI_CXI_ATS" not in out
+    assert "MIOpen and Triton per task under /tmp (node-local)" in out
 
     params = int(re.search(r"parameters: ([\d,]+)", out).group(1).replace(",", ""))
     assert abs(params - shape["target"]) / shape["target"] < 0.05
@@ -141,25 +206,132 @@ def test_memory_shrinks_with_nodes_and_matches_plan(site):
     assert totals[0] > totals[1] > totals[2]
 
 
-def test_env_dry_run_and_slurm_node_count(site):
-    """LBP_DRY_RUN=1 is --dry-run; inside an allocation the node count is the allocation's."""
+def test_dry_run_node_count_from_env_allocation_or_script(site):
+    """LBP_DRY_RUN=1 is --dry-run; the node count is NNODES, the allocation's, or #SBATCH -N."""
     a = run(SCRIPTS["20b"], site, LBP_DRY_RUN=1, NNODES=8)
     b = run(SCRIPTS["20b"], site, LBP_DRY_RUN=1, SLURM_JOB_NUM_NODES=8, SLURM_JOB_ID=1)
-    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    c = run(SCRIPTS["20b"], site, "--dry-run")
+    assert a.returncode == b.returncode == c.returncode == 0, a.stderr + b.stderr + c.stderr
     assert srun_line(a.stdout) == srun_line(b.stdout)
+    assert srun_line(c.stdout).startswith("srun -N 48 -n 384 ")
+    assert "48 node(s) (the script's #SBATCH -N)" in c.stdout
     assert not site["srun_marker"].exists()
 
 
-def test_real_launch_calls_srun_once_with_the_printed_command(site):
-    r = run(SCRIPTS["10b"], site, "--", "--seed", "7", NNODES=2, SLURM_JOB_NUM_NODES=2,
-            SLURM_JOB_ID=42, MASTER_ADDR="10.0.0.1")
+def test_selective_recompute_where_the_estimate_allows_it(site):
+    r = run(SCRIPTS["20b"], site, "--dry-run", NNODES=48, RECOMPUTE="selective")
     assert r.returncode == 0, r.stderr
-    called = site["srun_marker"].read_text().split()
-    assert called[:3] == ["-N", "2", "-n"]
-    assert called[-2:] == ["--seed", "7"]
-    assert "megatron_lbp.pretrain_gpt" in called
-    assert (site["tmp"] / "ckpt").is_dir()
+    cmd = training_line(r.stdout)
+    assert flag(cmd, "--recompute-granularity") == "selective" and "--recompute-method" not in cmd
+    assert flag(cmd, "--micro-batch-size") == "1"
+    r = run(SCRIPTS["20b"], site, "--dry-run", NNODES=2, RECOMPUTE="selective")
+    assert r.returncode == 3 and "RECOMPUTE=selective" in r.stderr and "or set RECOMPUTE=full" in r.stderr
+    r = run(SCRIPTS["10b"], site, "--dry-run", NNODES=16, RECOMPUTE="auto")
+    assert r.returncode == 0 and "choice: RECOMPUTE=none MICRO_BATCH_SIZE=1 (auto" in r.stdout, r.stderr
+
+
+def test_exit_time_for_a_debug_and_an_extended_job(site):
+    """A 30-minute debug job and a 24-hour extended one both stop with room for one save."""
+    for walltime, minutes in (("0:30:00", None), ("24:00:00", None), ("1-00:00:00", None)):
+        r = run(SCRIPTS["10b"], site, "--dry-run", NNODES=16, LBP_WALLTIME=walltime)
+        assert r.returncode == 0, r.stderr
+        m = re.search(r"would have (\d+):(\d\d):(\d\d) left .* margin (\d+) s .*"
+                      r"--exit-duration-in-mins (\d+)", r.stdout)
+        left = int(m.group(1)) * 3600 + int(m.group(2)) * 60 + int(m.group(3))
+        margin, exit_mins = int(m.group(4)), int(m.group(5))
+        assert exit_mins * 60 <= left - margin < exit_mins * 60 + 60
+        assert flag(training_line(r.stdout), "--exit-duration-in-mins") == str(exit_mins)
+    r = run(SCRIPTS["10b"], site, "--dry-run", NNODES=16, LBP_STEP_SECONDS=30)
+    assert "save interval: 100 iterations = 50.0 min of training" in r.stdout  # 45 min / 30 s -> 100
+    assert flag(training_line(r.stdout), "--save-interval") == "100"
+
+
+def test_real_launch_health_step_then_training(site):
+    r = run(SCRIPTS["10b"], site, "--", "--seed", "7", **in_job(MASTER_ADDR="10.0.0.1"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    health, train = calls(site, "srun")
+    assert health.startswith("-N 2 -n 16 --ntasks-per-node=8 -c 7 --kill-on-bad-exit=1")
+    assert "lbp_task.sh python -m megatron_lbp.launch health --tasks-per-node 8" in health
+    assert call_env(site, "srun", 1)["MASTER_PORT"] == "3443"
+    words = train.split()
+    assert words[:3] == ["-N", "2", "-n"] and words[-2:] == ["--seed", "7"]
+    assert "megatron_lbp.pretrain_gpt" in words
+    # 7200 s left (SLURM_JOB_END_TIME), minus one save, one step and 120 s of slack
+    assert 115 <= int(flag(words, "--exit-duration-in-mins")) <= 117
+    env = call_env(site, "srun", 2)
+    assert env["LBP_TASKS_PER_NODE"] == "8" and env["LBP_GPUS_PER_TASK"] == "1"
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in env
+    assert (site["tmp"] / "ckpt" / "data_cache").is_dir() and (site["tmp"] / "ckpt" / "tensorboard").is_dir()
     assert "MASTER_ADDR=10.0.0.1 MASTER_PORT=3442" in r.stdout
+    assert calls(site, "sbatch") == []          # no chain asked for
+
+
+def test_environment_precedence_module_defaults_user(site):
+    """Modules first, then the launcher's defaults, and what the user exported over both."""
+    module = ('module() { [ "$1" = load ] || return 1; shift; echo "$*" >> "$MODULE_LOG"; '
+              'export NCCL_SOCKET_IFNAME=hsn0 FI_CXI_RX_MATCH_MODE=software NCCL_CROSS_NIC=0 '
+              'CRAY_LD_LIBRARY_PATH=/opt/cray/pe/lib64/cce-new '
+              'LD_LIBRARY_PATH=/opt/rocm-7.1.1/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}; }')
+    env = in_job(MODULE_LOG=site["tmp"] / "modules.log", FI_CXI_RX_MATCH_MODE="hardware",
+                 CUDA_DEVICE_MAX_CONNECTIONS="8", LD_LIBRARY_PATH="/home/me/lib",
+                 CRAY_LD_LIBRARY_PATH="/opt/cray/pe/lib64/stale")
+    e = dict(site["env"], **{k: str(v) for k, v in env.items()})
+    r = subprocess.run(["bash", "-c", f'{module}; export -f module; exec bash "$0"', SCRIPTS["20b"]],
+                       env=e, cwd=site["tmp"], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (site["tmp"] / "modules.log").read_text().split() == [
+        "PrgEnv-gnu/8.7.0", "cpe/26.03", "miniforge3/23.11.0-0", "rocm/7.1.1", "rccl-net-plugin",
+        "craype-accel-amd-gfx90a"]
+    task = call_env(site, "srun", 2)
+    assert task["FI_CXI_RX_MATCH_MODE"] == "hardware"            # the user's value wins
+    assert task["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"             # yours, not forced
+    assert task["NCCL_SOCKET_IFNAME"] == "hsn0,hsn1,hsn2,hsn3"    # defaults over the module
+    assert task["NCCL_CROSS_NIC"] == "1"
+    # the module's CRAY_LD_LIBRARY_PATH (not the stale one from before it) first
+    assert task["LD_LIBRARY_PATH"] == "/opt/cray/pe/lib64/cce-new:/opt/rocm-7.1.1/lib:/home/me/lib"
+    assert "modules: loaded PrgEnv-gnu/8.7.0" in r.stdout
+    assert "(yours: FI_CXI_RX_MATCH_MODE)" in r.stdout
+
+
+def test_exit_time_from_squeue_in_a_job(site):
+    r = run(SCRIPTS["20b"], site, **in_job(SLURM_JOB_END_TIME=None, FAKE_TIME_LEFT="29:30"))
+    assert r.returncode == 0, r.stderr
+    # 29:30 left (a debug job), small model: save 61 s + step + 120 s slack -> 26 minutes
+    assert "job 42 has 0:29:30 left (squeue -o %L: 29:30)" in r.stdout
+    assert flag(calls(site, "srun")[-1].split(), "--exit-duration-in-mins") == "26"
+    assert all(c.startswith("-h -j 42 -o") for c in calls(site, "squeue"))
+
+
+def test_chain_submits_the_next_job_with_this_jobs_options(site):
+    env = in_job(NCCL_CROSS_NIC="0", SLURM_CONF="/etc/slurm/slurm.conf")
+    r = run(SCRIPTS["20b"], site, "--chain", "3", "--", "--seed", "7", **env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (sub,) = calls(site, "sbatch")
+    script = REPO / "scripts" / "frontier_gpt20b.sh"
+    assert sub == (f"--parsable --dependency=afterany:42 --chdir {REPO} -J lbp-gpt20b -A proj123 "
+                   f"-p batch -t 2:00:00 -N 2 {script} --chain 2 -- --seed 7")
+    e = call_env(site, "sbatch", 1)
+    assert e["LBP_CHAIN_PREVIOUS_ITERATION"] == "0" and e["LBP_CHAIN_PREVIOUS_JOB"] == "42"
+    # the environment the job started with: the user's value, no launcher default, no job variables
+    assert e["NCCL_CROSS_NIC"] == "0" and "FI_CXI_RDZV_PROTO" not in e
+    assert e["SLURM_CONF"] == "/etc/slurm/slurm.conf" and "SLURM_JOB_ID" not in e
+    # submitted after the health check, before training
+    assert "chain: submitted job 4242 (--dependency=afterany:42, chain of 2 more)" in r.stdout
+    assert len(calls(site, "srun")) == 2
+
+
+def test_chain_stops_when_complete_or_without_progress(site):
+    ckpt = site["tmp"] / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("150000")
+    r = run(SCRIPTS["20b"], site, "--chain", "3", **in_job())
+    assert r.returncode == 0 and "chain: training complete" in r.stdout, r.stderr
+    assert calls(site, "srun") == [] and calls(site, "sbatch") == []
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("1250")
+    r = run(SCRIPTS["20b"], site, "--chain", "2",
+            **in_job(LBP_CHAIN_PREVIOUS_ITERATION="1250", LBP_CHAIN_PREVIOUS_JOB="41"))
+    assert r.returncode == 5 and "no progress since job 41 started" in r.stderr
+    assert calls(site, "srun") == [] and calls(site, "sbatch") == []
 
 
 def test_local_profile_dry_run(site):
@@ -171,12 +343,13 @@ def test_local_profile_dry_run(site):
     assert r.returncode == 0, r.stderr
     srun = srun_line(r.stdout)
     assert srun.startswith("srun -N 2 -n 8 --ntasks-per-node=4 -c 1 ")
-    assert "--gpus-per-task" not in srun and "NCCL_NET" not in r.stdout
+    assert "--gpus-per-task=1 --gpu-bind=map_gpu:4,5,2,3" in srun and "NCCL_NET" not in r.stdout
     cmd = training_line(r.stdout)
     assert flag(cmd, "--hier-gpus-per-node") == "4"
     assert flag(cmd, "--hier-secondary-group-size") == "4"
     assert flag(cmd, "--tokenizer-type") == "SentencePieceTokenizer"
     assert "W=8 ranks, P=2 G=4 O=8 S=4 (int8)" in r.stdout
+    assert "--recompute-granularity" not in cmd and flag(cmd, "--exit-duration-in-mins") == "13"
 
 
 def test_the_three_profiles_share_one_launcher():
@@ -186,10 +359,12 @@ def test_the_three_profiles_share_one_launcher():
         assert "srun " not in text.split("set -euo pipefail", 1)[1]
         # Ranks are per task (lbp_task.sh), never exported from the batch script.
         assert not re.search(r"^\s*export\s+(RANK|LOCAL_RANK)=", text, re.M)
-    head = SCRIPTS["20b"].read_text().split("set -euo pipefail")[0]
-    for directive in ("#SBATCH -A ", "#SBATCH -J ", "#SBATCH -N 48", "#SBATCH -t ",
-                      "#SBATCH -p batch", "#SBATCH -o logs/%x-%j.out", "#SBATCH -e logs/%x-%j.err"):
-        assert directive in head
+    for script in SCRIPTS.values():
+        head = script.read_text().split("set -euo pipefail")[0]
+        for directive in ("#SBATCH -A ", "#SBATCH -J ", "#SBATCH -N ", "#SBATCH -t ",
+                          "#SBATCH -p batch", "#SBATCH -o logs/%x-%j.out", "#SBATCH -e logs/%x-%j.err",
+                          "#SBATCH --network=disable_rdzv_get", "#SBATCH --signal=TERM@"):
+            assert directive in head, (script, directive)
 
 
 # --------------------------------------------------------------------------- bad input
@@ -254,18 +429,19 @@ def test_task_wrapper_reads_ranks_per_task(tmp_path):
              "location_of; i = launcher_info_from_env(os.environ); l = location_of(i, 8, 2, 'h'); "
              "print(json.dumps([os.environ['RANK'], os.environ['WORLD_SIZE'], "
              "'LOCAL_RANK' in os.environ, i.source, l.node, l.package, "
-             "os.environ['MIOPEN_USER_DB_PATH']]))")
+             "os.environ['MIOPEN_USER_DB_PATH'], os.environ['TRITON_CACHE_DIR']]))")
     env = dict(os.environ, SLURM_PROCID="13", SLURM_NTASKS="16", SLURM_LOCALID="5",
                SLURM_NODEID="1", SLURM_TASKS_PER_NODE="8(x2)", SLURM_JOB_ID="77",
-               LOCAL_RANK="5", RANK="0", LBP_MIOPEN_CACHE_ROOT=str(tmp_path))
+               LOCAL_RANK="5", RANK="0", LBP_NODE_LOCAL_ROOT=str(tmp_path))
     r = subprocess.run(["bash", str(LAUNCH / "lbp_task.sh"), sys.executable, "-c", probe],
                        env=env, capture_output=True, text=True, cwd=REPO, timeout=60)
     assert r.returncode == 0, r.stderr
     import json
 
-    rank, world, has_local, source, node, package, miopen = json.loads(r.stdout.splitlines()[-1])
+    rank, world, has_local, source, node, package, miopen, triton = json.loads(r.stdout.splitlines()[-1])
     assert (rank, world, has_local, source, node, package) == ("13", "16", False, "slurm", 1, 2)
-    assert miopen == str(tmp_path / "miopen-77-13") and Path(miopen).is_dir()
+    assert miopen == str(tmp_path / "lbp-cache-77-13" / "miopen") and Path(miopen).is_dir()
+    assert triton == str(tmp_path / "lbp-cache-77-13" / "triton") and Path(triton).is_dir()
 
 
 def test_shellcheck_clean():

@@ -6,37 +6,55 @@
 # A profile script sets its defaults (model shape, batch, site environment)
 # as `: "${VAR:=value}"`, sources this file and calls
 #     lbp_main "$@"
-# lbp_main validates the inputs, prints the resolved srun and training
-# commands, the parameter count and the per-GCD memory of the plan tool for the
-# node count, refuses to launch when it does not fit, and otherwise (not a dry
-# run) runs srun, one task per GCD, each through scripts/launch/lbp_task.sh.
+# lbp_main validates the inputs; loads the modules and the Python environment;
+# estimates memory per GCD for each recomputation / micro-batch choice (and picks one
+# for RECOMPUTE/MICRO_BATCH_SIZE=auto), the step time, the save interval and the
+# checkpoint size (python -m megatron_lbp.launch estimate); prints the srun and training
+# commands and, for the job's wall time, when training stops to save; and refuses what
+# does not fit. A dry run stops there. In a job it then checks the torch build, decides
+# the job chain, prunes old checkpoints and checks the free space, runs the health check
+# as its own srun step, submits the chain's next job, and runs srun, one task per GCD,
+# each through scripts/launch/lbp_task.sh, with a checkpoint pruner beside it.
 #
-# Arguments of lbp_main: --dry-run (same as LBP_DRY_RUN=1); anything else,
-# optionally after `--`, is appended to the training command line.
+# Arguments of lbp_main: --dry-run (same as LBP_DRY_RUN=1); --chain N (this job and N-1
+# more, each submitted by the previous one); anything else, optionally after `--`, is
+# appended to the training command line.
 #
-# Every stop before srun prints "lbp_launch: error: ..." naming what to set or
-# run, and returns 2 (bad input) or 3 (does not fit in GCD memory).
+# Every stop prints "lbp_launch: error: ..." (or lbp_health / lbp_task) naming what to
+# set or run, and returns: 2 bad input; 3 does not fit in GCD memory; 4 the job or its
+# nodes cannot run it (torch build, devices, placement, slow links, too little wall time
+# or disk space); 5 the chain stops because the previous job made no progress.
+# "Training complete" is status 0 without launching.
 #
 # Variables read (profile scripts document their defaults):
 #   LBP_REPO            megatron-lbp checkout (set by the profile script)
-#   LBP_PROFILE         name printed in the summary
-#   LBP_SITE            frontier (RCCL/libfabric/MIOpen environment) or local (CPU, gloo)
+#   LBP_PROFILE         name printed in the summary; LBP_PROFILE_SCRIPT the script itself
+#   LBP_SITE            frontier (RCCL/libfabric/ROCm environment) or local (CPU, gloo)
 #   LBP_DRY_RUN         1: print everything, launch nothing
-#   LBP_ACTIVATE        file sourced to get the Python env (venv/conda activate);
+#   LBP_ACTIVATE        file sourced to get the Python env (venv/conda-pack activate);
 #                       default $LBP_REPO/.venv/bin/activate when it exists
+#   LBP_CONDA_ENV       a conda environment to `conda activate` instead
 #   LBP_PYTHON          interpreter (default: python)
 #   LBP_MODULES         modules to `module load` (skipped when `module` is missing)
+#   LBP_SBCAST_ENV      a packed Python environment (conda-pack .tar.gz) to sbcast to
+#                       every node's LBP_SBCAST_DIR [/mnt/bb/$USER] and activate there
+#                       (needs sbatch -C nvme on Frontier)
+#   LBP_NODE_LOCAL_ROOT node-local directory for the MIOpen/Triton caches [/tmp]
 #   MEGATRON_LM_DIR     a Megatron-LM tree patched by scripts/apply_patches.sh:
 #                       run its pretrain_gpt.py instead of python -m megatron_lbp.pretrain_gpt
-#   NNODES              node count (default: the allocation's SLURM_JOB_NUM_NODES)
+#   NNODES              node count (default: the allocation's, else the script's #SBATCH -N)
 #   TASKS_PER_NODE      ranks per node, one per GCD (Frontier: 8)
 #   GCDS_PER_PACKAGE    GCDs per package (MI250X: 2)
 #   CPUS_PER_TASK       srun -c (Frontier: 7 = 56 usable cores / 8)
 #   GPUS_PER_TASK       1: --gpus-per-task=1 --gpu-bind=$GPU_BIND; 0: CPU ranks
 #   GPU_BIND            srun --gpu-bind value (Frontier: closest)
+#   LBP_REQUIRE_GPU     rocm | cuda | any | none: the torch build a GPU profile needs
+#                       [rocm on Frontier, any elsewhere when GPUS_PER_TASK > 0, else none]
 #   SRUN_EXTRA_ARGS     more srun options (word-split)
 #   MASTER_ADDR, MASTER_PORT  rendezvous (default: this host's IP, 3442)
 #   DATA_PATH           Megatron data prefix(es) (<prefix>.bin/.idx), or MOCK_DATA=1
+#   DATA_CACHE_PATH     Megatron's index cache (--data-cache-path) [$CHECKPOINT_DIR/data_cache]
+#   TENSORBOARD_DIR     --tensorboard-dir [$CHECKPOINT_DIR/tensorboard; empty: off]
 #   TOKENIZER_TYPE      GPT2BPETokenizer (needs VOCAB_FILE, MERGE_FILE),
 #                       SentencePieceTokenizer / HuggingFaceTokenizer (need TOKENIZER_MODEL:
 #                       a .model file / a local save_pretrained directory), NullTokenizer;
@@ -44,13 +62,27 @@
 #   VOCAB_SIZE_PADDED   Megatron's padded vocabulary (for the parameter count and memory)
 #   CHECKPOINT_DIR      --save and --load (resume from the latest checkpoint there)
 #   NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS SEQ_LENGTH FFN_HIDDEN_SIZE
-#   MICRO_BATCH_SIZE GLOBAL_BATCH_SIZE TRAIN_ITERS LR MIN_LR LR_WARMUP_ITERS
-#   WEIGHT_DECAY CLIP_GRAD SAVE_INTERVAL LOG_INTERVAL EVAL_INTERVAL EVAL_ITERS
-#   EXIT_DURATION_MINS  save and exit before the wall-clock limit (0: off)
-#   RECOMPUTE           full (default) or none: activation recomputation
+#   MICRO_BATCH_SIZE    an integer, or auto: the largest that fits
+#   RECOMPUTE           full | selective | none | auto (the least that fits)
+#   GLOBAL_BATCH_SIZE TRAIN_ITERS LR MIN_LR LR_WARMUP_ITERS
+#   WEIGHT_DECAY CLIP_GRAD LOG_INTERVAL EVAL_INTERVAL EVAL_ITERS
+#   SAVE_INTERVAL       iterations, or auto: about LBP_SAVE_MINUTES [45] of training at the
+#                       estimated step time (LBP_STEP_SECONDS replaces the cost model's)
+#   EXIT_DURATION_MINS  auto: the job's remaining wall time minus one save, one step and
+#                       LBP_EXIT_SLACK_S; minutes; 0: off. The save is estimated from the
+#                       checkpoint's bytes at LBP_WRITE_GBPS per node + LBP_SAVE_FIXED_S.
+#                       Dry runs plan for LBP_WALLTIME (default: the script's #SBATCH -t).
+#   LBP_KEEP_LAST LBP_MILESTONE_EVERY  retention: the newest K complete checkpoints and
+#                       the first at or after every N iterations (0: none); the tracker's
+#                       and the newest complete one are never deleted; LBP_PRUNE_EVERY_S
+#   LBP_CHAIN_SBATCH_ARGS  more sbatch options for the chain's next jobs (word-split)
+#   LBP_HEALTH_CHECK    1: time the links before training; 0: device checks only
+#   LBP_HEALTH_EXPECT_GBPS  "package=200,node=50,network=12.5" (GB/s per GCD) [the cost model's]
+#   LBP_HEALTH_MIN_FRACTION [0.25]  LBP_HEALTH_MB [64]  LBP_GCD_BUS_IDS [Frontier's]
 #   PRECISION           bf16 (default) or fp32
 #   HIER_PRESET HIER_SECONDARY_GROUP_SIZE HIER_SECONDARY_DTYPE  the hierarchy
-#   GCD_MEMORY_GB       device memory limit for the fit check (Frontier GCD: 64)
+#   GCD_MEMORY_GB       device memory for the fit check (Frontier GCD: 64)
+#   LBP_MEMORY_RESERVE_GB  of it kept for HIP/RCCL buffers and fragmentation [4 on GPUs]
 #   EXTRA_ARGS          more training flags (word-split)
 
 lbp_die() {  # lbp_die STATUS MESSAGE...
@@ -64,73 +96,180 @@ lbp_log() { echo "[lbp] $*"; }
 
 lbp_is_uint() { [[ "${1:-}" =~ ^[0-9]+$ ]]; }
 
-# Load modules, activate the Python environment. Missing `module` is not an
-# error (laptops, CI); a missing LBP_ACTIVATE file is.
+# The Python side of the launcher: python -m megatron_lbp.launch COMMAND ...
+lbp_py() { "$LBP_PYTHON" -m megatron_lbp.launch "$@"; }
+
+# KEY=VALUE lines a Python command wrote (no eval: only names we expect are read).
+lbp_read_resolved() {  # lbp_read_resolved FILE NAME...
+  local file=$1 key value want
+  shift
+  while IFS='=' read -r key value; do
+    for want in "$@"; do
+      [ "$key" = "$want" ] && printf -v "$key" '%s' "$value"
+    done
+  done <"$file"
+  return 0
+}
+
+# --------------------------------------------------------------------------- environment
+
+# The Frontier environment, in the order OLCF documents it. A variable the user exported
+# wins over these defaults, and the defaults win over what `module load` set (the defaults
+# are applied after the modules: lbp_site_env).
+#   [P] OLCF "PyTorch on Frontier" (docs.olcf.ornl.gov/software/analytics/pytorch_frontier.html),
+#       "Manual RCCL Network Plugin Configuration": the variables "strongly recommended by
+#       HPE and AMD on Frontier"; its "Alternative Rendezvous Protocol" (FI_CXI_RDZV_PROTO
+#       with #SBATCH --network=disable_rdzv_get) and "Master Address and Sockets" (port 3442).
+#       NCCL_NET: OFI forces the plugin on multi-node jobs, Socket on one node (the plugin
+#       does not initialise there), same section. NCCL_SOCKET_IFNAME: the page lists
+#       hsn0,hsn1,hsn2,hsn3 and advises hsn0 alone "if you happen to encounter hangs".
+#   [U] OLCF Frontier User Guide (docs.olcf.ornl.gov/systems/frontier_user_guide.html):
+#       -c 7 per GCD with core specialisation (56 usable cores / 8 GCDs), OMP_NUM_THREADS.
+# CUDA_DEVICE_MAX_CONNECTIONS is not set: Megatron needs it = 1 only with tensor/context
+# parallelism, and these runs are data-parallel only (an exported value still wins).
+# FI_CXI_ATS=0 is no longer on OLCF's list and is not set.
+lbp_frontier_defaults() {
+  local net=OFI
+  [ "${NNODES_RESOLVED:-2}" -gt 1 ] || net=Socket
+  LBP_SITE_DEFAULTS=(
+    "NCCL_NET=$net"                        # [P]
+    "NCCL_CROSS_NIC=1"                     # [P]
+    "NCCL_NET_GDR_LEVEL=PHB"               # [P]
+    "NCCL_SOCKET_IFNAME=hsn0,hsn1,hsn2,hsn3"  # [P]
+    "HSA_FORCE_FINE_GRAIN_PCIE=1"          # [P]
+    "FI_MR_CACHE_MONITOR=kdreg2"           # [P] (never memhooks: deadlocks with the plugin)
+    "FI_CXI_DISABLE_HOST_REGISTER=1"       # [P]
+    "FI_CXI_DEFAULT_CQ_SIZE=131072"        # [P]
+    "FI_CXI_RDZV_PROTO=alt_read"           # [P] with #SBATCH --network=disable_rdzv_get
+    "FI_CXI_RDZV_EAGER_SIZE=0"             # [P]
+    "FI_CXI_RDZV_THRESHOLD=0"              # [P]
+    "FI_CXI_RDZV_GET_MIN=0"                # [P]
+    "FI_CXI_DEFAULT_TX_SIZE=2048"          # [P]
+    "FI_CXI_RX_MATCH_MODE=hybrid"          # [P]
+    "OMP_NUM_THREADS=${CPUS_PER_TASK:-7}"  # [U]
+  )
+  # [P] "Preferred": NCCL_NET_PLUGIN names the plugin library (else the rccl-net-plugin
+  # module or LD_LIBRARY_PATH provide it).
+  if [ -n "${RCCL_NET_PLUGIN_DIR:-}" ]; then
+    LBP_SITE_DEFAULTS+=("NCCL_NET_PLUGIN=$RCCL_NET_PLUGIN_DIR/librccl-net.so")
+  fi
+}
+
+lbp_local_defaults() {
+  LBP_SITE_DEFAULTS=("OMP_NUM_THREADS=1" "PYTHONWARNINGS=ignore")
+}
+
+# Modules first, then the launcher's defaults, and what the user exported over both.
+lbp_site_env() {
+  case "${LBP_SITE:-frontier}" in
+    frontier) lbp_frontier_defaults ;;
+    local) lbp_local_defaults ;;
+    *) lbp_die 2 "LBP_SITE=$LBP_SITE: use frontier or local"; return ;;
+  esac
+  local kv name user=()
+  for kv in "${LBP_SITE_DEFAULTS[@]}"; do
+    name=${kv%%=*}
+    [ -n "${!name+x}" ] && user+=("$name=${!name}")
+  done
+  lbp_load_modules || return
+  for kv in "${LBP_SITE_DEFAULTS[@]}" "${user[@]}"; do  # the user's values last: they win
+    export "${kv%%=*}=${kv#*=}"
+  done
+  LBP_ENV_SHOWN=""
+  for kv in "${LBP_SITE_DEFAULTS[@]}"; do LBP_ENV_SHOWN="$LBP_ENV_SHOWN ${kv%%=*}"; done
+  LBP_ENV_USER=""
+  for kv in "${user[@]}"; do LBP_ENV_USER="$LBP_ENV_USER ${kv%%=*}"; done
+  # [P] "Because using a non-default CPE": Cray's libraries first, as the modules left them.
+  if [ -n "${CRAY_LD_LIBRARY_PATH:-}" ]; then
+    export LD_LIBRARY_PATH=$CRAY_LD_LIBRARY_PATH${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  fi
+}
+
+# `module load`. Missing `module` is not an error (laptops, CI).
+lbp_load_modules() {
+  [ -n "${LBP_MODULES:-}" ] || return 0
+  if command -v module >/dev/null 2>&1 || declare -F module >/dev/null; then
+    # shellcheck disable=SC2086  # a list of module names
+    module load $LBP_MODULES || { lbp_die 2 "module load $LBP_MODULES failed: set LBP_MODULES"; return; }
+    lbp_log "modules: loaded $LBP_MODULES"
+  else
+    lbp_log "no 'module' command here: not loading LBP_MODULES=$LBP_MODULES"
+  fi
+}
+
+# The Python environment (after the modules: conda/ROCm come from them). A missing
+# LBP_ACTIVATE file is an error.
 lbp_setup_python() {
-  if [ -n "${LBP_MODULES:-}" ]; then
-    if command -v module >/dev/null 2>&1 || declare -F module >/dev/null; then
-      # shellcheck disable=SC2086  # a list of module names
-      module load $LBP_MODULES || lbp_die 2 "module load $LBP_MODULES failed: set LBP_MODULES" || return
-    else
-      lbp_log "no 'module' command here: not loading LBP_MODULES=$LBP_MODULES"
+  if [ -n "${LBP_CONDA_ENV:-}" ]; then
+    command -v conda >/dev/null 2>&1 || { lbp_die 2 "LBP_CONDA_ENV=$LBP_CONDA_ENV but no conda" \
+      "command (load the miniforge3 module in LBP_MODULES)"; return; }
+    set +u
+    eval "$(conda shell.bash hook)" && conda activate "$LBP_CONDA_ENV"
+    local rc=$?
+    set -u
+    [ "$rc" = 0 ] || { lbp_die 2 "conda activate $LBP_CONDA_ENV failed: set LBP_CONDA_ENV"; return; }
+  else
+    if [ -z "${LBP_ACTIVATE+x}" ] && [ -f "$LBP_REPO/.venv/bin/activate" ]; then
+      LBP_ACTIVATE=$LBP_REPO/.venv/bin/activate
+    fi
+    if [ -n "${LBP_ACTIVATE:-}" ]; then
+      [ -f "$LBP_ACTIVATE" ] || { lbp_die 2 "LBP_ACTIVATE=$LBP_ACTIVATE does not exist: set it to" \
+        "your venv/conda-pack activate script, or to an empty string to use the current python"; return; }
+      set +u
+      # shellcheck disable=SC1090
+      . "$LBP_ACTIVATE"
+      set -u
     fi
   fi
-  if [ -z "${LBP_ACTIVATE+x}" ] && [ -f "$LBP_REPO/.venv/bin/activate" ]; then
-    LBP_ACTIVATE=$LBP_REPO/.venv/bin/activate
-  fi
-  if [ -n "${LBP_ACTIVATE:-}" ]; then
-    [ -f "$LBP_ACTIVATE" ] || { lbp_die 2 "LBP_ACTIVATE=$LBP_ACTIVATE does not exist: set it to" \
-      "your venv/conda activate script, or to an empty string to use the current python"; return; }
-    set +u
-    # shellcheck disable=SC1090
-    . "$LBP_ACTIVATE"
-    set -u
-  fi
   LBP_PYTHON=${LBP_PYTHON:-python}
-  command -v "$LBP_PYTHON" >/dev/null 2>&1 || lbp_die 2 "LBP_PYTHON=$LBP_PYTHON not found:" \
-    "set LBP_ACTIVATE or LBP_PYTHON"
+  command -v "$LBP_PYTHON" >/dev/null 2>&1 || { lbp_die 2 "LBP_PYTHON=$LBP_PYTHON not found:" \
+    "set LBP_ACTIVATE or LBP_PYTHON"; return; }
+  # megatron_lbp importable even when it is not installed into the environment
+  case ":${PYTHONPATH:-}:" in *":$LBP_REPO:"*) ;; *) export PYTHONPATH=$LBP_REPO${PYTHONPATH:+:$PYTHONPATH} ;; esac
 }
 
-# Frontier's RCCL / libfabric / ROCm environment (frontier.md). Every value is
-# a default: a variable already set in the environment wins.
-lbp_frontier_env() {
-  if [ "${NNODES_RESOLVED:-${NNODES:-2}}" -gt 1 ]; then
-    # aws-ofi-rccl over Slingshot; the plugin does not initialise single-node.
-    : "${NCCL_NET:=OFI}"
-    export NCCL_NET
-  fi
-  : "${NCCL_SOCKET_IFNAME:=hsn0}" "${NCCL_CROSS_NIC:=1}" "${NCCL_NET_GDR_LEVEL:=3}"
-  : "${FI_CXI_ATS:=0}" "${FI_MR_CACHE_MONITOR:=kdreg2}" "${FI_CXI_DISABLE_HOST_REGISTER:=1}"
-  : "${FI_CXI_DEFAULT_CQ_SIZE:=131072}" "${FI_CXI_DEFAULT_TX_SIZE:=2048}"
-  : "${FI_CXI_RX_MATCH_MODE:=hybrid}" "${FI_CXI_RDZV_PROTO:=alt_read}"
-  : "${HSA_FORCE_FINE_GRAIN_PCIE:=1}" "${CUDA_DEVICE_MAX_CONNECTIONS:=1}"
-  : "${OMP_NUM_THREADS:=${CPUS_PER_TASK:-7}}" "${LBP_MIOPEN_CACHE_ROOT:=/tmp}"
-  export NCCL_SOCKET_IFNAME NCCL_CROSS_NIC NCCL_NET_GDR_LEVEL FI_CXI_ATS FI_MR_CACHE_MONITOR \
-    FI_CXI_DISABLE_HOST_REGISTER FI_CXI_DEFAULT_CQ_SIZE FI_CXI_DEFAULT_TX_SIZE \
-    FI_CXI_RX_MATCH_MODE FI_CXI_RDZV_PROTO HSA_FORCE_FINE_GRAIN_PCIE \
-    CUDA_DEVICE_MAX_CONNECTIONS OMP_NUM_THREADS LBP_MIOPEN_CACHE_ROOT
-  # Cray's libraries first; the RCCL network plugin if given as a directory.
-  if [ -n "${CRAY_LD_LIBRARY_PATH:-}" ]; then
-    export LD_LIBRARY_PATH=$CRAY_LD_LIBRARY_PATH:${LD_LIBRARY_PATH:-}
-  fi
-  if [ -n "${RCCL_NET_PLUGIN_DIR:-}" ]; then
-    export LD_LIBRARY_PATH=$RCCL_NET_PLUGIN_DIR:${LD_LIBRARY_PATH:-}
-  fi
-  LBP_ENV_SHOWN="NCCL_NET NCCL_SOCKET_IFNAME NCCL_CROSS_NIC NCCL_NET_GDR_LEVEL FI_CXI_ATS
-    FI_MR_CACHE_MONITOR FI_CXI_DISABLE_HOST_REGISTER FI_CXI_DEFAULT_CQ_SIZE
-    FI_CXI_DEFAULT_TX_SIZE FI_CXI_RX_MATCH_MODE FI_CXI_RDZV_PROTO HSA_FORCE_FINE_GRAIN_PCIE
-    CUDA_DEVICE_MAX_CONNECTIONS OMP_NUM_THREADS LBP_MIOPEN_CACHE_ROOT"
+# sbcast a packed environment to every node's local storage and unpack it there (OLCF
+# "Sbcast Conda Environments", docs.olcf.ornl.gov/software/python/sbcast_conda.html);
+# the batch shell then activates the copy on its node, which the tasks inherit.
+lbp_sbcast_env() {
+  [ -n "${LBP_SBCAST_ENV:-}" ] || return 0
+  local dir=${LBP_SBCAST_DIR:-/mnt/bb/${USER:-$(id -un)}} n=$NNODES_RESOLVED
+  local dest=$dir/lbp_env
+  lbp_log "sbcast: $LBP_SBCAST_ENV -> $dest on $n node(s)"
+  sbcast -pf "$LBP_SBCAST_ENV" "$dest.tar.gz" || { lbp_die 4 "sbcast of LBP_SBCAST_ENV=$LBP_SBCAST_ENV" \
+    "to $dir failed (on Frontier, submit with -C nvme; partial files may be left there)"; return; }
+  # shellcheck disable=SC2016  # expanded by the per-node shell
+  srun -N "$n" --ntasks-per-node=1 bash -c 'rm -rf "$1" && mkdir -p "$1" && tar -xzf "$1.tar.gz" -C "$1" \
+    && if [ -x "$1/bin/conda-unpack" ]; then "$1/bin/conda-unpack"; fi' _ "$dest" \
+    || { lbp_die 4 "unpacking $dest.tar.gz on the nodes failed"; return; }
+  [ -f "$dest/bin/activate" ] || { lbp_die 4 "LBP_SBCAST_ENV=$LBP_SBCAST_ENV has no bin/activate" \
+    "(pack it with conda pack --format tar.gz)"; return; }
+  LBP_ACTIVATE=$dest/bin/activate
+  unset LBP_CONDA_ENV
 }
 
-# The local profile: CPU ranks, gloo (megatron_lbp.pretrain_gpt adds the CPU flags).
-lbp_local_env() {
-  : "${OMP_NUM_THREADS:=1}" "${PYTHONWARNINGS:=ignore}"
-  export OMP_NUM_THREADS PYTHONWARNINGS
-  LBP_ENV_SHOWN="OMP_NUM_THREADS PYTHONWARNINGS"
+# --------------------------------------------------------------------------- inputs
+
+# The script's own #SBATCH value of an option (dry runs outside an allocation).
+lbp_sbatch_directive() {  # lbp_sbatch_directive -N|-t
+  local script=${LBP_PROFILE_SCRIPT:-} opt=$1 line
+  [ -f "$script" ] || return 0
+  while IFS= read -r line; do
+    case "$line" in
+      "#SBATCH $opt "*) echo "${line#"#SBATCH $opt "}"; return ;;
+      "#SBATCH "*) ;;
+      "#"*|"") ;;
+      *) return ;;
+    esac
+  done <"$script"
 }
 
 lbp_resolve_nodes() {
-  local n=${NNODES:-${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-}}}
+  local n=${NNODES:-${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-}}} from=""
+  if [ -z "$n" ] && [ -z "${SLURM_JOB_ID:-}" ]; then
+    n=$(lbp_sbatch_directive -N)
+    [ -n "$n" ] && from=" (the script's #SBATCH -N)"
+  fi
   [ -n "$n" ] || { lbp_die 2 "node count unknown: submit with sbatch -N <nodes>, or set NNODES" \
     "(e.g. NNODES=48 LBP_DRY_RUN=1 bash $0)"; return; }
   if ! lbp_is_uint "$n" || [ "$n" -lt 1 ]; then
@@ -143,18 +282,24 @@ lbp_resolve_nodes() {
     return
   fi
   NNODES_RESOLVED=$n
+  NNODES_FROM=$from
 }
 
 # Node counts / batch sizes / group sizes that fit the hierarchy.
 lbp_check_hierarchy() {
   local n=$NNODES_RESOLVED t=$TASKS_PER_NODE pk=$GCDS_PER_PACKAGE s=$HIER_SECONDARY_GROUP_SIZE
-  local v
-  for v in TASKS_PER_NODE GCDS_PER_PACKAGE MICRO_BATCH_SIZE GLOBAL_BATCH_SIZE; do
+  local v mbs=$MICRO_BATCH_SIZE
+  [ "$mbs" = auto ] && mbs=1
+  for v in TASKS_PER_NODE GCDS_PER_PACKAGE GLOBAL_BATCH_SIZE; do
     if ! lbp_is_uint "${!v}" || [ "${!v}" -lt 1 ]; then
       lbp_die 2 "$v=${!v} must be an integer >= 1"
       return
     fi
   done
+  if ! lbp_is_uint "$mbs" || [ "$mbs" -lt 1 ]; then
+    lbp_die 2 "MICRO_BATCH_SIZE=$MICRO_BATCH_SIZE must be auto or an integer >= 1"
+    return
+  fi
   lbp_is_uint "$s" || { lbp_die 2 "HIER_SECONDARY_GROUP_SIZE=$s must be 0 (off) or a group size"; return; }
   if [ $((t % pk)) -ne 0 ]; then
     lbp_die 2 "GCDS_PER_PACKAGE=$pk must divide TASKS_PER_NODE=$t (a node holds whole packages)"
@@ -167,14 +312,14 @@ lbp_check_hierarchy() {
     return
   fi
   WORLD=$((n * t))
-  local per_step=$((MICRO_BATCH_SIZE * WORLD))
+  local per_step=$((mbs * WORLD))
   if [ $((GLOBAL_BATCH_SIZE % per_step)) -ne 0 ]; then
     local ok="" k
     for k in $(seq 1 512); do
-      [ $((GLOBAL_BATCH_SIZE % (MICRO_BATCH_SIZE * t * k))) -eq 0 ] && ok="$ok $k"
+      [ $((GLOBAL_BATCH_SIZE % (mbs * t * k))) -eq 0 ] && ok="$ok $k"
     done
     lbp_die 2 "$n node(s) x $t tasks = $WORLD data-parallel ranks do not fit" \
-      "GLOBAL_BATCH_SIZE=$GLOBAL_BATCH_SIZE with MICRO_BATCH_SIZE=$MICRO_BATCH_SIZE (needs a" \
+      "GLOBAL_BATCH_SIZE=$GLOBAL_BATCH_SIZE with MICRO_BATCH_SIZE=$mbs (needs a" \
       "multiple of $per_step): use NNODES in {${ok# }} or set GLOBAL_BATCH_SIZE to a multiple" \
       "of $per_step"
     return
@@ -185,7 +330,7 @@ lbp_check_hierarchy() {
 lbp_check_paths() {
   if [ "${MOCK_DATA:-0}" != 1 ]; then
     [ -n "${DATA_PATH:-}" ] || { lbp_die 2 "DATA_PATH is not set: export DATA_PATH=<prefix of" \
-      "the .bin/.idx files made by tools/preprocess_data.py> (or MOCK_DATA=1 for synthetic data)"; return; }
+      "the .bin/.idx files made by scripts/preprocess_data.py> (or MOCK_DATA=1 for synthetic data)"; return; }
     local w
     for w in $DATA_PATH; do
       [[ "$w" =~ ^[0-9.eE+-]+$ ]] && continue  # a blend weight
@@ -218,6 +363,12 @@ lbp_check_paths() {
   esac
   [ -n "${CHECKPOINT_DIR:-}" ] || { lbp_die 2 "CHECKPOINT_DIR is not set: export" \
     "CHECKPOINT_DIR=<directory for --save/--load> (a rerun resumes from it)"; return; }
+  if [ -n "${LBP_SBCAST_ENV:-}" ] && [ ! -f "$LBP_SBCAST_ENV" ]; then
+    lbp_die 2 "LBP_SBCAST_ENV=$LBP_SBCAST_ENV does not exist: set it to a conda-pack'd" \
+      ".tar.gz (conda pack --format tar.gz), or unset it"
+    return
+  fi
+  : "${DATA_CACHE_PATH=$CHECKPOINT_DIR/data_cache}" "${TENSORBOARD_DIR=$CHECKPOINT_DIR/tensorboard}"
 }
 
 # Training entry: megatron_lbp (default) or a patched Megatron-LM tree.
@@ -231,21 +382,76 @@ lbp_resolve_entry() {
     "no pretrain_gpt.py: set it to a Megatron-LM checkout (core_v0.19.0), or unset it to use" \
     "python -m megatron_lbp.pretrain_gpt"; return; }
   local patched=0
-  if [ -f "$LBP_REPO/scripts/apply_patches.sh" ]; then
-    bash "$LBP_REPO/scripts/apply_patches.sh" --check "$MEGATRON_LM_DIR" >/dev/null 2>&1 && patched=1
-  else
-    # Fallback while scripts/apply_patches.sh is absent: the patched tree names megatron_lbp.
-    grep -q megatron_lbp "$MEGATRON_LM_DIR/megatron/training/arguments.py" 2>/dev/null && patched=1
-  fi
+  bash "$LBP_REPO/scripts/apply_patches.sh" --check "$MEGATRON_LM_DIR" >/dev/null 2>&1 && patched=1
   [ "$patched" = 1 ] || { lbp_die 2 "MEGATRON_LM_DIR=$MEGATRON_LM_DIR is not patched for" \
     "megatron-lbp: run bash $LBP_REPO/scripts/apply_patches.sh $MEGATRON_LM_DIR" \
     "(or unset MEGATRON_LM_DIR to use python -m megatron_lbp.pretrain_gpt)"; return; }
-  export PYTHONPATH=$MEGATRON_LM_DIR:$LBP_REPO${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH=$MEGATRON_LM_DIR:$PYTHONPATH
   ENTRY=("$LBP_PYTHON" -u "$MEGATRON_LM_DIR/pretrain_gpt.py")
   ENTRY_DESC="$MEGATRON_LM_DIR/pretrain_gpt.py (patched Megatron-LM tree)"
 }
 
-lbp_build_commands() {
+# --------------------------------------------------------------------------- estimates
+
+# Memory per choice, the choice, step time, save interval, checkpoint bytes (estimate.py).
+lbp_estimate() {
+  local args=(--nodes "$NNODES_RESOLVED" --tasks-per-node "$TASKS_PER_NODE"
+              --gcds-per-package "$GCDS_PER_PACKAGE" --preset "$HIER_PRESET"
+              --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN_SIZE"
+              --num-attention-heads "$NUM_ATTENTION_HEADS" --seq-length "$SEQ_LENGTH"
+              --vocab-size "$VOCAB_SIZE_PADDED" --global-batch-size "$GLOBAL_BATCH_SIZE"
+              --micro-batch-size "$MICRO_BATCH_SIZE" --recompute "$RECOMPUTE"
+              --hier-secondary-group-size "$HIER_SECONDARY_GROUP_SIZE"
+              --hier-secondary-dtype "$HIER_SECONDARY_DTYPE" --params-dtype "$PRECISION"
+              --gcd-memory-gb "$GCD_MEMORY_GB" --reserve-gb "$LBP_MEMORY_RESERVE_GB"
+              --train-iters "$TRAIN_ITERS" --save-interval "$SAVE_INTERVAL"
+              --save-minutes "$LBP_SAVE_MINUTES" --milestone-every "$LBP_MILESTONE_EVERY"
+              --write-gbps-per-node "$LBP_WRITE_GBPS" --save-fixed-s "$LBP_SAVE_FIXED_S"
+              --resolved "$LBP_TMP/estimate")
+  [ -n "$FFN_HIDDEN_SIZE" ] && args+=(--ffn-hidden-size "$FFN_HIDDEN_SIZE")
+  [ -n "${LBP_STEP_SECONDS:-}" ] && args+=(--step-seconds "$LBP_STEP_SECONDS")
+  lbp_py estimate "${args[@]}" | sed 's/^/[lbp] /'
+  local status=${PIPESTATUS[0]}
+  [ "$status" = 0 ] || return "$status"
+  lbp_read_resolved "$LBP_TMP/estimate" MICRO_BATCH_SIZE RECOMPUTE SAVE_INTERVAL LBP_STEP_S \
+    LBP_CKPT_BYTES LBP_SAVE_S
+}
+
+# --exit-duration-in-mins from the job's remaining wall time (dry run: LBP_WALLTIME).
+lbp_exit_time() {
+  if [ "$LBP_EXIT_AUTO" != 1 ]; then
+    lbp_is_uint "$EXIT_DURATION_MINS" || { lbp_die 2 "EXIT_DURATION_MINS=$EXIT_DURATION_MINS:" \
+      "use auto, minutes, or 0 (off)"; return; }
+    lbp_log "exit time: EXIT_DURATION_MINS=$EXIT_DURATION_MINS as given"
+    return
+  fi
+  local args=(--save-s "$LBP_SAVE_S" --step-s "$LBP_STEP_S" --slack-s "$LBP_EXIT_SLACK_S"
+              --resolved "$LBP_TMP/exit")
+  local walltime=${LBP_WALLTIME:-$(lbp_sbatch_directive -t)}
+  [ -n "$walltime" ] && args+=(--walltime "$walltime")
+  [ "$LBP_DRY_RUN" = 1 ] && args+=(--no-job)  # a dry run plans for the job length
+  lbp_py exit-time "${args[@]}" | sed 's/^/[lbp] /'
+  local status=${PIPESTATUS[0]}
+  [ "$status" = 0 ] || return "$status"
+  lbp_read_resolved "$LBP_TMP/exit" EXIT_DURATION_MINS
+}
+
+# --------------------------------------------------------------------------- commands
+
+lbp_build_srun() {
+  SRUN=(srun -N "$NNODES_RESOLVED" -n "$WORLD" --ntasks-per-node="$TASKS_PER_NODE"
+        -c "$CPUS_PER_TASK" --kill-on-bad-exit=1 --export=ALL)
+  if [ "$GPUS_PER_TASK" -gt 0 ]; then
+    SRUN+=(--gpus-per-task="$GPUS_PER_TASK" --gpu-bind="$GPU_BIND")
+  fi
+  if [ -n "${SRUN_EXTRA_ARGS:-}" ]; then
+    # shellcheck disable=SC2206  # a list of srun options
+    SRUN+=($SRUN_EXTRA_ARGS)
+  fi
+  SRUN+=(bash "$LBP_REPO/scripts/launch/lbp_task.sh")
+}
+
+lbp_build_train_args() {
   local tok=(--tokenizer-type "$TOKENIZER_TYPE")
   case "$TOKENIZER_TYPE" in
     GPT2BPETokenizer) tok+=(--vocab-file "$VOCAB_FILE" --merge-file "$MERGE_FILE") ;;
@@ -258,6 +464,7 @@ lbp_build_commands() {
     # shellcheck disable=SC2206  # DATA_PATH may be a blend "w1 p1 w2 p2"
     data=(--data-path $DATA_PATH --split "$SPLIT")
   fi
+  [ -n "$DATA_CACHE_PATH" ] && data+=(--data-cache-path "$DATA_CACHE_PATH")
   TRAIN_ARGS=(
     --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1
     --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN_SIZE"
@@ -272,7 +479,7 @@ lbp_build_commands() {
     --attention-dropout 0.0 --hidden-dropout 0.0
     "${data[@]}" "${tok[@]}"
     --save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --ckpt-format torch_dist
-    --save-interval "$SAVE_INTERVAL"
+    --save-interval "$SAVE_INTERVAL" --exit-signal-handler
     --log-interval "$LOG_INTERVAL" --log-throughput
     --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS"
     --distributed-timeout-minutes "$DIST_TIMEOUT_MINS"
@@ -282,26 +489,19 @@ lbp_build_commands() {
   )
   [ "$HIER_SECONDARY_GROUP_SIZE" -gt 0 ] && TRAIN_ARGS+=(--hier-secondary-dtype "$HIER_SECONDARY_DTYPE")
   [ "$PRECISION" = bf16 ] && TRAIN_ARGS+=(--bf16)
-  [ "$RECOMPUTE" = full ] && TRAIN_ARGS+=(--recompute-granularity full --recompute-method uniform
-                                          --recompute-num-layers 1)
+  case "$RECOMPUTE" in
+    full) TRAIN_ARGS+=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 1) ;;
+    selective) TRAIN_ARGS+=(--recompute-granularity selective) ;;
+  esac
   [ -n "$FFN_HIDDEN_SIZE" ] && TRAIN_ARGS+=(--ffn-hidden-size "$FFN_HIDDEN_SIZE")
-  [ "${EXIT_DURATION_MINS:-0}" != 0 ] && TRAIN_ARGS+=(--exit-duration-in-mins "$EXIT_DURATION_MINS")
+  [ -n "$TENSORBOARD_DIR" ] && TRAIN_ARGS+=(--tensorboard-dir "$TENSORBOARD_DIR")
+  [ "$LBP_RETAIN_BY" = megatron ] && TRAIN_ARGS+=(--save-retain-interval "$LBP_MILESTONE_EVERY")
+  [ "$EXIT_DURATION_MINS" != 0 ] && TRAIN_ARGS+=(--exit-duration-in-mins "$EXIT_DURATION_MINS")
   if [ -n "${EXTRA_ARGS:-}" ]; then
     # shellcheck disable=SC2206  # a list of flags
     TRAIN_ARGS+=($EXTRA_ARGS)
   fi
   TRAIN_ARGS+=("${LBP_CLI_EXTRA[@]}")
-
-  SRUN=(srun -N "$NNODES_RESOLVED" -n "$WORLD" --ntasks-per-node="$TASKS_PER_NODE"
-        -c "$CPUS_PER_TASK" --kill-on-bad-exit=1 --export=ALL)
-  if [ "$GPUS_PER_TASK" -gt 0 ]; then
-    SRUN+=(--gpus-per-task="$GPUS_PER_TASK" --gpu-bind="$GPU_BIND")
-  fi
-  if [ -n "${SRUN_EXTRA_ARGS:-}" ]; then
-    # shellcheck disable=SC2206  # a list of srun options
-    SRUN+=($SRUN_EXTRA_ARGS)
-  fi
-  SRUN+=(bash "$LBP_REPO/scripts/launch/lbp_task.sh")
 }
 
 lbp_quote() {  # words as one shell line, quoting only those that need it
@@ -314,16 +514,19 @@ lbp_quote() {  # words as one shell line, quoting only those that need it
 }
 
 lbp_print_commands() {
-  local v line=""
-  lbp_log "profile: ${LBP_PROFILE:-custom}: $NNODES_RESOLVED node(s) x $TASKS_PER_NODE tasks" \
-    "= $WORLD ranks (one per GCD), $GCDS_PER_PACKAGE GCDs per package"
+  local v line="" users=""
+  lbp_log "profile: ${LBP_PROFILE:-custom}: $NNODES_RESOLVED node(s)${NNODES_FROM:-} x" \
+    "$TASKS_PER_NODE tasks = $WORLD ranks (one per GCD), $GCDS_PER_PACKAGE GCDs per package"
   lbp_log "entry: $ENTRY_DESC"
   lbp_log "rendezvous: MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT (ranks from SLURM_PROCID" \
     "per task, scripts/launch/lbp_task.sh)"
   for v in ${LBP_ENV_SHOWN:-}; do
     [ -n "${!v+x}" ] && line="$line $v=${!v}"
   done
-  lbp_log "environment:${line}"
+  for v in ${LBP_ENV_USER:-}; do users="$users $v"; done
+  lbp_log "environment:${line}${users:+ (yours:$users)}"
+  lbp_log "caches: MIOpen and Triton per task under ${LBP_NODE_LOCAL_ROOT} (node-local)," \
+    "data index cache ${DATA_CACHE_PATH:-<next to the data>}, TensorBoard ${TENSORBOARD_DIR:-off}"
   echo "[lbp] srun command:"
   echo "  $(lbp_quote "${SRUN[@]}") \\"
   echo "    $(lbp_quote "${ENTRY[@]}" "${TRAIN_ARGS[@]}")"
@@ -331,39 +534,76 @@ lbp_print_commands() {
   echo "  $(lbp_quote "${ENTRY[@]}" "${TRAIN_ARGS[@]}")"
 }
 
-lbp_check_memory() {
-  local args=(--nodes "$NNODES_RESOLVED" --tasks-per-node "$TASKS_PER_NODE"
-              --gcds-per-package "$GCDS_PER_PACKAGE" --preset "$HIER_PRESET"
-              --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN_SIZE"
-              --num-attention-heads "$NUM_ATTENTION_HEADS" --seq-length "$SEQ_LENGTH"
-              --vocab-size "$VOCAB_SIZE_PADDED" --micro-batch-size "$MICRO_BATCH_SIZE"
-              --hier-secondary-group-size "$HIER_SECONDARY_GROUP_SIZE"
-              --hier-secondary-dtype "$HIER_SECONDARY_DTYPE" --recompute "$RECOMPUTE"
-              --params-dtype "$PRECISION" --gcd-memory-gb "$GCD_MEMORY_GB")
-  [ -n "$FFN_HIDDEN_SIZE" ] && args+=(--ffn-hidden-size "$FFN_HIDDEN_SIZE")
-  "$LBP_PYTHON" "$LBP_REPO/scripts/launch/lbp_check.py" "${args[@]}" | sed 's/^/[lbp] /'
-  local status=${PIPESTATUS[0]}
-  [ "$status" = 0 ] || return "$status"
-}
-
 lbp_defaults() {
   : "${LBP_DRY_RUN:=0}" "${TASKS_PER_NODE:=8}" "${GCDS_PER_PACKAGE:=2}" "${CPUS_PER_TASK:=7}"
   : "${GPUS_PER_TASK:=1}" "${GPU_BIND:=closest}" "${MASTER_PORT:=3442}"
   : "${TOKENIZER_TYPE:=GPT2BPETokenizer}" "${VOCAB_SIZE_PADDED:=50304}" "${SPLIT:=949,50,1}"
-  : "${FFN_HIDDEN_SIZE:=}" "${MICRO_BATCH_SIZE:=1}" "${TRAIN_ITERS:=150000}"
+  : "${FFN_HIDDEN_SIZE:=}" "${MICRO_BATCH_SIZE:=auto}" "${TRAIN_ITERS:=150000}"
   : "${LR_WARMUP_ITERS:=1500}" "${WEIGHT_DECAY:=0.01}" "${CLIP_GRAD:=1.0}"
-  : "${INIT_METHOD_STD:=0.01}" "${SAVE_INTERVAL:=500}" "${LOG_INTERVAL:=10}"
+  : "${INIT_METHOD_STD:=0.01}" "${SAVE_INTERVAL:=auto}" "${LOG_INTERVAL:=10}"
   : "${EVAL_INTERVAL:=1000}" "${EVAL_ITERS:=10}" "${DIST_TIMEOUT_MINS:=30}"
-  : "${EXIT_DURATION_MINS:=0}" "${RECOMPUTE:=full}" "${PRECISION:=bf16}"
+  : "${EXIT_DURATION_MINS:=auto}" "${RECOMPUTE:=full}" "${PRECISION:=bf16}"
   : "${HIER_PRESET:=lbp}" "${HIER_SECONDARY_GROUP_SIZE:=$TASKS_PER_NODE}"
   : "${HIER_SECONDARY_DTYPE:=int8}" "${GCD_MEMORY_GB:=64}"
+  : "${LBP_SAVE_MINUTES:=45}" "${LBP_WRITE_GBPS:=1}" "${LBP_SAVE_FIXED_S:=60}"
+  : "${LBP_EXIT_SLACK_S:=120}" "${LBP_KEEP_LAST:=2}" "${LBP_MILESTONE_EVERY:=10000}"
+  : "${LBP_PRUNE_EVERY_S:=600}" "${LBP_HEALTH_CHECK:=1}" "${LBP_HEALTH_MIN_FRACTION:=0.25}"
+  : "${LBP_HEALTH_MB:=64}" "${LBP_HEALTH_EXPECT_GBPS:=}" "${LBP_NODE_LOCAL_ROOT:=/tmp}"
+  : "${LBP_GCD_BUS_IDS:=c1,c6,c9,ce,d1,d6,d9,de}"
+  LBP_EXIT_AUTO=0
+  [ "$EXIT_DURATION_MINS" = auto ] && LBP_EXIT_AUTO=1
   local v
   for v in NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS SEQ_LENGTH GLOBAL_BATCH_SIZE LR MIN_LR; do
     [ -n "${!v:-}" ] || { lbp_die 2 "$v is not set (the profile script sets it)"; return; }
   done
-  case "$RECOMPUTE" in full|none) ;; *) lbp_die 2 "RECOMPUTE=$RECOMPUTE: use full or none"; return ;; esac
+  case "$RECOMPUTE" in full|selective|none|auto) ;; *)
+    lbp_die 2 "RECOMPUTE=$RECOMPUTE: use full, selective, none or auto"; return ;; esac
   case "$PRECISION" in bf16|fp32) ;; *) lbp_die 2 "PRECISION=$PRECISION: use bf16 or fp32"; return ;; esac
   lbp_is_uint "$GPUS_PER_TASK" || { lbp_die 2 "GPUS_PER_TASK=$GPUS_PER_TASK: use 1 (GCD) or 0 (CPU)"; return; }
+  if [ -z "${LBP_REQUIRE_GPU:-}" ]; then
+    LBP_REQUIRE_GPU=none
+    [ "$GPUS_PER_TASK" -gt 0 ] && LBP_REQUIRE_GPU=any
+    [ "$GPUS_PER_TASK" -gt 0 ] && [ "${LBP_SITE:-frontier}" = frontier ] && LBP_REQUIRE_GPU=rocm
+  fi
+  case "$LBP_REQUIRE_GPU" in rocm|cuda|any|none) ;; *)
+    lbp_die 2 "LBP_REQUIRE_GPU=$LBP_REQUIRE_GPU: use rocm, cuda, any or none"; return ;; esac
+  if [ -z "${LBP_MEMORY_RESERVE_GB:-}" ]; then
+    LBP_MEMORY_RESERVE_GB=0
+    [ "$GPUS_PER_TASK" -gt 0 ] && LBP_MEMORY_RESERVE_GB=4
+  fi
+  for v in LBP_KEEP_LAST LBP_MILESTONE_EVERY LBP_PRUNE_EVERY_S LBP_EXIT_SLACK_S; do
+    lbp_is_uint "${!v}" || { lbp_die 2 "$v=${!v} must be an integer >= 0"; return; }
+  done
+  [ "$LBP_KEEP_LAST" -ge 1 ] || { lbp_die 2 "LBP_KEEP_LAST=$LBP_KEEP_LAST: keep at least the newest" \
+    "checkpoint (1)"; return; }
+  case "$LBP_HEALTH_CHECK" in 0|1) ;; *) lbp_die 2 "LBP_HEALTH_CHECK=$LBP_HEALTH_CHECK: use 1 or 0"; return ;; esac
+  local num='[0-9]+(\.[0-9]*)?([eE][-+]?[0-9]+)?'
+  [[ "$LBP_HEALTH_EXPECT_GBPS" =~ ^((package|node|network)=$num,?)*$ ]] || { lbp_die 2 \
+    "LBP_HEALTH_EXPECT_GBPS=$LBP_HEALTH_EXPECT_GBPS: give class=GB/s per GCD, e.g." \
+    "package=200,node=50,network=12.5"; return; }
+  for v in LBP_HEALTH_MIN_FRACTION LBP_HEALTH_MB LBP_SAVE_MINUTES LBP_WRITE_GBPS LBP_SAVE_FIXED_S; do
+    [[ "${!v}" =~ ^$num$ ]] || { lbp_die 2 "$v=${!v} must be a number >= 0"; return; }
+  done
+  [ -z "${LBP_STEP_SECONDS:-}" ] || [[ "$LBP_STEP_SECONDS" =~ ^$num$ ]] || { lbp_die 2 \
+    "LBP_STEP_SECONDS=$LBP_STEP_SECONDS must be seconds per iteration"; return; }
+}
+
+# Megatron's --save-retain-interval keeps every Nth and deletes the previous save: that
+# is LBP_KEEP_LAST=1 when the milestones land on saves; else the launcher prunes.
+lbp_retention_mode() {
+  LBP_RETAIN_BY=launcher
+  if [ "$LBP_KEEP_LAST" = 1 ] && [ "$LBP_MILESTONE_EVERY" -gt 0 ] \
+     && [ $((LBP_MILESTONE_EVERY % SAVE_INTERVAL)) = 0 ]; then
+    LBP_RETAIN_BY=megatron
+  fi
+  local rule="newest $LBP_KEEP_LAST complete"
+  [ "$LBP_MILESTONE_EVERY" -gt 0 ] && rule="$rule + the first at or after every $LBP_MILESTONE_EVERY iterations"
+  if [ "$LBP_RETAIN_BY" = megatron ]; then
+    lbp_log "retention: $rule, by Megatron (--save-retain-interval $LBP_MILESTONE_EVERY)"
+  else
+    lbp_log "retention: $rule, by the launcher (at job start and end, and every" \
+      "${LBP_PRUNE_EVERY_S} s during training); the tracker's and the newest complete checkpoint are kept"
+  fi
 }
 
 lbp_master_addr() {
@@ -376,14 +616,147 @@ lbp_master_addr() {
   export MASTER_ADDR MASTER_PORT
 }
 
-# lbp_main [--dry-run] [--] [extra training flags...]
+# --------------------------------------------------------------------------- in the job
+
+# The job chain: stop when training is complete or the previous job made no progress.
+lbp_chain_decide() {
+  local args=(checkpoints chain "$CHECKPOINT_DIR" --train-iters "$TRAIN_ITERS"
+              --resolved "$LBP_TMP/chain")
+  if [ -n "${LBP_CHAIN_PREVIOUS_ITERATION:-}" ]; then
+    args+=(--previous-iteration "$LBP_CHAIN_PREVIOUS_ITERATION"
+           --previous-job "${LBP_CHAIN_PREVIOUS_JOB:-?}")
+  fi
+  lbp_py "${args[@]}" | sed 's/^/[lbp] /'
+  local status=${PIPESTATUS[0]}
+  [ "$status" = 0 ] || return "$status"
+  lbp_read_resolved "$LBP_TMP/chain" CHAIN_STATE TRACKER_ITERATION
+}
+
+# Submit the chain's next job: it starts when this one ends, however it ends. The
+# environment is the one this job started with (before modules and defaults).
+lbp_chain_submit() {
+  LBP_NEXT_JOB=""
+  [ "${LBP_CHAIN:-1}" -gt 1 ] || return 0
+  local script=${LBP_PROFILE_SCRIPT:-}
+  [ -f "$script" ] || { lbp_die 2 "--chain: the profile script is unknown (LBP_PROFILE_SCRIPT)"; return; }
+  local opts=(--parsable --dependency="afterany:$SLURM_JOB_ID" --chdir "${SLURM_SUBMIT_DIR:-$PWD}")
+  local rec acct part qos limit feat name
+  rec=$(squeue -h -j "$SLURM_JOB_ID" -o '%a|%P|%q|%l|%f|%j' 2>/dev/null | head -n1)
+  IFS='|' read -r acct part qos limit feat name <<<"$rec"
+  [ -n "$name" ] && opts+=(-J "$name")
+  local kv
+  for kv in "-A=$acct" "-p=$part" "-q=$qos" "-t=$limit" "-C=$feat"; do
+    case "${kv#*=}" in ""|"(null)"|"N/A"|normal) ;; *) opts+=("${kv%%=*}" "${kv#*=}") ;; esac
+  done
+  opts+=(-N "$NNODES_RESOLVED")
+  if [ -n "${LBP_CHAIN_SBATCH_ARGS:-}" ]; then
+    # shellcheck disable=SC2206  # a list of sbatch options
+    opts+=($LBP_CHAIN_SBATCH_ARGS)
+  fi
+  local envs=() e
+  for e in "${LBP_ENV0[@]}"; do
+    case "$e" in SLURM_CONF=*) envs+=("$e") ;; SLURM_*|SLURMD_*|LBP_CHAIN_PREVIOUS_*) ;; *) envs+=("$e") ;; esac
+  done
+  envs+=("LBP_CHAIN_PREVIOUS_ITERATION=${TRACKER_ITERATION:-0}" "LBP_CHAIN_PREVIOUS_JOB=$SLURM_JOB_ID")
+  local out
+  out=$(env -i "${envs[@]}" sbatch "${opts[@]}" "$script" --chain "$((LBP_CHAIN - 1))" \
+        "${LBP_ARGS0[@]}") || { lbp_die 4 "--chain: sbatch of the next job failed: $out"; return; }
+  LBP_NEXT_JOB=${out%%;*}
+  lbp_log "chain: submitted job $LBP_NEXT_JOB (--dependency=afterany:$SLURM_JOB_ID, chain of" \
+    "$((LBP_CHAIN - 1)) more): $(lbp_quote sbatch "${opts[@]}" "$script" --chain "$((LBP_CHAIN - 1))" "${LBP_ARGS0[@]}")"
+}
+
+lbp_health_step() {
+  local args=(health --tasks-per-node "$TASKS_PER_NODE" --gcds-per-package "$GCDS_PER_PACKAGE"
+              --gpus-per-task "$GPUS_PER_TASK" --require-gpu "$LBP_REQUIRE_GPU"
+              --min-fraction "$LBP_HEALTH_MIN_FRACTION" --megabytes "$LBP_HEALTH_MB"
+              --gcd-bus-ids "$LBP_GCD_BUS_IDS")
+  [ -n "$LBP_HEALTH_EXPECT_GBPS" ] && args+=(--expect "$LBP_HEALTH_EXPECT_GBPS")
+  if [ "$LBP_HEALTH_CHECK" = 0 ]; then
+    [ "$GPUS_PER_TASK" -gt 0 ] || { lbp_log "health check: off (LBP_HEALTH_CHECK=0)"; return 0; }
+    args+=(--skip-links)
+  fi
+  lbp_log "health check: $(lbp_quote "${SRUN[@]}" "$LBP_PYTHON" -m megatron_lbp.launch "${args[@]}")"
+  # Its own rendezvous port: the training step's may still be in TIME_WAIT after it.
+  local status=0
+  MASTER_PORT=$((MASTER_PORT + 1)) "${SRUN[@]}" "$LBP_PYTHON" -m megatron_lbp.launch "${args[@]}" \
+    || status=$?
+  [ "$status" = 0 ] || { echo "lbp_launch: error: the health check failed (status $status, its" \
+    "reason above); not training" >&2; return 4; }
+}
+
+lbp_prune() {  # lbp_prune [--at-start] [--dry-run] [--every S]
+  lbp_py checkpoints prune "$CHECKPOINT_DIR" --keep-last "$LBP_KEEP_LAST" \
+    --milestone-every "$LBP_MILESTONE_EVERY" --prefix "[lbp] " "$@"
+}
+
+lbp_launch_job() {
+  [ -n "${SLURM_JOB_ID:-}" ] || { lbp_die 2 "not inside a Slurm allocation: submit with" \
+    "sbatch $0 (or run with --dry-run / LBP_DRY_RUN=1 to see the commands)"; return; }
+  command -v srun >/dev/null 2>&1 || { lbp_die 2 "srun not found in PATH"; return; }
+  if [ "$LBP_REQUIRE_GPU" != none ]; then
+    lbp_py health --build-only --require-gpu "$LBP_REQUIRE_GPU" \
+      --devices-per-node "$((TASKS_PER_NODE * GPUS_PER_TASK))" || return 4
+  fi
+  lbp_chain_decide || return
+  if [ "$CHAIN_STATE" = complete ]; then return 0; fi
+  lbp_exit_time || return  # too little time left: refuse now (computed again before training)
+  lbp_prune --at-start || return
+  lbp_py checkpoints space "$CHECKPOINT_DIR" --checkpoint-bytes "$LBP_CKPT_BYTES" \
+    | sed 's/^/[lbp] /'
+  [ "${PIPESTATUS[0]}" = 0 ] || return 4
+  mkdir -p "$CHECKPOINT_DIR" ${DATA_CACHE_PATH:+"$DATA_CACHE_PATH"} ${TENSORBOARD_DIR:+"$TENSORBOARD_DIR"} \
+    || { lbp_die 4 "cannot create CHECKPOINT_DIR=$CHECKPOINT_DIR (or its data_cache/tensorboard)"; return; }
+  # What lbp_task.sh needs to check each task's place.
+  export LBP_TASKS_PER_NODE=$TASKS_PER_NODE LBP_GCDS_PER_PACKAGE=$GCDS_PER_PACKAGE \
+    LBP_GPUS_PER_TASK=$GPUS_PER_TASK LBP_PYTHON LBP_NODE_LOCAL_ROOT
+  lbp_health_step || return
+  lbp_chain_submit || return
+  lbp_exit_time || return
+  lbp_build_train_args
+  lbp_print_commands
+  local pruner=""
+  if [ "$LBP_RETAIN_BY" = launcher ] && [ "$LBP_PRUNE_EVERY_S" -gt 0 ]; then
+    # A plain command in the background: $! is the pruner itself, ended by PID below.
+    "$LBP_PYTHON" -m megatron_lbp.launch checkpoints prune "$CHECKPOINT_DIR" \
+      --keep-last "$LBP_KEEP_LAST" --milestone-every "$LBP_MILESTONE_EVERY" --prefix "[lbp] " \
+      --every "$LBP_PRUNE_EVERY_S" &
+    pruner=$!
+  fi
+  lbp_log "launching at $(date -u +%FT%TZ)"
+  local status=0
+  "${SRUN[@]}" "${ENTRY[@]}" "${TRAIN_ARGS[@]}" || status=$?
+  lbp_log "training step ended at $(date -u +%FT%TZ) with status $status"
+  if [ -n "$pruner" ]; then kill "$pruner" 2>/dev/null || true; wait "$pruner" 2>/dev/null || true; fi
+  lbp_prune || true
+  if [ -n "$LBP_NEXT_JOB" ]; then
+    local state
+    state=$(lbp_py checkpoints chain "$CHECKPOINT_DIR" --train-iters "$TRAIN_ITERS" 2>/dev/null) || true
+    if [[ "$state" == *"training complete"* ]]; then
+      scancel "$LBP_NEXT_JOB" && lbp_log "chain: training complete: cancelled the next job $LBP_NEXT_JOB"
+    fi
+  fi
+  return "$status"
+}
+
+# lbp_main [--dry-run] [--chain N] [--] [extra training flags...]
 lbp_main() {
+  # What the chain's next job is submitted with: this job's arguments and environment.
+  mapfile -d '' LBP_ENV0 < <(env -0)
+  LBP_ARGS0=()
   LBP_CLI_EXTRA=()
+  LBP_CHAIN=${LBP_CHAIN:-1}
   while [ $# -gt 0 ]; do
     case "$1" in
-      --dry-run) LBP_DRY_RUN=1 ;;
-      --) shift; LBP_CLI_EXTRA+=("$@"); break ;;
-      *) LBP_CLI_EXTRA+=("$1") ;;
+      --dry-run) LBP_DRY_RUN=1; LBP_ARGS0+=("$1") ;;
+      --chain)
+        if [ $# -lt 2 ] || ! lbp_is_uint "$2" || [ "$2" -lt 1 ]; then
+          lbp_die 2 "--chain ${2:-}: give the number of jobs in the chain (>= 1)"
+          return
+        fi
+        LBP_CHAIN=$2; shift ;;
+      --) shift; LBP_CLI_EXTRA+=("$@"); LBP_ARGS0+=(-- "$@"); break ;;
+      *) LBP_CLI_EXTRA+=("$1"); LBP_ARGS0+=("$1") ;;
     esac
     shift
   done
@@ -391,25 +764,35 @@ lbp_main() {
   lbp_resolve_nodes || return
   lbp_check_hierarchy || return
   lbp_check_paths || return
-  case "${LBP_SITE:-frontier}" in
-    frontier) lbp_frontier_env ;;
-    local) lbp_local_env ;;
-    *) lbp_die 2 "LBP_SITE=$LBP_SITE: use frontier or local"; return ;;
-  esac
+  LBP_TMP=$(mktemp -d "${TMPDIR:-/tmp}/lbp_launch.XXXXXX") || { lbp_die 2 "cannot create a" \
+    "temporary directory under ${TMPDIR:-/tmp}"; return; }
+  # shellcheck disable=SC2064  # the path now
+  trap "rm -rf '$LBP_TMP'" EXIT
+  lbp_site_env || return
+  if [ "$LBP_DRY_RUN" != 1 ] && [ -n "${SLURM_JOB_ID:-}" ]; then
+    lbp_sbcast_env || return
+  fi
   lbp_setup_python || return
   lbp_resolve_entry || return
+  lbp_estimate || return
+  lbp_check_hierarchy || return
+  lbp_retention_mode
   lbp_master_addr
-  lbp_build_commands
-  lbp_print_commands
-  lbp_check_memory || return
-  if [ "$LBP_DRY_RUN" = 1 ]; then
-    lbp_log "dry run: not launching (unset LBP_DRY_RUN / drop --dry-run to run srun)"
+  lbp_build_srun
+  if [ "$LBP_DRY_RUN" != 1 ]; then
+    lbp_launch_job || return
     return 0
   fi
-  [ -n "${SLURM_JOB_ID:-}" ] || { lbp_die 2 "not inside a Slurm allocation: submit with" \
-    "sbatch $0 (or run with --dry-run / LBP_DRY_RUN=1 to see the commands)"; return; }
-  command -v srun >/dev/null 2>&1 || { lbp_die 2 "srun not found in PATH"; return; }
-  mkdir -p "$CHECKPOINT_DIR"
-  lbp_log "launching at $(date -u +%FT%TZ)"
-  "${SRUN[@]}" "${ENTRY[@]}" "${TRAIN_ARGS[@]}"
+  lbp_exit_time || return
+  lbp_build_train_args
+  lbp_print_commands
+  if [ "$LBP_CHAIN" -gt 1 ]; then
+    lbp_log "chain: --chain $LBP_CHAIN: this job submits the next at its start" \
+      "(--dependency=afterany:<this job>, the same sbatch options), $((LBP_CHAIN - 1)) more;" \
+      "a job stops the chain when training is complete or the tracker has not moved"
+  fi
+  lbp_prune --dry-run || return
+  { lbp_py checkpoints space "$CHECKPOINT_DIR" --checkpoint-bytes "$LBP_CKPT_BYTES" 2>&1 || true; } \
+    | sed 's/^lbp_launch: error: /a job would refuse: /; s/^/[lbp] /'
+  lbp_log "dry run: not launching (unset LBP_DRY_RUN / drop --dry-run to run srun)"
 }

@@ -1,0 +1,17 @@
+"""What the launchers (scripts/launch/lbp_launch.sh) compute in Python, one job per module.
+
+- ``estimate``: memory per GCD for each activation-recomputation choice and micro-batch
+  size, the choice a profile makes, the cost model's step time, the save interval and
+  the bytes and seconds of one checkpoint save (pure arithmetic);
+- ``walltime``: the job's remaining wall time and the exit time that leaves room for
+  one save (Slurm's time formats, ``SLURM_JOB_END_TIME``, ``squeue -o %L``);
+- ``checkpoints``: the checkpoint directory as Megatron leaves it (tracker, complete
+  and torn saves), retention, the free-space check and the job chain's decision;
+- ``placement``: every task's GCD checked against the package/node layout the
+  hierarchy assumes, at task start;
+- ``health``: the pre-flight check of the allocated nodes (torch build, devices, one
+  timed all-gather per link class against the cost model's bandwidth).
+
+``python -m megatron_lbp.launch <command> --help`` for each command line. Every refusal
+is one line on stderr starting with the command's name, and a documented exit status.
+"""

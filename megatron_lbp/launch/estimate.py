@@ -1,0 +1,400 @@
+"""A job shape's memory per GCD, step time, save interval and checkpoint size (pure arithmetic).
+
+    python -m megatron_lbp.launch estimate --nodes N --tasks-per-node T --num-layers L \\
+        --hidden-size H --num-attention-heads A --seq-length S --vocab-size V \\
+        --global-batch-size B [--micro-batch-size auto|b] [--recompute auto|full|selective|none]
+
+Memory: the plan tool's persistent state per GCD (``megatron_lbp.plan``: primary,
+secondary, gradient and optimizer shards, buckets padded as the engine pads them) plus
+:func:`activation_bytes` for each recomputation choice and micro-batch size, plus a
+runtime reserve (HIP/RCCL buffers and fragmentation, ``--reserve-gb``). A choice fits
+when that total is at most the GCD's memory.
+
+Choice (``auto``): the least recomputation that fits (none, then selective, then full),
+and with it the largest micro-batch that fits and divides the global batch over the
+ranks. An explicit value is kept and refused (exit 3) when it does not fit.
+
+Step time: the Frontier cost model (``megatron_lbp.bench.project.step_time``, MI250X
+bf16 peak at an assumed MFU, the link bandwidths it assumes, the engine's overlap) for
+the chosen micro-batch count; selective recomputation adds the core attention's forward
+FLOPs (4*L*h*s per token) to it. ``--step-seconds`` replaces it (a measured figure, or a
+machine the model does not describe, e.g. CPU ranks).
+
+Save interval (``auto``): about ``--save-minutes`` of training in iterations, rounded to a
+divisor of ``--milestone-every`` when that is set (so that milestones land on saves) or to
+two significant digits, at most ``--train-iters``.
+
+Checkpoint: 14 bytes per parameter with bf16 weights (the weights, and the fp32 master
+weights, Adam m and v), 12 with fp32 weights (the master is the weight); a save is
+assumed to take ``2 x bytes / (nodes x --write-gbps-per-node) + --save-fixed-s``.
+
+Exit status: 0, 3 (does not fit; the message names what would), 2 (bad input).
+``--resolved FILE`` writes the resolved values as KEY=VALUE lines for the launcher.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import sys
+from dataclasses import dataclass
+
+from megatron_lbp import costs, plan
+from megatron_lbp.config import DEFAULT_BUCKET_SIZE
+
+GB = 1e9
+PROG = "lbp_launch"
+RECOMPUTE_ORDER = ("none", "selective", "full")   # least recomputation first
+MICRO_BATCH_CANDIDATES = (1, 2, 4, 8, 16)
+
+
+class EstimateError(ValueError):
+    """Bad input; the message is one line."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    recompute: str
+    micro_batch_size: int
+    micro_batches: int
+    state_bytes: int
+    activation_bytes: int
+    total_bytes: int
+    fits: bool
+    step_s: float
+
+
+def gb(x: float) -> str:
+    return f"{x / GB:.2f} GB" if x >= 0.1 * GB else f"{x / 1e6:.2f} MB"
+
+
+def plan_argv(a, world_size: int, micro_batches: int = 1) -> list[str]:
+    argv = ["--world-size", str(world_size), "--gpus-per-node", str(a.tasks_per_node),
+            "--gcds-per-package", str(a.gcds_per_package), "--preset", a.preset,
+            "--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size),
+            "--vocab-size", str(a.vocab_size), "--seq-length", str(a.seq_length),
+            "--position-embedding-type", a.position_embedding_type,
+            "--params-dtype", a.params_dtype, "--bucket-size", str(a.bucket_size),
+            "--micro-batches", str(micro_batches),
+            "--hier-secondary-group-size", str(a.hier_secondary_group_size)]
+    if a.hier_secondary_group_size:
+        argv += ["--hier-secondary-dtype", a.hier_secondary_dtype]
+    if a.ffn_hidden_size:
+        argv += ["--ffn-hidden-size", str(a.ffn_hidden_size)]
+    return argv
+
+
+def activation_bytes(a, recompute: str, micro_batch_size: int) -> int:
+    """Activations and transient buffers the plan does not count (estimate, bytes per GCD).
+
+    Korthikanti et al. (2022), 16-bit activations, no tensor parallelism, micro-batch b,
+    sequence s, hidden h, heads n, layers L (unfused attention, as Megatron's local layers):
+      full:      2sbh per layer (each layer's input) + one layer rebuilt in backward:
+                 34sbh + 5ns^2b;
+      selective: 34sbh per layer (the core attention is recomputed) + one layer's
+                 attention scores 5ns^2b while it is rebuilt;
+      none:      (34sbh + 5ns^2b) per layer.
+    Plus the logits (16-bit) and their fp32 softmax/gradient (~10 bytes * s*b*V), and two
+    gathered weight buckets in flight (2 x bucket x 2 bytes) with one full fp32 gradient
+    bucket (4 x bucket).
+    """
+    s, b, h, n, L, V = (a.seq_length, micro_batch_size, a.hidden_size,
+                        a.num_attention_heads, a.num_layers, a.vocab_size)
+    linear, scores = 34 * s * b * h, 5 * n * s * s * b
+    acts = {"full": 2 * s * b * h * L + linear + scores,
+            "selective": linear * L + scores,
+            "none": (linear + scores) * L}[recompute]
+    logits = 10 * s * b * V
+    bucket = a.bucket_size
+    return acts + logits + 2 * bucket * 2 + 4 * bucket
+
+
+def checkpoint_bytes(params: int, params_dtype: str) -> int:
+    """Bytes one torch_dist save writes: weights + fp32 master (16-bit weights only) + Adam m, v."""
+    per_param = {"bf16": 2 + 4 + 8, "fp16": 2 + 4 + 8, "fp32": 4 + 8}[params_dtype]
+    return params * per_param
+
+
+def save_seconds(nbytes: float, nodes: int, write_gbps_per_node: float, fixed_s: float) -> float:
+    """Assumed seconds of one save: twice the bytes at the nodes' write rate, plus a fixed part."""
+    return 2.0 * nbytes / (nodes * write_gbps_per_node * GB) + fixed_s
+
+
+def nice_interval(target: float, train_iters: int, milestone_every: int = 0) -> int:
+    """Iterations near ``target``: a divisor of ``milestone_every`` if set, else 2 significant digits."""
+    target = max(1.0, target)
+    if milestone_every > 0:
+        divisors = [d for d in range(1, milestone_every + 1) if milestone_every % d == 0]
+        best = min(divisors, key=lambda d: (abs(math.log(d / target)), -d))
+    else:
+        digits = 10 ** max(0, int(math.floor(math.log10(target))) - 1)
+        best = max(1, int(round(target / digits)) * digits)
+    return max(1, min(best, train_iters))
+
+
+def _model(a) -> dict:
+    return {"num_layers": a.num_layers, "hidden_size": a.hidden_size,
+            "num_attention_heads": a.num_attention_heads, "vocab_size": a.vocab_size}
+
+
+def step_seconds(a, p: dict, recompute: str, micro_batch_size: int) -> float:
+    """The cost model's seconds per iteration (or --step-seconds) for one choice."""
+    if a.step_seconds:
+        return a.step_seconds
+    from megatron_lbp.bench import project
+
+    compute = project.ComputeModel(mfu=a.mfu, seq_length=a.seq_length,
+                                   micro_batch_size=micro_batch_size,
+                                   recompute=recompute == "full")
+    t = project.step_time(p, _model(a), compute=compute)["step_s"]
+    if recompute == "selective":
+        tokens = p["micro_batches"] * micro_batch_size * a.seq_length
+        t += tokens * 4 * a.num_layers * a.hidden_size * a.seq_length / (
+            compute.peak_flops * compute.mfu)
+    return t
+
+
+def _micro_batch_sizes(a, world: int) -> list[int]:
+    if a.micro_batch_size != "auto":
+        return [int(a.micro_batch_size)]
+    return [b for b in MICRO_BATCH_CANDIDATES if a.global_batch_size % (b * world) == 0]
+
+
+def choices(a) -> tuple[list[Choice], dict]:
+    """Every (recompute, micro-batch) this job could run with, and the plan at micro-batch count 1."""
+    world = a.nodes * a.tasks_per_node
+    base = plan.make_plan(plan_argv(a, world, 1))
+    limit = a.gcd_memory_gb * GB
+    reserve = a.reserve_gb * GB
+    state = base["memory_bytes"]["total"]
+    out = []
+    plans = {1: base}   # per micro-batch count: the traffic (and so the step time) depends on it
+    for rc in RECOMPUTE_ORDER:
+        for b in _micro_batch_sizes(a, world):
+            k = a.global_batch_size // (b * world)
+            if k < 1:
+                continue
+            act = activation_bytes(a, rc, b)
+            total = state + act + int(reserve)
+            if k not in plans:
+                plans[k] = plan.make_plan(plan_argv(a, world, k))
+            p = plans[k]
+            out.append(Choice(rc, b, k, state, act, total, total <= limit,
+                              step_seconds(a, p, rc, b)))
+    return out, base
+
+
+def pick(options: list[Choice], recompute: str = "auto") -> Choice | None:
+    """Among ``recompute`` (or every kind for auto): the least recomputation that fits, then the
+    largest micro-batch (None if none fits)."""
+    fitting = [c for c in options if c.fits and recompute in ("auto", c.recompute)]
+    if not fitting:
+        return None
+    return min(fitting, key=lambda c: (RECOMPUTE_ORDER.index(c.recompute), -c.micro_batch_size))
+
+
+def smallest_fitting_nodes(a, choice: Choice, base: dict) -> int | None:
+    """Smallest node count at which ``choice`` fits, when only the optimizer shard shrinks with more
+    nodes (O = all ranks, one replica, as lbp): the rest is fixed per GCD. None if none fits."""
+    g = base["group_sizes"]
+    if g["optim"] != base["world_size"] or g["replicas"] != 1:
+        return None
+    limit = a.gcd_memory_gb * GB
+    opt = base["memory_bytes"]["optimizer"]
+    fixed = choice.total_bytes - opt
+    if fixed >= limit:
+        return None
+    n = a.nodes + 1
+    while fixed + opt * a.nodes / n > limit:
+        n += 1
+    # Confirm with the plan itself (padding rounds per bucket) for moderate sizes.
+    while n * a.tasks_per_node <= 4096:
+        state = plan.make_plan(plan_argv(a, n * a.tasks_per_node, 1))["memory_bytes"]["total"]
+        if state + choice.activation_bytes + a.reserve_gb * GB <= limit:
+            break
+        n += 1
+    return n
+
+
+RC_TEXT = {"full": "full recomputation", "selective": "selective recomputation",
+           "none": "no recomputation"}
+
+
+def report(a) -> tuple[list[str], dict, str | None]:
+    """(stdout lines, resolved values, refusal line or None)."""
+    params = costs.gpt_param_count(a.num_layers, a.hidden_size, a.vocab_size,
+                                   seq_length=a.seq_length,
+                                   ffn_hidden_size=a.ffn_hidden_size or None,
+                                   position_embedding_type=a.position_embedding_type)
+    options, base = choices(a)
+    if not options:
+        raise EstimateError(
+            f"no micro-batch size in {list(MICRO_BATCH_CANDIDATES)} divides GLOBAL_BATCH_SIZE="
+            f"{a.global_batch_size} over {a.nodes * a.tasks_per_node} ranks: set "
+            "MICRO_BATCH_SIZE or GLOBAL_BATCH_SIZE")
+    m, g = base["memory_bytes"], base["group_sizes"]
+    size = f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params / 1e6:.2f} M"
+    lines = [
+        f"parameters: {params:,} ({size}), padded vocabulary {a.vocab_size}",
+        f"hierarchy: W={base['world_size']} ranks, P={g['param']} G={g['grad']} O={g['optim']} "
+        f"S={g['secondary']} ({base['secondary_dtype'] if g['secondary'] else 'no secondary'}), "
+        f"R={g['replicas']}",
+        "plan: python -m megatron_lbp.plan " + shlex.join(plan_argv(a, base["world_size"])),
+        f"memory per GCD (plan): primary {gb(m['primary'])}, secondary {gb(m['secondary'])}, "
+        f"grad {gb(m['grad'])}, optimizer {gb(m['optimizer'])} = {gb(m['total'])}",
+        f"memory per GCD by choice (plan + activations and buffers estimate + "
+        f"{a.reserve_gb:g} GB runtime reserve; step time: "
+        + ("--step-seconds" if a.step_seconds else f"cost model, MFU {a.mfu:g}") + "):",
+    ]
+    chosen = pick(options, a.recompute)
+    for c in options:
+        mark = "  <- chosen" if c is chosen else ""
+        lines.append(f"  RECOMPUTE={c.recompute:<9} MICRO_BATCH_SIZE={c.micro_batch_size:<2} "
+                     f"({c.micro_batches} per step): activations {gb(c.activation_bytes)}, "
+                     f"total {gb(c.total_bytes)}, step {c.step_s:.3g} s "
+                     f"{'fits' if c.fits else 'DOES NOT FIT'}{mark}")
+    explicit = a.recompute != "auto" and a.micro_batch_size != "auto"
+    allowed = [c for c in options if a.recompute in ("auto", c.recompute)]
+    shown = chosen or min(allowed, key=lambda c: c.total_bytes)
+    if explicit:
+        how = "as given"
+    elif a.recompute == "auto":
+        how = "auto: the least recomputation that fits, then the largest micro-batch"
+    else:
+        how = f"MICRO_BATCH_SIZE=auto: the largest that fits with RECOMPUTE={a.recompute}"
+    lines += [
+        f"choice: RECOMPUTE={shown.recompute} MICRO_BATCH_SIZE={shown.micro_batch_size} ({how})",
+        f"memory per GCD (activations, {RC_TEXT[shown.recompute]}, micro-batch "
+        f"{shown.micro_batch_size}, + buffers, estimate): {gb(shown.activation_bytes)}",
+        f"memory per GCD total: {gb(shown.total_bytes)} of {a.gcd_memory_gb:g} GB "
+        f"({'fits' if shown.fits else 'DOES NOT FIT'})",
+    ]
+    for w in base.get("warnings", []):
+        lines.append(f"plan warning: {w}")
+    if chosen is None:
+        need = smallest_fitting_nodes(a, shown, base)
+        hint = (f"use at least NNODES={need} (sbatch -N {need})" if need else
+                "no node count fits these settings")
+        if shown.micro_batch_size > 1:
+            hint += f", or lower MICRO_BATCH_SIZE={shown.micro_batch_size}"
+        if a.hier_secondary_group_size and a.hier_secondary_group_size < a.tasks_per_node:
+            hint += (f", or set HIER_SECONDARY_GROUP_SIZE={a.tasks_per_node} (a smaller "
+                     "secondary copy)")
+        if shown.recompute != "full":
+            hint += ", or set RECOMPUTE=full"
+        refusal = (f"{PROG}: error: refusing to launch: {shown.total_bytes / GB:.2f} GB per GCD "
+                   f"exceeds the GCD's {a.gcd_memory_gb:g} GB on {a.nodes} node(s) "
+                   f"(GCD_MEMORY_GB, RECOMPUTE={shown.recompute}, MICRO_BATCH_SIZE="
+                   f"{shown.micro_batch_size}); {hint}")
+        return lines, {}, refusal
+
+    step = chosen.step_s
+    source = "--step-seconds" if a.step_seconds else f"cost model, MFU {a.mfu:g}"
+    if a.save_interval == "auto":
+        interval = nice_interval(a.save_minutes * 60 / step, a.train_iters, a.milestone_every)
+        how = (f"SAVE_INTERVAL=auto: about every {a.save_minutes:g} min"
+               + (f", a divisor of the milestone interval {a.milestone_every}"
+                  if a.milestone_every else ""))
+    else:
+        interval, how = int(a.save_interval), "as given"
+    ckpt = checkpoint_bytes(params, a.params_dtype)
+    save_s = save_seconds(ckpt, a.nodes, a.write_gbps_per_node, a.save_fixed_s)
+    per = {"bf16": 14, "fp16": 14, "fp32": 12}[a.params_dtype]
+    lines += [
+        f"step time: {step:.3g} s per iteration ({source})",
+        f"save interval: {interval} iterations = {interval * step / 60:.1f} min of training ({how})",
+        f"checkpoint: {gb(ckpt)} per save ({per} B/param); save estimate {save_s:.0f} s "
+        f"(2 x bytes at {a.write_gbps_per_node:g} GB/s per node x {a.nodes} node(s) + "
+        f"{a.save_fixed_s:g} s)",
+    ]
+    resolved = {"MICRO_BATCH_SIZE": chosen.micro_batch_size, "RECOMPUTE": chosen.recompute,
+                "SAVE_INTERVAL": interval, "LBP_STEP_S": f"{step:.6g}",
+                "LBP_CKPT_BYTES": ckpt, "LBP_SAVE_S": f"{save_s:.6g}", "LBP_PARAMS": params}
+    return lines, resolved, None
+
+
+def _choice(name: str, allowed: tuple[str, ...]):
+    def parse(text: str) -> str:
+        if text not in allowed:
+            raise argparse.ArgumentTypeError(f"{name}={text}: use one of {', '.join(allowed)}")
+        return text
+    return parse
+
+
+def _auto_or_int(name: str):
+    def parse(text: str):
+        if text == "auto":
+            return text
+        if not text.isdigit() or int(text) < 1:
+            raise argparse.ArgumentTypeError(f"{name}={text}: use auto or an integer >= 1")
+        return int(text)
+    return parse
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, the launcher's prefix
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="python -m megatron_lbp.launch estimate", description=__doc__,
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    for flag in ("nodes", "tasks-per-node", "num-layers", "hidden-size", "num-attention-heads",
+                 "seq-length", "vocab-size", "global-batch-size"):
+        ap.add_argument(f"--{flag}", type=int, required=True)
+    ap.add_argument("--micro-batch-size", type=_auto_or_int("MICRO_BATCH_SIZE"), default="auto")
+    ap.add_argument("--recompute", type=_choice("RECOMPUTE", ("auto",) + RECOMPUTE_ORDER),
+                    default="full")
+    ap.add_argument("--ffn-hidden-size", type=int, default=0)
+    ap.add_argument("--gcds-per-package", type=int, default=2)
+    ap.add_argument("--preset", default="lbp")
+    ap.add_argument("--hier-secondary-group-size", type=int, default=0)
+    ap.add_argument("--hier-secondary-dtype", default="int8")
+    ap.add_argument("--position-embedding-type", default="rope")
+    ap.add_argument("--params-dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    ap.add_argument("--bucket-size", type=int, default=DEFAULT_BUCKET_SIZE)
+    ap.add_argument("--gcd-memory-gb", type=float, default=64.0)
+    ap.add_argument("--reserve-gb", type=float, default=0.0)
+    ap.add_argument("--train-iters", type=int, default=150000)
+    ap.add_argument("--save-interval", type=_auto_or_int("SAVE_INTERVAL"), default="auto")
+    ap.add_argument("--save-minutes", type=float, default=45.0)
+    ap.add_argument("--milestone-every", type=int, default=0)
+    ap.add_argument("--step-seconds", type=float, default=0.0)
+    ap.add_argument("--mfu", type=float, default=0.35)
+    ap.add_argument("--write-gbps-per-node", type=float, default=1.0)
+    ap.add_argument("--save-fixed-s", type=float, default=60.0)
+    ap.add_argument("--resolved", default=None, help="write KEY=VALUE lines here")
+    return ap
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    checks = {"NNODES": a.nodes, "TASKS_PER_NODE": a.tasks_per_node,
+              "GLOBAL_BATCH_SIZE": a.global_batch_size, "TRAIN_ITERS": a.train_iters}
+    bad = [f"{k}={v}" for k, v in checks.items() if v < 1]
+    if bad:
+        print(f"{PROG}: error: {bad[0]} must be >= 1", file=sys.stderr)
+        return 2
+    for name, value in (("LBP_WRITE_GBPS", a.write_gbps_per_node), ("LBP_SAVE_MINUTES", a.save_minutes)):
+        if not value > 0:
+            print(f"{PROG}: error: {name}={value:g} must be > 0", file=sys.stderr)
+            return 2
+    if not 0 < a.mfu <= 1:
+        print(f"{PROG}: error: --mfu={a.mfu:g} must be in (0, 1]", file=sys.stderr)
+        return 2
+    try:
+        lines, resolved, refusal = report(a)
+    except (plan.UsageError, EstimateError) as exc:
+        print(f"{PROG}: error: the hierarchy does not fit {a.nodes} node(s) x {a.tasks_per_node} "
+              f"tasks: {exc}" if isinstance(exc, plan.UsageError) else f"{PROG}: error: {exc}",
+              file=sys.stderr)
+        return 2
+    print("\n".join(lines), flush=True)
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 3
+    if a.resolved:
+        with open(a.resolved, "w") as f:
+            f.writelines(f"{k}={v}\n" for k, v in resolved.items())
+    return 0

@@ -1,0 +1,141 @@
+"""When a job must stop training so that its last checkpoint is written before Slurm kills it.
+
+    python -m megatron_lbp.launch exit-time --save-s 72 --step-s 22.5 --slack-s 120 \\
+        [--walltime 02:00:00] [--resolved FILE]
+
+The job's remaining wall time comes from ``SLURM_JOB_END_TIME`` (a Unix time, set by
+Slurm 23.02 and later) or else from ``squeue -h -j $SLURM_JOB_ID -o %L`` (the time left,
+Slurm's ``[days-]hours:minutes:seconds``); outside a job (a dry run) from ``--walltime``,
+the job length to plan for. The margin is one save (``--save-s``, from the checkpoint's
+bytes), one training step (``--step-s``: Megatron checks the clock between steps) and
+``--slack-s`` (the time between this command and Megatron's clock starting, which counts
+from its launch, plus the tasks' exit). Megatron's ``--exit-duration-in-mins`` takes whole
+minutes, so the exit time is rounded down to a minute.
+
+Exit status: 0 (the resolved EXIT_DURATION_MINS, 0 when the job has no time limit),
+4 (less than one minute of training would be left: the one-line message says how much
+time there is and what the margin is made of), 2 (bad input).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from typing import Callable, Mapping
+
+PROG = "lbp_launch"
+NO_LIMIT = ("UNLIMITED", "INFINITE", "NOT_SET", "INVALID", "")
+
+
+class WalltimeError(ValueError):
+    """A time that cannot be read; the message is one line."""
+
+
+def parse_slurm_duration(text: str) -> int | None:
+    """Seconds of a Slurm duration (``sbatch -t``, ``squeue -o %L/%l``); None for no limit.
+
+    Slurm's forms: ``minutes``, ``minutes:seconds``, ``hours:minutes:seconds``,
+    ``days-hours``, ``days-hours:minutes``, ``days-hours:minutes:seconds``.
+    """
+    t = text.strip()
+    if t.upper() in NO_LIMIT:
+        return None
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", t)
+    if not m:
+        raise WalltimeError(f"{text!r} is not a Slurm time ([days-]hours:minutes:seconds)")
+    days, a, b, c = m.groups()
+    a, b, c = int(a), (int(b) if b else None), (int(c) if c else None)
+    if days is not None:  # days-hours[:minutes[:seconds]]
+        return int(days) * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)
+    if c is not None:
+        return a * 3600 + b * 60 + c
+    if b is not None:
+        return a * 60 + b
+    return a * 60
+
+
+def remaining_seconds(env: Mapping[str, str], now: float | None = None,
+                      squeue: Callable[[str], str] | None = None) -> tuple[int | None, str]:
+    """(seconds this job has left or None for no limit, where that came from)."""
+    now = time.time() if now is None else now
+    end = env.get("SLURM_JOB_END_TIME", "").strip()
+    if end:
+        if not end.isdigit():
+            raise WalltimeError(f"SLURM_JOB_END_TIME={end!r} is not a Unix time")
+        return max(0, int(end) - int(now)), "SLURM_JOB_END_TIME"
+    job = env.get("SLURM_JOB_ID", "")
+    text = (squeue or _squeue_time_left)(job)
+    left = parse_slurm_duration(text)
+    return (None if left is None else max(0, left)), f"squeue -o %L: {text.strip()}"
+
+
+def _squeue_time_left(job: str) -> str:
+    try:
+        r = subprocess.run(["squeue", "-h", "-j", job, "-o", "%L"], capture_output=True,
+                           text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise WalltimeError(f"cannot ask squeue for job {job}'s time left: {exc}") from None
+    if r.returncode != 0 or not r.stdout.strip():
+        raise WalltimeError(f"squeue -h -j {job} -o %L gave no time left "
+                            f"({(r.stderr or r.stdout).strip() or 'no output'})")
+    return r.stdout.strip().splitlines()[0]
+
+
+def exit_minutes(remaining_s: int, margin_s: float) -> int:
+    """Whole minutes of training that leave ``margin_s`` before the end (may be < 1)."""
+    return int((remaining_s - margin_s) // 60)
+
+
+def _fmt(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def main(argv=None, env: Mapping[str, str] | None = None,
+         squeue: Callable[[str], str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m megatron_lbp.launch exit-time",
+                                 description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--save-s", type=float, required=True)
+    ap.add_argument("--step-s", type=float, required=True)
+    ap.add_argument("--slack-s", type=float, required=True)
+    ap.add_argument("--walltime", default=None, help="job length to plan for outside a job")
+    ap.add_argument("--no-job", action="store_true",
+                    help="plan for --walltime even inside a job (dry runs)")
+    ap.add_argument("--resolved", default=None)
+    a = ap.parse_args(argv)
+    env = os.environ if env is None else env
+    margin = a.save_s + a.step_s + a.slack_s
+    parts = f"save {a.save_s:.0f} s + one step {a.step_s:.3g} s + slack {a.slack_s:.0f} s"
+    try:
+        if env.get("SLURM_JOB_ID") and not a.no_job:
+            left, source = remaining_seconds(env, squeue=squeue)
+            where = f"job {env['SLURM_JOB_ID']} has"
+        elif a.walltime is not None:
+            left, source = parse_slurm_duration(a.walltime), f"-t {a.walltime}"
+            where = "a job of this length would have"
+        else:
+            left, source, where = None, "no job and no walltime", ""
+    except WalltimeError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    if left is None:
+        minutes = 0
+        print(f"exit time: no wall-clock limit ({source}): no --exit-duration-in-mins")
+    else:
+        minutes = exit_minutes(left, margin)
+        if minutes < 1:
+            print(f"{PROG}: error: {where} {_fmt(left)} left ({source}), less than one minute of "
+                  f"training after the exit margin of {margin:.0f} s ({parts}): submit with a "
+                  "longer -t (or lower LBP_EXIT_SLACK_S)", file=sys.stderr)
+            return 4
+        print(f"exit time: {where} {_fmt(left)} left ({source}); margin {margin:.0f} s ({parts}) "
+              f"-> --exit-duration-in-mins {minutes} (Megatron saves and stops "
+              f"{_fmt(left - minutes * 60)} before the end)")
+    if a.resolved:
+        with open(a.resolved, "w") as f:
+            f.write(f"EXIT_DURATION_MINS={minutes}\n")
+    return 0
