@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -42,7 +43,7 @@ EXIT = {"plan": 2, "pretrain": 2, "launcher": 2, "apply_patches": 2, "tokenizer_
         "preprocess": None}  # preprocess: 2 for argparse's usage errors, 1 for bad input files
 PREFIX = {"plan": ("python -m megatron_lbp.plan: error: ",), "preprocess": ("preprocess_data.py: error: ",),
           "tokenizer_check": ("python -m megatron_lbp.tokenizer_check: error: ",),
-          "launcher": ("lbp_launch: error: ",),
+          "launcher": ("lbp_launch: error: ", "lbp_health: error: "),
           "pretrain": ("python -m megatron_lbp.pretrain_gpt: error: ", "pretrain_gpt.py: error: "),
           "apply_patches": ("scripts/apply_patches.sh: ", "usage: scripts/apply_patches.sh")}
 SP_TOK = ["--tokenizer-type", "SentencePieceTokenizer",
@@ -228,12 +229,21 @@ TOKENIZER_CHECK = [
 ]
 
 
-def launch(name, script, args, env, needles):
+def launch(name, script, args, env, needles, code=-1, build=None):
     needles = (needles,) if isinstance(needles, str) else needles
-    return Case("launcher " + name, "launcher", lambda c: [script, *args], needles, env=env)
+
+    def argv(c):
+        if build:
+            build(c)
+        return [script, *args]
+    return Case("launcher " + name, "launcher", argv, needles, env=env, code=code)
 
 
 IN_JOB = {"SLURM_JOB_ID": "1", "SLURM_JOB_NUM_NODES": "2", "NNODES": "2"}
+# A job with two hours left (Slurm >= 23.02 sets SLURM_JOB_END_TIME) on this CPU-only machine.
+IN_A_JOB = {**IN_JOB, "SLURM_JOB_END_TIME": str(int(time.time()) + 10 ** 6), "LBP_REQUIRE_GPU": "none"}
+SMALL = {"NUM_LAYERS": "2", "HIDDEN_SIZE": "256", "NUM_ATTENTION_HEADS": "4", "SEQ_LENGTH": "256"}
+DRY = {"NNODES": "2"}
 LAUNCHER = [
     *[launch(f"{var} unset", SCRIPTS["20b"], [], {**IN_JOB, var: None}, f"{var} is not set")
       for var in ("DATA_PATH", "VOCAB_FILE", "MERGE_FILE", "CHECKPOINT_DIR")],
@@ -241,7 +251,10 @@ LAUNCHER = [
            ("nope.bin", "set DATA_PATH")),
     launch("vocab file missing", SCRIPTS["20b"], [], {"NNODES": "2", "VOCAB_FILE": "{tmp}/nope.json"},
            ("VOCAB_FILE=", "does not exist")),
-    launch("no node count", SCRIPTS["20b"], ["--dry-run"], {"NNODES": None}, "node count unknown: submit with sbatch -N"),
+    # a profile without #SBATCH -N (the shipped ones have it: a dry run takes it)
+    launch("no node count", SCRIPTS["20b"], ["--dry-run"],
+           {"NNODES": None, "LBP_PROFILE_SCRIPT": "{tmp}/custom_profile.sh"},
+           "node count unknown: submit with sbatch -N"),
     launch("NNODES=0", SCRIPTS["20b"], ["--dry-run"], {"NNODES": "0"}, "NNODES=0 is not a node count"),
     launch("NNODES=two", SCRIPTS["20b"], ["--dry-run"], {"NNODES": "two"}, "NNODES=two is not a node count"),
     launch("NNODES=5 does not divide the batch", SCRIPTS["20b"], ["--dry-run"], {"NNODES": "5"},
@@ -267,6 +280,44 @@ LAUNCHER = [
     launch("HuggingFaceTokenizer given a hub name", SCRIPTS["20b"], ["--dry-run"],
            {"NNODES": "2", "TOKENIZER_TYPE": "HuggingFaceTokenizer", "TOKENIZER_MODEL": "gpt2"},
            ("TOKENIZER_MODEL=gpt2 is not a local directory",)),
+    # the campaign's settings
+    launch("--chain 0", SCRIPTS["20b"], ["--dry-run", "--chain", "0"], DRY, "--chain 0"),
+    launch("--chain without a count", SCRIPTS["20b"], ["--dry-run", "--chain"], DRY, "--chain"),
+    launch("RECOMPUTE=partial", SCRIPTS["20b"], ["--dry-run"], {**DRY, "RECOMPUTE": "partial"},
+           "RECOMPUTE=partial"),
+    launch("MICRO_BATCH_SIZE=big", SCRIPTS["20b"], ["--dry-run"], {**DRY, "MICRO_BATCH_SIZE": "big"},
+           "MICRO_BATCH_SIZE=big"),
+    launch("SAVE_INTERVAL=often", SCRIPTS["20b"], ["--dry-run"], {**DRY, "SAVE_INTERVAL": "often"},
+           "SAVE_INTERVAL=often"),
+    launch("EXIT_DURATION_MINS=soon", SCRIPTS["20b"], ["--dry-run"],
+           {**DRY, "EXIT_DURATION_MINS": "soon"}, "EXIT_DURATION_MINS=soon"),
+    launch("LBP_KEEP_LAST=0", SCRIPTS["20b"], ["--dry-run"], {**DRY, "LBP_KEEP_LAST": "0"},
+           "LBP_KEEP_LAST=0"),
+    launch("LBP_WRITE_GBPS=0", SCRIPTS["20b"], ["--dry-run"], {**DRY, "LBP_WRITE_GBPS": "0"},
+           "LBP_WRITE_GBPS=0"),
+    launch("LBP_HEALTH_CHECK=maybe", SCRIPTS["20b"], ["--dry-run"],
+           {**DRY, "LBP_HEALTH_CHECK": "maybe"}, "LBP_HEALTH_CHECK=maybe"),
+    launch("LBP_HEALTH_EXPECT_GBPS=package=fast", SCRIPTS["20b"], ["--dry-run"],
+           {**DRY, "LBP_HEALTH_EXPECT_GBPS": "package=fast"}, "LBP_HEALTH_EXPECT_GBPS=package=fast"),
+    launch("LBP_REQUIRE_GPU=tpu", SCRIPTS["20b"], ["--dry-run"], {**DRY, "LBP_REQUIRE_GPU": "tpu"},
+           "LBP_REQUIRE_GPU=tpu"),
+    launch("LBP_SBCAST_ENV missing", SCRIPTS["20b"], ["--dry-run"],
+           {**DRY, "LBP_SBCAST_ENV": "{tmp}/env.tar.gz"}, ("LBP_SBCAST_ENV=", "env.tar.gz")),
+    # refusals inside a job, before anything is written or any srun
+    launch("GPU profile on a CPU-only torch", SCRIPTS["20b"], [],
+           {**IN_A_JOB, "LBP_REQUIRE_GPU": None}, ("torch.version.hip=None", "needs the ROCm build"),
+           code=4),
+    launch("less free space than two checkpoints", SCRIPTS["20b"], [], IN_A_JOB,
+           ("CHECKPOINT_DIR=", "two checkpoints need 2 x"), code=4),
+    launch("job too short to train", SCRIPTS["20b"], [],
+           {**IN_A_JOB, **SMALL, "SLURM_JOB_END_TIME": str(int(time.time()) + 90)},
+           ("less than one minute of training", "longer -t"), code=4),
+    launch("chain without progress", SCRIPTS["20b"], ["--chain", "3"],
+           {**IN_A_JOB, **SMALL, "LBP_CHAIN_PREVIOUS_ITERATION": "0", "LBP_CHAIN_PREVIOUS_JOB": "41"},
+           ("no progress since job 41", "not submitting the next job"), code=5),
+    launch("torn tracker in CHECKPOINT_DIR", SCRIPTS["20b"], [], {**IN_A_JOB, **SMALL},
+           ("latest_checkpointed_iteration.txt", "not an iteration number"),
+           build=lambda c: c.write("ckpt/latest_checkpointed_iteration.txt", "")),
 ]
 
 APPLY = [

@@ -444,11 +444,40 @@ def test_task_wrapper_reads_ranks_per_task(tmp_path):
     assert triton == str(tmp_path / "lbp-cache-77-13" / "triton") and Path(triton).is_dir()
 
 
+def test_sbcast_of_a_packed_environment(tmp_path):
+    """lbp_sbcast_env on one node: sbcast (a copy to the node's disk) and one task per node
+    (the unpack) stand for Slurm's; the unpacked environment is the one activated."""
+    packed = tmp_path / "pack"
+    (packed / "bin").mkdir(parents=True)
+    (packed / "bin" / "activate").write_text('PACKED_ENV="${BASH_SOURCE[0]%/bin/activate}"\n'
+                                             'export PATH="$PACKED_ENV/bin:$PATH"\n')
+    (packed / "bin" / "python").symlink_to(sys.executable)
+    subprocess.run(["tar", "-czf", str(tmp_path / "env.tar.gz"), "-C", str(packed), "."], check=True)
+    (tmp_path / "nvme").mkdir()   # what -C nvme gives a job: /mnt/bb/$USER on each node
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "sbcast").write_text('#!/bin/bash\n[ "$1" = -pf ] && cp "$2" "$3"\n')
+    (bindir / "srun").write_text('#!/bin/bash\n'   # srun -N n --ntasks-per-node=1 CMD...: one node
+                                 'while [[ "$1" == -* ]]; do case "$1" in -N) shift 2 ;; *) shift ;; esac; done\n'
+                                 'exec "$@"\n')
+    for tool in ("sbcast", "srun"):
+        (bindir / tool).chmod(0o755)
+    script = (f'LBP_REPO={REPO}; . "$LBP_REPO/scripts/launch/lbp_launch.sh"; NNODES_RESOLVED=1; '
+              f'LBP_SBCAST_ENV={tmp_path}/env.tar.gz; LBP_SBCAST_DIR={tmp_path}/nvme; '
+              'lbp_sbcast_env && lbp_setup_python && echo "ACTIVATE=$LBP_ACTIVATE" && '
+              'echo "PYTHON=$(command -v python)"')
+    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}")
+    r = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    dest = tmp_path / "nvme" / "lbp_env"
+    assert f"[lbp] sbcast: {tmp_path}/env.tar.gz -> {dest} on 1 node(s)" in r.stdout
+    assert f"ACTIVATE={dest}/bin/activate" in r.stdout and f"PYTHON={dest}/bin/python" in r.stdout
+
+
 def test_shellcheck_clean():
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck not installed (apt-get install -y shellcheck; CI installs it)")
-    files = [*SCRIPTS.values(), LOCAL, LAUNCH / "lbp_launch.sh", LAUNCH / "lbp_task.sh",
-             LAUNCH / "local_slurm.sh"]
+    files = [*SCRIPTS.values(), LOCAL, *sorted(LAUNCH.glob("*.sh"))]
     r = subprocess.run(["shellcheck", "-x", *map(str, files)], capture_output=True, text=True,
                        cwd=REPO)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -456,24 +485,26 @@ def test_shellcheck_clean():
 
 # --------------------------------------------------------------------------- real Slurm
 #
-# bash scripts/test.sh --slow -k local_slurm   (root, Debian: installs slurm + munge with
-# apt-get; 5-7 min on 2 cores). Starts a two-node Slurm on this machine
-# (scripts/launch/local_slurm.sh), sbatch's the local profile, the same launcher as the
-# Frontier scripts, and stops every daemon it started by PID whatever the outcome.
+# bash scripts/test.sh --slow -k local_slurm_job   (root, Debian: installs slurm + munge with
+# apt-get). Starts a two-node Slurm on this machine (scripts/launch/local_slurm.sh), sbatch's
+# the local profile, the same launcher as the Frontier scripts, and stops every daemon it
+# started by PID whatever the outcome.
 
 LOCAL_SLURM = LAUNCH / "local_slurm.sh"
 
 
-def _wait_job(job: str, env: dict, timeout: float = 900.0) -> str:
-    import time
+def _job_state(job: str, env: dict) -> str:
+    out = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True,
+                         text=True).stdout
+    m = re.search(r"JobState=(\w+)", out)
+    return m.group(1) if m else "UNKNOWN"
 
+
+def _wait_job(job: str, env: dict, timeout: float = 900.0) -> str:
     deadline = time.monotonic() + timeout
     state = ""
     while time.monotonic() < deadline:
-        out = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True,
-                             text=True).stdout
-        m = re.search(r"JobState=(\w+)", out)
-        state = m.group(1) if m else "UNKNOWN"
+        state = _job_state(job, env)
         if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
             return state
         time.sleep(2)
@@ -481,17 +512,38 @@ def _wait_job(job: str, env: dict, timeout: float = 900.0) -> str:
     return f"TIMEOUT (last {state})"
 
 
-def _sbatch(env: dict, jobs: Path, **export) -> str:
+def _sbatch(env: dict, jobs: Path, *args: str, time_limit: str = "10", **export) -> str:
     exports = ",".join(["ALL"] + [f"{k}={v}" for k, v in export.items()])
-    r = subprocess.run(["sbatch", "--parsable", "--chdir", str(REPO),
+    r = subprocess.run(["sbatch", "--parsable", "--chdir", str(REPO), "-t", time_limit,
                         "-o", f"{jobs}/%x-%j.out", "-e", f"{jobs}/%x-%j.err",
-                        f"--export={exports}", str(LOCAL)],
+                        f"--export={exports}", str(LOCAL), *args],
                        env=env, capture_output=True, text=True, check=True)
     return r.stdout.strip().split(";")[0]
 
 
+def _losses(path: Path) -> dict[int, float]:
+    out = {}
+    for line in path.read_text().splitlines():
+        it, name, value = line.split("\t")
+        if name == "lm loss":
+            out[int(it)] = float(value)
+    return out
+
+
+def _exit_point(log: str, job: str) -> int:
+    """The iteration a job stopped at by its computed exit time (and saved), from its log."""
+    assert re.search(rf"exit time: job {job} has 0:0\d:\d\d left \(squeue -o %L: .*"
+                     r"-> --exit-duration-in-mins 1 ", log), log[-3000:]
+    assert "exiting program after 1." in log, log[-3000:]
+    saved = [int(m) for m in re.findall(r"successfully saved checkpoint from iteration +(\d+)", log)]
+    return saved[-1]
+
+
 @pytest.mark.slow
 def test_local_slurm_job(tmp_path):
+    """A chain of two jobs on a real two-node Slurm: the first stops at the exit time it computed
+    from its wall time, with a checkpoint; the second resumes from it with the losses of one
+    uninterrupted run; the health check runs in both."""
     if os.geteuid() != 0 or (shutil.which("apt-get") is None and shutil.which("slurmctld") is None):
         pytest.skip("needs root and Debian's slurm packages (or apt-get)")
     subprocess.run(["bash", str(LOCAL_SLURM), "install"], check=True)
@@ -503,55 +555,60 @@ def test_local_slurm_job(tmp_path):
     env = dict(os.environ, SLURM_CONF=str(cluster / "etc" / "slurm.conf"))
     for k in [k for k in env if k.startswith("SLURM_") and k != "SLURM_CONF"]:
         env.pop(k)
+    # TRAIN_ITERS no job reaches: each stops at its exit time. Saves every 10, the newest 2 kept.
+    run_env = dict(TRAIN_ITERS=100000, SAVE_INTERVAL=10, LOG_INTERVAL=1, DATA_PATH=data)
     try:
         subprocess.run(["bash", str(LOCAL_SLURM), "start", str(cluster)], check=True, env=env)
 
-        # 1. A real run: 2 emulated nodes x 4 CPU ranks, lbp; it stops at iteration 10 of 15
-        #    (as a Frontier job stops at EXIT_DURATION_MINS) and saves a checkpoint.
+        # 1. A chain of two 4-minute jobs: after the pre-flight and a margin of 126 s (the
+        #    save, a step, LBP_EXIT_SLACK_S=120) one minute of training is left to each.
         ckpt = tmp_path / "ckpt"
-        job = _sbatch(env, jobs, TRAIN_ITERS=15, SAVE_INTERVAL=100, LOG_INTERVAL=5,
-                      CHECKPOINT_DIR=ckpt, DATA_PATH=data, LBP_LOG_ALL_RANKS=1,
-                      EXTRA_ARGS="--exit-interval 10")
-        state = _wait_job(job, env)
-        out = (jobs / f"lbp-local-{job}.out").read_text()
-        err = (jobs / f"lbp-local-{job}.err").read_text()
+        first = _sbatch(env, jobs, "--chain", "2", time_limit="4", CHECKPOINT_DIR=ckpt,
+                        LBP_LOSS_LOG=tmp_path / "chain.loss", LBP_EXIT_SLACK_S=120,
+                        LBP_CHAIN_SBATCH_ARGS=f"-o {jobs}/%x-%j.out -e {jobs}/%x-%j.err", **run_env)
+        state = _wait_job(first, env)
+        out = (jobs / f"lbp-local-{first}.out").read_text()
+        err = (jobs / f"lbp-local-{first}.err").read_text()
         assert state == "COMPLETED", f"{state}\n{out[-3000:]}\n{err[-3000:]}"
-        assert "srun -N 2 -n 8 --ntasks-per-node=4" in out
-        assert re.search(r"iteration\s+10/\s+15 \|.*lm loss", out)
+        k1 = _exit_point(out, first)
+        second = re.search(r"chain: submitted job (\d+) \(--dependency=afterany:" + first, out).group(1)
         for rank in range(8):
             node, package = rank // 4, (rank % 4) // 2
-            assert (f"megatron-lbp hierarchy (lbp): W=8 P=2 S=4 G=4 O=8 R=1; rank {rank} on "
-                    in out)
             assert re.search(rf"rank {rank} on \S+ node {node} package {package}\n", out)
-        assert "  grad           node     ranks [0, 1, 2, 3]" in out
-        assert "  grad           node     ranks [4, 5, 6, 7]" in out
-        assert "  optim          network  ranks [0, 1, 2, 3, 4, 5, 6, 7]" in out
-        assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
-        assert (ckpt / "iter_0000010").is_dir()
+        assert "[lbp_task] placement verified: rank 0 is local rank 0 of node 0 (node1); local " \
+               "ranks 0,1 on devices 4,5 = package 2" in out
 
-        # 2. The same job submitted again resumes from the checkpoint and finishes.
-        job = _sbatch(env, jobs, TRAIN_ITERS=15, SAVE_INTERVAL=100, LOG_INTERVAL=5,
-                      CHECKPOINT_DIR=ckpt, DATA_PATH=data)
-        state = _wait_job(job, env)
-        out = (jobs / f"lbp-local-{job}.out").read_text()
-        assert state == "COMPLETED", f"{state}\n{out[-3000:]}"
-        assert re.search(r"successfully loaded checkpoint from \S+ .*at iteration 10", out), out[-3000:]
-        assert re.search(r"iteration\s+15/\s+15 \|", out)
-        assert not re.search(r"iteration\s+5/\s+15 \|", out)
-        assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "15"
+        # 2. The second resumes from that checkpoint and stops at its own exit time.
+        state = _wait_job(second, env)
+        out2 = (jobs / f"lbp-local-{second}.out").read_text()
+        assert state == "COMPLETED", f"{state}\n{out2[-3000:]}"
+        assert f"the tracker names iteration {k1} of 100000, up from 0 when job {first} started" in out2
+        assert re.search(rf"successfully loaded checkpoint from \S+ .*at iteration {k1}\b", out2), out2[-3000:]
+        k2 = _exit_point(out2, second)
+        assert k2 > k1 and "chain: submitted" not in out2      # the last job of the chain
+        for log in (out, out2):
+            assert log.count("[lbp health] package: all-gather") == 1, log[-2000:]
+            assert "[lbp health] network: " in log and "between node1 and node2" in log
+        # retention: the saves every 10 and at both exits were written, the newest 2 are left
+        kept = sorted(int(p.name[5:]) for p in ckpt.glob("iter_*"))
+        assert kept == sorted(set(range(10, k2 + 1, 10)) | {k1, k2})[-2:], kept
+        assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(k2)
 
-        # 3. A bad data path the launcher sees: FAILED before srun, the reason in the log.
+        # 3. One uninterrupted run, a few iterations past the resume: the same losses.
+        stop = min(k2, k1 + 5)
+        ref = _sbatch(env, jobs, CHECKPOINT_DIR=tmp_path / "ref", LBP_HEALTH_CHECK=0,
+                      LBP_LOSS_LOG=tmp_path / "ref.loss", EXTRA_ARGS=f"--exit-interval {stop}",
+                      **run_env)
+        assert _wait_job(ref, env) == "COMPLETED"
+        chain, single = _losses(tmp_path / "chain.loss"), _losses(tmp_path / "ref.loss")
+        assert sorted(chain) == list(range(1, k2 + 1)) and sorted(single) == list(range(1, stop + 1))
+        differ = [(i, chain[i], single[i]) for i in single if chain[i] != single[i]]
+        assert not differ, f"resumed at {k1}; iterations whose loss differs: {differ[:5]}"
+
+        # 4. A bad data path the launcher sees: FAILED before srun, the reason in the log.
         job = _sbatch(env, jobs, DATA_PATH=tmp_path / "missing", CHECKPOINT_DIR=tmp_path / "c2")
         assert _wait_job(job, env, 120) == "FAILED"
         err = (jobs / f"lbp-local-{job}.err").read_text()
         assert "lbp_launch: error: DATA_PATH:" in err and "missing.bin" in err
-
-        # 4. One only training can see (unreadable files): every task stops, the job FAILED.
-        for suffix in (".bin", ".idx"):
-            (tmp_path / f"garbage{suffix}").write_text("not an indexed dataset\n")
-        job = _sbatch(env, jobs, DATA_PATH=tmp_path / "garbage", CHECKPOINT_DIR=tmp_path / "c3")
-        assert _wait_job(job, env, 600) == "FAILED"
-        err = (jobs / f"lbp-local-{job}.err").read_text()
-        assert "error: --data-path" in err and "cannot read the indexed dataset" in err
     finally:
         subprocess.run(["bash", str(LOCAL_SLURM), "stop", str(cluster)], env=env)
