@@ -359,13 +359,15 @@ def test_health_check_on_real_ranks():
     assert "sbatch -x nodeA,nodeB" in err and res[1][2] == ""
 
 
-def test_gpu_profile_refuses_a_cpu_torch():
-    r = launch("health", "--build-only", "--require-gpu", "rocm", "--devices-per-node", "8")
+def test_gpu_profile_refuses_a_cpu_torch(capsys):
     import torch
 
     if torch.version.hip:
         pytest.skip("a ROCm torch is installed here")
-    assert r.returncode == 4 and r.stderr.count("\n") == 1, r.stderr
-    assert f"torch {torch.__version__} (torch.version.hip=None, torch.version.cuda=" in r.stderr
-    assert "needs the ROCm build" in r.stderr and "GPUS_PER_TASK=0" in r.stderr
-    assert launch("health", "--build-only", "--require-gpu", "none").returncode == 0
+    assert health.main(["--build-only", "--require-gpu", "rocm", "--devices-per-node", "8"], {}) == 4
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"torch {torch.__version__} (torch.version.hip=None, torch.version.cuda=" in err
+    assert "needs the ROCm build" in err and "GPUS_PER_TASK=0" in err
+    assert health.main(["--build-only", "--require-gpu", "none"], {}) == 0
+    assert "no GPU required" in capsys.readouterr().out

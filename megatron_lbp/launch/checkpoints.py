@@ -38,7 +38,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-PROG = "lbp_launch"
+from megatron_lbp.launch._cli import PROG, Parser, write_resolved
+
 TRACKER = "latest_checkpointed_iteration.txt"
 ITER_DIR = re.compile(r"iter_(\d{7,})$")
 # What a torch_dist save writes; a directory holding only these (and no metadata.json) is a torn save.
@@ -156,12 +157,6 @@ def _gb(n: float) -> str:
     return f"{n / GB:.2f} GB" if n >= 0.1 * GB else f"{n / 1e6:.2f} MB"
 
 
-def _write(path: str | None, values: dict) -> None:
-    if path:
-        with open(path, "w") as f:
-            f.writelines(f"{k}={v}\n" for k, v in values.items())
-
-
 def cmd_prune(a) -> int:
     if a.every:
         # Beside a running training: incomplete checkpoints (a save in progress) are never
@@ -224,7 +219,7 @@ def cmd_chain(a) -> int:
     if now >= a.train_iters:
         print(f"chain: training complete (the tracker names iteration {now} of TRAIN_ITERS="
               f"{a.train_iters}): nothing to train, no next job")
-        _write(a.resolved, {"CHAIN_STATE": "complete", "TRACKER_ITERATION": now})
+        write_resolved(a.resolved, {"CHAIN_STATE": "complete", "TRACKER_ITERATION": now})
         return 0
     if a.previous_iteration is not None and now <= a.previous_iteration:
         print(f"{PROG}: error: chain stops: no progress since job {a.previous_job or '?'} "
@@ -235,21 +230,15 @@ def cmd_chain(a) -> int:
     since = ("" if a.previous_iteration is None else
              f", up from {a.previous_iteration} when job {a.previous_job or '?'} started")
     print(f"chain: the tracker names iteration {now} of {a.train_iters}{since}: continuing")
-    _write(a.resolved, {"CHAIN_STATE": "continue", "TRACKER_ITERATION": now})
+    write_resolved(a.resolved, {"CHAIN_STATE": "continue", "TRACKER_ITERATION": now})
     return 0
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        print(f"{PROG}: error: {message}", file=sys.stderr)
-        sys.exit(2)
 
 
 def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the launcher ends the pruner
-    ap = _Parser(prog="python -m megatron_lbp.launch checkpoints", description=__doc__,
+    ap = Parser(prog="python -m megatron_lbp.launch checkpoints", description=__doc__,
                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=Parser)
     p = sub.add_parser("prune")
     p.add_argument("dir", type=Path)
     p.add_argument("--keep-last", type=int, required=True)

@@ -41,9 +41,9 @@ from dataclasses import dataclass
 
 from megatron_lbp import costs, plan
 from megatron_lbp.config import DEFAULT_BUCKET_SIZE
+from megatron_lbp.launch._cli import PROG, Parser, write_resolved
 
 GB = 1e9
-PROG = "lbp_launch"
 RECOMPUTE_ORDER = ("none", "selective", "full")   # least recomputation first
 MICRO_BATCH_CANDIDATES = (1, 2, 4, 8, 16)
 
@@ -331,14 +331,8 @@ def _auto_or_int(name: str):
     return parse
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, the launcher's prefix
-        print(f"{PROG}: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="python -m megatron_lbp.launch estimate", description=__doc__,
+    ap = Parser(prog="python -m megatron_lbp.launch estimate", description=__doc__,
                  formatter_class=argparse.RawDescriptionHelpFormatter)
     for flag in ("nodes", "tasks-per-node", "num-layers", "hidden-size", "num-attention-heads",
                  "seq-length", "vocab-size", "global-batch-size"):
@@ -394,7 +388,5 @@ def main(argv=None) -> int:
     if refusal:
         print(refusal, file=sys.stderr)
         return 3
-    if a.resolved:
-        with open(a.resolved, "w") as f:
-            f.writelines(f"{k}={v}\n" for k, v in resolved.items())
+    write_resolved(a.resolved, resolved)
     return 0

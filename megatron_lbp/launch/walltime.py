@@ -26,7 +26,8 @@ import sys
 import time
 from typing import Callable, Mapping
 
-PROG = "lbp_launch"
+from megatron_lbp.launch._cli import PROG, write_resolved
+
 NO_LIMIT = ("UNLIMITED", "INFINITE", "NOT_SET", "INVALID", "")
 
 
@@ -135,7 +136,5 @@ def main(argv=None, env: Mapping[str, str] | None = None,
         print(f"exit time: {where} {_fmt(left)} left ({source}); margin {margin:.0f} s ({parts}) "
               f"-> --exit-duration-in-mins {minutes} (Megatron saves and stops "
               f"{_fmt(left - minutes * 60)} before the end)")
-    if a.resolved:
-        with open(a.resolved, "w") as f:
-            f.write(f"EXIT_DURATION_MINS={minutes}\n")
+    write_resolved(a.resolved, {"EXIT_DURATION_MINS": minutes})
     return 0

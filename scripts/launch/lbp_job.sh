@@ -97,8 +97,8 @@ lbp_launch_job() {
   export LBP_TASKS_PER_NODE=$TASKS_PER_NODE LBP_GCDS_PER_PACKAGE=$GCDS_PER_PACKAGE \
     LBP_GPUS_PER_TASK=$GPUS_PER_TASK LBP_PYTHON LBP_NODE_LOCAL_ROOT
   lbp_health_step || return
+  lbp_exit_time || return  # after the health check, just before training; a refusal submits nothing
   lbp_chain_submit || return
-  lbp_exit_time || return
   lbp_build_train_args
   lbp_print_commands
   local pruner=""

@@ -385,7 +385,7 @@ lbp_print_commands() {
   local v line="" users=""
   lbp_log "profile: ${LBP_PROFILE:-custom}: $NNODES_RESOLVED node(s)${NNODES_FROM:-} x" \
     "$TASKS_PER_NODE tasks = $WORLD ranks (one per GCD), $GCDS_PER_PACKAGE GCDs per package"
-  lbp_log "entry: $ENTRY_DESC"
+  lbp_log "entry: $ENTRY_DESC; python: $(command -v "$LBP_PYTHON")"
   lbp_log "rendezvous: MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT (ranks from SLURM_PROCID" \
     "per task, scripts/launch/lbp_task.sh)"
   for v in ${LBP_ENV_SHOWN:-}; do
