@@ -294,9 +294,30 @@ def hook_arguments_module(ns: dict) -> None:
         # After Megatron's own checks: they derive values (query groups, data sizes) ours read.
         out = orig_validate(args, defaults)
         validate_args(args)
+        start_clock_at_launch()
         return out
 
     ns["validate_args"] = validate
+
+
+def start_clock_at_launch() -> None:
+    """LBP_LAUNCH_TIME (a Unix time the launchers set at srun): Megatron's clock starts there.
+
+    ``--exit-duration-in-mins`` counts from Megatron's program start, which comes after
+    the imports: minutes late at scale, or on a busy machine. The launchers compute the
+    exit time from the job's remaining wall time at srun, so Megatron counts from then
+    (pretrain() takes the earliest rank's value). Without the variable nothing changes.
+    """
+    import time
+
+    try:
+        launched = float(os.environ.get("LBP_LAUNCH_TIME", ""))
+    except ValueError:
+        return
+    if 0 < launched <= time.time():
+        from megatron.training import training
+
+        training.set_startup_timestamps(program_start=launched)
 
 
 def hook_dist_utils_module(ns: dict) -> None:

@@ -38,8 +38,8 @@
 #     DIST_TIMEOUT_MINS [5]
 #     LBP_STEP_SECONDS [1]: the cost model describes MI250X GCDs, not CPU ranks (an
 #       iteration of this model takes 0.3-1 s on the 2-core test machine)
-#     LBP_WRITE_GBPS [0.1] LBP_SAVE_FIXED_S [5] LBP_EXIT_SLACK_S [60]: eight Python
-#       ranks on two cores take 30 s and more to import Megatron before its clock starts
+#     LBP_WRITE_GBPS [0.1] LBP_SAVE_FIXED_S [5] LBP_EXIT_SLACK_S [60]: eight ranks on two
+#       cores take 10-30 s to end after the save, and the batch script has its last steps
 #     SAVE_INTERVAL [20] LBP_MILESTONE_EVERY [0] LBP_PRUNE_EVERY_S [20]
 #     LBP_HEALTH_EXPECT_GBPS [package=0.05,node=0.05,network=0.05] LBP_HEALTH_MIN_FRACTION
 #       [0.02] LBP_HEALTH_MB [2]: gloo over loopback on a shared CPU (10-60 MB/s measured

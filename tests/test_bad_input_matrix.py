@@ -303,6 +303,8 @@ LAUNCHER = [
            "LBP_REQUIRE_GPU=tpu"),
     launch("LBP_SBCAST_ENV missing", SCRIPTS["20b"], ["--dry-run"],
            {**DRY, "LBP_SBCAST_ENV": "{tmp}/env.tar.gz"}, ("LBP_SBCAST_ENV=", "env.tar.gz")),
+    launch("a flag the environment cannot serve", SCRIPTS["20b"], ["--dry-run"],
+           {**DRY, "EXTRA_ARGS": "--transformer-impl transformer_engine"}, "--transformer-impl"),
     # refusals inside a job, before anything is written or any srun
     launch("GPU profile on a CPU-only torch", SCRIPTS["20b"], [],
            {**IN_A_JOB, "LBP_REQUIRE_GPU": None}, ("torch.version.hip=None", "needs the ROCm build"),

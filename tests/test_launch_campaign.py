@@ -371,3 +371,27 @@ def test_gpu_profile_refuses_a_cpu_torch(capsys):
     assert "needs the ROCm build" in err and "GPUS_PER_TASK=0" in err
     assert health.main(["--build-only", "--require-gpu", "none"], {}) == 0
     assert "no GPU required" in capsys.readouterr().out
+
+
+def test_megatrons_exit_clock_starts_at_the_launch(monkeypatch):
+    """LBP_LAUNCH_TIME: --exit-duration-in-mins counts from when the launcher measured the time left."""
+    from megatron.training import training
+
+    from megatron_lbp import training_hooks
+
+    saved = training._TRAIN_START_TIME, dict(training._STARTUP_TIMESTAMPS)
+    try:
+        launched = time.time() - 90
+        monkeypatch.setenv("LBP_LAUNCH_TIME", str(launched))
+        training_hooks.start_clock_at_launch()
+        assert training._TRAIN_START_TIME == launched
+        assert training._STARTUP_TIMESTAMPS["program_start"] == launched
+        for bad in ("", "soon", str(time.time() + 3600)):   # unset, garbage, the future: no change
+            training.set_startup_timestamps(program_start=123.0)
+            monkeypatch.setenv("LBP_LAUNCH_TIME", bad)
+            training_hooks.start_clock_at_launch()
+            assert training._TRAIN_START_TIME == 123.0
+    finally:
+        training._TRAIN_START_TIME = saved[0]
+        training._STARTUP_TIMESTAMPS.clear()
+        training._STARTUP_TIMESTAMPS.update(saved[1])

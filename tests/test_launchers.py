@@ -8,6 +8,7 @@ batch script would run and the environment it gives them.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -142,6 +143,14 @@ def test_dry_run_frontier(site, model, nodes):
 
     cmd = training_line(out)
     assert cmd[:4] == ["python", "-u", "-m", "megatron_lbp.pretrain_gpt"]
+    # the command as the entry runs it: the capability-resolved flags of a GPU run here
+    assert "flags for a GPU run (python -m megatron_lbp.capabilities, LBP_DEVICE=gpu)" in out
+    if importlib.util.find_spec("transformer_engine") is None:
+        assert flag(cmd, "--transformer-impl") == "local"
+        assert "[megatron-lbp] adding --transformer-impl local: Transformer Engine is not importable" in out
+    if importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
+        assert "--no-gradient-accumulation-fusion" in cmd
+    assert "--distributed-backend" not in cmd            # a GPU run: NCCL, Megatron's default
     shape = SHAPES[model]
     assert flag(cmd, "--num-layers") == str(shape["layers"])
     assert flag(cmd, "--hidden-size") == str(shape["hidden"])
@@ -232,8 +241,9 @@ def test_selective_recompute_where_the_estimate_allows_it(site):
 
 def test_exit_time_for_a_debug_and_an_extended_job(site):
     """A 30-minute debug job and a 24-hour extended one both stop with room for one save."""
-    for walltime, minutes in (("0:30:00", None), ("24:00:00", None), ("1-00:00:00", None)):
-        r = run(SCRIPTS["10b"], site, "--dry-run", NNODES=16, LBP_WALLTIME=walltime)
+    for walltime, step in (("0:30:00", ""), ("1-00:00:00", "30")):
+        r = run(SCRIPTS["10b"], site, "--dry-run", NNODES=16, LBP_WALLTIME=walltime,
+                LBP_STEP_SECONDS=step or None)
         assert r.returncode == 0, r.stderr
         m = re.search(r"would have (\d+):(\d\d):(\d\d) left .* margin (\d+) s .*"
                       r"--exit-duration-in-mins (\d+)", r.stdout)
@@ -241,8 +251,8 @@ def test_exit_time_for_a_debug_and_an_extended_job(site):
         margin, exit_mins = int(m.group(4)), int(m.group(5))
         assert exit_mins * 60 <= left - margin < exit_mins * 60 + 60
         assert flag(training_line(r.stdout), "--exit-duration-in-mins") == str(exit_mins)
-    r = run(SCRIPTS["10b"], site, "--dry-run", NNODES=16, LBP_STEP_SECONDS=30)
-    assert "save interval: 100 iterations = 50.0 min of training" in r.stdout  # 45 min / 30 s -> 100
+    # LBP_STEP_SECONDS=30 replaces the cost model's step: 45 min / 30 s = 90 -> 100 (divides 10000)
+    assert "save interval: 100 iterations = 50.0 min of training" in r.stdout
     assert flag(training_line(r.stdout), "--save-interval") == "100"
 
 

@@ -8,9 +8,11 @@ Slurm 23.02 and later) or else from ``squeue -h -j $SLURM_JOB_ID -o %L`` (the ti
 Slurm's ``[days-]hours:minutes:seconds``); outside a job (a dry run) from ``--walltime``,
 the job length to plan for. The margin is one save (``--save-s``, from the checkpoint's
 bytes), one training step (``--step-s``: Megatron checks the clock between steps) and
-``--slack-s`` (the time between this command and Megatron's clock starting, which counts
-from its launch, plus the tasks' exit). Megatron's ``--exit-duration-in-mins`` takes whole
-minutes, so the exit time is rounded down to a minute.
+``--slack-s`` (the tasks' exit and the batch script's last steps). Megatron's clock
+starts when this command reads the time left: the launcher passes that moment to the
+tasks as LBP_LAUNCH_TIME (megatron_lbp.training_hooks.start_clock_at_launch), so the
+imports before Megatron's own clock, minutes at scale, do not eat the margin.
+``--exit-duration-in-mins`` takes whole minutes: the exit time is rounded down to one.
 
 Exit status: 0 (the resolved EXIT_DURATION_MINS, 0 when the job has no time limit),
 4 (less than one minute of training would be left: the one-line message says how much

@@ -100,7 +100,10 @@ lbp_launch_job() {
   lbp_exit_time || return  # after the health check, just before training; a refusal submits nothing
   lbp_chain_submit || return
   lbp_build_train_args
+  lbp_resolve_capabilities || return
   lbp_print_commands
+  # The tasks resolve for the same device, and refuse if they do not have it.
+  [ "$LBP_RUN_DEVICE" = gpu ] && export LBP_DEVICE=gpu
   local pruner=""
   if [ "$LBP_RETAIN_BY" = launcher ] && [ "$LBP_PRUNE_EVERY_S" -gt 0 ]; then
     # A plain command in the background: $! is the pruner itself, ended by PID below.
@@ -110,6 +113,9 @@ lbp_launch_job() {
     pruner=$!
   fi
   lbp_log "launching at $(date -u +%FT%TZ)"
+  # Megatron's clock for --exit-duration-in-mins starts when the time left was measured,
+  # not after the imports (megatron_lbp.training_hooks.start_clock_at_launch).
+  export LBP_LAUNCH_TIME=$LBP_EXIT_MEASURED_AT
   local status=0
   "${SRUN[@]}" "${ENTRY[@]}" "${TRAIN_ARGS[@]}" || status=$?
   lbp_log "training step ended at $(date -u +%FT%TZ) with status $status"

@@ -287,6 +287,7 @@ lbp_estimate() {
 
 # --exit-duration-in-mins from the job's remaining wall time (dry run: LBP_WALLTIME).
 lbp_exit_time() {
+  LBP_EXIT_MEASURED_AT=$(date +%s)  # when the time left is read (Megatron's clock starts there)
   if [ "$LBP_EXIT_AUTO" != 1 ]; then
     lbp_is_uint "$EXIT_DURATION_MINS" || { lbp_die 2 "EXIT_DURATION_MINS=$EXIT_DURATION_MINS:" \
       "use auto, minutes, or 0 (off)"; return; }
@@ -372,6 +373,25 @@ lbp_build_train_args() {
   TRAIN_ARGS+=("${LBP_CLI_EXTRA[@]}")
 }
 
+# The training command as the entry will run it: python -m megatron_lbp.capabilities adds
+# the flags this environment needs (what imports: Transformer Engine, Apex, Megatron's fused
+# kernels; CONTRACTS.md 1), resolved for the device the profile runs on (LBP_DEVICE=gpu for
+# a GPU profile, so that a login node without GPUs resolves for the compute nodes), and
+# refuses (one line) a flag that cannot work here.
+lbp_resolve_capabilities() {
+  LBP_RUN_DEVICE=${LBP_DEVICE:-cpu}
+  [ -z "${LBP_DEVICE:-}" ] && [ "$LBP_REQUIRE_GPU" != none ] && LBP_RUN_DEVICE=gpu
+  local out status=0
+  out=$(LBP_DEVICE=$LBP_RUN_DEVICE "$LBP_PYTHON" -m megatron_lbp.capabilities "${TRAIN_ARGS[@]}" \
+        2>"$LBP_TMP/capabilities") || status=$?
+  if [ "$status" != 0 ]; then
+    sed 's/^python -m megatron_lbp.capabilities: error: /lbp_launch: error: /' \
+      "$LBP_TMP/capabilities" >&2
+    return 2
+  fi
+  RESOLVED_TRAIN_LINE=$out
+}
+
 lbp_quote() {  # words as one shell line, quoting only those that need it
   local w out=""
   for w in "$@"; do
@@ -398,8 +418,11 @@ lbp_print_commands() {
   echo "[lbp] srun command:"
   echo "  $(lbp_quote "${SRUN[@]}") \\"
   echo "    $(lbp_quote "${ENTRY[@]}" "${TRAIN_ARGS[@]}")"
+  lbp_log "flags for a ${LBP_RUN_DEVICE^^} run (python -m megatron_lbp.capabilities," \
+    "LBP_DEVICE=$LBP_RUN_DEVICE), as the entry adds them at start:"
+  sed 's/^/[lbp]   /' "$LBP_TMP/capabilities"
   echo "[lbp] training command (each task):"
-  echo "  $(lbp_quote "${ENTRY[@]}" "${TRAIN_ARGS[@]}")"
+  echo "  $(lbp_quote "${ENTRY[@]}") $RESOLVED_TRAIN_LINE"
 }
 
 lbp_defaults() {
@@ -530,6 +553,7 @@ lbp_main() {
   fi
   lbp_exit_time || return
   lbp_build_train_args
+  lbp_resolve_capabilities || return
   lbp_print_commands
   if [ "$LBP_CHAIN" -gt 1 ]; then
     lbp_log "chain: --chain $LBP_CHAIN: this job submits the next at its start" \
