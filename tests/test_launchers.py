@@ -256,6 +256,19 @@ def test_exit_time_for_a_debug_and_an_extended_job(site):
     assert flag(training_line(r.stdout), "--save-interval") == "100"
 
 
+def test_retention_by_megatron_where_it_serves(site):
+    """LBP_KEEP_LAST=1 with milestones that land on saves: Megatron's --save-retain-interval."""
+    r = run(SCRIPTS["20b"], site, "--dry-run", NNODES=48, LBP_KEEP_LAST=1)
+    assert r.returncode == 0, r.stderr
+    cmd = training_line(r.stdout)
+    assert flag(cmd, "--save-retain-interval") == "10000" and flag(cmd, "--save-interval") == "125"
+    assert "retention: newest 1 complete + the first at or after every 10000 iterations, by " \
+           "Megatron (--save-retain-interval 10000)" in r.stdout
+    r = run(SCRIPTS["20b"], site, "--dry-run", NNODES=48, LBP_KEEP_LAST=1, SAVE_INTERVAL=300)
+    assert "--save-retain-interval" not in training_line(r.stdout)   # 300 does not divide 10000
+    assert "by the launcher" in r.stdout
+
+
 def test_real_launch_health_step_then_training(site):
     r = run(SCRIPTS["10b"], site, "--", "--seed", "7", **in_job(MASTER_ADDR="10.0.0.1"))
     assert r.returncode == 0, r.stdout + r.stderr
