@@ -10,7 +10,14 @@ A bucket owns three kinds of memory:
   stray use of a freed weight fails loudly instead of reading stale numbers;
 - ``grad_shard``: this rank's persistent 1/G slice of the gradient, in the
   reduce dtype, accumulated across micro-batches; plus ``grad_full``, the
-  whole bucket's gradient of one backward, alive only until it is reduced;
+  whole bucket's gradient of one backward, holding memory only from the
+  bucket's backward until it is reduced. Like ``full``, it is one tensor for
+  the bucket's whole life whose storage is resized: every parameter's
+  ``main_grad`` is a view into it, so a fused weight-gradient kernel
+  (gradient-accumulation fusion: Apex's ``fused_weight_gradient_mlp_cuda``,
+  Transformer Engine's ``fuse_wgrad_accumulation``) that captured
+  ``weight.main_grad`` in the forward accumulates straight into the bucket in
+  the backward, as into Megatron's DDP grad buffer;
 - ``secondary`` (only when S > 0): this rank's 1/S slice of the weights as the
   backward pass will regather them, persistent: int8 codes and fp32 scales
   packed in one uint8 buffer (``quant.packed_views`` layout,
@@ -89,7 +96,15 @@ class FlatBucket:
         # The primary slice is first filled here, from the module's own weights.
         self.primary = self.full[self.primary_range.slice].clone()
         self.grad_shard = torch.zeros(self.layout.grad_size, dtype=grad_dtype, device=self.device)
-        self.grad_full: torch.Tensor | None = None
+        # Views are made while the storage is allocated (a view's bounds are
+        # checked against it), then the storage is freed until the first backward.
+        self.grad_full = torch.empty(n, dtype=grad_dtype, device=self.device)
+        for slot in self.slots:
+            slot.param.main_grad = self.grad_full[slot.start:slot.stop].view(slot.shape)
+            # Megatron's protocol with a fused wgrad: the kernel sets it True and
+            # hands autograd a dummy gradient (zeros when ``zero_out_wgrad``).
+            slot.param.grad_added_to_main_grad = False
+        self.grad_full.untyped_storage().resize_(0)
         self.quant_block_size = quant_block_size
         self.secondary_dtype = secondary_dtype
         self.secondary: torch.Tensor | None = None
@@ -150,17 +165,28 @@ class FlatBucket:
         return self.secondary_version == self.primary._version
 
     # --- gradients -----------------------------------------------------------------------
+    @property
+    def grad_full_nbytes(self) -> int:
+        return self.layout.padded_numel * self.grad_full.element_size()
+
+    def grad_full_resident(self) -> bool:
+        return self.grad_full.untyped_storage().nbytes() > 0
+
+    def ensure_grad_full(self) -> None:
+        """Give ``grad_full`` (and so every ``main_grad`` view) zeroed memory, once per backward."""
+        if not self.grad_full_resident():
+            self.grad_full.untyped_storage().resize_(self.grad_full_nbytes)
+            self.grad_full.zero_()
+            self._transient.alloc(self.grad_full_nbytes)
+
     def grad_view(self, slot: ParamSlot) -> torch.Tensor:
-        if self.grad_full is None:
-            self.grad_full = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype,
-                                         device=self.device)
-            self._transient.alloc(self.grad_full.numel() * self.grad_full.element_size())
+        self.ensure_grad_full()
         return self.grad_full[slot.start:slot.stop]
 
     def release_grad_full(self) -> None:
-        if self.grad_full is not None:
-            self._transient.free(self.grad_full.numel() * self.grad_full.element_size())
-            self.grad_full = None
+        if self.grad_full_resident():
+            self._transient.free(self.grad_full_nbytes)
+            self.grad_full.untyped_storage().resize_(0)
 
     def grad_scatter_input(self) -> torch.Tensor:
         """The full gradient in the order the G-group reduce-scatter hands out chunks.

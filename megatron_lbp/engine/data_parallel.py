@@ -111,7 +111,8 @@ class HierDataParallel(_megatron_base()):
             comm=self.comm, transient=self.transient, world_size=cfg.world_size,
             grad_dtype=self.grad_dtype, quantize_weight_gather=cfg.quantize_weight_gather,
             quant_block_size=cfg.quant_block_size, quantized_grad_families=families,
-            group_index={f: ranks.index(me) for f, ranks in hier.ranks.items()})
+            group_index={f: ranks.index(me) for f, ranks in hier.ranks.items()},
+            fused_wgrad=bool(getattr(self.config, "gradient_accumulation_fusion", False)))
 
     def _start_trace(self, options: EngineOptions) -> None:
         import torch.distributed as dist

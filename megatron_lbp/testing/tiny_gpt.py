@@ -32,6 +32,13 @@ class TinyGPTSpec:
     # Full activation recomputation, one layer per checkpoint: each layer's
     # forward runs again inside the backward pass (forward pre-hooks fire there).
     recompute: bool = False
+    # Megatron's two weight-init paths: the whole weight drawn from the CPU
+    # generator (--use-cpu-initialization), or on the device under the CUDA
+    # RNG tracker (on CPU ranks through megatron_lbp.compat's mappings).
+    use_cpu_initialization: bool = True
+    # Megatron's --gradient-accumulation-fusion: the linear layers' weight
+    # gradients go through fused_weight_gradient_mlp_cuda into param.main_grad.
+    gradient_accumulation_fusion: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,7 +92,8 @@ def build_tiny_gpt(spec: TinyGPTSpec = TinyGPTSpec()):
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
-        use_cpu_initialization=True,
+        use_cpu_initialization=spec.use_cpu_initialization,
+        gradient_accumulation_fusion=spec.gradient_accumulation_fusion,
         params_dtype=spec.params_dtype,
         bf16=spec.params_dtype == torch.bfloat16,
         hidden_dropout=0.0,
