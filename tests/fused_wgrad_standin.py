@@ -9,8 +9,8 @@ dummy weight gradient. The functions here compute exactly that with torch
 (products accumulated in fp32, as the CUDA kernel's GEMM does), so CPU ranks run
 Megatron's real fused branch against the engine's ``main_grad`` views.
 
-``install()`` runs on each rank before the model is built; rank functions
-below wrap the tiny-GPT trainers with it and report how often the kernel ran.
+``install()`` runs on each rank before the model is built; the rank function
+below trains with and without fusion and reports how often the kernel ran.
 """
 import sys
 import types
@@ -52,10 +52,17 @@ def install():
     layers._grad_accum_fusion_available = True
 
 
-def train_hier_fused(spec, train, hier_argv):
+def train_fused_and_unfused(spec, train, hier_argv):
+    """The same training twice on these ranks: gradient-accumulation fusion on (through the
+    stand-in), then off; the fused run's result carries how often each kernel ran."""
+    import dataclasses
+
     from megatron_lbp.testing.tiny_gpt import train_hier
 
     install()
-    result = train_hier(spec, train, hier_argv)
-    result.extra["wgrad_calls"] = dict(CALLS)
-    return result
+    fused = train_hier(dataclasses.replace(spec, gradient_accumulation_fusion=True), train,
+                       hier_argv)
+    fused.extra["wgrad_calls"] = dict(CALLS)
+    unfused = train_hier(dataclasses.replace(spec, gradient_accumulation_fusion=False), train,
+                         hier_argv)
+    return fused, unfused

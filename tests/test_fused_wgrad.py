@@ -12,8 +12,8 @@ layer's gradient fused and its lookup gradient unfused (Megatron's
 import torch
 
 from megatron_lbp.testing.multirank import rank_location_env, run_on_ranks
-from megatron_lbp.testing.tiny_gpt import TinyGPTSpec, TrainSpec, train_hier
-from tests.fused_wgrad_standin import train_hier_fused
+from megatron_lbp.testing.tiny_gpt import TinyGPTSpec, TrainSpec
+from tests.fused_wgrad_standin import train_fused_and_unfused
 
 WORLD = 8
 TOPOLOGY = rank_location_env(4)
@@ -38,16 +38,15 @@ def _compare(fused, unfused, label):
 
 def test_fused_wgrad_trains_like_the_unfused_path_for_10_iterations():
     train = TrainSpec(steps=10, micro_batches=2, bucket_size=20000)
-    spec = TinyGPTSpec()
-    fused = run_on_ranks(train_hier_fused, WORLD, TinyGPTSpec(gradient_accumulation_fusion=True),
-                         train, LBP, rank_env=TOPOLOGY)
-    unfused = run_on_ranks(train_hier, WORLD, spec, train, LBP, rank_env=TOPOLOGY)[0]
+    ranks = run_on_ranks(train_fused_and_unfused, WORLD, TinyGPTSpec(), train, LBP,
+                         rank_env=TOPOLOGY)
     # 2 layers x 4 linear layers + the tied output layer, per micro-batch.
     want = 10 * 2 * (2 * 4 + 1)
-    for r, res in enumerate(fused):
-        calls = res.extra["wgrad_calls"]["wgrad_gemm_accum_fp32"]
+    for r, (fused, _) in enumerate(ranks):
+        calls = fused.extra["wgrad_calls"]["wgrad_gemm_accum_fp32"]
         assert calls == want, f"rank {r}: the fused wgrad kernel ran {calls} times, expected {want}"
-    _compare(fused[0], unfused, "lbp P2 G4 O8")
+    fused, unfused = ranks[0]
+    _compare(fused, unfused, "lbp P2 G4 O8")
     assert unfused.losses[-1] < unfused.losses[0] - 0.1, unfused.losses
 
 
@@ -55,17 +54,14 @@ def test_fused_wgrad_under_full_recomputation_and_bf16_gradient_buffers():
     """Recomputed layers capture main_grad again in their second forward; a bf16 buffer takes _fp16."""
     train = TrainSpec(steps=3, micro_batches=2, bucket_size=20000)
     argv = ["--hier-preset", "zero3", "--hier-grad-reduce-dtype", "bf16"]
-    spec = TinyGPTSpec(recompute=True)
-    fused = run_on_ranks(train_hier_fused, 4, TinyGPTSpec(recompute=True,
-                                                          gradient_accumulation_fusion=True),
-                         train, argv, rank_env=rank_location_env(4))
-    unfused = run_on_ranks(train_hier, 4, spec, train, argv, rank_env=rank_location_env(4))[0]
-    calls = fused[0].extra["wgrad_calls"]
+    fused, unfused = run_on_ranks(train_fused_and_unfused, 4, TinyGPTSpec(recompute=True), train,
+                                  argv, rank_env=rank_location_env(4))[0]
+    calls = fused.extra["wgrad_calls"]
     assert calls["wgrad_gemm_accum_fp16"] == 3 * 2 * 9 and not calls["wgrad_gemm_accum_fp32"], calls
     # bf16 buffers: the fused kernel adds the fp32 product of both micro-batch
     # halves' activations into bf16 differently from the unfused hook (autograd's
     # fp32 gradient, then one add); measured 6e-6 relative over 3 steps (fp32
     # buffers above: identical), while a dropped or doubled gradient moves it 1e-2.
-    worst = _worst(fused[0].losses, unfused.losses)
-    assert worst <= 1e-4, f"fused vs unfused (bf16 buffers): {worst:.3g}\n {fused[0].losses}\n {unfused.losses}"
-    assert torch.isfinite(torch.tensor(fused[0].losses)).all()
+    worst = _worst(fused.losses, unfused.losses)
+    assert worst <= 1e-4, f"fused vs unfused (bf16 buffers): {worst:.3g}\n {fused.losses}\n {unfused.losses}"
+    assert torch.isfinite(torch.tensor(fused.losses)).all()
