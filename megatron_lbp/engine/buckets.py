@@ -57,7 +57,7 @@ class FlatBucket:
                  *, dp_index: int, world_size: int, param_group_size: int, grad_group_size: int,
                  optim_group_size: int, secondary_group_size: int, grad_dtype: torch.dtype,
                  transient: TransientLedger, secondary_dtype: str = "int8",
-                 quant_block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+                 quant_block_size: int = DEFAULT_BLOCK_SIZE, copy_weights: bool = True) -> None:
         devices = {p.device for _, p in named_params}
         if len(devices) != 1:
             raise ValueError(f"bucket {index} mixes devices {sorted(map(str, devices))}")
@@ -87,28 +87,48 @@ class FlatBucket:
         self.optim_in_primary = self.layout.optim_in_primary(r)
         self.optim_in_grad = self.layout.optim_in_grad(r)
 
+        self.quant_block_size = quant_block_size
+        self.secondary_dtype = secondary_dtype
+        self.secondary_range = self.layout.secondary_range(r)
         n = self.layout.padded_numel
-        self.full = torch.zeros(n, dtype=self.dtype, device=self.device)
+        if copy_weights:
+            staged = torch.zeros(n, dtype=self.dtype, device=self.device)
+            for slot in self.slots:
+                staged[slot.start:slot.stop].copy_(slot.param.detach().reshape(-1))
+            # The primary slice is first filled here, from the module's own weights.
+            self.primary = staged[self.primary_range.slice].clone()
+            self.attach(staged)
+        else:
+            # Sharded initialization: the weights arrive slice by slice (write_primary),
+            # then the owner calls attach().
+            self.primary = torch.zeros(self.primary_range.size, dtype=self.dtype,
+                                       device=self.device)
+
+    def attach(self, full: torch.Tensor | None = None) -> None:
+        """Allocate the working buffers and turn every parameter into a window onto the bucket.
+
+        ``full`` (optional) is the whole bucket already staged; its memory is
+        released here like that of any gathered bucket.
+        """
+        n = self.layout.padded_numel
+        # Views are made while a storage is allocated (a view's bounds are checked
+        # against it); each storage is freed before the next is allocated, so laying
+        # out a bucket costs one full buffer at a time.
+        self.full = full if full is not None else torch.empty(n, dtype=self.dtype,
+                                                              device=self.device)
         for slot in self.slots:
-            self.full[slot.start:slot.stop].copy_(slot.param.detach().reshape(-1))
             # From here on the parameter is a window onto the bucket.
             slot.param.data = self.full[slot.start:slot.stop].view(slot.shape)
-        # The primary slice is first filled here, from the module's own weights.
-        self.primary = self.full[self.primary_range.slice].clone()
-        self.grad_shard = torch.zeros(self.layout.grad_size, dtype=grad_dtype, device=self.device)
-        # Views are made while the storage is allocated (a view's bounds are
-        # checked against it), then the storage is freed until the first backward.
-        self.grad_full = torch.empty(n, dtype=grad_dtype, device=self.device)
+        self._transient.alloc(self.full_nbytes)
+        self.free_full()
+        self.grad_full = torch.empty(n, dtype=self.grad_dtype, device=self.device)
         for slot in self.slots:
             slot.param.main_grad = self.grad_full[slot.start:slot.stop].view(slot.shape)
             # Megatron's protocol with a fused wgrad: the kernel sets it True and
             # hands autograd a dummy gradient (zeros when ``zero_out_wgrad``).
             slot.param.grad_added_to_main_grad = False
         self.grad_full.untyped_storage().resize_(0)
-        self.quant_block_size = quant_block_size
-        self.secondary_dtype = secondary_dtype
         self.secondary: torch.Tensor | None = None
-        self.secondary_range = self.layout.secondary_range(r)
         # primary._version when ``secondary`` was last written (-1: never). The
         # version counter moves with every in-place write to the primary slice
         # (optimizer step, checkpoint load, broadcast), so equality means "built
@@ -117,12 +137,21 @@ class FlatBucket:
         if self.secondary_range is not None:
             m = self.secondary_range.size
             self.secondary = (
-                torch.zeros(quantized_nbytes(m, quant_block_size), dtype=torch.uint8,
+                torch.zeros(quantized_nbytes(m, self.quant_block_size), dtype=torch.uint8,
                             device=self.device)
-                if secondary_dtype == "int8"
+                if self.secondary_dtype == "int8"
                 else torch.zeros(m, dtype=torch.bfloat16, device=self.device))
-        self._transient.alloc(self.full_nbytes)
-        self.free_full()
+        self.grad_shard = torch.zeros(self.layout.grad_size, dtype=self.grad_dtype,
+                                      device=self.device)
+
+    def write_primary(self, slot: ParamSlot, values: torch.Tensor) -> None:
+        """Copy this rank's part of one parameter's full ``values`` into the primary slice."""
+        lo = max(slot.start, self.primary_range.start)
+        hi = min(slot.stop, self.primary_range.stop)
+        if lo < hi:
+            flat = values.reshape(-1)
+            self.primary[lo - self.primary_range.start:hi - self.primary_range.start].copy_(
+                flat[lo - slot.start:hi - slot.start])
 
     # --- weights -------------------------------------------------------------------------
     @property
