@@ -202,8 +202,15 @@ def wrap_model(model: list, args: Any) -> list:
         print(hier.describe(), flush=True)
     for line in hier.warnings:
         print(f"[megatron-lbp] warning: {line}", flush=True)
+    from megatron_lbp.engine import materialize
+
     options = engine_options_from_args(args)
+    sharded = any(materialize.construction_of(m) is not None for m in model)
     wrapped = [megatron_adapter.wrap_model(get_model_config(m), m, hier, options) for m in model]
+    if sharded and hier.location.rank == 0:
+        held = sum(m.memory_bytes()["primary"] for m in wrapped)
+        print(f"[megatron-lbp] sharded initialization: the model was built one module at a time; "
+              f"this rank keeps {_gb(held)} of primary weight slices", flush=True)
     if getattr(args, "data_parallel_random_init", False):
         for m in wrapped:
             m.broadcast_params()
