@@ -38,9 +38,9 @@ pick Apex's FusedLayerNorm and fail at their first forward: refused too.
 Under ``--hier-partition`` the flags the engine cannot serve are refused here
 as well, before any process group (:data:`UNSERVABLE`): CUDA graphs in every
 form, fp8 parameter gathers, Megatron DDP's own overlap flags, the FSDP
-wrappers. The gradient-accumulation fusion that stays on when Apex's kernel
-imports is refused later, by ``megatron_adapter.check_megatron_args`` (the
-engine does not provide ``param.main_grad`` yet).
+wrappers. Gradient-accumulation fusion, which stays on when Apex's kernel
+imports, the engine serves: each parameter's ``main_grad`` is a view of its
+bucket's fp32 gradient buffer (engine/buckets.py).
 
 Which device: a GPU run when torch sees one, else a CPU run; ``LBP_DEVICE=gpu``
 or ``cpu`` resolves for that device instead (the launchers' dry run on a login

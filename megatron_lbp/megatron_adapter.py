@@ -30,14 +30,6 @@ def check_megatron_args(args: Any) -> None:
     for attr, flag in CONFLICTING_FLAGS:
         if getattr(args, attr, False):
             raise ValueError(conflicting_flag_message(flag))
-    if getattr(args, "gradient_accumulation_fusion", False):
-        # Lifted once the engine gives each parameter a main_grad view into its bucket's fp32
-        # accumulation buffer (issue 12 item 2): until then the fused wgrad kernel would
-        # accumulate into a main_grad that does not exist.
-        raise ValueError("--hier-partition does not provide param.main_grad yet, which "
-                         "gradient-accumulation fusion writes into (Megatron's default, kept on "
-                         "because Apex's fused_weight_gradient_mlp_cuda imports here): pass "
-                         "--no-gradient-accumulation-fusion")
     if (getattr(args, "expert_model_parallel_size", 1) or 1) > 1 or getattr(args, "num_experts", None):
         raise ValueError("--hier-partition does not support expert-parallel (MoE) models yet "
                          "(--num-experts / --expert-model-parallel-size)")

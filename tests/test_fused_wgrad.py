@@ -9,6 +9,7 @@ engine's hook must count without adding. The tied embedding gets its output
 layer's gradient fused and its lookup gradient unfused (Megatron's
 ``zero_out_wgrad``), so both routes meet in one parameter.
 """
+import pytest
 import torch
 
 from megatron_lbp.testing.multirank import rank_location_env, run_on_ranks
@@ -65,3 +66,31 @@ def test_fused_wgrad_under_full_recomputation_and_bf16_gradient_buffers():
     worst = _worst(fused.losses, unfused.losses)
     assert worst <= 1e-4, f"fused vs unfused (bf16 buffers): {worst:.3g}\n {fused.losses}\n {unfused.losses}"
     assert torch.isfinite(torch.tensor(fused.losses)).all()
+
+
+@pytest.mark.slow
+def test_the_training_entry_keeps_fusion_on_where_the_kernel_imports(tmp_path):
+    """python -m megatron_lbp.pretrain_gpt with Apex's extension importable (the stand-in as a
+    module file): capability detection keeps Megatron's default fusion, the engine serves it,
+    and the losses are those of the same run with --no-gradient-accumulation-fusion.
+
+    Slow (two start-ups): CI covers its parts, the engine's fused path above and the
+    detection in tests/test_capabilities.py."""
+    import os
+
+    from tests.pretrain_runner import REPO, TINY, demo_data, run_pretrain, why
+    from tests.standins import write_standins
+
+    standins = write_standins(tmp_path / "standins", "apex_wgrad")
+    env = {"PYTHONPATH": os.pathsep.join([str(standins), str(REPO)]),
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    args = TINY + ["--data-path", demo_data(tmp_path / "data"), "--train-iters", "3",
+                   "--global-batch-size", "8", "--hier-partition", "--hier-gpus-per-node", "2"]
+    code, log, fused = run_pretrain(2, args, env=env)
+    assert code == 0, why(log)
+    assert "adding --no-gradient-accumulation-fusion" not in log, why(log)
+    assert "[fused_weight_gradient_mlp_cuda stand-in] calls" in log, why(log)
+    code, log, unfused = run_pretrain(2, args + ["--no-gradient-accumulation-fusion"], env=env)
+    assert code == 0, why(log)
+    assert "[fused_weight_gradient_mlp_cuda stand-in] calls" not in log, why(log)
+    assert sorted(fused) == [1, 2, 3] and fused == unfused, (fused, unfused)
