@@ -54,6 +54,9 @@ class AllocationPeak:
     Read from the allocator, not estimated: on a GPU/GCD its statistics
     (``max_memory_allocated``); on CPU the allocation events torch.profiler
     records for every allocation, free and storage resize, summed in order.
+    The profiler reports a free only for a block it saw allocated, so a tensor
+    from before the block that is replaced inside it counts as new memory:
+    on CPU the figure is an upper bound.
     """
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
