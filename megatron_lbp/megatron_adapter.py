@@ -9,7 +9,7 @@ from typing import Any, Iterable
 
 import torch
 
-from megatron_lbp.capabilities import conflicting_flag_message
+from megatron_lbp.capabilities import META_DEVICE_MESSAGE, conflicting_flag_message
 from megatron_lbp.config import EngineOptions
 
 # Megatron flags that pick another data-parallel implementation.
@@ -30,6 +30,8 @@ def check_megatron_args(args: Any) -> None:
     for attr, flag in CONFLICTING_FLAGS:
         if getattr(args, attr, False):
             raise ValueError(conflicting_flag_message(flag))
+    if getattr(args, "init_model_with_meta_device", False):
+        raise ValueError(META_DEVICE_MESSAGE)
     if (getattr(args, "expert_model_parallel_size", 1) or 1) > 1 or getattr(args, "num_experts", None):
         raise ValueError("--hier-partition does not support expert-parallel (MoE) models yet "
                          "(--num-experts / --expert-model-parallel-size)")

@@ -138,10 +138,6 @@ def _validate_hier_args(args: Any) -> None:
     if getattr(args, "use_distributed_optimizer", False):
         raise ValueError("--hier-partition replaces --use-distributed-optimizer (its optimizer "
                          "state is sharded by --hier-optim-group-size): drop one of them")
-    if getattr(args, "init_model_with_meta_device", False):
-        raise ValueError("--hier-partition builds the model without holding it whole (each rank "
-                         "keeps only its slices, --hier-sharded-init); --init-model-with-meta-device "
-                         "would leave the weights uninitialized: drop it")
     if getattr(args, "virtual_pipeline_model_parallel_size", None):
         raise ValueError("--hier-partition does not support virtual pipeline stages "
                          "(--num-layers-per-virtual-pipeline-stage)")

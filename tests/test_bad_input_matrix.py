@@ -441,7 +441,8 @@ PRETRAIN = [
         (["--overlap-grad-reduce"], ["--overlap-grad-reduce", "--hier-overlap"]),
         (["--overlap-param-gather"], ["--overlap-param-gather", "--hier-overlap"]),
         (["--use-torch-fsdp2"], ["--use-torch-fsdp2"]),
-        (["--use-megatron-fsdp"], ["--use-megatron-fsdp"])]],
+        (["--use-megatron-fsdp"], ["--use-megatron-fsdp"]),
+        (["--init-model-with-meta-device"], ["--init-model-with-meta-device", "uninitialized"])]],
     # what this environment cannot serve (after torch is imported, before Megatron)
     train("--transformer-impl transformer_engine without Transformer Engine",
           lambda c: _base(c, "--transformer-impl", "transformer_engine"),

@@ -218,6 +218,7 @@ def test_every_cuda_graph_form_of_megatron_is_refused_under_hier_partition():
     (["--overlap-param-gather-with-optimizer-step"], "--hier-overlap"),
     (["--use-torch-fsdp2"], "--use-torch-fsdp2: both replace"),
     (["--use-megatron-fsdp"], "--use-megatron-fsdp: both replace"),
+    (["--init-model-with-meta-device"], "leave the weights uninitialized"),
 ])
 def test_flags_the_engine_cannot_serve_are_refused(argv, needle):
     with pytest.raises(CapabilityError) as err:
