@@ -8,6 +8,7 @@ seed, for both of Megatron's initialization paths (--use-cpu-initialization
 and the device path under the CUDA RNG tracker, mapped to CPU by compat.py).
 """
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -168,11 +169,13 @@ def peaks_and_stock_losses(specs, train, argv):
     return out
 
 
-def test_construction_peak_per_rank_is_slices_plus_two_buckets_on_8_ranks():
+def test_construction_peak_per_rank_is_slices_plus_two_units_on_8_ranks():
     """zero3 on 8 ranks (P = 8: the full weights are 8x a primary slice); the allocator's own
     count of bytes while the model, the engine and the optimizer are built, on every rank,
     on both init paths."""
-    specs = {label: SPECS[label] for label in ("fp32-cpu-init", "fp32-device-init")}
+    # 8 layers: each gather unit (a layer) a small part of the model, as in a real one.
+    specs = {label: dataclasses.replace(SPECS[label], num_layers=8)
+             for label in ("fp32-cpu-init", "fp32-device-init")}
     train = TrainSpec(steps=1, micro_batches=2, bucket_size=20000)
     ranks = run_on_ranks(peaks_and_stock_losses, 8, specs, train, ZERO3,
                          rank_env=rank_location_env(4))
@@ -184,7 +187,7 @@ def test_construction_peak_per_rank_is_slices_plus_two_buckets_on_8_ranks():
             assert got["peak_bytes"] <= got["bound_bytes"], (
                 f"rank {r} {label}: construction peaked at {got['peak_bytes']:,} bytes, above "
                 f"primary {m['primary']:,} + secondary {m['secondary']:,} + master and optimizer "
-                f"{m['optimizer']:,} + 2 x largest bucket {got['largest_bucket_bytes']:,} "
+                f"{m['optimizer']:,} + 2 x largest unit {got['largest_bucket_bytes']:,} "
                 f"= {got['bound_bytes']:,}")
             # The same count for a whole-model build breaks the bound: it is not loose.
             assert whole["peak_bytes"] > got["bound_bytes"], (r, label, whole)

@@ -14,7 +14,10 @@ step runs, and its loss is printed beside stock Megatron's (DDP + distributed
 optimizer, built the plain way).
 
     python -m megatron_lbp.bench construction [--ranks 8] [--preset zero3]
-        [--init device|cpu] [--bucket-size 20000] [--layers 2] [--hidden 64] [--json]
+        [--init device|cpu] [--bucket-size 20000] [--layers 8] [--hidden 64] [--json]
+
+The engine's buckets are its gather units (one per transformer layer, the
+embedding, the rest); --bucket-size only cuts parameters outside them.
 """
 from __future__ import annotations
 
@@ -75,9 +78,10 @@ def measure(ranks: int, preset: str, cpu_init: bool, bucket_size: int, layers: i
 
 
 def render(result: dict[str, Any]) -> str:
+    largest = result["ranks"][0]["sharded"]["largest_bucket_bytes"]
     lines = [f"construction peak per rank, preset {result['preset']}, "
-             f"{result['init']}-init path, buckets of {result['bucket_size']} elements "
-             f"(bytes; bound = primary + secondary + master + optimizer + 2 x largest bucket)",
+             f"{result['init']}-init path, largest gather unit {largest:,} bytes "
+             f"(bytes; bound = primary + secondary + master + optimizer + 2 x largest unit)",
              f"  {'rank':>4} {'sharded':>10} {'bound':>10} {'plan':>10} {'whole':>10} "
              f"{'model':>10}  first loss sharded / whole / stock"]
     for r, res in enumerate(result["ranks"]):
@@ -98,7 +102,7 @@ def main(argv=None) -> int:
                    help="Megatron's init path: on the device under the CUDA RNG tracker, or "
                         "--use-cpu-initialization (default device)")
     p.add_argument("--bucket-size", type=int, default=20000)
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
