@@ -38,9 +38,10 @@ pick Apex's FusedLayerNorm and fail at their first forward: refused too.
 Under ``--hier-partition`` the flags the engine cannot serve are refused here
 as well, before any process group (:data:`UNSERVABLE`): CUDA graphs in every
 form, fp8 parameter gathers, Megatron DDP's own overlap flags, the FSDP
-wrappers. The gradient-accumulation fusion that stays on when Apex's kernel
-imports is refused later, by ``megatron_adapter.check_megatron_args`` (the
-engine does not provide ``param.main_grad`` yet).
+wrappers, Megatron's meta-device initialization (the engine builds the model
+sharded itself). Gradient-accumulation fusion, which stays on when Apex's kernel
+imports, the engine serves: each parameter's ``main_grad`` is a view of its
+bucket's fp32 gradient buffer (engine/buckets.py).
 
 Which device: a GPU run when torch sees one, else a CPU run; ``LBP_DEVICE=gpu``
 or ``cpu`` resolves for that device instead (the launchers' dry run on a login
@@ -228,6 +229,12 @@ def _cuda_graph(option: str, value: str | None) -> bool:
             and not (value is not None and value.strip().lower() == "none"))
 
 
+META_DEVICE_MESSAGE = (
+    "--hier-partition builds the model without holding it whole (each rank keeps only its "
+    "slices, --hier-sharded-init); --init-model-with-meta-device would leave the weights "
+    "uninitialized: drop it")
+
+
 def conflicting_flag_message(flag: str) -> str:
     """Also megatron_adapter.check_megatron_args' message for the parsed flag."""
     return (f"--hier-partition cannot be combined with {flag}: both replace Megatron's "
@@ -250,6 +257,7 @@ UNSERVABLE = (
                           "gradient reduce-scatters (--hier-overlap, on by default); drop it")),
     Unservable(lambda o, v: o in ("--use-torch-fsdp2", "--use-megatron-fsdp"),
                lambda o: conflicting_flag_message(o.split()[0])),
+    Unservable(lambda o, v: o == "--init-model-with-meta-device", lambda o: META_DEVICE_MESSAGE),
 )
 
 

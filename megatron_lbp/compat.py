@@ -65,6 +65,10 @@ Two independent parts, both applied by :func:`enable` (idempotent):
      the first call (``_defer_torch_compile``): megatron-core's fusion kernels
      are decorated at import, which otherwise imports Inductor in every rank
      for kernels a CPU run never calls.
+   - tensor_parallel/random.py's ``fork`` warns "CPU RNG state changed within GPU
+     RNG context" whenever the forked (device) generator draws: with the device
+     generator mapped onto the CPU one that is every device-path weight init, so
+     that one message of that logger is filtered out.
 
 3. megatron.training (``enable_training``, called by the training entry point
    after ``enable``):
@@ -296,6 +300,7 @@ def _activate_cpu_runtime() -> None:
         lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
     )
 
+    logging.getLogger(mcore_random.__name__).addFilter(_drop_rng_fork_warning)
     _cpu_runtime_active = True
     log.warning(
         "megatron-lbp: no accelerator found; CPU runtime for megatron-core is active "
@@ -339,6 +344,10 @@ def _defer_torch_compile(torch) -> None:
 
     compile_when_called.__lbp_wrapped__ = True
     torch.compile = compile_when_called
+
+
+def _drop_rng_fork_warning(record: logging.LogRecord) -> bool:
+    return record.getMessage() != "CPU RNG state changed within GPU RNG context"
 
 
 def enable_training() -> None:

@@ -466,6 +466,11 @@ def add_hier_arguments(parser: argparse.ArgumentParser, *, include_world: bool =
                    help="Gather units whose all-gather is issued ahead of the unit being "
                         "computed, in forward, backward and activation recomputation "
                         f"(default {DEFAULT_PREFETCH_UNITS}; 0 = gather on demand).")
+    g.add_argument("--hier-sharded-init", action=argparse.BooleanOptionalAction, default=True,
+                   help="Build the model one module at a time and keep only this rank's "
+                        "slices, so no rank ever holds the whole model (default on; the "
+                        "initial weights equal a plain build's for the same seed). "
+                        "--no-hier-sharded-init builds the whole model, then buckets it.")
     g.add_argument("--hier-grad-reduce-dtype", choices=GRAD_REDUCE_DTYPES, default="fp32",
                    help="Dtype of the gradient shard and of every gradient reduction "
                         "(default fp32).")
@@ -541,6 +546,9 @@ class EngineOptions:
     comm_report: str | None = None
     prefetch_units: int = DEFAULT_PREFETCH_UNITS
     trace: str | None = None
+    # Build the model without holding it whole (engine/materialize.py); off: build it
+    # whole, then bucket it.
+    sharded_init: bool = True
 
     def __post_init__(self) -> None:
         _check_int("bucket_size", self.bucket_size, 1)
@@ -557,6 +565,7 @@ def engine_options_from_args(args: Any) -> EngineOptions:
         comm_report=getattr(args, "hier_comm_report", None),
         prefetch_units=prefetch_units_from_args(args),
         trace=getattr(args, "hier_trace", None),
+        sharded_init=bool(getattr(args, "hier_sharded_init", True)),
     )
 
 

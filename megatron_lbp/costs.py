@@ -225,6 +225,36 @@ def memory_bytes(cfg, bucket_numels: Sequence[int], *, param_dtype: str = "bf16"
     return mem
 
 
+def construction_peak_bytes(cfg, bucket_numels: Sequence[int], *, param_dtype: str = "bf16",
+                            grad_dtype: str = "fp32", quant_block_size: int | None = None,
+                            align: int = DEFAULT_ALIGN) -> int:
+    """Peak bytes per rank while the model, the engine and the optimizer are built (sharded init).
+
+    The model is built one module at a time (engine/materialize.py), a
+    module's weights at most the largest bucket's (a gather unit's; a
+    parameter never spans units), in the weight dtype as Megatron's
+    device-init path allocates them. In time order:
+
+    1. the primary slices, plus one module's full weights while it is built;
+    2. each bucket's working buffers: its secondary and gradient shards stay,
+       its full weight and full gradient buffers are allocated once each and
+       freed at once (to lay out the parameter and ``main_grad`` views);
+    3. the optimizer's master and Adam slices.
+
+    So the peak is max(primary + w*N_max, primary + secondary + grad +
+    max(w, g)*N_max, primary + secondary + grad + optimizer), N_max the
+    largest padded bucket. A whole-model build instead holds w*M plus the
+    slices. (--use-cpu-initialization keeps the module's fp32 master weight
+    and its copies in host memory, not on the device.)
+    """
+    mem = memory_bytes(cfg, bucket_numels, param_dtype=param_dtype, grad_dtype=grad_dtype,
+                       quant_block_size=quant_block_size, align=align)
+    wb, gb = _dtype_bytes(param_dtype, grad_dtype)
+    n_max = max(padded_numel(n, cfg, align) for n in bucket_numels)
+    slices = mem["primary"] + mem["secondary"] + mem["grad"]
+    return max(mem["primary"] + wb * n_max, slices + max(wb, gb) * n_max, mem["total"])
+
+
 # --- traffic -----------------------------------------------------------------------------
 
 

@@ -9,7 +9,7 @@ from typing import Any, Iterable
 
 import torch
 
-from megatron_lbp.capabilities import conflicting_flag_message
+from megatron_lbp.capabilities import META_DEVICE_MESSAGE, conflicting_flag_message
 from megatron_lbp.config import EngineOptions
 
 # Megatron flags that pick another data-parallel implementation.
@@ -30,14 +30,8 @@ def check_megatron_args(args: Any) -> None:
     for attr, flag in CONFLICTING_FLAGS:
         if getattr(args, attr, False):
             raise ValueError(conflicting_flag_message(flag))
-    if getattr(args, "gradient_accumulation_fusion", False):
-        # Lifted once the engine gives each parameter a main_grad view into its bucket's fp32
-        # accumulation buffer (issue 12 item 2): until then the fused wgrad kernel would
-        # accumulate into a main_grad that does not exist.
-        raise ValueError("--hier-partition does not provide param.main_grad yet, which "
-                         "gradient-accumulation fusion writes into (Megatron's default, kept on "
-                         "because Apex's fused_weight_gradient_mlp_cuda imports here): pass "
-                         "--no-gradient-accumulation-fusion")
+    if getattr(args, "init_model_with_meta_device", False):
+        raise ValueError(META_DEVICE_MESSAGE)
     if (getattr(args, "expert_model_parallel_size", 1) or 1) > 1 or getattr(args, "num_experts", None):
         raise ValueError("--hier-partition does not support expert-parallel (MoE) models yet "
                          "(--num-experts / --expert-model-parallel-size)")
@@ -107,11 +101,121 @@ def optimizer_param_groups(model_chunks: Iterable[torch.nn.Module], opt_config: 
 
 
 def wrap_model(config: Any, model: torch.nn.Module, hier, options: EngineOptions):
-    """HierDataParallel around a megatron-core model, with its tied-weight users declared."""
+    """HierDataParallel around a megatron-core model, with its tied-weight users declared.
+
+    A model built by :func:`build_sharded` holds no weights yet: the engine lays
+    out its buckets, then the construction runs again and leaves each rank
+    only its slices (engine/materialize.py).
+    """
+    from megatron_lbp.engine import materialize
     from megatron_lbp.engine.data_parallel import HierDataParallel
 
-    return HierDataParallel(config, model, hier, options, extra_weight_users=extra_weight_users(model),
-                            units=gather_units(model))
+    construction = materialize.construction_of(model)
+    fill = None
+    if construction is not None:
+        _check_mixed_precision_wrapper(model, construction.cast_dtype)
+        construction.check_untouched(model)
+
+        def fill(ddp):
+            construction.materialize(ddp.write_weights)
+    else:
+        for name, p in model.named_parameters():
+            if materialize.is_placeholder(p):
+                raise materialize.ShardedInitError(
+                    f"parameter {name} holds no values and no sharded construction is recorded "
+                    "for this model (was it built by megatron_adapter.build_sharded?)")
+    ddp = HierDataParallel(config, model, hier, options, extra_weight_users=extra_weight_users(model),
+                           units=gather_units(model), materialize=fill)
+    if construction is not None:
+        materialize.forget(model)
+    return ddp
+
+
+# --- sharded initialization: megatron-core's side ---------------------------------------
+def mixed_precision_dtype(config: Any) -> torch.dtype | None:
+    """What Megatron's Float16Module casts every floating-point parameter to (None: no wrapper)."""
+    if getattr(config, "fp16", False):
+        return torch.float16
+    if getattr(config, "bf16", False):
+        return torch.bfloat16
+    return None
+
+
+def model_device() -> torch.device:
+    """Where megatron.training puts the model: the current GPU/GCD, or the CPU of a CPU run."""
+    from megatron_lbp import compat
+
+    if torch.cuda.is_available() and not compat.cpu_runtime_active():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def build_sharded(builder, config: Any) -> torch.nn.Module:
+    """``builder()`` (a model provider) run so that no weight stays resident (see engine/materialize.py).
+
+    ``config``: anything with Megatron's ``fp16``/``bf16`` (the training args or
+    the TransformerConfig): placeholders take the dtype Float16Module will cast to.
+    """
+    from megatron_lbp.engine import materialize
+
+    return materialize.build_sharded(builder, cast_dtype=mixed_precision_dtype(config),
+                                     device=model_device(), rng_snapshot=RngSnapshot.take)
+
+
+def _check_mixed_precision_wrapper(model: torch.nn.Module, cast_dtype) -> None:
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_lbp.engine.materialize import ShardedInitError
+
+    if (cast_dtype is not None) != isinstance(model, Float16Module):
+        raise ShardedInitError(
+            "sharded initialization: the model was built for "
+            f"{'a ' + str(cast_dtype) + ' Float16Module' if cast_dtype else 'no mixed-precision wrapper'}"
+            f" but is wrapped as {type(model).__name__}; build with --no-hier-sharded-init")
+
+
+class RngSnapshot:
+    """Every generator model construction draws from: torch's CPU and device generators and
+    megatron-core's CUDA RNG tracker states (model-parallel, data-parallel, expert)."""
+
+    def __init__(self, cpu, device, tracker) -> None:
+        self.cpu, self.device, self.tracker = cpu, device, tracker
+
+    @classmethod
+    def take(cls) -> "RngSnapshot":
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        from megatron_lbp import compat
+
+        device = None
+        if torch.cuda.is_available() and not compat.cpu_runtime_active():
+            device = torch.cuda.get_rng_state_all()
+        tracker = {name: _copy_rng(state) for name, state in get_cuda_rng_tracker().get_states().items()}
+        return cls(torch.get_rng_state(), device, tracker)
+
+    def restore(self) -> None:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        torch.set_rng_state(self.cpu)
+        if self.device is not None:
+            torch.cuda.set_rng_state_all(self.device)
+        tracker = get_cuda_rng_tracker()
+        states = tracker.get_states()
+        for name, saved in self.tracker.items():
+            if isinstance(states.get(name), torch.Generator):
+                states[name].set_state(saved)   # graph-safe trackers keep generator objects
+            else:
+                states[name] = saved.clone()
+        tracker.set_states(states)
+
+    def equals(self, other: "RngSnapshot") -> bool:
+        return (torch.equal(self.cpu, other.cpu)
+                and self.tracker.keys() == other.tracker.keys()
+                and all(torch.equal(self.tracker[k], other.tracker[k]) for k in self.tracker))
+
+
+def _copy_rng(state):
+    return state.get_state() if isinstance(state, torch.Generator) else state.clone()
 
 
 def build_optimizer(opt_config: Any, model_chunks: list, options: EngineOptions):

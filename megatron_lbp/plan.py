@@ -25,7 +25,11 @@ exiting, for in-process callers.
 
 JSON output (``--json``): one object with ``world_size``, ``group_sizes``
 {param, grad, optim, secondary, replicas}, ``preset``, ``memory_bytes``
-{primary, secondary, grad, optimizer, total}, ``traffic_bytes`` {package, node,
+{primary, secondary, grad, optimizer, total} (steady state), ``construction_peak_bytes``
+(the most a rank holds while the model, engine and optimizer are built, with
+--hier-sharded-init: ``costs.construction_peak_bytes`` for the model's gather units,
+or, with --params, buckets of --bucket-size or the engine's default 40M),
+``traffic_bytes`` {package, node,
 network}, ``traffic_by_phase`` {phase: {class: bytes}}, ``params`` (model
 size), ``padded_params`` (sum of padded buckets), ``groups`` (rank 0's group
 of each family), ``link_classes`` (slowest class over each family's groups;
@@ -44,7 +48,7 @@ import sys
 from typing import Any, Sequence
 
 from megatron_lbp import costs
-from megatron_lbp.config import (PRESETS, HierConfigError, add_hier_arguments,
+from megatron_lbp.config import (DEFAULT_BUCKET_SIZE, PRESETS, HierConfigError, add_hier_arguments,
                                  check_quantized_grad_families, check_training_dtypes,
                                  prefetch_units_from_args, resolve_hier_config)
 from megatron_lbp.layout import LayoutError
@@ -232,6 +236,12 @@ def plan_from_args(args: argparse.Namespace) -> dict[str, Any]:
         check_quantized_grad_families(cfg, qgz)
         result = costs.estimate(cfg, numels, classes, param_dtype=args.params_dtype,
                                 grad_dtype=args.grad_dtype, micro_batches=k)
+        # Construction's transient buffers are one unit's: the model's units, or with
+        # --params buckets of the engine's size (its default when none is given).
+        construction = costs.construction_peak_bytes(
+            cfg, numels if args.params is None else costs.split_buckets(
+                _number("--params", args.params), bucket or DEFAULT_BUCKET_SIZE),
+            param_dtype=args.params_dtype, grad_dtype=args.grad_dtype)
         depth = prefetch_units_from_args(args)
         transient = costs.transient_bytes(
             cfg, numels, param_dtype=args.params_dtype, grad_dtype=args.grad_dtype,
@@ -276,6 +286,7 @@ def plan_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "prefetch_units": transient["prefetch_units"],
         "transient_bytes": {key: v for key, v in transient.items() if key != "prefetch_units"},
         "memory_bytes": result["memory_bytes"],
+        "construction_peak_bytes": construction,
         "traffic_bytes": result["traffic_bytes"],
         "traffic_by_phase": result["traffic_by_phase"],
         "groups": {fam: list(_group_of(0, gs)) for fam, gs in groups.items()},
@@ -358,6 +369,9 @@ def render(plan: dict[str, Any]) -> str:
         if state == "total":
             lines.append("  " + "-" * 52)
         lines.append(f"  {state:<28}{_gb(v)}  {_bytes(v):>18}")
+    v = plan["construction_peak_bytes"]
+    lines.append(f"  {'construction peak':<28}{_gb(v)}  {_bytes(v):>18}"
+                 "  (model built module by module)")
     t = plan["transient_bytes"]
     lines += ["", f"transient per rank, at most (GB; prefetch {plan['prefetch_units']} unit(s) ahead)",
               f"  {'largest unit gathered':<28}{_gb(t['unit_gather'])}",

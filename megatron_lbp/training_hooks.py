@@ -8,10 +8,12 @@ Six call sites, each a function here:
 2. ``validate_args(args)``     refuses what the engine cannot serve and resolves the
                                hierarchy from the launcher environment, before any
                                rank allocates a model;
-3. ``wrap_model(model, ...)``  HierDataParallel where Megatron would build its
-                               DistributedDataParallel (both model-building paths of
-                               megatron.training 0.19: ``get_model`` and the
-                               config-container builder);
+3. ``sharded_builder(...)``    the model provider run so that no weight stays resident
+                               (``--hier-sharded-init``, engine/materialize.py), and
+   ``wrap_model(model, ...)``  HierDataParallel where Megatron would build its
+                               DistributedDataParallel, which materializes each rank's
+                               slices (both model-building paths of megatron.training
+                               0.19: ``get_model`` and the config-container builder);
 4. ``build_optimizer(...)``    HierDistributedOptimizer where Megatron would call
                                ``get_megatron_optimizer``;
 5. ``after_training_log(...)`` one extra log line per logging interval: bytes each
@@ -160,6 +162,24 @@ def _validate_hier_args(args: Any) -> None:
 
 
 # 3 -------------------------------------------------------------------------------------
+def sharded_builder(build, args: Any):
+    """``build`` (a model provider: get_model's ``model_provider_func``, the config-container
+    builder's ``build_model_func``) returning models that hold no weights until wrapped."""
+    from megatron_lbp import megatron_adapter
+
+    @functools.wraps(build)
+    def build_sharded(*a, **k):
+        return megatron_adapter.build_sharded(lambda: build(*a, **k), args)
+
+    return build_sharded
+
+
+def _sharded_init(args: Any) -> bool:
+    from megatron_lbp.config import engine_options_from_args
+
+    return enabled(args) and engine_options_from_args(args).sharded_init
+
+
 def wrap_model(model: list, args: Any) -> list:
     """HierDataParallel around each model chunk (one chunk: no virtual pipeline stages)."""
     from megatron_lbp import megatron_adapter
@@ -178,8 +198,15 @@ def wrap_model(model: list, args: Any) -> list:
         print(hier.describe(), flush=True)
     for line in hier.warnings:
         print(f"[megatron-lbp] warning: {line}", flush=True)
+    from megatron_lbp.engine import materialize
+
     options = engine_options_from_args(args)
+    sharded = any(materialize.construction_of(m) is not None for m in model)
     wrapped = [megatron_adapter.wrap_model(get_model_config(m), m, hier, options) for m in model]
+    if sharded and hier.location.rank == 0:
+        held = sum(m.memory_bytes()["primary"] for m in wrapped)
+        print(f"[megatron-lbp] sharded initialization: the model was built one module at a time; "
+              f"this rank keeps {_gb(held)} of primary weight slices", flush=True)
     if getattr(args, "data_parallel_random_init", False):
         for m in wrapped:
             m.broadcast_params()
@@ -320,12 +347,27 @@ def start_clock_at_launch() -> None:
         training.set_startup_timestamps(program_start=launched)
 
 
+def _building_sharded(orig):
+    """``orig(build, ...)`` (get_model, build_virtual_pipeline_stages) with its model provider
+    ``build`` made sharded when --hier-partition and --hier-sharded-init are on."""
+    @functools.wraps(orig)
+    def call(build, *a, **k):
+        args = _current_args()
+        if _sharded_init(args):
+            build = sharded_builder(build, args)
+        return orig(build, *a, **k)
+
+    return call
+
+
 def hook_dist_utils_module(ns: dict) -> None:
-    """megatron/training/models/dist_utils.py: the config-container builder's DDP wrapping."""
+    """megatron/training/models/dist_utils.py: the config-container builder's model
+    construction (``build_virtual_pipeline_stages``) and DDP wrapping."""
     if ns.get("_lbp_hooked"):
         return
     ns["_lbp_hooked"] = True
     orig = ns["_ddp_wrap"]
+    ns["build_virtual_pipeline_stages"] = _building_sharded(ns["build_virtual_pipeline_stages"])
 
     @functools.wraps(orig)
     def ddp_wrap(model, *a, **k):
@@ -336,7 +378,8 @@ def hook_dist_utils_module(ns: dict) -> None:
 
 
 def hook_training_module(ns: dict) -> None:
-    """megatron/training/training.py: get_model's DDP wrapping, the optimizer, the log line."""
+    """megatron/training/training.py: get_model's model construction and DDP wrapping, the
+    optimizer, the log line."""
     if ns.get("_lbp_hooked"):
         return
     ns["_lbp_hooked"] = True
@@ -369,6 +412,7 @@ def hook_training_module(ns: dict) -> None:
             return None
         return orig_save(iteration, *a, **k)
 
+    ns["get_model"] = _building_sharded(ns["get_model"])
     ns["wrap_model_chunks_with_ddp"] = wrap_chunks
     ns["get_megatron_optimizer"] = get_optimizer
     ns["training_log"] = training_log

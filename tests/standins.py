@@ -3,7 +3,8 @@
 Capability detection (megatron_lbp.capabilities) decides by what imports; these
 files make an extension importable under its real module name so that the
 detection, and Megatron's own ``try: import ...``, see it present. They hold no
-kernels (calling one raises), and they live only in tests: never on a
+kernels (calling one raises), except Apex's weight-gradient GEMM (torch
+functions of the same signature); they live only in tests: never on a
 shipped path.
 """
 from __future__ import annotations
@@ -24,9 +25,13 @@ STANDINS = {
         "transformer_engine/pytorch/attention/__init__.py": "",
         "transformer_engine/pytorch/attention/rope.py": _FN.format(name="apply_rotary_pos_emb"),
     },
+    # The one stand-in with kernels: the torch functions of tests/fused_wgrad_standin.py,
+    # so that a training run takes megatron-core's fused weight-gradient branch.
     "apex_wgrad": {
-        "fused_weight_gradient_mlp_cuda.py": (_FN.format(name="wgrad_gemm_accum_fp32")
-                                              + _FN.format(name="wgrad_gemm_accum_fp16")),
+        "fused_weight_gradient_mlp_cuda.py": (
+            "from tests.fused_wgrad_standin import (report_calls_at_exit, wgrad_gemm_accum_fp16,"
+            "\n                                        wgrad_gemm_accum_fp32)\n"
+            "report_calls_at_exit()\n"),
     },
     "apex": {"apex/__init__.py": ""},
     "apex_layer_norm": {

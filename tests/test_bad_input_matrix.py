@@ -32,7 +32,6 @@ import pytest
 
 from megatron_lbp.testing.multirank import free_port
 from tests.pretrain_runner import REPO, TINY, demo_data, run_pretrain, why
-from tests.standins import write_standins
 from tests.test_launchers import LOCAL, SCRIPTS, _megatron_tree, site  # noqa: F401  (site: fixture)
 
 PY = sys.executable
@@ -495,7 +494,8 @@ PRETRAIN = [
         (["--overlap-grad-reduce"], ["--overlap-grad-reduce", "--hier-overlap"]),
         (["--overlap-param-gather"], ["--overlap-param-gather", "--hier-overlap"]),
         (["--use-torch-fsdp2"], ["--use-torch-fsdp2"]),
-        (["--use-megatron-fsdp"], ["--use-megatron-fsdp"])]],
+        (["--use-megatron-fsdp"], ["--use-megatron-fsdp"]),
+        (["--init-model-with-meta-device"], ["--init-model-with-meta-device", "uninitialized"])]],
     # what this environment cannot serve (after torch is imported, before Megatron)
     train("--transformer-impl transformer_engine without Transformer Engine",
           lambda c: _base(c, "--transformer-impl", "transformer_engine"),
@@ -503,10 +503,6 @@ PRETRAIN = [
     train("LBP_DEVICE=gpu where torch sees no GPU", lambda c: _base(c), ["LBP_DEVICE=gpu"],
           env={"LBP_DEVICE": "gpu"}, slow=False),
     # these reach Megatron's parser (a start-up each)
-    train("gradient-accumulation fusion kept on by Apex's kernel (stand-in)",
-          lambda c: (write_standins(c.tmp / "standins", "apex_wgrad"), _base(c, "--hier-partition"))[1],
-          ["--no-gradient-accumulation-fusion", "main_grad"],
-          env={"PYTHONPATH": "{tmp}/standins" + os.pathsep + str(REPO), "PYTHONDONTWRITEBYTECODE": "1"}),
     train("--hier-collective-timeout-s too short for the NCCL verdict",
           lambda c: _base(c, "--hier-partition", "--hier-collective-timeout-s", "20"),
           ["--hier-collective-timeout-s 20", "at least 50"], env={"LBP_FAULT_STALL_WATCH": "1"}),

@@ -218,6 +218,7 @@ def test_every_cuda_graph_form_of_megatron_is_refused_under_hier_partition():
     (["--overlap-param-gather-with-optimizer-step"], "--hier-overlap"),
     (["--use-torch-fsdp2"], "--use-torch-fsdp2: both replace"),
     (["--use-megatron-fsdp"], "--use-megatron-fsdp: both replace"),
+    (["--init-model-with-meta-device"], "leave the weights uninitialized"),
 ])
 def test_flags_the_engine_cannot_serve_are_refused(argv, needle):
     with pytest.raises(CapabilityError) as err:
@@ -228,15 +229,13 @@ def test_flags_the_engine_cannot_serve_are_refused(argv, needle):
     assert argv[0] in options, f"{argv[0]} is not a megatron-core 0.19.2 flag"
 
 
-def test_gradient_accumulation_fusion_is_refused_by_the_engine():
+def test_gradient_accumulation_fusion_is_served_by_the_engine():
+    # The engine gives every parameter a main_grad view (tests/test_fused_wgrad.py trains with it).
     import argparse
 
     from megatron_lbp.megatron_adapter import check_megatron_args
 
-    with pytest.raises(ValueError, match="--no-gradient-accumulation-fusion") as err:
-        check_megatron_args(argparse.Namespace(gradient_accumulation_fusion=True))
-    assert "\n" not in str(err.value)
-    check_megatron_args(argparse.Namespace(gradient_accumulation_fusion=False))
+    check_megatron_args(argparse.Namespace(gradient_accumulation_fusion=True))
 
 
 # --- the CLI the launchers' dry run calls ---------------------------------------------------------

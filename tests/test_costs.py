@@ -121,6 +121,19 @@ def test_memory_sums_over_padded_buckets():
     assert all(isinstance(v, int) for v in two.values())
 
 
+def test_construction_peak_is_the_largest_of_its_three_moments():
+    # W=8 zero3-like (P=G=O=8), bf16 weights, fp32 grads; unit 8*128 = 1024.
+    c = cfg(8, 8, 8, 8)
+    small, large = 1024 * 10, 1024 * 300
+    m = costs.memory_bytes(c, [small, large])
+    slices = m["primary"] + m["secondary"] + m["grad"]
+    want = max(m["primary"] + 2 * large, slices + 4 * large, m["total"])
+    assert costs.construction_peak_bytes(c, [small, large]) == want == slices + 4 * large
+    # Many buckets: the optimizer slices outgrow one bucket's transient buffers.
+    many = [large] * 40
+    assert costs.construction_peak_bytes(c, many) == costs.memory_bytes(c, many)["total"]
+
+
 # --- traffic -----------------------------------------------------------------------------
 
 

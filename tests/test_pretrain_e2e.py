@@ -30,6 +30,7 @@ def test_hierarchy_equals_stock_distributed_optimizer_for_20_iterations(data):
     code, log, lbp = run_pretrain(8, _args(data, 20, "--hier-partition", "--hier-gpus-per-node", "4"))
     assert code == 0, why(log)
     assert "megatron-lbp hierarchy (lbp): W=8 P=2 S=off G=4 O=8" in log, log[-3000:]
+    assert "[megatron-lbp] sharded initialization: the model was built one module" in log
     assert "[megatron-lbp] iteration       20 | bytes sent/step" in log
     assert sorted(lbp) == sorted(stock) == list(range(1, 21)), (sorted(lbp), sorted(stock))
     bad = [(i, lbp[i], stock[i]) for i in stock if not close(lbp[i], stock[i])]

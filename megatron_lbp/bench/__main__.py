@@ -1,4 +1,5 @@
-"""python -m megatron_lbp.bench <command> [options]; commands: overhead, traffic, project, network, report, trace."""
+"""python -m megatron_lbp.bench <command> [options]; commands: overhead, traffic, project, network, report,
+trace, construction."""
 import importlib
 import sys
 
@@ -7,7 +8,8 @@ COMMANDS = {"overhead": "megatron_lbp.bench.overhead",
             "traffic": "megatron_lbp.bench.traffic",
             "project": "megatron_lbp.bench.project",
             "network": "megatron_lbp.bench.network",
-            "trace": "megatron_lbp.bench.trace"}
+            "trace": "megatron_lbp.bench.trace",
+            "construction": "megatron_lbp.bench.construction"}
 
 
 def main(argv=None) -> int:

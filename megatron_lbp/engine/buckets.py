@@ -10,7 +10,14 @@ A bucket owns three kinds of memory:
   stray use of a freed weight fails loudly instead of reading stale numbers;
 - ``grad_shard``: this rank's persistent 1/G slice of the gradient, in the
   reduce dtype, accumulated across micro-batches; plus ``grad_full``, the
-  whole bucket's gradient of one backward, alive only until it is reduced;
+  whole bucket's gradient of one backward, holding memory only from the
+  bucket's backward until it is reduced. Like ``full``, it is one tensor for
+  the bucket's whole life whose storage is resized: every parameter's
+  ``main_grad`` is a view into it, so a fused weight-gradient kernel
+  (gradient-accumulation fusion: Apex's ``fused_weight_gradient_mlp_cuda``,
+  Transformer Engine's ``fuse_wgrad_accumulation``) that captured
+  ``weight.main_grad`` in the forward accumulates straight into the bucket in
+  the backward, as into Megatron's DDP grad buffer;
 - ``secondary`` (only when S > 0): this rank's 1/S slice of the weights as the
   backward pass will regather them, persistent: int8 codes and fp32 scales
   packed in one uint8 buffer (``quant.packed_views`` layout,
@@ -50,7 +57,7 @@ class FlatBucket:
                  *, dp_index: int, world_size: int, param_group_size: int, grad_group_size: int,
                  optim_group_size: int, secondary_group_size: int, grad_dtype: torch.dtype,
                  transient: TransientLedger, secondary_dtype: str = "int8",
-                 quant_block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+                 quant_block_size: int = DEFAULT_BLOCK_SIZE, copy_weights: bool = True) -> None:
         devices = {p.device for _, p in named_params}
         if len(devices) != 1:
             raise ValueError(f"bucket {index} mixes devices {sorted(map(str, devices))}")
@@ -80,20 +87,48 @@ class FlatBucket:
         self.optim_in_primary = self.layout.optim_in_primary(r)
         self.optim_in_grad = self.layout.optim_in_grad(r)
 
-        n = self.layout.padded_numel
-        self.full = torch.zeros(n, dtype=self.dtype, device=self.device)
-        for slot in self.slots:
-            self.full[slot.start:slot.stop].copy_(slot.param.detach().reshape(-1))
-            # From here on the parameter is a window onto the bucket.
-            slot.param.data = self.full[slot.start:slot.stop].view(slot.shape)
-        # The primary slice is first filled here, from the module's own weights.
-        self.primary = self.full[self.primary_range.slice].clone()
-        self.grad_shard = torch.zeros(self.layout.grad_size, dtype=grad_dtype, device=self.device)
-        self.grad_full: torch.Tensor | None = None
         self.quant_block_size = quant_block_size
         self.secondary_dtype = secondary_dtype
-        self.secondary: torch.Tensor | None = None
         self.secondary_range = self.layout.secondary_range(r)
+        n = self.layout.padded_numel
+        if copy_weights:
+            staged = torch.zeros(n, dtype=self.dtype, device=self.device)
+            for slot in self.slots:
+                staged[slot.start:slot.stop].copy_(slot.param.detach().reshape(-1))
+            # The primary slice is first filled here, from the module's own weights.
+            self.primary = staged[self.primary_range.slice].clone()
+            self.attach(staged)
+        else:
+            # Sharded initialization: the weights arrive slice by slice (write_primary),
+            # then the owner calls attach().
+            self.primary = torch.zeros(self.primary_range.size, dtype=self.dtype,
+                                       device=self.device)
+
+    def attach(self, full: torch.Tensor | None = None) -> None:
+        """Allocate the working buffers and turn every parameter into a window onto the bucket.
+
+        ``full`` (optional) is the whole bucket already staged; its memory is
+        released here like that of any gathered bucket.
+        """
+        n = self.layout.padded_numel
+        # Views are made while a storage is allocated (a view's bounds are checked
+        # against it); each storage is freed before the next is allocated, so laying
+        # out a bucket costs one full buffer at a time.
+        self.full = full if full is not None else torch.empty(n, dtype=self.dtype,
+                                                              device=self.device)
+        for slot in self.slots:
+            # From here on the parameter is a window onto the bucket.
+            slot.param.data = self.full[slot.start:slot.stop].view(slot.shape)
+        self._transient.alloc(self.full_nbytes)
+        self.free_full()
+        self.grad_full = torch.empty(n, dtype=self.grad_dtype, device=self.device)
+        for slot in self.slots:
+            slot.param.main_grad = self.grad_full[slot.start:slot.stop].view(slot.shape)
+            # Megatron's protocol with a fused wgrad: the kernel sets it True and
+            # hands autograd a dummy gradient (zeros when ``zero_out_wgrad``).
+            slot.param.grad_added_to_main_grad = False
+        self.grad_full.untyped_storage().resize_(0)
+        self.secondary: torch.Tensor | None = None
         # primary._version when ``secondary`` was last written (-1: never). The
         # version counter moves with every in-place write to the primary slice
         # (optimizer step, checkpoint load, broadcast), so equality means "built
@@ -102,12 +137,21 @@ class FlatBucket:
         if self.secondary_range is not None:
             m = self.secondary_range.size
             self.secondary = (
-                torch.zeros(quantized_nbytes(m, quant_block_size), dtype=torch.uint8,
+                torch.zeros(quantized_nbytes(m, self.quant_block_size), dtype=torch.uint8,
                             device=self.device)
-                if secondary_dtype == "int8"
+                if self.secondary_dtype == "int8"
                 else torch.zeros(m, dtype=torch.bfloat16, device=self.device))
-        self._transient.alloc(self.full_nbytes)
-        self.free_full()
+        self.grad_shard = torch.zeros(self.layout.grad_size, dtype=self.grad_dtype,
+                                      device=self.device)
+
+    def write_primary(self, slot: ParamSlot, values: torch.Tensor) -> None:
+        """Copy this rank's part of one parameter's full ``values`` into the primary slice."""
+        lo = max(slot.start, self.primary_range.start)
+        hi = min(slot.stop, self.primary_range.stop)
+        if lo < hi:
+            flat = values.reshape(-1)
+            self.primary[lo - self.primary_range.start:hi - self.primary_range.start].copy_(
+                flat[lo - slot.start:hi - slot.start])
 
     # --- weights -------------------------------------------------------------------------
     @property
@@ -150,17 +194,28 @@ class FlatBucket:
         return self.secondary_version == self.primary._version
 
     # --- gradients -----------------------------------------------------------------------
+    @property
+    def grad_full_nbytes(self) -> int:
+        return self.layout.padded_numel * self.grad_full.element_size()
+
+    def grad_full_resident(self) -> bool:
+        return self.grad_full.untyped_storage().nbytes() > 0
+
+    def ensure_grad_full(self) -> None:
+        """Give ``grad_full`` (and so every ``main_grad`` view) zeroed memory, once per backward."""
+        if not self.grad_full_resident():
+            self.grad_full.untyped_storage().resize_(self.grad_full_nbytes)
+            self.grad_full.zero_()
+            self._transient.alloc(self.grad_full_nbytes)
+
     def grad_view(self, slot: ParamSlot) -> torch.Tensor:
-        if self.grad_full is None:
-            self.grad_full = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype,
-                                         device=self.device)
-            self._transient.alloc(self.grad_full.numel() * self.grad_full.element_size())
+        self.ensure_grad_full()
         return self.grad_full[slot.start:slot.stop]
 
     def release_grad_full(self) -> None:
-        if self.grad_full is not None:
-            self._transient.free(self.grad_full.numel() * self.grad_full.element_size())
-            self.grad_full = None
+        if self.grad_full_resident():
+            self._transient.free(self.grad_full_nbytes)
+            self.grad_full.untyped_storage().resize_(0)
 
     def grad_scatter_input(self) -> torch.Tensor:
         """The full gradient in the order the G-group reduce-scatter hands out chunks.

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Iterable, Mapping
+from collections import defaultdict
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -58,7 +59,12 @@ class HierDataParallel(_megatron_base()):
                  options: EngineOptions = EngineOptions(),
                  extra_weight_users: Mapping[torch.nn.Module, Iterable[torch.nn.Parameter]] | None = None,
                  units: Iterable[UnitSpec] | None = None,
-                 ledger: CommLedger | None = None) -> None:
+                 ledger: CommLedger | None = None,
+                 materialize: Callable[["HierDataParallel"], None] | None = None) -> None:
+        """``materialize``: sharded initialization (engine/materialize.py). The
+        parameters hold no values yet; units are laid out, ``materialize(self)``
+        fills the primary slices through :meth:`write_weights`, and only then are
+        the working buffers allocated."""
         super().__init__(config=config, module=module)
         self.hier = hier
         self.options = options
@@ -77,18 +83,23 @@ class HierDataParallel(_megatron_base()):
         for plan in unit_map.units:
             index = len(self.units)
             # Where a unit's memory comes into being: its primary slice is first
-            # filled from the module's weights in here.
+            # filled from the module's weights in here, or, with sharded
+            # initialization, by ``materialize`` below.
             bucket = FlatBucket(
                 index, plan.params, dp_index=hier.dp_index, world_size=cfg.world_size,
                 param_group_size=cfg.param_group_size, grad_group_size=cfg.grad_group_size,
                 optim_group_size=cfg.optim_group_size,
                 secondary_group_size=cfg.secondary_group_size, grad_dtype=self.grad_dtype,
                 transient=self.transient, secondary_dtype=cfg.secondary_dtype,
-                quant_block_size=cfg.quant_block_size)
+                quant_block_size=cfg.quant_block_size, copy_weights=materialize is None)
             self.units.append(GatherUnit(index, plan.kind, plan.layer, bucket, self.ctx))
         self.buckets: list[FlatBucket] = [u.bucket for u in self.units]
         self.schedule = UnitSchedule(self.units, unit_map, self.comm, overlap=options.overlap,
                                      prefetch_units=options.prefetch_units)
+        if materialize is not None:
+            materialize(self)
+            for b in self.buckets:
+                b.attach()
         self._start_trace(options)
         self._hooks = []
         self._register_hooks()
@@ -111,7 +122,8 @@ class HierDataParallel(_megatron_base()):
             comm=self.comm, transient=self.transient, world_size=cfg.world_size,
             grad_dtype=self.grad_dtype, quantize_weight_gather=cfg.quantize_weight_gather,
             quant_block_size=cfg.quant_block_size, quantized_grad_families=families,
-            group_index={f: ranks.index(me) for f, ranks in hier.ranks.items()})
+            group_index={f: ranks.index(me) for f, ranks in hier.ranks.items()},
+            fused_wgrad=bool(getattr(self.config, "gradient_accumulation_fusion", False)))
 
     def _start_trace(self, options: EngineOptions) -> None:
         import torch.distributed as dist
@@ -213,34 +225,63 @@ class HierDataParallel(_megatron_base()):
 
         Megatron broadcasts from DP rank 0; here no rank holds all weights, so
         slice p comes from its first holder, DP rank p: DP rank 0 gathers its
-        P-group's slices and broadcasts the whole bucket.
+        P-group's slices and broadcasts the whole unit, one unit at a time.
         """
         src = self.hier.dp_ranks[0]
-        with self.gathered_weights(write_back=False):
-            for b in self.buckets:
-                self.comm.broadcast(b.full, src, self.hier.dp_group, _widest_link(self.hier),
-                                    len(self.hier.dp_ranks))
-                b.primary.copy_(b.full[b.primary_range.slice])
+        for b in self.gathered_buckets():
+            self.comm.broadcast(b.full, src, self.hier.dp_group, _widest_link(self.hier),
+                                len(self.hier.dp_ranks))
+            b.primary.copy_(b.full[b.primary_range.slice])
 
-    @contextlib.contextmanager
-    def gathered_weights(self, write_back: bool = False):
-        """All weights resident (e.g. to save or load a plain state dict); optionally keep edits."""
+    def gathered_buckets(self, write_back: bool = False):
+        """Each unit's whole weights in turn (its bucket), resident only while the caller holds it.
+
+        The caller reads (or, with ``write_back``, edits) the bucket's parameters;
+        it is freed before the next one is gathered, so a state dict or a
+        broadcast never makes the whole model resident.
+        """
         self.finish_grad_sync()
         for u in self.units:
             u.unshard(CONTROL, async_op=False)
-        try:
-            yield self
-        finally:
-            for u in self.units:
-                b = u.bucket
+            try:
+                yield u.bucket
+            finally:
                 if write_back:
-                    b.primary.copy_(b.full[b.primary_range.slice])
+                    u.bucket.primary.copy_(u.bucket.full[u.bucket.primary_range.slice])
                 u.reshard()
 
+    def write_weights(self, param: torch.nn.Parameter, values: torch.Tensor) -> bool:
+        """Sharded initialization: keep this rank's slice of ``param``'s full values.
+
+        False when ``param`` is in no unit (it needs no gradient): the caller keeps it whole.
+        """
+        hit = self.schedule.slot_of.get(id(param))
+        if hit is None:
+            return False
+        unit, slot = hit
+        unit.bucket.write_primary(slot, values)
+        return True
+
+    def _state_keys(self, prefix: str = "") -> tuple[dict, dict[int, list[str]]]:
+        """The module's state dict with parameters as objects (no values read), and each
+        unit parameter's keys (a tied weight has one per module that registers it)."""
+        entries = self.module.state_dict(prefix=prefix, keep_vars=True)
+        keys: dict[int, list[str]] = defaultdict(list)
+        for k, v in entries.items():
+            if isinstance(v, torch.nn.Parameter) and id(v) in self.schedule.slot_of:
+                keys[id(v)].append(k)
+        return entries, keys
+
     def state_dict(self, prefix: str = "", keep_vars: bool = False, destination=None):
-        with self.gathered_weights():
-            sd = self.module.state_dict(prefix=prefix, keep_vars=False)
-            return {k: (v.clone() if torch.is_tensor(v) else v) for k, v in sd.items()}
+        """Full tensors of every weight (copies), gathered one unit at a time."""
+        entries, keys = self._state_keys(prefix)
+        out = {k: (v.detach().clone() if torch.is_tensor(v) and not _bucketed(v, keys) else v)
+               for k, v in entries.items()}
+        for b in self.gathered_buckets():
+            for slot in b.slots:
+                for k in keys.get(id(slot.param), ()):
+                    out[k] = slot.param.detach().clone()
+        return out
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """A plain state dict (full tensors), or what a distributed checkpoint load returned."""
@@ -249,8 +290,24 @@ class HierDataParallel(_megatron_base()):
         if any(".__lbp_piece" in k for k in state_dict):
             rest = checkpoint.load_model_pieces(self, state_dict)
             return self.module.load_state_dict(rest, strict=False)
-        with self.gathered_weights(write_back=True):
-            return self.module.load_state_dict(state_dict, strict=strict)
+        from torch.nn.modules.module import _IncompatibleKeys
+
+        entries, keys = self._state_keys()
+        missing = [k for k in entries if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in entries]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.module).__name__}: "
+                               f"missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+        rest = dict(state_dict)
+        for b in self.gathered_buckets(write_back=True):
+            for slot in b.slots:
+                for k in keys.get(id(slot.param), ()):
+                    if k in rest:
+                        with torch.no_grad():
+                            slot.param.copy_(rest.pop(k))
+        # Buffers and extra state; Megatron's wrappers name keys as their inner module does.
+        self.module.load_state_dict(rest, strict=False)
+        return _IncompatibleKeys(missing, unexpected)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """megatron-core's sharded state dict, each weight as the pieces this rank holds."""
@@ -290,6 +347,10 @@ class HierDataParallel(_megatron_base()):
             raise RuntimeError(
                 "parameters changed after wrapping with HierDataParallel "
                 f"(new or re-created: {added[:5]}); create every parameter before wrapping")
+
+
+def _bucketed(v, keys: Mapping[int, list[str]]) -> bool:
+    return isinstance(v, torch.nn.Parameter) and id(v) in keys
 
 
 def _widest_link(hier: HierGroups) -> str:

@@ -45,3 +45,48 @@ class TransientLedger:
 
     def reset_peak(self) -> None:
         self.peak = self.current
+
+
+class AllocationPeak:
+    """Peak bytes the allocator handed out on ``device`` while the block ran, above what was
+    allocated when it began (``peak_bytes``; ``end_bytes``: still allocated at the end).
+
+    Read from the allocator, not estimated: on a GPU/GCD its statistics
+    (``max_memory_allocated``); on CPU the allocation events torch.profiler
+    records for every allocation, free and storage resize, summed in order.
+    The profiler reports a free only for a block it saw allocated, so a tensor
+    from before the block that is replaced inside it counts as new memory:
+    on CPU the figure is an upper bound.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.peak_bytes = 0
+        self.end_bytes = 0
+
+    def __enter__(self) -> "AllocationPeak":
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._base
+            self.end_bytes = torch.cuda.memory_allocated(self.device) - self._base
+            return
+        self._profile.__exit__(*exc)
+        events = [e for e in self._profile.profiler.kineto_results.events()
+                  if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+        current = peak = 0
+        for e in sorted(events, key=lambda e: e.start_ns()):
+            current += e.nbytes()
+            peak = max(peak, current)
+        self.peak_bytes, self.end_bytes = peak, current

@@ -51,7 +51,7 @@ from megatron_lbp.costs import MAX_PENDING_REDUCES
 from megatron_lbp.engine.buckets import ParamSlot
 from megatron_lbp.engine.comm import Collectives
 from megatron_lbp.engine.grouping import UnitMap
-from megatron_lbp.engine.unit import GatherUnit, ReduceInFlight, WeightState
+from megatron_lbp.engine.unit import GatherUnit, ReduceInFlight, WeightState, unfused_gradient
 
 FORWARD, BACKWARD = "forward", "backward"
 
@@ -153,9 +153,10 @@ class UnitSchedule:
             self._open_backward[home.index] = self._open_interval(home, "backward")
 
     def grad_ready(self, param: torch.nn.Parameter) -> None:
+        """One parameter's gradient of this backward is complete, by either route (unit.py)."""
         unit, slot = self.slot_of[id(param)]
         self._backward_ran = True
-        last = unit.accumulate(slot, param.grad)
+        last = unit.accumulate(slot, unfused_gradient(param))
         param.grad = None
         if last:
             self._reduce(unit)
@@ -220,6 +221,8 @@ class UnitSchedule:
             self._prefetch_after(home, phase, kind)
         for u in units:
             u.wait_for_unshard()
+            if phase == "backward_gather":
+                u.prepare_backward()
         if phase == "forward_gather":
             # The weights this forward computes with, kept as this rank's 1/S
             # slice for the backward: rebuilt by every forward, never stale.

@@ -15,7 +15,10 @@ reads the primary slices in the P-group (int8 + scales with qwZ); in backward,
 the secondary copies in the S-group when S > 0.
 
 Gradients: each parameter's gradient is added into the unit's transient fp32
-``grad_full`` (:meth:`GatherUnit.accumulate`); when the last one has arrived the
+``grad_full`` (:meth:`GatherUnit.accumulate`), or, with gradient-accumulation
+fusion, a fused kernel has already added it into ``param.main_grad``, a view of
+``grad_full`` that :meth:`GatherUnit.prepare_backward` gives memory before the
+unit's backward (only counted then: :func:`unfused_gradient`); when the last one has arrived the
 schedule calls :meth:`GatherUnit.start_reduce`, which frees the weights, scales
 by 1/W, reduce-scatters in the G-group (int8 all-to-all with qgZ) and, at
 :meth:`GatherUnit.finish_reduce`, adds the result to the persistent 1/G shard.
@@ -53,6 +56,8 @@ class UnitContext:
     quant_block_size: int
     quantized_grad_families: tuple[str, ...]
     group_index: dict[str, int]
+    # Megatron's --gradient-accumulation-fusion: weight gradients arrive in main_grad.
+    fused_wgrad: bool = False
     # This rank's own non-finite unit gradients since the last optimizer step,
     # counted before the reduction mixes ranks (read and reset by the optimizer).
     local_nonfinite: torch.Tensor = field(
@@ -174,17 +179,21 @@ class GatherUnit:
 
     # --- gradients -----------------------------------------------------------------------
     def grad_buffer(self, slot: ParamSlot) -> torch.Tensor:
-        """The parameter's window of the unit's full gradient, allocated at the first use.
-
-        (Where ``main_grad`` views for fused weight-gradient accumulation would be
-        handed out: the buffer lives from here until the reduce-scatter is done.)
-        """
+        """The parameter's window of the unit's full gradient, allocated at the first use
+        (the buffer lives from here until the reduce-scatter is done)."""
         return self.bucket.grad_view(slot)
 
-    def accumulate(self, slot: ParamSlot, grad: torch.Tensor) -> bool:
-        """Add one parameter's gradient; True when it was the unit's last one."""
-        with torch.no_grad():
-            self.grad_buffer(slot).add_(grad.reshape(-1))
+    def prepare_backward(self) -> None:
+        """Before the unit's backward: a fused wgrad kernel writes into the ``main_grad`` views."""
+        if self.ctx.fused_wgrad:
+            self.bucket.ensure_grad_full()
+
+    def accumulate(self, slot: ParamSlot, grad: torch.Tensor | None) -> bool:
+        """Add one parameter's gradient (None: it is already in ``main_grad``); True when it
+        was the unit's last one."""
+        if grad is not None:
+            with torch.no_grad():
+                self.grad_buffer(slot).add_(grad.reshape(-1))
         self.grads_left -= 1
         return self.grads_left == 0
 
@@ -192,8 +201,7 @@ class GatherUnit:
         """Free the weights and reduce-scatter the unit's gradient in the G-group."""
         b, ctx = self.bucket, self.ctx
         self.reshard()
-        if b.grad_full is None:  # nothing arrived: still take part in the collective
-            self.grad_buffer(b.slots[0])
+        b.ensure_grad_full()  # zeros if nothing arrived: still take part in the collective
         b.grad_full.mul_(1.0 / ctx.world_size)
         ctx.comm.poison_if_injected(b.grad_full, "grad_reduce")
         finite = torch.isfinite(b.grad_full.sum())  # inf/nan survive the sum; no sync on GPU
@@ -215,3 +223,19 @@ class GatherUnit:
 
     def reset_pass(self) -> None:
         self.grads_left = len(self.bucket.slots)
+
+
+def unfused_gradient(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """The gradient of ``param`` still to add to its unit, or None (consumes Megatron's flag).
+
+    With gradient-accumulation fusion Megatron's linear layers (and Transformer
+    Engine's) accumulate the weight gradient into ``param.main_grad``, set
+    ``grad_added_to_main_grad`` and hand autograd a dummy gradient, which is
+    dropped, unless the weight is also used unfused (``zero_out_wgrad``: the tied
+    embedding, whose lookup gradient rides on a zero dummy).
+    """
+    fused = getattr(param, "grad_added_to_main_grad", False)
+    param.grad_added_to_main_grad = False
+    if fused and not getattr(param, "zero_out_wgrad", False):
+        return None
+    return param.grad

@@ -32,6 +32,13 @@ class TinyGPTSpec:
     # Full activation recomputation, one layer per checkpoint: each layer's
     # forward runs again inside the backward pass (forward pre-hooks fire there).
     recompute: bool = False
+    # Megatron's two weight-init paths: the whole weight drawn from the CPU
+    # generator (--use-cpu-initialization), or on the device under the CUDA
+    # RNG tracker (on CPU ranks through megatron_lbp.compat's mappings).
+    use_cpu_initialization: bool = True
+    # Megatron's --gradient-accumulation-fusion: the linear layers' weight
+    # gradients go through fused_weight_gradient_mlp_cuda into param.main_grad.
+    gradient_accumulation_fusion: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,17 +82,15 @@ def init_megatron_state(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def build_tiny_gpt(spec: TinyGPTSpec = TinyGPTSpec()):
-    """megatron-core GPTModel with the local (non-Transformer-Engine) layer spec, tied embeddings."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def tiny_gpt_config(spec: TinyGPTSpec = TinyGPTSpec()):
     from megatron.core.transformer import TransformerConfig
 
-    config = TransformerConfig(
+    return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
-        use_cpu_initialization=True,
+        use_cpu_initialization=spec.use_cpu_initialization,
+        gradient_accumulation_fusion=spec.gradient_accumulation_fusion,
         params_dtype=spec.params_dtype,
         bf16=spec.params_dtype == torch.bfloat16,
         hidden_dropout=0.0,
@@ -94,15 +99,41 @@ def build_tiny_gpt(spec: TinyGPTSpec = TinyGPTSpec()):
         **(dict(recompute_granularity="full", recompute_method="uniform",
                 recompute_num_layers=1) if spec.recompute else {}),
     )
-    torch.manual_seed(spec.seed)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
-        vocab_size=spec.vocab_size,
-        max_sequence_length=spec.seq_length,
-        position_embedding_type="rope",
-        share_embeddings_and_output_weights=True,
-    )
+
+
+def tiny_gpt_provider(spec: TinyGPTSpec, config):
+    """The model provider (what megatron.training's get_model calls): seed, then GPTModel."""
+    def provide():
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        torch.manual_seed(spec.seed)
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(),
+            vocab_size=spec.vocab_size,
+            max_sequence_length=spec.seq_length,
+            position_embedding_type="rope",
+            share_embeddings_and_output_weights=True,
+        )
+
+    return provide
+
+
+def build_tiny_gpt(spec: TinyGPTSpec = TinyGPTSpec(), sharded: bool = False):
+    """megatron-core GPTModel with the local (non-Transformer-Engine) layer spec, tied embeddings.
+
+    ``sharded``: built by megatron_adapter.build_sharded (no weight resident;
+    the engine's wrapping materializes this rank's slices).
+    """
+    config = tiny_gpt_config(spec)
+    provide = tiny_gpt_provider(spec, config)
+    if sharded:
+        from megatron_lbp import megatron_adapter
+
+        model = megatron_adapter.build_sharded(provide, config)
+    else:
+        model = provide()
     if config.bf16:
         # What megatron.training does: every parameter in bf16 (norms included),
         # inputs cast on the way in and the loss back to fp32 on the way out.
@@ -281,13 +312,13 @@ def setup_hier(spec: TinyGPTSpec, train: TrainSpec, hier_argv: list[str]) -> Tra
     from megatron_lbp.process_groups import build_hier_groups
 
     init_megatron_state(seed=spec.seed)
-    model, config = build_tiny_gpt(spec)
     argv = list(hier_argv)
     if train.bucket_size is not None and "--hier-bucket-size" not in argv:
         argv += ["--hier-bucket-size", str(train.bucket_size)]
     args = add_hier_arguments(argparse.ArgumentParser()).parse_args(argv)
     hier = build_hier_groups(args, dp_group=megatron_adapter.data_parallel_group())
     options = engine_options_from_args(args)
+    model, config = build_tiny_gpt(spec, sharded=options.sharded_init)
     ddp_model = megatron_adapter.wrap_model(config, model, hier, options)
     opt_config = _optimizer_config(spec, train, distributed=True)
     optimizer = megatron_adapter.build_optimizer(opt_config, [ddp_model], options)
