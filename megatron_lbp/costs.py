@@ -275,15 +275,11 @@ def traffic_bytes(cfg, bucket_numels: Sequence[int], link_classes: Mapping[str, 
     whose groups have more than one rank are looked up. ``quant_block_size``
     None: the config's (default 256).
     """
-    W, P, G, O, S, R = _sizes(cfg)
-    wb, gb = _dtype_bytes(param_dtype, grad_dtype)
+    _dtype_bytes(param_dtype, grad_dtype)
     if micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches}: must be >= 1")
     k = int(micro_batches)
-    sdt = _secondary_dtype(cfg)
     B = _block(cfg, quant_block_size)
-    qwz = bool(getattr(cfg, "quantize_weight_gather", False))
-    qgz = quantized_grad_families(cfg, link_classes)
     sizes = _group_sizes_by_family(cfg)
     by_phase: dict[str, dict[str, Fraction]] = {
         ph: {c: Fraction(0) for c in LINK_CLASS_ORDER} for ph in PHASES}
@@ -298,25 +294,53 @@ def traffic_bytes(cfg, bucket_numels: Sequence[int], link_classes: Mapping[str, 
         by_phase[phase][cls] += nbytes
 
     for numel in bucket_numels:
-        N = padded_numel(numel, cfg, align)
-        weights = (allgather_bytes(P * int8_payload_bytes(N // P, B), P) if qwz
-                   else allgather_bytes(wb * N, P))
-        charge("forward_gather", "param", k * weights)
-        if S:
-            full_secondary = S * secondary_slice_bytes(N // S, sdt, B)
-            charge("backward_gather", "secondary", k * allgather_bytes(full_secondary, S))
-        else:
-            charge("backward_gather", "param", k * weights)
-        charge("grad_reduce", "grad", k * _grad_reduce_bytes(gb * N, N, G, "grad" in qgz, B))
-        charge("step_reduce", "inter",
-               _grad_reduce_bytes(gb * N // G, N // G, O // G, "inter" in qgz, B))
-        charge("step_reduce", "replica", allreduce_bytes(gb * N // O, R))
-        charge("step_gather", "inter", allgather_bytes(wb * N // G, O // G))
-        charge("step_gather", "grad_to_param", allgather_bytes(wb * N // P, G // P))
+        for (phase, family), nbytes in unit_collective_bytes(
+                cfg, numel, link_classes, param_dtype=param_dtype, grad_dtype=grad_dtype,
+                quant_block_size=B, align=align).items():
+            charge(phase, family, (k if phase in PER_MICRO_BATCH_PHASES else 1) * nbytes)
 
     by_class = {c: _number(sum(by_phase[ph][c] for ph in PHASES)) for c in LINK_CLASS_ORDER}
     phases = {ph: {c: _number(v) for c, v in by_phase[ph].items()} for ph in PHASES}
     return by_class, phases
+
+
+PER_MICRO_BATCH_PHASES = ("forward_gather", "backward_gather", "grad_reduce")
+
+
+def unit_collective_bytes(cfg, numel: int, link_classes: Mapping[str, str | None], *,
+                          param_dtype: str = "bf16", grad_dtype: str = "fp32",
+                          quant_block_size: int | None = None, align: int = DEFAULT_ALIGN,
+                          ) -> dict[tuple[str, str], int | Fraction]:
+    """Bytes this rank sends in each collective of one unit of ``numel`` elements.
+
+    (phase, family) -> bytes of one collective: the phases of
+    PER_MICRO_BATCH_PHASES issue theirs once per micro-batch, the step phases
+    once per optimizer step (the formulas of the module docstring; a family
+    of one rank sends 0). ``link_classes`` only decides which families qgZ
+    quantizes. :func:`traffic_bytes` is the sum of these over the units.
+    """
+    W, P, G, O, S, R = _sizes(cfg)
+    wb, gb = _dtype_bytes(param_dtype, grad_dtype)
+    sdt = _secondary_dtype(cfg)
+    B = _block(cfg, quant_block_size)
+    qwz = bool(getattr(cfg, "quantize_weight_gather", False))
+    qgz = quantized_grad_families(cfg, link_classes)
+    N = padded_numel(numel, cfg, align)
+    weights = (allgather_bytes(P * int8_payload_bytes(N // P, B), P) if qwz
+               else allgather_bytes(wb * N, P))
+    out: dict[tuple[str, str], int | Fraction] = {("forward_gather", "param"): weights}
+    if S:
+        full_secondary = S * secondary_slice_bytes(N // S, sdt, B)
+        out[("backward_gather", "secondary")] = allgather_bytes(full_secondary, S)
+    else:
+        out[("backward_gather", "param")] = weights
+    out[("grad_reduce", "grad")] = _grad_reduce_bytes(gb * N, N, G, "grad" in qgz, B)
+    out[("step_reduce", "inter")] = _grad_reduce_bytes(gb * N // G, N // G, O // G,
+                                                       "inter" in qgz, B)
+    out[("step_reduce", "replica")] = allreduce_bytes(gb * N // O, R)
+    out[("step_gather", "inter")] = allgather_bytes(wb * N // G, O // G)
+    out[("step_gather", "grad_to_param")] = allgather_bytes(wb * N // P, G // P)
+    return out
 
 
 def _grad_reduce_bytes(total: int, elems: int, n: int, quantized: bool, block: int) -> int:
