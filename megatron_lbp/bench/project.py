@@ -216,8 +216,8 @@ def plan_for(model: Mapping[str, int], gcds: int, scheme: str, micro_batches: in
 def _family_size(plan: Mapping[str, Any], family: str) -> int:
     g = plan["group_sizes"]
     P, G, O, S, R = g["param"], g["grad"], g["optim"], g["secondary"] or 0, g["replicas"]
-    return {"param": P, "secondary": S, "grad": G, "inter": O // G, "grad_to_param": G // P,
-            "replica": R}[family]
+    return {"param": P, "secondary": S, "grad": G, "optim": O, "inter": O // G,
+            "grad_to_param": G // P, "replica": R}[family]
 
 
 def _phase_times(plan: Mapping[str, Any], links: LinkModel) -> dict[str, dict[str, float]]:
@@ -274,6 +274,28 @@ def step_time(plan: Mapping[str, Any], model: Mapping[str, int], links: LinkMode
     return {"step_s": total, "compute_s": k * (t_fwd + t_bwd), "exposed_micro_batch_comm_s":
             k * exposed_mb, "step_comm_s": step_comm, "adam_s": t_adam,
             "tflops_per_gcd": useful / total / 1e12}
+
+
+def network_time_over_compute(model: str = "20B", gcds: int = 384, scheme: str = "zero3",
+                              micro_batches: int = 2, recompute: bool = True,
+                              links: LinkModel = LinkModel(),
+                              compute: ComputeModel = ComputeModel()) -> dict[str, Any]:
+    """A scheme's network link time per step over its compute time, in this cost model.
+
+    Network time: every network-class collective of the step one after
+    another (bytes per GCD / bandwidth + latency, as _phase_times charges
+    them); compute: the step's forward and backward (and recomputation) at the
+    assumed MFU, as step_time counts it. ``bench network --model
+    frontier-shaped`` sets its uplink so that zero3's ratio there is this one.
+    """
+    plan = plan_for(MODELS[model], gcds, scheme, micro_batches)
+    net = sum(times["network"] for times in _phase_times(plan, links).values())
+    comp = step_time(plan, MODELS[model], links, replace(compute, recompute=recompute))
+    return {"model": model, "gcds": gcds, "scheme": scheme, "micro_batches": micro_batches,
+            "recompute": recompute, "mfu": compute.mfu,
+            "network_GB_per_s_per_gcd": links.bandwidth["network"] / GB,
+            "network_bytes_per_gcd": plan["traffic_bytes"]["network"],
+            "network_s": net, "compute_s": comp["compute_s"], "ratio": net / comp["compute_s"]}
 
 
 def project(models: Sequence[str] = tuple(MODELS), gcds: Sequence[int] = GCDS,
@@ -495,6 +517,19 @@ def main(argv=None) -> int:
                        help="GB/s per GCD")
         p.add_argument(f"--lat-{cls}", type=float, default=links.latency[cls] / US,
                        help="microseconds per collective step")
+    r = p.add_argument_group("the replayed schedule (megatron_lbp/bench/project_replay.py)")
+    r.add_argument("--trace", action="append", default=[], metavar="SCHEME=PATH",
+                   help="replay SCHEME from this schedule trace (--hier-trace output, .gz "
+                        "allowed) instead of the committed one; repeatable")
+    r.add_argument("--trace-rank", type=int, default=0, help="whose program to replay")
+    r.add_argument("--no-replay", action="store_true", help="only the idealised model")
+    r.add_argument("--record-traces", metavar="DIR", default=None,
+                   help="record the traces the replay uses into DIR (index.json + one "
+                        ".jsonl.gz per layer count and scheme) and stop")
+    r.add_argument("--record-layers", default=None,
+                   help="layer counts to record (default: those of --models)")
+    r.add_argument("--record-ranks", type=int, default=16,
+                   help="gloo ranks, 8 per node (default 16: two nodes)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
@@ -523,10 +558,85 @@ def main(argv=None) -> int:
     compute = replace(c, mfu=args.mfu, peak_flops=args.peak_tflops * 1e12,
                       micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
                       recompute=args.recompute)
+    from megatron_lbp.bench import project_replay as pr
+
+    if args.record_traces is not None:
+        return _record(p, args, models, schemes)
+    try:
+        traces = {} if args.no_replay else _traces(args.trace, schemes, models, pr)
+    except pr.ReplayError as e:
+        print(f"python -m megatron_lbp.bench project: error: {e}", file=sys.stderr)
+        return 2
     out = project(models, gcds, schemes, args.micro_batches, args.bucket_size, links, compute,
                   not args.no_overlap)
-    print(json.dumps(out) if args.json else render(out))
+    if not args.no_replay:
+        try:
+            out["replay"] = pr.replay_projection(models, gcds, schemes, traces, links, compute,
+                                                 rank=args.trace_rank)
+        except pr.ReplayError as e:
+            print(f"python -m megatron_lbp.bench project: error: {e}", file=sys.stderr)
+            return 2
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(render(out) + ("\n" + "\n".join(pr.render(out["replay"], out["paper"]))
+                             if "replay" in out else ""))
     return 0
+
+
+def _traces(given: Sequence[str], schemes: Sequence[str], models: Sequence[str],
+            pr) -> dict[str, dict[int, Any]]:
+    """scheme -> layer count -> trace path: the committed ones, replaced by each --trace
+    (which must have the units of every model asked for)."""
+    import os
+
+    traces = pr.default_traces()
+    for item in given:
+        scheme, sep, path = item.partition("=")
+        if not sep or scheme not in SCHEMES or not path:
+            raise pr.ReplayError(f"--trace {item!r}: give SCHEME=PATH, SCHEME one of "
+                                 f"{','.join(SCHEMES)}")
+        if "{rank}" not in path and not os.path.exists(path):
+            raise pr.ReplayError(f"--trace {item!r}: {path} does not exist")
+        if scheme not in schemes:
+            raise pr.ReplayError(f"--trace {item!r}: {scheme} is not in --schemes")
+        records = pr.load(path)
+        for name in models:
+            pr.check_units(records, MODELS[name], f"--trace {item} for {name}")
+        traces[scheme] = {pr.layer_count(records): path}
+    return traces
+
+
+def _record(p, args, models, schemes) -> int:
+    import shlex
+
+    from megatron_lbp.bench import project_replay as pr
+
+    try:
+        layers = sorted({int(x) for x in args.record_layers.split(",") if x}, reverse=True) \
+            if args.record_layers else [MODELS[m]["num_layers"] for m in models]
+    except ValueError:
+        p.error(f"--record-layers={args.record_layers!r}: comma-separated layer counts")
+    if not layers or min(layers) < 1:
+        p.error("--record-layers must list positive layer counts")
+    if args.record_ranks < 16 or args.record_ranks % 8:
+        p.error(f"--record-ranks={args.record_ranks} must be a multiple of 8 (nodes of 8 "
+                f"GCDs), at least 16 (two nodes: every group family spans ranks)")
+    command = shlex.join(["python", "-m", "megatron_lbp.bench", "project",
+                          *(sys.argv[2:] if argv_is_cli() else [])])
+    try:
+        index = pr.record_traces(args.record_traces, layers=layers, schemes=schemes,
+                                 ranks=args.record_ranks, command=command,
+                                 log=lambda line: print(line, file=sys.stderr, flush=True))
+    except pr.ReplayError as e:
+        p.error(str(e))
+    print(json.dumps(index) if args.json else
+          "\n".join(f"{e['file']}: {e['scheme']}, {e['layers']} layers" for e in index["traces"]))
+    return 0
+
+
+def argv_is_cli() -> bool:
+    return sys.argv[1:2] == ["project"]
 
 
 if __name__ == "__main__":

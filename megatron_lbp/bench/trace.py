@@ -5,10 +5,10 @@
         [--layers 4] [--hidden 128] [--steps 4] [--micro-batches 2] [--no-recompute]
         [--prefetch-units 1] [--json]
 
-PATH is a trace file, or a pattern with ``{rank}`` (as given to --hier-trace)
-standing for every rank's file. For each rank and each phase of the step
-(forward_gather, backward_gather, grad_reduce, step_reduce, step_gather,
-control) it sums, per optimizer step:
+PATH is a trace file (``.gz``: gzip-compressed), or a pattern with ``{rank}``
+(as given to --hier-trace) standing for every rank's file. For each rank and
+each phase of the step (forward_gather, backward_gather, grad_reduce,
+step_reduce, step_gather, control) it sums, per optimizer step:
 
 - exposed time: for each collective, ``max(0, done - max(wait, issued))``, the
   time the rank waited for a collective it had not yet got back (a
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import gzip
 import json
 import statistics
 import sys
@@ -145,7 +146,7 @@ def read_records(paths: Sequence[str]) -> list[dict[str, Any]]:
     records = []
     for f in files:
         try:
-            with open(f) as handle:
+            with (gzip.open(f, "rt") if f.endswith(".gz") else open(f)) as handle:
                 for n, line in enumerate(handle, 1):
                     if not line.strip():
                         continue
@@ -154,7 +155,7 @@ def read_records(paths: Sequence[str]) -> list[dict[str, Any]]:
                     except json.JSONDecodeError as err:
                         raise TraceError(f"{f}:{n}: not a JSON line ({err.msg})") from None
         except OSError as err:
-            raise TraceError(f"{f}: {err.strerror}") from None
+            raise TraceError(f"{f}: {err.strerror or err}") from None
     for r in records:
         if not isinstance(r, dict) or not {"rank", "step", "collectives", "compute"} <= set(r):
             raise TraceError("a record lacks rank/step/collectives/compute: not a schedule "

@@ -1,0 +1,144 @@
+"""The projection that replays the engine's traced schedule (bench/project_replay.py).
+
+The replay rules themselves are checked on hand-made traces in
+test_bench_replay.py; here: the committed traces are the engine's current
+schedule at the 10B/20B unit structure, their bytes are the cost model's
+collective by collective, the replay moves exactly the plan's bytes at every
+GCD count, and its times add up (step = compute + exposed; infinite links
+leave only compute).
+"""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from megatron_lbp import costs
+from megatron_lbp.bench import project as pj
+from megatron_lbp.bench import project_replay as pr
+from megatron_lbp.bench.replay import ALL_PHASES, ReplayError
+
+CMD = [sys.executable, "-m", "megatron_lbp.bench", "project"]
+GCDS = (8, 384)
+
+
+@pytest.fixture(scope="module")
+def replayed():
+    return pr.replay_projection(("10B", "20B"), GCDS, pj.DEFAULT_SCHEMES, pr.default_traces(),
+                                pj.LinkModel(), pj.ComputeModel())
+
+
+def test_committed_traces_are_todays_engine_schedule():
+    index = pr.read_index()
+    assert index["schedule_sources_sha256"] == pr.schedule_sources_hash(), (
+        "the engine's schedule sources changed since megatron_lbp/bench/traces was recorded: "
+        "re-record with python -m megatron_lbp.bench project --record-traces "
+        "megatron_lbp/bench/traces")
+    traces = pr.default_traces()
+    for model in pj.MODELS.values():
+        for scheme in pj.DEFAULT_SCHEMES:
+            records = pr.load(traces[scheme][model["num_layers"]])
+            pr.check_units(records, model, scheme)
+            assert records[-1]["micro_batches"] == index["micro_batches"]
+            assert any(i["pass"] == "recompute" for i in records[-1]["compute"])
+
+
+def test_phases_are_the_engines():
+    from megatron_lbp.engine.comm import ALL_PHASES as ENGINE_PHASES
+
+    assert ALL_PHASES == ENGINE_PHASES
+
+
+@pytest.mark.parametrize("scheme", ["lbp", "zeropp"])
+def test_recorded_bytes_are_the_cost_models_collective_by_collective(scheme):
+    """At the shape it was recorded at, every unit's collectives carry unit_collective_bytes."""
+    index = pr.read_index()
+    entry = next(e for e in index["traces"] if e["scheme"] == scheme and e["layers"] == 32)
+    records = pr.load(pr.TRACES_DIR / entry["file"])
+    model = {"num_layers": entry["layers"], "hidden_size": entry["hidden"],
+             "vocab_size": entry["vocab"]}
+    plan = pj.plan_for(model, index["ranks"], scheme, index["micro_batches"],
+                       gpus_per_node=index["gpus_per_node"])
+    d = pr.FrontierDurations(records, plan, model, pj.LinkModel(), pj.ComputeModel())
+    recorded = {}
+    for c in records[-1]["collectives"]:
+        if c["phase"] != "control":
+            key = (c["unit"], c["phase"], c["family"], c["micro_batch"])
+            recorded[key] = recorded.get(key, 0) + c["bytes"]
+    assert recorded
+    for (unit, phase, family, _), nbytes in recorded.items():
+        assert nbytes == pytest.approx(float(d.unit_bytes[unit][(phase, family)])), (
+            unit, phase, family)
+
+
+def test_the_replay_moves_the_plans_bytes_and_its_times_add_up(replayed):
+    for name, per_scheme in replayed["results"].items():
+        assert set(per_scheme) == set(pj.DEFAULT_SCHEMES), name
+        for scheme, rows in per_scheme.items():
+            for g, r in rows.items():
+                where = (name, scheme, g)
+                assert r["bytes_match_plan"], where
+                assert r["step_s"] == pytest.approx(r["compute_s"] + r["exposed_s"]), where
+                assert 0 <= r["exposed_s"] <= r["link_s"] + 1e-12, where
+                assert r["tflops_per_gcd"] < 191.5 * 0.35, where
+            assert rows["8"]["scaling_efficiency"] == 1.0
+    assert set(replayed["ratios"]) == set(pj.project(GCDS and ("10B", "20B"), GCDS)["ratios"])
+    assert replayed["stale"] == ""
+    assert replayed["idealised"]["micro_batches"] == 2 and replayed["idealised"]["recompute"]
+
+
+def test_compute_is_the_model_flops_plus_the_recomputed_layers():
+    """fwd + bwd = 3 x forward of every unit, recomputation = the layers' forward once more."""
+    model = pj.MODELS["20B"]
+    records = pr.load(pr.default_traces()["lbp"][44])
+    plan = pj.plan_for(model, 384, "lbp", 2)
+    compute = pj.ComputeModel()
+    d = pr.FrontierDurations(records, plan, model, pj.LinkModel(), compute)
+    L, h, V, s = 44, model["hidden_size"], model["vocab_size"], compute.seq_length
+    layer = costs.gpt_units(L, h, V)[1][1]
+    fwd_layer = 2 * layer + 4 * h * s
+    fwd_all = L * fwd_layer + 2 * (2 * h + V * h)
+    per_token = pj.model_flops_per_token(plan["params"], L, h, s)
+    assert 3 * fwd_all == pytest.approx(per_token, rel=1e-12)
+    want = 2 * (3 * fwd_all + L * fwd_layer) * s / (compute.peak_flops * compute.mfu) + d.adam_s
+    got = sum(d.compute_s(records[-1], i) for i in records[-1]["compute"])
+    assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_infinite_links_leave_only_compute():
+    fast = pj.LinkModel.from_measured({c: 1e30 for c in costs.LINK_CLASS_ORDER},
+                                      {c: 0.0 for c in costs.LINK_CLASS_ORDER})
+    out = pr.replay_projection(("20B",), GCDS, ("zeropp",), pr.default_traces(), fast,
+                               pj.ComputeModel())
+    for r in out["results"]["20B"]["zeropp"].values():
+        assert r["exposed_s"] == pytest.approx(0.0, abs=1e-9)
+        assert r["step_s"] == pytest.approx(r["compute_s"])
+
+
+def test_a_trace_of_another_model_is_refused():
+    records = pr.load(pr.default_traces()["lbp"][32])
+    with pytest.raises(ReplayError, match="33 layer.*44 layer|32 layer.*44 layer"):
+        pr.check_units(records, pj.MODELS["20B"], "20B lbp")
+
+
+def test_cli_replays_a_given_trace_and_refuses_bad_ones(tmp_path):
+    l44 = str(pr.default_traces()["zeropp"][44])
+    out = subprocess.run(CMD + ["--models", "20B", "--gcds", "8,384", "--schemes", "lbp,zeropp",
+                                "--trace", f"zeropp={l44}", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rep = json.loads(out.stdout)["replay"]
+    assert rep["traces"]["zeropp"]["20B"]["path"].endswith("L44-zeropp.jsonl.gz")
+    assert "20B lbp/zeropp TFLOPS at 384" in rep["ratios"]
+    text = subprocess.run(CMD + ["--models", "20B", "--gcds", "8,384", "--schemes", "lbp,zeropp"],
+                          capture_output=True, text=True, timeout=300)
+    assert text.returncode == 0 and "replayed" in text.stdout and "paper 1.71" in text.stdout
+    for args, says in ((["--trace", "lbp"], "give SCHEME=PATH"),
+                       (["--trace", f"nosuch={l44}"], "give SCHEME=PATH"),
+                       (["--trace", f"lbp={tmp_path}/none.jsonl"], "does not exist"),
+                       (["--models", "10B", "--trace", f"lbp={l44}"], "not the model's")):
+        bad = subprocess.run(CMD + ["--gcds", "8,384", *args], capture_output=True, text=True,
+                             timeout=300)
+        lines = bad.stderr.strip().splitlines()
+        assert bad.returncode == 2 and len(lines) == 1 and says in lines[0], (args, bad.stderr)
