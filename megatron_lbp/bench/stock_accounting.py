@@ -187,18 +187,18 @@ _CAPTURED = {
 
 
 @contextlib.contextmanager
-def count_collectives(locations) -> Iterator[StockLedger]:
-    """Wrap torch.distributed's collectives while the block runs; yields the ledger.
+def patched_collectives(make_wrappers) -> Iterator[None]:
+    """torch.distributed's collectives (WRAPPED) replaced while the block runs.
 
-    ``locations``: a sequence (index = global rank) or mapping of
-    ``topology.RankLocation``, e.g. ``emulated_locations(W, gpus_per_node, 2)``.
-    Restores every original on exit, also after an exception.
+    ``make_wrappers(orig)`` gets {name: original function} and returns {name:
+    replacement}; the globals megatron-core captured at import time
+    (``_CAPTURED``) are replaced by the same replacements. Every original is
+    restored on exit, also after an exception.
     """
     import sys
 
-    ledger = StockLedger(locations)
     orig = {name: getattr(dist, name) for name in WRAPPED}
-    wrapped = _wrappers(ledger, orig)
+    wrapped = make_wrappers(orig)
     by_func = {id(orig[name]): wrapped[name] for name in WRAPPED}
     patched: list[tuple[Any, str, Any]] = []
     try:
@@ -214,10 +214,24 @@ def count_collectives(locations) -> Iterator[StockLedger]:
                 if current is not None and id(current) in by_func:
                     patched.append((mod, gname, current))
                     setattr(mod, gname, by_func[id(current)])
-        yield ledger
+        yield
     finally:
         for obj, name, value in reversed(patched):
             setattr(obj, name, value)
 
 
-__all__ = ["CONTROL_MAX_ELEMENTS", "StockLedger", "count_collectives", "WRAPPED"]
+@contextlib.contextmanager
+def count_collectives(locations) -> Iterator[StockLedger]:
+    """Wrap torch.distributed's collectives while the block runs; yields the ledger.
+
+    ``locations``: a sequence (index = global rank) or mapping of
+    ``topology.RankLocation``, e.g. ``emulated_locations(W, gpus_per_node, 2)``.
+    Restores every original on exit, also after an exception.
+    """
+    ledger = StockLedger(locations)
+    with patched_collectives(functools.partial(_wrappers, ledger)):
+        yield ledger
+
+
+__all__ = ["CONTROL_MAX_ELEMENTS", "StockLedger", "count_collectives", "patched_collectives",
+           "WRAPPED"]

@@ -1,0 +1,100 @@
+"""A training step's collectives, recorded once and issued again alone: the step's link time.
+
+``with recording() as calls:`` around one training step records every
+torch.distributed collective the step issues (the functions
+megatron_lbp.bench.stock_accounting wraps, so the engine's, megatron-core
+DDP's and Megatron-FSDP's alike): its function, its group and the shapes and
+dtypes of its tensors. ``Replay(calls)()`` then issues the same collectives
+again, in the same order, on the same groups, one after another and each
+waited for before the next, with no compute between them: the time that
+takes (barrier to barrier, the slowest rank) is the link time of the step's
+collectives timed alone. Buffers are allocated once per (shape, dtype,
+argument position) and reused, so replaying allocates nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from megatron_lbp.bench.stock_accounting import patched_collectives
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class Call:
+    name: str
+    args: tuple
+    kwargs: dict[str, Any]
+
+
+def _spec(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return TensorSpec(tuple(value.shape), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_spec(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _spec(v) for k, v in value.items()}
+    return value
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Call]]:
+    """Record the collectives issued in the block (each is still issued as usual)."""
+    calls: list[Call] = []
+
+    def make_wrappers(orig):
+        def wrap(name):
+            @functools.wraps(orig[name])
+            def f(*args, **kwargs):
+                # Shapes only: a live buffer must never be written by the replay.
+                calls.append(Call(name, _spec(args), _spec(kwargs)))
+                return orig[name](*args, **kwargs)
+            return f
+        return {name: wrap(name) for name in orig}
+
+    with patched_collectives(make_wrappers):
+        yield calls
+
+
+class Replay:
+    """Issue recorded calls again, synchronously, on buffers of the recorded shapes."""
+
+    def __init__(self, calls: list[Call]) -> None:
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._calls = []
+        for call in calls:
+            counter = iter(range(10 ** 6))
+            args = self._materialize(call.args, counter)
+            kwargs = {k: self._materialize(v, counter) for k, v in call.kwargs.items()}
+            self._calls.append((call.name, args, kwargs))
+        self.count = len(self._calls)
+
+    def _materialize(self, value: Any, counter) -> Any:
+        if isinstance(value, TensorSpec):
+            key = (value.shape, value.dtype, next(counter))
+            if key not in self._buffers:
+                self._buffers[key] = torch.zeros(value.shape, dtype=value.dtype)
+            return self._buffers[key]
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._materialize(v, counter) for v in value)
+        if isinstance(value, torch.Tensor):
+            raise TypeError("a recorded call holds a tensor, not its shape")
+        return value
+
+    def __call__(self) -> None:
+        import torch.distributed as dist
+
+        for name, args, kwargs in self._calls:
+            # Looked up per call: whatever wraps torch.distributed then sees the replay too.
+            work = getattr(dist, name)(*args, **kwargs)
+            if work is not None:
+                work.wait()
