@@ -6,14 +6,16 @@ those tests skip with the reason the command itself would print.
 import json
 import math
 import os
+import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
 
 import pytest
 
-from megatron_lbp.bench import netns
+from megatron_lbp.bench import netns, network_shape
 from megatron_lbp.bench import project as pj
 
 CMD = [sys.executable, "-m", "megatron_lbp.bench", "network"]
@@ -23,6 +25,9 @@ RATE_MBIT = 200
 REDUCED = ["--nodes", "2", "--ranks-per-node", "2", "--steps", "2", "--warmup", "1", "--runs", "1",
            "--hidden", "128", "--layers", "2", "--seq", "32", "--link-sizes-mb", "0.5,4",
            "--rate-mbit", str(RATE_MBIT)]
+FRONTIER_REDUCED = ["--model", "frontier-shaped", "--nodes", "2", "--ranks-per-node", "2",
+                    "--steps", "2", "--warmup", "1", "--runs", "1", "--hidden", "64",
+                    "--layers", "2", "--link-sizes-mb", "0.5,4"]
 
 
 def _ours(pid: int) -> list[str]:
@@ -106,18 +111,44 @@ def _gone_within(pids, seconds=10.0) -> list[int]:
 
 @needs_root
 def test_reduced_run_json_shaping_and_cleanup(launch):
-    proc = launch(REDUCED + ["--schemes", "lbp,zero3", "--json"])
-    stdout, stderr = proc.communicate(timeout=240)
+    """The frontier-shaped form reduced: its uplink derived from a probe, then the run."""
+    proc = launch(FRONTIER_REDUCED + ["--schemes", "lbp,zero3", "--json"])
+    stdout, stderr = proc.communicate(timeout=400)
     assert proc.returncode == 0, stderr[-3000:]
+    assert "uplink rate derived" in stderr and "rate = " in stderr, stderr[-3000:]
     out = json.loads(stdout.strip().splitlines()[-1])
     assert _ours(proc.pid) == [], f"namespaces left behind: {_ours(proc.pid)}"
 
     c = out["config"]
     assert (c["nodes"], c["ranks_per_node"], c["world_size"]) == (2, 2, 4)
-    assert c["uplink_rate_mbit"] == RATE_MBIT and c["schemes"] == ["lbp", "zero3"]
+    assert c["schemes"] == ["lbp", "zero3"]
     assert {"torch", "megatron_core", "python", "kernel"} <= set(c["versions"])
-    shaped = [q for q in c["qdiscs"].values() if "tbf" in q and "200Mbit" in q]
-    assert len(shaped) == 4, f"expected tbf at 200Mbit on both ends of 2 uplinks: {c['qdiscs']}"
+    m = c["model"]
+    # 20B's proportions at hidden 64: sequence 64*2048/6144, vocabulary 64*50304/6144 -> 512.
+    assert (m["hidden_size"], m["seq_length"], m["vocab_size"], m["recompute"]) == \
+        (64, 21, 512, "full")
+    assert (c["micro_batches"], c["model_name"]) == (2, "frontier-shaped")
+    d = c["rate_derivation"]
+    target = pj.network_time_over_compute(micro_batches=2, recompute=True)
+    assert d["target"]["ratio"] == pytest.approx(target["ratio"])
+    assert d["compute_alone_s"] == pytest.approx(statistics.median(d["probe"]["compute_s"]))
+    assert d["probe_link_s"] == pytest.approx(statistics.median(d["probe"]["link_s"]))
+    # The probe ran at the probe rate; the run at rate = probe x link / (ratio x compute).
+    assert d["probe_rate_mbit"] == network_shape.PROBE_RATE_MBIT
+    assert d["rate_mbit"] == pytest.approx(d["probe_rate_mbit"] * d["probe_link_s"]
+                                           / (target["ratio"] * d["compute_alone_s"]))
+    model = {"num_layers": 2, "hidden_size": 64, "vocab_size": 512}
+    assert d["zero3_uplink_bytes_per_step"] == pytest.approx(
+        network_shape.zero3_uplink_bytes(model, 4, 2, 2, 2))
+    rate_mbit = c["uplink_rate_mbit"]
+    assert rate_mbit == d["rate_mbit"]
+    shaped = [float(x) * {"K": 1e-3, "M": 1, "G": 1e3}[unit]
+              for q in c["qdiscs"].values()
+              for x, unit in re.findall(r"tbf .*?rate (\d+(?:\.\d+)?)([KMG])bit", q)]
+    assert len(shaped) == 4 and all(r == pytest.approx(rate_mbit, rel=0.01) for r in shaped), (
+        f"expected tbf at {rate_mbit:.1f} Mbit/s on both ends of 2 uplinks: {c['qdiscs']}")
+    fwd_bwd = out["calibration"]["fit"]["compute_measured"]["fwd_bwd_s"]
+    assert d["achieved_ratio"] == pytest.approx(out["schemes"]["zero3"]["link_s"] / fwd_bwd)
 
     assert set(out["schemes"]) == {"lbp", "zero3"}
     for scheme, row in out["schemes"].items():
@@ -128,6 +159,7 @@ def test_reduced_run_json_shaping_and_cleanup(launch):
             row["median_s"] / out["schemes"]["lbp"]["median_s"])
         assert all(math.isfinite(x) for x in row["losses"]), row["losses"]
     assert out["schemes"]["lbp"]["ratio_to_lbp"] == 1.0
+    _check_exposure(out)
 
     cal = out["calibration"]
     for scheme in ("lbp", "zero3"):
@@ -145,7 +177,7 @@ def test_reduced_run_json_shaping_and_cleanup(launch):
     # (every rank of the node sending across at once; 4 MB, so the tbf's 64 kB
     # burst is noise) never beats the tbf rate and gets within a factor 6 of it;
     # loopback in the same run is far faster.
-    rate = RATE_MBIT * 1e6 / 8
+    rate = rate_mbit * 1e6 / 8
     samples = cal["fit"]["link_samples"]
     peers = [s for s in samples if s["pattern"] == "peers" and s["op"] == "all_gather"]
     big = max(peers, key=lambda s: s["bytes"])
@@ -204,6 +236,23 @@ def test_killed_command_leaves_state_that_the_next_run_sweeps(launch):
     assert _gone_within(ranks) == [], "the sweep left the dead run's rank processes"
 
 
+def test_model_presets_fill_the_shape():
+    """default: the shape and rate the bench always ran; frontier-shaped: 20B's proportions."""
+    from megatron_lbp.bench.network import SCHEMES, parse
+
+    a = parse([])
+    assert (a.layers, a.hidden, a.heads, a.vocab, a.seq, a.micro_batch_size, a.micro_batches,
+            a.recompute, a.rate_mbit) == (4, 256, 4, 1024, 64, 1, 1, False, 400.0)
+    assert a.schemes == list(SCHEMES)
+    f = parse(["--model", "frontier-shaped"])
+    assert (f.layers, f.hidden, f.seq, f.vocab, f.micro_batches, f.recompute, f.rate_mbit) == \
+        (4, 256, 85, 2048, 2, True, None)
+    assert f.schemes == list(network_shape.FRONTIER_SCHEMES)
+    g = parse(["--model", "frontier-shaped", "--hidden", "384", "--seq", "100",
+               "--rate-mbit", "50"])
+    assert (g.seq, g.vocab, g.rate_mbit) == (100, 3200, 50.0)
+
+
 @pytest.mark.parametrize("flags,says", [
     (["--nodes", "1"], "--nodes=1 must be >= 2"),
     (["--ranks-per-node", "3"], "--ranks-per-node=3 must be a multiple of 2"),
@@ -213,6 +262,9 @@ def test_killed_command_leaves_state_that_the_next_run_sweeps(launch):
     (["--steps", "0"], "--steps=0 must be >= 1"),
     (["--link-sizes-mb", "1,-2"], "--link-sizes-mb='1,-2'"),
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["--model", "20B"], "--model: invalid choice: '20B'"),
+    (["--model", "frontier-shaped", "--hidden", "100", "--heads", "3"],
+     "--hidden=100 must be a multiple of --heads=3"),
 ])
 def test_bad_flags_are_one_line_errors(flags, says):
     done = subprocess.run(CMD + flags, capture_output=True, text=True, timeout=60)
@@ -333,6 +385,39 @@ def test_package_tier(launch):
     assert per_rank["package"] > per_rank["node"] > per_rank["peers"], per_rank
 
 
+def _check_exposure(out):
+    """compute alone, link alone, exposed and its share, and the engine schemes' traces."""
+    c = out["config"]
+    world = c["world_size"]
+    model = {k: c["model"][k] for k in ("num_layers", "hidden_size", "vocab_size")}
+    compute = c.get("compute_alone", "")
+    assert "no collective" in compute and ("recomputation" in compute) is (
+        c["model"]["recompute"] == "full"), compute
+    fit = out["calibration"]["fit"]["compute_measured"]
+    for scheme, row in out["schemes"].items():
+        assert row["compute_s"] == pytest.approx(fit["fwd_bwd_s"] + fit["adam_s"]), scheme
+        assert len(row["link_replay_s"]) == c["timed_steps"] * c["runs"]
+        assert row["link_s"] == pytest.approx(statistics.median(row["link_replay_s"]))
+        assert row["replayed_collectives"] > 0 and row["link_s"] > 0, (scheme, row)
+        assert row["exposed_s"] == pytest.approx(row["median_s"] - row["compute_s"])
+        assert row["exposed_share"] == pytest.approx(row["exposed_s"] / row["link_s"])
+        if scheme in ("megatron-fsdp", "megatron-distopt"):
+            assert "trace" not in row
+            continue
+        # The trace is the engine's: its bytes per phase are the plan's for this topology.
+        plan = pj.plan_for(model, world, scheme, c["micro_batches"],
+                           gpus_per_node=c["ranks_per_node"], gcds_per_package=2)
+        tr = row["trace"]
+        for phase, by_class in plan["traffic_by_phase"].items():
+            assert tr["phases"][phase]["bytes"] == pytest.approx(sum(by_class.values())), (
+                scheme, phase)
+        assert 0 <= tr["exposed_s"] <= tr["step_s"]
+        for phase, p in tr["phases"].items():
+            assert p["at_once_s"] + p["ahead_s"] == pytest.approx(p["exposed_s"]), (scheme, phase)
+    assert len(out["explained"]) == len(out["schemes"])
+    assert all(line.split(":")[0] in out["schemes"] for line in out["explained"])
+
+
 @pytest.mark.slow
 @needs_root
 def test_full_default_run():
@@ -344,3 +429,17 @@ def test_full_default_run():
 
     assert list(out["schemes"]) == list(SCHEMES)
     assert set(SCHEMES) <= set(out["calibration"])
+    _check_exposure(out)
+
+
+@pytest.mark.slow
+@needs_root
+def test_full_frontier_shaped_run():
+    """The documented frontier-shaped run (2 nodes x 4 ranks, 4 schemes): several minutes."""
+    done = subprocess.run(CMD + ["--model", "frontier-shaped", "--json"], capture_output=True,
+                          text=True, timeout=3600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert list(out["schemes"]) == list(network_shape.FRONTIER_SCHEMES)
+    assert out["config"]["rate_derivation"]["rate_mbit"] == out["config"]["uplink_rate_mbit"]
+    _check_exposure(out)

@@ -143,6 +143,7 @@ class EmulatedNetwork:
     tag: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}-")
     created: list[str] = field(default_factory=list)
     shaped: list[tuple[str, str]] = field(default_factory=list)
+    uplinks: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def switch(self) -> str:
@@ -176,10 +177,13 @@ class EmulatedNetwork:
         self.created.append(ns)
         _run("ip", "-n", ns, "link", "set", "lo", "up")
 
+    def _tbf(self, rate_mbit: float) -> list[str]:
+        return ["tbf", "rate", f"{rate_mbit}mbit", "burst", f"{self.burst_kb}kb", "latency",
+                f"{self.queue_ms}ms"]
+
     def _shape(self, ns: str, dev: str, rate_mbit: float | None = None) -> None:
         self.shaped.append((ns, dev))
-        rate = f"{rate_mbit or self.rate_mbit}mbit"
-        tbf = ["tbf", "rate", rate, "burst", f"{self.burst_kb}kb", "latency", f"{self.queue_ms}ms"]
+        tbf = self._tbf(rate_mbit or self.rate_mbit)
         if self.delay_ms > 0:
             _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root",
                  "handle", "1:", *tbf)
@@ -208,6 +212,7 @@ class EmulatedNetwork:
                 _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", UPLINK)
             self._shape(ns, UPLINK)
             self._shape(sw, port)
+            self.uplinks += [(ns, UPLINK), (sw, port)]
 
     def _packages(self, i: int, node: str) -> None:
         """Node ``i`` as a bridge: its uplink and one shaped veth per package namespace."""
@@ -226,6 +231,14 @@ class EmulatedNetwork:
             self._shape(pkg, UPLINK, self.package_rate_mbit)
             self._shape(node, port, self.package_rate_mbit)
 
+    def set_rate(self, rate_mbit: float) -> None:
+        """Reshape every node uplink (both ends) to ``rate_mbit`` each way, in place."""
+        for ns, dev in self.uplinks:
+            handle = ["handle", "1:"] if self.delay_ms > 0 else []
+            _run("ip", "netns", "exec", ns, "tc", "qdisc", "change", "dev", dev, "root",
+                 *handle, *self._tbf(rate_mbit))
+        self.rate_mbit = rate_mbit
+
     def qdiscs(self, stats: bool = False) -> dict[str, str]:
         """``tc qdisc show`` (``-s``: with sent/dropped/overlimit counts) of every shaped device."""
         flag = ["-s"] if stats else []
@@ -242,3 +255,4 @@ class EmulatedNetwork:
             _remove(ns)
         self.created.clear()
         self.shaped.clear()
+        self.uplinks.clear()

@@ -22,15 +22,28 @@ across the uplinks, the node groups on loopback, give one bandwidth and
 latency per link class (project.fit_link; package and node are both
 loopback). The network is one shared uplink per node, so it is fitted and
 modelled on the bytes crossing that uplink (project.fit_uplink,
-LinkModel(network="shared_uplink")), not on the bytes each rank sends. Compute is timed without any communication: every rank runs the
+LinkModel(network="shared_uplink")), not on the bytes each rank sends.
+Compute is timed without any communication: every rank runs the
 forward+backward of the micro-batches and Adam on a 1/W shard at once.
 project.step_time (the model that projects Frontier) then predicts each
 scheme's step from the plan tool's traffic for this topology; stock Megatron
 is modelled by the engine preset with the same traffic (megatron-distopt as
 zero2, megatron-fsdp as zero3; see ``bench traffic``). Nothing else is fitted.
 
-    python -m megatron_lbp.bench network [--json] [--nodes 2] [--ranks-per-node 4]
-        [--rate-mbit 400] [--schemes lbp,zero3,...] [--steps 4] [--hidden 256] ...
+Per scheme, beside the step (megatron_lbp.bench.network_exposure): the compute
+alone (the same GPT as a plain module, no collective), the link time of the
+scheme's own step collectives timed alone (recorded in a warm-up round,
+replayed back to back in every kept round: megatron_lbp.bench.link_replay),
+the exposed communication (step - compute alone) and its share of the link
+time, and for engine schemes what their schedule trace (``--hier-trace``) says
+the rank waited on, per phase. ``--model frontier-shaped`` scales 20B's
+proportions down (full recomputation, 2 micro-batches) and derives the uplink
+rate from zero3's network/compute ratio on Frontier, measuring the compute
+first (megatron_lbp.bench.network_shape); the derivation is printed.
+
+    python -m megatron_lbp.bench network [--json] [--model default|frontier-shaped]
+        [--nodes 2] [--ranks-per-node 4] [--rate-mbit 400] [--schemes lbp,zero3,...]
+        [--steps 4] [--hidden 256] [--trace-dir DIR] ...
     python -m megatron_lbp.bench network --package-rate-mbit 1600   # + a package tier
     python -m megatron_lbp.bench network --sweep     # only remove stale lbpn-* namespaces
 
@@ -42,17 +55,20 @@ from __future__ import annotations
 
 import argparse
 import functools
+import glob
 import json
 import os
 import platform
+import shutil
 import signal
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from typing import Any
 
-from megatron_lbp.bench import netns
+from megatron_lbp.bench import netns, network_shape
 from megatron_lbp.bench.traffic import ENGINE_SCHEMES, GCDS_PER_PACKAGE, STOCK_SCHEMES
 
 SCHEMES = ("lbp", "zeropp", "zero3", "zero2", "hsdp") + STOCK_SCHEMES
@@ -82,7 +98,7 @@ def _join(ns_of_rank: list[str], master: str) -> None:
                             init_method=f"tcp://{master}:{os.environ['MASTER_PORT']}")
 
 
-def _trainer(scheme: str, spec, train, ranks_per_node: int):
+def _trainer(scheme: str, spec, train, ranks_per_node: int, trace_dir: str | None):
     from megatron_lbp.bench.traffic import setup_fsdp
     from megatron_lbp.testing.tiny_gpt import setup_hier, setup_stock
 
@@ -90,9 +106,15 @@ def _trainer(scheme: str, spec, train, ranks_per_node: int):
         return setup_stock(spec, train)
     if scheme == "megatron-fsdp":
         return setup_fsdp(spec, train)
+    trace = ["--hier-trace", trace_path(trace_dir, scheme)] if trace_dir else []
     return setup_hier(spec, train, ENGINE_SCHEMES[scheme] + [
         "--hier-gpus-per-node", str(ranks_per_node),
-        "--hier-gcds-per-package", str(GCDS_PER_PACKAGE)])
+        "--hier-gcds-per-package", str(GCDS_PER_PACKAGE)] + trace)
+
+
+def trace_path(trace_dir: str, scheme: str) -> str:
+    """Where an engine scheme's ranks write their schedule trace (one file per rank)."""
+    return os.path.join(trace_dir, f"{scheme}-trace-{{rank}}.jsonl")
 
 
 def _link_ops(ranks_per_node: int, sizes_mb, tiered: bool = False):
@@ -134,7 +156,7 @@ def _link_ops(ranks_per_node: int, sizes_mb, tiered: bool = False):
     return ops
 
 
-def _compute_ops(spec, train, adam_elements):
+def compute_ops(spec, train, adam_elements):
     """Forward+backward of the micro-batches, and Adam on a 1/W shard: no communication at all."""
     import torch
 
@@ -155,23 +177,30 @@ def _compute_ops(spec, train, adam_elements):
 
 
 def rank_bench(ns_of_rank, master, schemes, spec, train, warmup, ranks_per_node, sizes_mb,
-               adam_elements, tiered=False):
+               adam_elements, tiered=False, trace_dir=None):
     """Every scheme, the link collectives and the compute, interleaved step by step on this rank.
 
     Round r runs one training step of every scheme (order rotated by r), each
-    timed collective once and the compute once, so that load from other
-    processes on the machine falls on all of them alike. Rounds before
-    ``warmup`` are not kept. Returns seconds per kept round for each.
+    timed collective once, each scheme's own step collectives alone
+    (link_replay: recorded in the last warm-up round, or the first round
+    without warm-up) and the compute once, so that load from other processes
+    on the machine falls on all of them alike. Rounds before ``warmup`` are
+    not kept. Returns seconds per kept round for each.
     """
     import torch.distributed as dist
 
+    from megatron_lbp.bench import link_replay
+
     _join(ns_of_rank, master)
-    trainers = {s: _trainer(s, spec, train, ranks_per_node) for s in schemes}
+    trainers = {s: _trainer(s, spec, train, ranks_per_node, trace_dir) for s in schemes}
     results = dict.fromkeys(schemes)
     links = _link_ops(ranks_per_node, sizes_mb, tiered)
-    fwd_bwd, adam_step = _compute_ops(spec, train, adam_elements)
+    fwd_bwd, adam_step = compute_ops(spec, train, adam_elements)
     out = {"step_s": {s: [] for s in schemes}, "link_s": [[] for _ in links],
-           "fwd_bwd_s": [], "adam_s": []}
+           "replay_s": {s: [] for s in schemes}, "fwd_bwd_s": [], "adam_s": []}
+    record_round = max(warmup - 1, 0)
+    calls: dict[str, list] = {}
+    replays: dict[str, link_replay.Replay] = {}
 
     def timed(fn, *a, until_all_done=False):
         dist.barrier()
@@ -184,10 +213,23 @@ def rank_bench(ns_of_rank, master, schemes, spec, train, warmup, ranks_per_node,
     for step in range(train.steps):
         keep = step >= warmup
         shift = step % len(schemes)
-        for s in schemes[shift:] + schemes[:shift]:
-            t, results[s] = timed(trainers[s].run, [step], None, results[s], until_all_done=True)
+        order = schemes[shift:] + schemes[:shift]
+        for s in order:
+            if step == record_round:
+                with link_replay.recording() as calls[s]:
+                    t, results[s] = timed(trainers[s].run, [step], None, results[s],
+                                          until_all_done=True)
+            else:
+                t, results[s] = timed(trainers[s].run, [step], None, results[s],
+                                      until_all_done=True)
             if keep:
                 out["step_s"][s].append(t)
+        if step == record_round:
+            replays = {s: link_replay.Replay(calls[s]) for s in schemes}
+        if keep:
+            for s in order:  # each scheme's step collectives alone, all ranks done
+                t, _ = timed(replays[s], until_all_done=True)
+                out["replay_s"][s].append(t)
         # Collectives and compute: this rank's own finish; the driver takes the slowest rank.
         for i, (*_, op) in enumerate(links):
             t, _ = timed(op)
@@ -200,6 +242,7 @@ def rank_bench(ns_of_rank, master, schemes, spec, train, warmup, ranks_per_node,
             out["adam_s"].append(t_adam)
     out["losses"] = {s: results[s].losses for s in schemes}
     out["links"] = [link[:4] for link in links]
+    out["replayed_collectives"] = {s: r.count for s, r in replays.items()}
     return out
 
 
@@ -213,7 +256,8 @@ def _specs(args):
 
     spec = TinyGPTSpec(num_layers=args.layers, hidden_size=args.hidden,
                        num_attention_heads=args.heads, vocab_size=args.vocab,
-                       seq_length=args.seq, params_dtype=torch.bfloat16)
+                       seq_length=args.seq, params_dtype=torch.bfloat16,
+                       recompute=args.recompute)
     train = TrainSpec(steps=args.warmup + args.steps, micro_batch_size=args.micro_batch_size,
                       micro_batches=args.micro_batches)
     return spec, train
@@ -320,29 +364,51 @@ def _calibration(args, measured, links_fit, compute_meas) -> dict[str, Any]:
 
 def run(args) -> dict[str, Any]:
     """``--runs`` multi-rank runs of rank_bench (first scheme rotated); medians over all rounds."""
+    from megatron_lbp.bench import network_exposure as nx
+    from megatron_lbp.bench import network_shape
+
     spec, train = _specs(args)
     world = args.nodes * args.ranks_per_node
     adam_elements = _plans(args, ["lbp"])["lbp"]["padded_params"] / world
     out: dict[str, Any] = {"config": config(args), "schemes": {}, "calibration": {}}
+    derived = args.rate_mbit is None  # frontier-shaped: from zero3's network/compute on Frontier
     steps = {s: [] for s in args.schemes}
+    replay_s = {s: [] for s in args.schemes}
     link_s: list[list[float]] = []
     fwd_bwd: list[float] = []
     adam: list[float] = []
     tiered = args.package_rate_mbit > 0
     packages = args.ranks_per_node // GCDS_PER_PACKAGE if tiered else 0
-    with netns.EmulatedNetwork(args.nodes, args.rate_mbit, packages=packages,
+    trace_root = args.trace_dir or tempfile.mkdtemp(prefix="lbp-network-trace-")
+    trace_dirs = [os.path.join(trace_root, f"run{r + 1}") for r in range(args.runs)]
+    for d in trace_dirs:
+        os.makedirs(d, exist_ok=True)
+        for f in glob.glob(os.path.join(d, "*-trace-*.jsonl")):
+            os.remove(f)  # the trace appends: start from nothing
+    with netns.EmulatedNetwork(args.nodes, network_shape.PROBE_RATE_MBIT if derived
+                               else args.rate_mbit, packages=packages,
                                package_rate_mbit=args.package_rate_mbit,
                                delay_ms=args.delay_ms) as net:
+        if derived:
+            derivation = network_shape.derive(args, net, spec, train, _on_network,
+                                              lambda line: _progress(args, line))
+            args.rate_mbit = derivation["rate_mbit"]
+            net.set_rate(args.rate_mbit)
+            out["config"].update(rate_derivation=derivation, uplink_rate_mbit=args.rate_mbit,
+                                 uplink_rate_MB_per_s=args.rate_mbit / 8)
+            for line in network_shape.derivation_lines(derivation):
+                _progress(args, line)
         out["config"]["qdiscs"] = net.qdiscs()
         for run_ in range(args.runs):
             shift = run_ % len(args.schemes)
             order = args.schemes[shift:] + args.schemes[:shift]
             per_rank = _on_network(net, args, rank_bench, order, spec, train, args.warmup,
                                    args.ranks_per_node, args.link_sizes_mb, adam_elements,
-                                   tiered, timeout=args.timeout)
+                                   tiered, trace_dirs[run_], timeout=args.timeout)
             first = per_rank[0]
             for s in args.schemes:
                 steps[s] += first["step_s"][s]
+                replay_s[s] += first["replay_s"][s]
             # Collectives and compute end with their slowest rank.
             slowest = [[max(r["link_s"][i][k] for r in per_rank) for k in range(args.steps)]
                        for i in range(len(first["links"]))]
@@ -355,18 +421,37 @@ def run(args) -> dict[str, Any]:
                 + " s/step (medians)")
         # Drops would mean retransmissions, i.e. TCP timers, not the rate, in the step times.
         out["config"]["qdisc_stats_end"] = net.qdiscs(stats=True)
+    compute_meas = {"fwd_bwd_s": statistics.median(fwd_bwd), "adam_s": statistics.median(adam)}
+    compute_s = compute_meas["fwd_bwd_s"] + compute_meas["adam_s"]
+    kept = range(args.warmup + 1, args.warmup + args.steps + 1)  # optimizer steps count from 1
     for scheme in args.schemes:
-        out["schemes"][scheme] = {"step_s": steps[scheme],
-                                  "median_s": statistics.median(steps[scheme]),
-                                  "losses": losses[scheme]}
+        row = out["schemes"][scheme] = {"step_s": steps[scheme],
+                                        "median_s": statistics.median(steps[scheme]),
+                                        "losses": losses[scheme],
+                                        "link_replay_s": replay_s[scheme],
+                                        "replayed_collectives":
+                                            first["replayed_collectives"][scheme]}
+        row.update(nx.figures(row["median_s"], compute_s, statistics.median(replay_s[scheme])))
+        if scheme in ENGINE_SCHEMES:
+            row["trace"] = nx.trace_summary([trace_path(d, scheme) for d in trace_dirs], kept)
+    out["config"]["compute_alone"] = nx.compute_alone_text(args.recompute)
+    out["config"]["trace_dir"] = trace_root if args.trace_dir else None
+    if not args.trace_dir:
+        shutil.rmtree(trace_root, ignore_errors=True)
     lbp = out["schemes"]["lbp"]["median_s"]
     for row in out["schemes"].values():
         row["ratio_to_lbp"] = row["median_s"] / lbp
+    out["explained"] = [nx.explain(s, r) for s, r in out["schemes"].items()]
     samples = [tuple(link) + (statistics.median(ts),) for link, ts in zip(first["links"], link_s)]
-    compute_meas = {"fwd_bwd_s": statistics.median(fwd_bwd), "adam_s": statistics.median(adam)}
     measured = {s: r["median_s"] for s, r in out["schemes"].items()}
-    out["calibration"] = _calibration(args, measured, _fit_links(samples, args.ranks_per_node, tiered),
+    out["calibration"] = _calibration(args, measured,
+                                      _fit_links(samples, args.ranks_per_node, tiered),
                                       compute_meas)
+    zero3 = out["schemes"].get("zero3")
+    if derived and zero3:
+        # What the derived rate gave: zero3's own collectives alone over the compute alone.
+        out["config"]["rate_derivation"]["achieved_ratio"] = \
+            zero3["link_s"] / compute_meas["fwd_bwd_s"]
     out["config"]["loadavg_end"] = list(os.getloadavg())
     busiest = max(out["config"]["loadavg_start"][0], out["config"]["loadavg_end"][0])
     if busiest > world + 2 * out["config"]["cpus"]:
@@ -392,17 +477,20 @@ def config(args) -> dict[str, Any]:
                      f"each way" if args.package_rate_mbit > 0 else
                      f"{GCDS_PER_PACKAGE} ranks each (no separate package tier: loopback)"),
         "package_rate_mbit": args.package_rate_mbit,
-        "uplink_rate_mbit": args.rate_mbit, "uplink_rate_MB_per_s": args.rate_mbit / 8,
+        "uplink_rate_mbit": args.rate_mbit,
+        "uplink_rate_MB_per_s": None if args.rate_mbit is None else args.rate_mbit / 8,
         "uplink_shaping": "tc tbf on both ends of each node's veth (both directions), "
                           "burst 64 kB, queue 200 ms",
         "delay_ms": args.delay_ms,
         "intra_node": ("loopback inside a package's namespace (unshaped), package links "
                        "between packages" if args.package_rate_mbit > 0 else
                        "loopback inside the node's namespace, unshaped"),
+        "model_name": args.model,
         "model": {"num_layers": args.layers, "hidden_size": args.hidden,
                   "num_attention_heads": args.heads, "vocab_size": args.vocab,
                   "seq_length": args.seq, "params": plan["params"], "dtype": "bf16",
-                  "grad_reduce": "fp32"},
+                  "grad_reduce": "fp32", "recompute": "full" if args.recompute else "none",
+                  "units": plan["units"]},
         "micro_batch_size": args.micro_batch_size, "micro_batches": args.micro_batches,
         "warmup_steps": args.warmup, "timed_steps": args.steps, "schemes": list(args.schemes),
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
@@ -417,20 +505,34 @@ def _progress(args, line: str) -> None:
 
 
 def render(out: dict[str, Any]) -> str:
+    from megatron_lbp.bench import network_exposure, network_shape
+
     c = out["config"]
     m = c["model"]
     lines = [
         f"emulated network: {c['nodes']} nodes x {c['ranks_per_node']} ranks (gloo/TCP), "
-        f"uplink {c['uplink_rate_mbit']} Mbit/s = {c['uplink_rate_MB_per_s']:.1f} MB/s per node "
-        f"each way ({c['uplink_shaping']}), delay {c['delay_ms']} ms; {c['intra_node']}",
-        f"model: GPT {m['num_layers']} layers, hidden {m['hidden_size']}, heads "
+        f"uplink {c['uplink_rate_mbit']:.1f} Mbit/s = {c['uplink_rate_MB_per_s']:.2f} MB/s per "
+        f"node each way ({c['uplink_shaping']}), delay {c['delay_ms']} ms; {c['intra_node']}",
+        f"model {c['model_name']}: GPT {m['num_layers']} layers, hidden {m['hidden_size']}, heads "
         f"{m['num_attention_heads']}, vocab {m['vocab_size']}, seq {m['seq_length']}, "
-        f"{m['params']:,} parameters, bf16, fp32 grad reduction; micro-batch "
-        f"{c['micro_batch_size']} x {c['micro_batches']}; {c['warmup_steps']} warm-up + "
-        f"{c['timed_steps']} timed steps per run, {c['runs']} run(s); load average "
-        f"{c['loadavg_start'][0]:.1f} at start, {c['loadavg_end'][0]:.1f} at the end",
+        f"{m['params']:,} parameters, bf16, fp32 grad reduction, recomputation "
+        f"{m['recompute']}; micro-batch {c['micro_batch_size']} x {c['micro_batches']}; "
+        f"{c['warmup_steps']} warm-up + {c['timed_steps']} timed steps per run, {c['runs']} "
+        f"run(s); load average {c['loadavg_start'][0]:.1f} at start, "
+        f"{c['loadavg_end'][0]:.1f} at the end",
         f"versions: {json.dumps(c['versions'])}; {c['cpus']} CPUs",
         *([f"WARNING: {c['load_warning']}"] if c.get("load_warning") else []),
+        *(network_shape.derivation_lines(c["rate_derivation"])
+          + [f"  achieved in the run: zero3's collectives alone / compute alone = "
+             f"{c['rate_derivation'].get('achieved_ratio', float('nan')):.3f} (target "
+             f"{c['rate_derivation']['target']['ratio']:.3f})"]
+          if c.get("rate_derivation") else []),
+        "",
+        f"compute alone: {c['compute_alone']}; link: each scheme's step collectives timed "
+        f"alone; exposed = median - compute alone; trace waits: the engine's schedule trace, "
+        f"time the rank waited on collectives",
+        *network_exposure.render_table(out["schemes"]),
+        *(f"  {line}" for line in out.get("explained", [])),
         "",
         f"  {'scheme':<18}{'median s/step':>14}{'/ lbp':>8}{'pred / lbp':>12}{'error':>8}"
         "  within 20%",
@@ -478,29 +580,37 @@ def _sizes(text: str) -> tuple[float, ...]:
 def parse(argv) -> argparse.Namespace:
     p = _Parser(prog="python -m megatron_lbp.bench network", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=network_shape.MODELS, default="default",
+                   help="default: the 4-layer GPT at 400 Mbit/s; frontier-shaped: 20B's "
+                        "proportions scaled down, full recomputation, 2 micro-batches, the "
+                        "uplink derived from zero3's network/compute on Frontier")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=4, help="even (packages of 2)")
-    p.add_argument("--rate-mbit", type=float, default=RATE_MBIT,
-                   help=f"each node's uplink, Mbit/s each way (default {RATE_MBIT:g} = "
-                        f"{RATE_MBIT / 8:g} MB/s)")
+    p.add_argument("--rate-mbit", type=float, default=None,
+                   help=f"each node's uplink, Mbit/s each way (default: {RATE_MBIT:g} = "
+                        f"{RATE_MBIT / 8:g} MB/s for the default model, derived for "
+                        f"frontier-shaped)")
     p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay per uplink end")
     p.add_argument("--package-rate-mbit", type=float, default=0.0,
                    help="second tier: each package of 2 ranks its own namespace, joined to its "
                         "node by a link of this rate each way (default 0: off, a node's ranks "
                         "share its loopback)")
-    p.add_argument("--schemes", default=",".join(SCHEMES),
-                   help=f"comma-separated subset of {','.join(SCHEMES)} (lbp is always run)")
+    p.add_argument("--schemes", default=None,
+                   help=f"comma-separated subset of {','.join(SCHEMES)} (lbp is always run; "
+                        f"default all, {','.join(network_shape.FRONTIER_SCHEMES)} for "
+                        f"frontier-shaped)")
     p.add_argument("--steps", type=int, default=4, help="timed steps per scheme")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--runs", type=int, default=1,
                    help="separate multi-rank runs (starting scheme rotated); medians over all")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--micro-batches", type=int, default=1)
+    shape = p.add_argument_group("model shape (defaults per --model; frontier-shaped derives "
+                                 "--seq and --vocab from --hidden)")
+    for flag in ("layers", "hidden", "heads", "vocab", "seq", "micro-batch-size",
+                 "micro-batches"):
+        shape.add_argument(f"--{flag}", type=int, default=None)
+    p.add_argument("--trace-dir", default=None,
+                   help="keep the engine schemes' schedule traces here (run<N>/<scheme>-trace-"
+                        "<rank>.jsonl; default: a temporary directory, removed)")
     p.add_argument("--link-sizes-mb", default=",".join(map(str, LINK_SIZES_MB)),
                    help="buffer sizes (MB, fp32) of the timed link collectives")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per multi-rank run")
@@ -508,6 +618,12 @@ def parse(argv) -> argparse.Namespace:
                    help="only remove namespaces left by runs that no longer exist")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    network_shape.fill_model(args)
+    if args.schemes is None:
+        args.schemes = ",".join(network_shape.FRONTIER_SCHEMES if args.model == "frontier-shaped"
+                                else SCHEMES)
+    if args.rate_mbit is None and args.model == "default":
+        args.rate_mbit = RATE_MBIT
     for flag in ("nodes", "ranks_per_node", "steps", "runs", "layers", "hidden", "heads", "vocab",
                  "seq", "micro_batch_size", "micro_batches"):
         if getattr(args, flag) < 1:
@@ -521,7 +637,7 @@ def parse(argv) -> argparse.Namespace:
                 f"{GCDS_PER_PACKAGE} (packages of {GCDS_PER_PACKAGE})")
     if args.warmup < 0:
         p.error(f"--warmup={args.warmup} must be >= 0")
-    if not args.rate_mbit > 0:
+    if args.rate_mbit is not None and not args.rate_mbit > 0:
         p.error(f"--rate-mbit={args.rate_mbit} must be > 0")
     if args.package_rate_mbit < 0:
         p.error(f"--package-rate-mbit={args.package_rate_mbit} must be >= 0 (0: off)")
