@@ -2,10 +2,11 @@
 
 The fast form runs ``python -m megatron_lbp.bench report --quick`` (8-rank
 traffic with 3 schemes at K=1 and K=4, a one-step overhead on 4 ranks, the
-projection; the emulated network only where this machine can run it: root and
-iproute2) into a temporary directory and reads the markdown back. The same
-checks run on the committed BENCHMARKS.md against its committed results.json,
-and the README's quoted headline must be in that file.
+projection with its replayed schedule; the emulated network, default and
+frontier-shaped, only where this machine can run it: root and iproute2) into
+a temporary directory and reads the markdown back. The same checks run on the
+committed BENCHMARKS.md against its committed results.json, and the README's
+quoted headline must be in that file.
 """
 import json
 import os
@@ -127,9 +128,11 @@ def check_report(md_path: Path, results_path: Path):
                 want = [f"{by_gcd[g]['tflops_per_gcd']:.1f} ({by_gcd[g]['scaling_efficiency']:.2f})"
                         for g in sorted(by_gcd, key=int)]
                 assert rows[scheme][1:] == want, (name, scheme, rows[scheme], want)
-        ratio_rows = {r[0]: r for r in table_rows(text) if r[0] in pr["result"]["ratios"]}
+        idealised = text.split("### Replayed schedule")[0]
+        ratio_rows = {r[0]: r for r in table_rows(idealised) if r[0] in pr["result"]["ratios"]}
         for key, value in pr["result"]["ratios"].items():
             assert ratio_rows[key][1] == f"{value:.3f}", (key, ratio_rows[key], value)
+        check_replay(text, pr["result"])
     else:
         assert f"not run: {pr['reason']}" in text
 
@@ -142,8 +145,12 @@ def check_report(md_path: Path, results_path: Path):
         for scheme, row in net["result"]["schemes"].items():
             assert rows[scheme][1:3] == [f"{row['median_s']:.3f}",
                                          f"{row['ratio_to_lbp']:.2f}"], (scheme, rows[scheme], row)
+            if "exposed_share" in row:
+                assert rows[scheme][3:7] == exposure_cells(row), (scheme, rows[scheme], row)
     else:
         assert f"not run: {net['reason']}" in text, text
+    if "network_frontier" in runs:
+        check_frontier(section(md, "### Frontier-shaped"), runs["network_frontier"])
 
     goal_rows = table_rows(section(md, "## Goals"))
     assert len(goal_rows) == len(rec["goals"])
@@ -161,6 +168,8 @@ def check_report(md_path: Path, results_path: Path):
     expected = {"traffic.png"} if runs["traffic_k1"]["status"] == "ok" else set()
     expected |= {"projection.png"} if pr["status"] == "ok" else set()
     expected |= {"network.png"} if net["status"] == "ok" else set()
+    expected |= {"network_frontier.png"} if runs.get("network_frontier", {}).get(
+        "status") == "ok" else set()
     assert drawn == expected, (drawn, expected)
     for name in drawn:
         data = (plots / name).read_bytes()
@@ -172,6 +181,50 @@ def check_report(md_path: Path, results_path: Path):
         assert f"({os.path.relpath(plots / name, md_path.parent)})" in md \
             or f"({plots / name})" in md, f"{name} not linked"
     return md, rec
+
+
+def exposure_cells(row):
+    return [f"{row['compute_s']:.3f}", f"{row['link_s']:.3f}", f"{row['exposed_s']:.3f}",
+            f"{row['exposed_share']:.0%}"]
+
+
+def check_frontier(text: str, run):
+    """The frontier-shaped table: every scheme's figures as in its JSON, the trace's account."""
+    if run["status"] != "ok":
+        assert f"not run: {run['reason']}" in text, text
+        return
+    net = run["result"]
+    assert run["command"] in text
+    assert f"{net['config']['uplink_rate_mbit']:.1f} Mbit/s" in text
+    if net["config"].get("rate_derivation"):
+        assert "uplink rate derived" in text and "rate = " in text
+    rows = {r[0]: r for r in table_rows(text)}
+    for scheme, row in net["schemes"].items():
+        waits = row.get("trace", {}).get("exposed_s")
+        assert rows[scheme][1:] == [f"{row['median_s']:.3f}", f"{row['ratio_to_lbp']:.2f}",
+                                    *exposure_cells(row),
+                                    "—" if waits is None else f"{waits:.3f}"], (scheme, rows)
+    for line in net["explained"]:
+        assert line.replace("|", "\\|") in text, line
+
+
+def check_replay(text: str, proj):
+    """The replayed projection's tables equal the project run's ``replay`` JSON."""
+    rep = proj.get("replay")
+    if not rep:
+        assert "### Replayed schedule" not in text
+        return
+    replayed = section(text, "### Replayed schedule")
+    for name, per_scheme in rep["results"].items():
+        rows = {r[0]: r for r in table_rows(section(replayed, f"#### {name}, replayed"))}
+        for scheme, by_gcd in per_scheme.items():
+            want = [f"{by_gcd[g]['tflops_per_gcd']:.1f} ({by_gcd[g]['scaling_efficiency']:.2f})"
+                    for g in sorted(by_gcd, key=int)]
+            assert rows[scheme][1:] == want, (name, scheme, rows[scheme], want)
+    ratio_rows = {r[0]: r for r in table_rows(replayed) if r[0] in rep["ratios"]}
+    for key, value in rep["ratios"].items():
+        ideal = rep["idealised"]["ratios"].get(key)
+        assert ratio_rows[key][1:3] == [f"{value:.3f}", f"{ideal:.3f}"], (key, ratio_rows[key])
 
 
 def independent_headline(rec):
@@ -194,6 +247,19 @@ def independent_headline(rec):
         s = runs["network"]["result"]["schemes"]
         want = [s[x]["ratio_to_lbp"] for x in ("zeropp", "zero3", "megatron-fsdp") if x in s]
         assert heads["emulated_speedup"]["values"] == pytest.approx(want)
+    if runs.get("network_frontier", {}).get("status") == "ok":
+        s = runs["network_frontier"]["result"]["schemes"]
+        want = [s["lbp"]["exposed_s"] / s["lbp"]["link_s"]] + [
+            s[x]["median_s"] / s["lbp"]["median_s"] for x in ("zeropp", "zero3", "megatron-fsdp")
+            if x in s]
+        assert heads["frontier_emulation"]["values"] == pytest.approx(want)
+    rep = runs["project"].get("result", {}).get("replay") if runs["project"]["status"] == "ok" \
+        else None
+    if rep:
+        r = rep["results"]["20B"]
+        want = [r["lbp"]["384"]["tflops_per_gcd"] / r["zeropp"]["384"]["tflops_per_gcd"],
+                r["lbp"]["384"]["tflops_per_gcd"] / r["lbp"]["8"]["tflops_per_gcd"]]
+        assert heads["replay"]["values"] == pytest.approx(want, rel=1e-12)
 
 
 # --------------------------------------------------------------------------- tests

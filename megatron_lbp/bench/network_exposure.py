@@ -105,11 +105,16 @@ def explain(scheme: str, row: Mapping[str, Any], top: int = 3) -> str:
                                  (p["ahead_s"], f"{p['ahead_s']:.3f} issued ahead of shorter "
                                                 f"compute")) if value > 0) + ")"
              for ph, p in phases[:top]]
-    return (text + f"; the trace has the rank waiting on collectives {waits:.3f} s: "
-            + (", ".join(parts) or "none") +
-            f"; the rest, {row['exposed_s'] - waits:.3f} s, is the engine's host work around "
-            f"its collectives and compute slowed by communication on the same cores "
-            f"(traced step {tr['step_s']:.3f} s)")
+    rest = row["exposed_s"] - waits
+    text += (f"; the trace has the rank waiting on collectives {waits:.3f} s: "
+             + (", ".join(parts) or "none"))
+    if rest >= 0:
+        return text + (f"; the other {rest:.3f} s are the engine's host work around its "
+                       f"collectives and compute slowed by communication on the same cores "
+                       f"(traced step {tr['step_s']:.3f} s)")
+    return text + (f"; that is {-rest:.3f} s more than step - compute alone: the compute "
+                   f"inside the traced steps (step {tr['step_s']:.3f} s) ran faster than the "
+                   f"compute alone measured beside them, as load on the machine varies")
 
 
 def render_table(schemes: Mapping[str, Mapping[str, Any]]) -> list[str]:

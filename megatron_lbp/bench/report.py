@@ -4,9 +4,10 @@
         [--plots-dir docs/benchmarks] [--skip network,...] [--reuse overhead,...] [--timeout S]
 
 Each section is produced by running the command's ``--json`` form in a fresh
-subprocess (the exact argv is recorded): traffic at K=1 and K=4, project,
-overhead (plus the plan tool for the overhead run's configuration, to say where
-its extra time goes) and network. Every result is saved in
+subprocess (the exact argv is recorded): traffic at K=1 and K=4, project (with
+its replayed schedule), overhead (plus the plan tool for the overhead run's
+configuration, to say where its extra time goes) and network (the default model
+and ``--model frontier-shaped``). Every result is saved in
 ``<plots-dir>/results.json`` together with the machine (CPU model, cores, load
 average, kernel), the versions (python, torch, megatron-core, git commit and
 dirty flag) and each command's wall time and exit status; the markdown is
@@ -17,8 +18,9 @@ section as "not run: <reason>" and makes this command exit 1, unless that
 section was named in ``--skip``. ``--reuse`` takes named sections from the
 existing results.json instead of running them again (their original
 provenance is kept and printed). ``--quick`` is the reduced CI form (8 traffic
-ranks, 3 schemes, a one-step overhead on 4 ranks, a one-step network run of
-lbp and zeropp on 2 nodes x 2 ranks); without ``--out`` it writes
+ranks, 3 schemes, a one-step overhead on 4 ranks, one-step network runs of
+lbp and zeropp on 2 nodes x 2 ranks, default and frontier-shaped); without
+``--out`` it writes
 into a new temporary directory, never over the committed BENCHMARKS.md.
 """
 from __future__ import annotations
@@ -54,6 +56,8 @@ QUICK_OVERHEAD = ["--ranks", "4", "--runs", "1", "--steps", "1", "--hidden", "32
                   "--layers", "1", "--seq", "16"]
 QUICK_NETWORK = ["--ranks-per-node", "2", "--schemes", "zeropp", "--steps", "1", "--warmup", "1",
                  "--layers", "1", "--hidden", "64"]
+QUICK_FRONTIER = ["--ranks-per-node", "2", "--schemes", "lbp,zeropp", "--steps", "1",
+                  "--warmup", "1", "--layers", "2", "--hidden", "64"]
 
 
 def section_commands(quick: bool) -> dict[str, dict[str, list[str]]]:
@@ -65,7 +69,9 @@ def section_commands(quick: bool) -> dict[str, dict[str, list[str]]]:
         "project": {"project": BENCH + ["project", "--json"]},
         "overhead": {"overhead": BENCH + ["overhead", "--json"]
                      + (QUICK_OVERHEAD if quick else ["--profile"])},
-        "network": {"network": BENCH + ["network", "--json"] + (QUICK_NETWORK if quick else [])},
+        "network": {"network": BENCH + ["network", "--json"] + (QUICK_NETWORK if quick else []),
+                    "network_frontier": BENCH + ["network", "--json", "--model", "frontier-shaped"]
+                    + (QUICK_FRONTIER if quick else [])},
     }
 
 

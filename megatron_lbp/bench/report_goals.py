@@ -10,6 +10,9 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 BYTES_VS_ZERO3 = 1 / 8
+FRONTIER_EXPOSED_SHARE = 0.25
+REPLAY_EFFICIENCY = 0.90
+REPLAY_LBP_OVER_ZEROPP = 1.6
 BYTES_VS_ZEROPP = 1 / 3
 SPEEDUP_TARGETS = {"zeropp": 1.5, "zero3": 2.0, "megatron-fsdp": 2.0}
 OVERHEAD_TARGET = 1.15
@@ -293,9 +296,135 @@ def projection_goal(runs) -> dict[str, Any]:
     return _goal("projection", goal, "compared", f"{v:.3f} (paper {paper})", v, reason)
 
 
+def _load_text(cfg: Mapping[str, Any]) -> str:
+    load = " and".join(f" {cfg[k][0]:.0f} at the {k.split('_')[1]}"
+                       for k in ("loadavg_start", "loadavg_end") if cfg.get(k))
+    text = (f"{cfg.get('world_size', '?')} ranks shared {cfg.get('cpus', '?')} cores"
+            + (f", load average{load}" if load else ""))
+    return text + (f" (the command warns: {cfg['load_warning']})" if cfg.get("load_warning")
+                   else "")
+
+
+def _frontier_row_text(scheme: str, row: Mapping[str, Any]) -> str:
+    return (f"{scheme} step {row['median_s']:.3f} s = compute alone {row['compute_s']:.3f} + "
+            f"exposed {row['exposed_s']:.3f} (its collectives alone {row['link_s']:.3f} s)")
+
+
+def frontier_goals(runs) -> list[dict[str, Any]]:
+    """The Frontier-shaped emulation's goals: lbp hides its communication, and leads the others."""
+    from megatron_lbp.bench.network_exposure import explain
+
+    net = result(runs, "network_frontier")
+    rows = (net or {}).get("schemes") or {}
+    lbp = rows.get("lbp")
+    goals = []
+    goal = (f"Frontier-shaped emulation: lbp's exposed communication (step - compute alone) "
+            f"≤ {FRONTIER_EXPOSED_SHARE:.0%} of its link time")
+    if not lbp or "exposed_share" not in lbp:
+        goals.append(_goal("frontier_exposed_share", goal, "not measured", "—", None,
+                           why_not(runs, "network_frontier") or "lbp not in the run"))
+    else:
+        v = float(lbp["exposed_share"])
+        ok = v <= FRONTIER_EXPOSED_SHARE
+        reason = "" if ok else (f"{explain('lbp', lbp)}. During this run "
+                                f"{_load_text(net.get('config') or {})}")
+        goals.append(_goal("frontier_exposed_share", goal, "met" if ok else "missed",
+                           f"{v:.0%} ({lbp['exposed_s']:.3f} s of {lbp['link_s']:.3f} s)", v,
+                           reason))
+    for scheme, target in SPEEDUP_TARGETS.items():
+        goal = f"Frontier-shaped emulation: lbp step ≥ {target:g}x faster than {scheme}"
+        row = rows.get(scheme)
+        if not lbp or not row:
+            goals.append(_goal(f"frontier_speedup_vs_{scheme}", goal, "not measured", "—",
+                               None, why_not(runs, "network_frontier")
+                               or f"{scheme} not in the run"))
+            continue
+        v = row["median_s"] / lbp["median_s"]
+        ok = v >= target
+        reason = "" if ok else (
+            f"{_frontier_row_text('lbp', lbp)}; {_frontier_row_text(scheme, row)}. "
+            f"{explain('lbp', lbp)}. {explain(scheme, row)}. During this run "
+            f"{_load_text(net.get('config') or {})}")
+        goals.append(_goal(f"frontier_speedup_vs_{scheme}", goal, "met" if ok else "missed",
+                           f"{v:.2f}x ({row['median_s']:.3f} s vs lbp {lbp['median_s']:.3f} s)",
+                           v, reason))
+    return goals
+
+
+def replay_rows(proj) -> tuple[dict[str, Any], str, str] | None:
+    """(replay result, top GCD count, lowest) of the project run's 20B replay, or None."""
+    rep = (proj or {}).get("replay") or {}
+    r20 = rep.get("results", {}).get("20B", {})
+    if "lbp" not in r20:
+        return None
+    gcds = sorted(int(g) for g in r20["lbp"])
+    return rep, str(gcds[-1]), str(gcds[0])
+
+
+def _replay_parts(scheme: str, r: Mapping[str, Any]) -> str:
+    return (f"{scheme} {r['step_s']:.2f} s = compute {r['compute_s']:.2f} + exposed "
+            f"{r['exposed_s']:.2f} (link time {r['link_s']:.2f}): "
+            + "; ".join(r.get("explain", [])[:2]))
+
+
+def replay_goals(runs) -> list[dict[str, Any]]:
+    proj = result(runs, "project")
+    found = replay_rows(proj)
+    goals = []
+    eff_goal = (f"replayed projection (the engine's traced schedule at Frontier's figures), "
+                f"20B: lbp scaling efficiency ≥ {REPLAY_EFFICIENCY:.2f} at 384 GCDs")
+    ratio_goal = (f"replayed projection, 20B at 384 GCDs: lbp / zeropp TFLOPS per GCD ≥ "
+                  f"{REPLAY_LBP_OVER_ZEROPP:g}")
+    if not found:
+        why = why_not(runs, "project") or "no replay of 20B lbp in the projection"
+        return [_goal("replay_efficiency", eff_goal, "not measured", "—", None, why),
+                _goal("replay_lbp_over_zeropp", ratio_goal, "not measured", "—", None, why)]
+    rep, top, low = found
+    r20 = rep["results"]["20B"]
+    paper = proj["paper"]
+    stale = f" Note: {rep['stale']}" if rep.get("stale") else ""
+    a = rep["assumptions"]
+    setting = (f"{a['micro_batches']} micro-batch(es), "
+               f"{'full recomputation' if a['recompute'] else 'no recomputation'}, prefetch "
+               f"{a['prefetch_units']}")
+    key = f"20B lbp scaling efficiency {low}->{top}"
+    v = rep["ratios"].get(key)
+    if v is None or top != "384":
+        goals.append(_goal("replay_efficiency", eff_goal, "not measured", "—", None,
+                           f"the replay has no {key.replace(top, '384')}"))
+    else:
+        ok = v >= REPLAY_EFFICIENCY
+        lo, hi = r20["lbp"][low], r20["lbp"][top]
+        ideal = rep["idealised"]["ratios"].get(key)
+        reason = "" if ok else (
+            f"at {top} GCDs {_replay_parts('lbp', hi)}; at {low} GCDs lbp {lo['step_s']:.2f} s "
+            f"(exposed {lo['exposed_s']:.2f}). Traces: {setting}"
+            + (f"; the idealised model at the same settings gives {ideal:.3f}" if ideal else "")
+            + f"; paper {paper['lbp_scaling_efficiency']}.{stale}")
+        goals.append(_goal("replay_efficiency", eff_goal, "met" if ok else "missed",
+                           f"{v:.3f} (paper {paper['lbp_scaling_efficiency']})", v, reason))
+    key = f"20B lbp/zeropp TFLOPS at {top}"
+    v = rep["ratios"].get(key)
+    if v is None or top != "384":
+        goals.append(_goal("replay_lbp_over_zeropp", ratio_goal, "not measured", "—", None,
+                           f"the replay has no {key.replace(top, '384')}"))
+    else:
+        ok = v >= REPLAY_LBP_OVER_ZEROPP
+        ideal = rep["idealised"]["ratios"].get(key)
+        reason = "" if ok else (
+            f"{_replay_parts('lbp', r20['lbp'][top])}. "
+            f"{_replay_parts('zeropp', r20['zeropp'][top])}. Traces: {setting}"
+            + (f"; the idealised model at the same settings gives {ideal:.3f}" if ideal else "")
+            + f"; paper {paper['lbp_over_zeropp_tflops_20B_384']}.{stale}")
+        goals.append(_goal("replay_lbp_over_zeropp", ratio_goal, "met" if ok else "missed",
+                           f"{v:.3f} (paper {paper['lbp_over_zeropp_tflops_20B_384']})", v,
+                           reason))
+    return goals
+
+
 def goals(runs) -> list[dict[str, Any]]:
-    return [*traffic_goals(runs), *network_goals(runs), overhead_goal(runs),
-            *pair_goals(runs), projection_goal(runs)]
+    return [*traffic_goals(runs), *network_goals(runs), *frontier_goals(runs),
+            overhead_goal(runs), *pair_goals(runs), projection_goal(runs), *replay_goals(runs)]
 
 
 def headline(runs, goal_list) -> list[dict[str, Any]]:
@@ -331,10 +460,27 @@ def headline(runs, goal_list) -> list[dict[str, Any]]:
         lines.append({"id": "overhead_pairs", "values": [v for _, v in pairs],
                       "text": "Like against like on one unshaped CPU node, step time: " + ", ".join(
                           f"{name} {v:.3f}x" for name, v in pairs)})
+    share = by_id["frontier_exposed_share"]
+    fspeed = [(s, by_id[f"frontier_speedup_vs_{s}"]["value"]) for s in SPEEDUP_TARGETS
+              if by_id[f"frontier_speedup_vs_{s}"]["value"] is not None]
+    if share["value"] is not None or fspeed:
+        lines.append({"id": "frontier_emulation",
+                      "values": ([share["value"]] if share["value"] is not None else [])
+                      + [v for _, v in fspeed],
+                      "text": "Frontier-shaped emulation: " + ", ".join(
+                          ([f"lbp's exposed communication {share['measured']} of its link "
+                            f"time"] if share["value"] is not None else [])
+                          + [f"{s} {v:.2f}x lbp's step" for s, v in fspeed])})
     if by_id["projection"]["value"] is not None:
         lines.append({"id": "projection", "values": [by_id["projection"]["value"]],
                       "text": f"Projection, 20B at 384 GCDs: lbp / zeropp TFLOPS per GCD "
                               f"{by_id['projection']['measured']}"})
+    eff, ratio = by_id["replay_efficiency"], by_id["replay_lbp_over_zeropp"]
+    if eff["value"] is not None and ratio["value"] is not None:
+        lines.append({"id": "replay", "values": [ratio["value"], eff["value"]],
+                      "text": f"Replayed projection (the engine's traced schedule), 20B at 384 "
+                              f"GCDs: lbp / zeropp {ratio['measured']}, lbp scaling efficiency "
+                              f"{eff['measured']}"})
     return lines
 
 

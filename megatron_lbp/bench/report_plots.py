@@ -1,8 +1,9 @@
 """The report's PNG plots, drawn (Agg, no display) from the run records it saved.
 
 One plot per measured section: bytes per link class per scheme (K=1 and K=4),
-step time per scheme on the emulated network, projected TFLOPS per GCD against
-GCD count (10B and 20B). A section that did not run gets no plot.
+step time per scheme on the emulated network, the Frontier-shaped emulation's
+compute, exposed and link time, projected TFLOPS per GCD against GCD count
+(10B and 20B; idealised and replayed). A section that did not run gets no plot.
 """
 from __future__ import annotations
 
@@ -82,6 +83,13 @@ def projection_plot(runs, path: Path) -> bool:
             # int8 variants overlap their bf16 line when the network is not their bottleneck.
             ax.plot(gcds, [rows[str(g)]["tflops_per_gcd"] for g in gcds], marker="o",
                     linestyle="--" if "int8" in scheme else "-", label=scheme)
+        replayed = ((proj.get("replay") or {}).get("results") or {}).get(name, {})
+        for scheme in ("lbp", "zeropp"):
+            rows = replayed.get(scheme)
+            if rows:
+                gcds = sorted(int(g) for g in rows)
+                ax.plot(gcds, [rows[str(g)]["tflops_per_gcd"] for g in gcds], marker="x",
+                        linestyle=":", label=f"{scheme}, replayed schedule")
         ax.set_xscale("log", base=2)
         ax.set_xticks(gcds, [str(g) for g in gcds])
         ax.set_xlabel("GCDs")
@@ -96,8 +104,33 @@ def projection_plot(runs, path: Path) -> bool:
     return True
 
 
+def frontier_plot(runs, path: Path) -> bool:
+    """Frontier-shaped emulation: each scheme's step as compute alone + exposed, its link time."""
+    net = result(runs, "network_frontier")
+    rows = {s: r for s, r in ((net or {}).get("schemes") or {}).items() if "compute_s" in r}
+    if not rows:
+        return False
+    plt = _pyplot()
+    schemes = list(rows)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    compute = [rows[s]["compute_s"] for s in schemes]
+    exposed = [max(0.0, rows[s]["exposed_s"]) for s in schemes]
+    ax.bar(schemes, compute, color="tab:blue", label="compute alone")
+    ax.bar(schemes, exposed, bottom=compute, color="tab:red", label="exposed (step - compute)")
+    ax.scatter(schemes, [rows[s]["link_s"] for s in schemes], marker="_", s=900, color="black",
+               zorder=3, label="its collectives alone")
+    ax.set_ylabel("seconds per step")
+    ax.set_title("Frontier-shaped emulation (network bench)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 PLOTS = {"traffic.png": (traffic_plot, ("traffic_k1", "traffic_k4")),
          "network.png": (network_plot, ("network",)),
+         "network_frontier.png": (frontier_plot, ("network_frontier",)),
          "projection.png": (projection_plot, ("project",))}
 
 

@@ -97,17 +97,20 @@ def network_section(report, out: Path, plots: Path) -> list[str]:
     lines = ["## Emulated network (`python -m megatron_lbp.bench network`)", ""]
     missing = _not_run(runs, "network")
     if missing:
-        return lines + [missing, ""]
+        return lines + [missing, ""] + frontier_section(report, out, plots)
     net = result(runs, "network")
     lines += [f"Command: {_provenance(runs['network'])}", ""]
     if net.get("config", {}).get("load_warning"):
         lines += [f"**Warning from the command:** {net['config']['load_warning']}", ""]
     lines += ["Setup:", "", "```json",
               json.dumps(net.get("config", {}), indent=1, sort_keys=True), "```", "",
-              "| scheme | median step (s) | ratio to lbp | step times (s) |", "|---|---:|---:|---|"]
+              "| scheme | median step (s) | ratio to lbp | compute alone (s) | link alone (s) "
+              "| exposed (s) | exposed / link | step times (s) |",
+              "|---|---:|---:|---:|---:|---:|---:|---|"]
     for scheme, row in net["schemes"].items():
         times = ", ".join(f"{t:.3f}" for t in row.get("step_s", []))
-        lines.append(f"| {scheme} | {row['median_s']:.3f} | {row['ratio_to_lbp']:.2f} | {times} |")
+        lines.append(f"| {scheme} | {row['median_s']:.3f} | {row['ratio_to_lbp']:.2f} | "
+                     + " | ".join(exposure_cells(row)) + f" | {times} |")
     lines.append("")
     cal = calibration_rows(net)
     if cal:
@@ -126,6 +129,60 @@ def network_section(report, out: Path, plots: Path) -> list[str]:
         lines.append("")
     if "network.png" in report["plots"]:
         lines += [f"![step time on the emulated network]({_rel(plots / 'network.png', out)})", ""]
+    return lines + frontier_section(report, out, plots)
+
+
+def exposure_cells(row) -> list[str]:
+    """compute alone, link alone, exposed, exposed / link: '—' for a run from before them."""
+    if "exposed_share" not in row:
+        return ["—"] * 4
+    return [f"{row['compute_s']:.3f}", f"{row['link_s']:.3f}", f"{row['exposed_s']:.3f}",
+            f"{row['exposed_share']:.0%}"]
+
+
+def frontier_section(report, out: Path, plots: Path) -> list[str]:
+    from megatron_lbp.bench.network_shape import derivation_lines
+
+    runs = report["runs"]
+    if "network_frontier" not in runs:
+        return []
+    lines = ["### Frontier-shaped (`--model frontier-shaped`)", ""]
+    missing = _not_run(runs, "network_frontier")
+    if missing:
+        return lines + [missing, ""]
+    net = result(runs, "network_frontier")
+    c, m = net["config"], net["config"]["model"]
+    lines += [f"Command: {_provenance(runs['network_frontier'])}", ""]
+    if c.get("load_warning"):
+        lines += [f"**Warning from the command:** {c['load_warning']}", ""]
+    lines += [f"GPT {m['num_layers']} layers, hidden {m['hidden_size']}, sequence "
+              f"{m['seq_length']}, vocabulary {m['vocab_size']} ({m['params']:,} parameters; "
+              f"20B's proportions), recomputation {m['recompute']}, {c['micro_batches']} "
+              f"micro-batches of {c['micro_batch_size']}; {c['nodes']} nodes x "
+              f"{c['ranks_per_node']} ranks, uplink {c['uplink_rate_mbit']:.1f} Mbit/s; load "
+              f"average {c['loadavg_start'][0]:.1f} at the start, {c['loadavg_end'][0]:.1f} at "
+              f"the end.", ""]
+    if c.get("rate_derivation"):
+        d = c["rate_derivation"]
+        lines += ["```", *derivation_lines(d),
+                  f"  achieved: zero3's collectives alone / compute alone = "
+                  f"{d.get('achieved_ratio', float('nan')):.3f}", "```", ""]
+    lines += [f"Compute alone: {c.get('compute_alone', '')}. Link alone: the scheme's own step "
+              f"collectives issued again back to back. Trace waits: the time the engine's "
+              f"schedule trace has the rank waiting on collectives.", "",
+              "| scheme | median step (s) | ratio to lbp | compute alone (s) | link alone (s) "
+              "| exposed (s) | exposed / link | trace waits (s) |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for scheme, row in net["schemes"].items():
+        waits = row.get("trace", {}).get("exposed_s")
+        lines.append(f"| {scheme} | {row['median_s']:.3f} | {row['ratio_to_lbp']:.2f} | "
+                     + " | ".join(exposure_cells(row))
+                     + f" | {'—' if waits is None else f'{waits:.3f}'} |")
+    lines += ["", "Where the exposed time is (from the schedule traces):", ""]
+    lines += [f"- {_cell(line)}" for line in net.get("explained", [])] + [""]
+    if "network_frontier.png" in report["plots"]:
+        lines += [f"![Frontier-shaped emulation: compute, exposed and link time]"
+                  f"({_rel(plots / 'network_frontier.png', out)})", ""]
     return lines
 
 
@@ -220,7 +277,52 @@ def project_section(report, out: Path, plots: Path) -> list[str]:
               "```json", json.dumps(proj["assumptions"], indent=1), "```", ""]
     if "projection.png" in report["plots"]:
         lines += [f"![projected TFLOPS per GCD]({_rel(plots / 'projection.png', out)})", ""]
-    return lines
+    return lines + replay_section(proj, refs)
+
+
+def replay_section(proj, refs) -> list[str]:
+    rep = proj.get("replay")
+    if not rep:
+        return []
+    a = rep["assumptions"]
+    lines = ["### Replayed schedule", "",
+             f"The engine's own program order, from schedule traces "
+             f"({a['micro_batches']} micro-batch(es), "
+             f"{'full recomputation' if a['recompute'] else 'no recomputation'}, prefetch "
+             f"{a['prefetch_units']} unit(s) ahead), replayed with the link and compute figures "
+             f"above at the real shape: {a['rules']}. Traces: " + ", ".join(
+                 f"`{t['path']}`" for by_model in rep["traces"].values()
+                 for t in by_model.values()) + ".", ""]
+    if rep.get("stale"):
+        lines += [f"**Warning:** {rep['stale']}", ""]
+    for name, per_scheme in rep["results"].items():
+        if not per_scheme:
+            continue
+        gcds = sorted({int(g) for rows in per_scheme.values() for g in rows})
+        lines += [f"#### {name}, replayed", "",
+                  "| scheme | " + " | ".join(f"{g} GCDs" for g in gcds) + " |",
+                  "|---|" + "---:|" * len(gcds)]
+        for scheme, rows in per_scheme.items():
+            lines.append(f"| {scheme} | " + " | ".join(
+                f"{rows[str(g)]['tflops_per_gcd']:.1f} ({rows[str(g)]['scaling_efficiency']:.2f})"
+                for g in gcds) + " |")
+        top = str(gcds[-1])
+        lines.append("")
+        for scheme, rows in per_scheme.items():
+            r = rows[top]
+            lines.append(f"- {scheme} at {top} GCDs: step {r['step_s']:.2f} s = compute "
+                         f"{r['compute_s']:.2f} + exposed {r['exposed_s']:.2f} (link time "
+                         f"{r['link_s']:.2f}); " + _cell("; ".join(r["explain"]) or "nothing "
+                                                          "exposed"))
+        lines.append("")
+    ideal = rep["idealised"]["ratios"]
+    lines += ["| ratio | replayed | idealised, same settings | paper |", "|---|---:|---:|---:|"]
+    for key, value in rep["ratios"].items():
+        ref = next((v for k, v in refs.items() if k in key), None)
+        lines.append(f"| {key} | {value:.3f} | "
+                     + (f"{ideal[key]:.3f}" if key in ideal else "—")
+                     + f" | {ref if ref is not None else '—'} |")
+    return lines + [""]
 
 
 def provenance_section(report) -> list[str]:
