@@ -44,6 +44,16 @@ def test_committed_traces_are_todays_engine_schedule():
             assert any(i["pass"] == "recompute" for i in records[-1]["compute"])
 
 
+def test_the_schedule_hash_sees_code_not_comments():
+    src = 'def f(x):\n    """Why."""\n    return x + 1  # a comment\n'
+    assert pr.code_of(src) == pr.code_of('def f(x):\n    # moved\n    return x + 1\n')
+    assert pr.code_of(src) != pr.code_of('def f(x):\n    return x + 2\n')
+    files = {rel: (pr.REPO / rel).read_text() for rel in pr.SCHEDULE_SOURCES}
+    touched = dict(files, **{pr.SCHEDULE_SOURCES[0]: files[pr.SCHEDULE_SOURCES[0]] + "\nX = 1\n"})
+    assert pr.schedule_sources_hash(files.get) == pr.schedule_sources_hash()
+    assert pr.schedule_sources_hash(touched.get) != pr.schedule_sources_hash()
+
+
 def test_phases_are_the_engines():
     from megatron_lbp.engine.comm import ALL_PHASES as ENGINE_PHASES
 
