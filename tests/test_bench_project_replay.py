@@ -152,3 +152,11 @@ def test_cli_replays_a_given_trace_and_refuses_bad_ones(tmp_path):
                              timeout=300)
         lines = bad.stderr.strip().splitlines()
         assert bad.returncode == 2 and len(lines) == 1 and says in lines[0], (args, bad.stderr)
+
+
+def test_bench_trace_reads_a_compressed_trace(capsys):
+    from megatron_lbp.bench import trace
+
+    assert trace.main([str(pr.default_traces()["lbp"][32]), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["steps"] == [2, 3] and summary["median"]["phases"]["step_reduce"]["count"] == 34

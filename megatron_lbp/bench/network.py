@@ -530,7 +530,8 @@ def render(out: dict[str, Any]) -> str:
         "",
         f"compute alone: {c['compute_alone']}; link: each scheme's step collectives timed "
         f"alone; exposed = median - compute alone; trace waits: the engine's schedule trace, "
-        f"time the rank waited on collectives",
+        f"time the rank waited on collectives (at once: no compute since the issue; ahead: "
+        f"issued ahead of compute shorter than its link time)",
         *network_exposure.render_table(out["schemes"]),
         *(f"  {line}" for line in out.get("explained", [])),
         "",

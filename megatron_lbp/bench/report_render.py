@@ -169,7 +169,9 @@ def frontier_section(report, out: Path, plots: Path) -> list[str]:
                   f"{d.get('achieved_ratio', float('nan')):.3f}", "```", ""]
     lines += [f"Compute alone: {c.get('compute_alone', '')}. Link alone: the scheme's own step "
               f"collectives issued again back to back. Trace waits: the time the engine's "
-              f"schedule trace has the rank waiting on collectives.", "",
+              f"schedule trace has the rank waiting on collectives; below, per phase, waited "
+              f"for *at once* (no compute since its issue: synchronous, or nothing to hide "
+              f"behind) or *issued ahead* of compute shorter than its link time.", "",
               "| scheme | median step (s) | ratio to lbp | compute alone (s) | link alone (s) "
               "| exposed (s) | exposed / link | trace waits (s) |",
               "|---|---:|---:|---:|---:|---:|---:|---:|"]
