@@ -94,7 +94,11 @@ def test_the_replay_moves_the_plans_bytes_and_its_times_add_up(replayed):
                 assert r["tflops_per_gcd"] < 191.5 * 0.35, where
             assert rows["8"]["scaling_efficiency"] == 1.0
     assert set(replayed["ratios"]) == set(pj.project(GCDS and ("10B", "20B"), GCDS)["ratios"])
-    assert replayed["stale"] == ""
+    # Stale traces are test_committed_traces_are_todays_engine_schedule's failure; here the
+    # replay says so (with the command that re-records them) exactly when they are.
+    fresh = pr.read_index()["schedule_sources_sha256"] == pr.schedule_sources_hash()
+    assert (replayed["stale"] == "") is fresh, replayed["stale"]
+    assert fresh or "--record-traces megatron_lbp/bench/traces" in replayed["stale"]
     assert replayed["idealised"]["micro_batches"] == 2 and replayed["idealised"]["recompute"]
 
 
@@ -160,3 +164,54 @@ def test_bench_trace_reads_a_compressed_trace(capsys):
     assert trace.main([str(pr.default_traces()["lbp"][32]), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["steps"] == [2, 3] and summary["median"]["phases"]["step_reduce"]["count"] == 34
+
+
+def _overlapped(records):
+    """The records as an engine with overlap-param-gather would write them: each step's
+    step_gather collectives issued at its end, not waited for there, and carried into the
+    next record, waited for just before their unit's first forward."""
+    out = []
+    for index, record in enumerate(records):
+        rec = json.loads(json.dumps(record))
+        gathers = [c for c in rec["collectives"] if c["phase"] == "step_gather"]
+        for c in gathers:
+            c["wait"] = c["wait_seq"] = c["done"] = c["done_seq"] = None
+        if index:
+            first_forward = {i["unit"]: i["start_seq"] for i in rec["compute"]
+                             if i["pass"] == "forward" and i["micro_batch"] == 0}
+            rec["carried"] = [dict(c, wait_seq=first_forward[c["unit"]] - 0.5, done=0.0)
+                              for c in out[-1]["collectives"] if c["phase"] == "step_gather"]
+        out.append(rec)
+    return out
+
+
+def test_an_overlapped_optimizer_step_is_read_from_the_trace():
+    """Carried step_gather collectives (issued in one record, waited for in the next) are
+    replayed where the trace waits for them: less exposed, the same bytes, times add up."""
+    model = pj.MODELS["20B"]
+    records = pr.load(pr.default_traces()["lbp"][44])
+    plan = pj.plan_for(model, 384, "lbp", 2)
+    args = (plan, model, pj.LinkModel(), pj.ComputeModel())
+    sync, over = pr.replay_one(records, *args), pr.replay_one(_overlapped(records), *args)
+    assert sync["bytes_match_plan"] and over["bytes_match_plan"]
+    assert over["step_s"] == pytest.approx(over["compute_s"] + over["exposed_s"])
+    assert over["compute_s"] == pytest.approx(sync["compute_s"])
+    sg_sync, sg_over = sync["phases"]["step_gather"], over["phases"]["step_gather"]
+    assert sg_over["count"] == sg_sync["count"] and sg_over["link_s"] == \
+        pytest.approx(sg_sync["link_s"])
+    assert sg_over["exposed_s"] < 0.5 * sg_sync["exposed_s"], (sg_over, sg_sync)
+    assert over["step_s"] < sync["step_s"]
+
+
+def test_optimizer_intervals_share_adam_and_an_unknown_pass_is_refused():
+    model = pj.MODELS["20B"]
+    records = pr.load(pr.default_traces()["lbp"][44])
+    d = pr.FrontierDurations(records, pj.plan_for(model, 384, "lbp", 2), model, pj.LinkModel(),
+                             pj.ComputeModel())
+    one = {"unit": None, "micro_batch": None, "pass": "optimizer"}
+    per_unit = [dict(one, unit=u) for u in range(len(d.units) - 1)] + [dict(one), dict(one)]
+    split = {"compute": per_unit}
+    assert sum(d.compute_s(split, i) for i in per_unit) == pytest.approx(d.adam_s)
+    assert d.compute_s({"compute": [one]}, one) == pytest.approx(d.adam_s)
+    with pytest.raises(ReplayError, match="compute pass 'wgrad'"):
+        d.compute_s(split, dict(one, unit=1, **{"pass": "wgrad"}))

@@ -114,3 +114,12 @@ def test_bad_records_are_one_line_errors():
     with pytest.raises(ReplayError, match="lacks comm"):
         run(record([{"phase": "forward_gather", "unit": 0, "family": "param",
                      "issued_seq": 1, "wait_seq": 1}], []))
+
+
+def test_a_phase_outside_the_ledgers_gets_its_own_row():
+    # A newer engine's phase is replayed like any other: 1 s compute, then 2 s synchronous.
+    rec = record([coll("step_prefetch", 0, "z", 2, 2, 2.0)], [comp("forward", 0, 1, 1, 1.0)])
+    (step,), _ = run(rec)
+    assert step.step_s == pytest.approx(3.0)
+    row = step.as_json()["phases"]["step_prefetch"]
+    assert row["exposed_s"] == pytest.approx(2.0) and row["at_once_s"] == pytest.approx(2.0)

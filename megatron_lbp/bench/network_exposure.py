@@ -62,7 +62,7 @@ def recorded_causes(record: Mapping[str, Any]) -> dict[str, dict[str, float]]:
         wait_seq = c["wait_seq"] if c.get("wait_seq") is not None else c["issued_seq"]
         between = carried or bisect.bisect_right(ends, c["issued_seq"]) < \
             bisect.bisect_left(ends, wait_seq)
-        row = out[c["phase"]]
+        row = out.setdefault(c["phase"], {"exposed_s": 0.0, "at_once_s": 0.0, "ahead_s": 0.0})
         row["exposed_s"] += e
         row["ahead_s" if between else "at_once_s"] += e
     return out
@@ -82,8 +82,9 @@ def trace_summary(paths: Sequence[str], steps: Iterable[int]) -> dict[str, Any]:
         causes = [recorded_causes(r) for r in records]
         for ph, row in summary["phases"].items():
             # The median rank's exposed time, split in the proportion all ranks' splits add to.
-            total = sum(c[ph]["exposed_s"] for c in causes)
-            once = sum(c[ph]["at_once_s"] for c in causes) / total if total > 0 else 0.0
+            total = sum(c.get(ph, {}).get("exposed_s", 0.0) for c in causes)
+            once = (sum(c.get(ph, {}).get("at_once_s", 0.0) for c in causes) / total
+                    if total > 0 else 0.0)
             row["at_once_s"] = row["exposed_s"] * once
             row["ahead_s"] = row["exposed_s"] - row["at_once_s"]
         per_run.append(summary)

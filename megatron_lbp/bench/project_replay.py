@@ -22,8 +22,14 @@ collective is done) with these durations at the real shape:
   a layer (attention scores and values), 2 x (numel + V·h) for the output
   layer (its tied weight is the embedding's), 0 for the embedding (a lookup);
   recomputation = forward, backward = 2 x forward; x tokens per micro-batch /
-  (peak x MFU). The optimizer interval is Adam on the 1/O shard at HBM speed
-  (project.ComputeModel).
+  (peak x MFU); another pass is refused. The optimizer intervals together are
+  Adam on the 1/O shard at HBM speed (project.ComputeModel): one with a unit
+  takes that unit's share, those without one the rest;
+- nothing else about the schedule is assumed: a phase, a communicator or a
+  collective carried into the next step (``carried``: the optimizer step's
+  all-gathers waited for under the next forward) is replayed as the trace
+  records it, so an engine that overlaps more shows it here once its traces
+  are re-recorded.
 
 TFLOPS/GCD counts model FLOPs (6N + 12·L·h·s per token) of the trace's
 micro-batches over the replayed step; scaling efficiency is relative to the
@@ -60,6 +66,8 @@ REPO = Path(__file__).resolve().parents[2]
 SCHEDULE_SOURCES = ("megatron_lbp/engine/schedule.py", "megatron_lbp/engine/unit.py",
                     "megatron_lbp/engine/data_parallel.py", "megatron_lbp/engine/optimizer.py",
                     "megatron_lbp/engine/grouping.py")
+# A compute pass's time in forwards of its unit (backward: data and weight gradients).
+PASS_FORWARDS = {"forward": 1.0, "recompute": 1.0, "backward": 2.0}
 RECORD_DEFAULTS = {"layers": (44, 32), "schemes": pj.DEFAULT_SCHEMES, "ranks": 16,
                    "gpus_per_node": 8, "hidden": 64, "heads": 4, "vocab": 512, "seq": 32,
                    "micro_batch_size": 1, "micro_batches": 2, "steps": 3, "prefetch_units": 1}
@@ -181,6 +189,7 @@ class FrontierDurations:
         self._seconds_per_flop_token = tokens / (compute.peak_flops * compute.mfu)
         optim = plan["padded_params"] / plan["group_sizes"]["optim"]
         self.adam_s = optim * compute.adam_bytes_per_element / compute.hbm_bytes_per_s
+        self._numel = sum(numel for _, numel in self.units)
 
     def real_bytes(self, record: dict[str, Any], c: dict[str, Any]) -> float:
         """Bytes this rank sends in trace collective ``c`` at the real shape."""
@@ -223,10 +232,24 @@ class FrontierDurations:
 
     def compute_s(self, record: dict[str, Any], interval: dict[str, Any]) -> float:
         if interval["pass"] == "optimizer":
-            return self.adam_s
-        times = {"forward": 1.0, "recompute": 1.0, "backward": 2.0}[interval["pass"]]
+            return self._adam_share(record, interval)
+        times = PASS_FORWARDS.get(interval["pass"])
+        if times is None:
+            raise ReplayError(f"compute pass {interval['pass']!r} (unit {interval['unit']}): "
+                              f"not one the replay can time ({', '.join(PASS_FORWARDS)}, "
+                              f"optimizer)")
         return times * self.forward_flops_per_token(interval["unit"]) * \
             self._seconds_per_flop_token
+
+    def _adam_share(self, record: dict[str, Any], interval: dict[str, Any]) -> float:
+        """Adam over the whole 1/O shard, split between the step's optimizer intervals: a
+        unit's interval takes its unit's share, the unit-less ones what is left, equally."""
+        if interval["unit"] is not None:
+            return self.adam_s * self.units[interval["unit"]][1] / self._numel
+        optimizer = [i for i in record["compute"] if i["pass"] == "optimizer"]
+        own = {i["unit"] for i in optimizer if i["unit"] is not None}
+        rest = 1.0 - sum(self.units[u][1] for u in own) / self._numel
+        return self.adam_s * rest / sum(1 for i in optimizer if i["unit"] is None)
 
 
 def _coverage(records, durations: FrontierDurations, where: str) -> None:
@@ -249,7 +272,7 @@ def replay_one(records: Sequence[dict[str, Any]], plan: Mapping[str, Any],
     check_units(records, model, where)
     d = FrontierDurations(records, plan, model, links, compute)
     _coverage(records, d, where)
-    steps, colls = replay(records, d.collective_s, d.compute_s)
+    steps, _ = replay(records, d.collective_s, d.compute_s)
     last = steps[-1].as_json()
     k = records[-1]["micro_batches"]
     per_token = pj.model_flops_per_token(plan["params"], model["num_layers"],
@@ -258,14 +281,15 @@ def replay_one(records: Sequence[dict[str, Any]], plan: Mapping[str, Any],
     last["tflops_per_gcd"] = useful / last["step_s"] / 1e12
     last["micro_batches"] = k
     last["explain"] = explain(last["phases"])
-    # The bytes the replay moved in the last step, per phase and link class, are the plan's.
+    # The bytes the last step issued, per phase and link class, are the plan's: counted
+    # over what its record issued, waited for in it or not (with the optimizer step's
+    # all-gathers overlapped into the next forward, the last step's are never waited for).
     moved: dict[str, dict[str, float]] = {ph: dict.fromkeys(costs.LINK_CLASS_ORDER, 0.0)
                                           for ph in costs.PHASES}
-    for rc in colls:
-        c = rc.c
-        if rc.record == len(records) - 1 and c["phase"] in moved and d.family_size(c["family"]) > 1:
+    for c in records[-1]["collectives"]:
+        if c["phase"] in moved and d.family_size(c["family"]) > 1:
             cls = plan["link_classes"].get(c["family"]) or c["link"]
-            moved[c["phase"]][cls] += d.real_bytes(records[rc.record], c)
+            moved[c["phase"]][cls] += d.real_bytes(records[-1], c)
     last["bytes_match_plan"] = all(
         math.isclose(moved[ph][cls], float(plan["traffic_by_phase"][ph][cls]), rel_tol=1e-9,
                      abs_tol=1e-6) for ph in costs.PHASES for cls in costs.LINK_CLASS_ORDER)

@@ -71,15 +71,21 @@ class ReplayedCollective:
     waited_in: int | None = None  # index of the record whose program waited for it
 
 
+def _phase_row() -> dict[str, Any]:
+    return {"count": 0, "link_s": 0.0, "exposed_s": 0.0, **{f"{c}_s": 0.0 for c in CAUSES},
+            "behind": {}}
+
+
 @dataclass
 class StepReplay:
     step: Any
     start: float
     end: float
     compute_s: float = 0.0
-    phases: dict[str, dict[str, Any]] = field(default_factory=lambda: {
-        ph: {"count": 0, "link_s": 0.0, "exposed_s": 0.0, **{f"{c}_s": 0.0 for c in CAUSES},
-             "behind": {}} for ph in ALL_PHASES})
+    # The ledger's phases in their order; a phase the trace names that is not
+    # among them (a newer engine's) gets its own row after them.
+    phases: dict[str, dict[str, Any]] = field(
+        default_factory=lambda: {ph: _phase_row() for ph in ALL_PHASES})
 
     @property
     def step_s(self) -> float:
@@ -201,7 +207,7 @@ def _book(step: StepReplay, rc: ReplayedCollective) -> None:
     queued for the communicator (``queued``, behind ``rc.behind``); the rest
     is its own link time, ``at_once`` or ``ahead`` as decided at the wait.
     """
-    row = step.phases[rc.c["phase"]]
+    row = step.phases.setdefault(rc.c["phase"], _phase_row())
     row["count"] += 1
     row["link_s"] += rc.link_s
     row["exposed_s"] += rc.exposed_s
