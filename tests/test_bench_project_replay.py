@@ -32,9 +32,9 @@ def replayed():
 def test_committed_traces_are_todays_engine_schedule():
     index = pr.read_index()
     assert index["schedule_sources_sha256"] == pr.schedule_sources_hash(), (
-        "the engine's schedule sources changed since megatron_lbp/bench/traces was recorded: "
-        "re-record with python -m megatron_lbp.bench project --record-traces "
-        "megatron_lbp/bench/traces")
+        f"the engine's schedule sources changed since megatron_lbp/bench/traces was recorded: "
+        f"re-record with {pr.RECORD_COMMAND} ({pr.RECORD_MINUTES}) and commit the directory")
+    assert index["command"] == pr.RECORD_COMMAND
     traces = pr.default_traces()
     for model in pj.MODELS.values():
         for scheme in pj.DEFAULT_SCHEMES:
@@ -98,7 +98,7 @@ def test_the_replay_moves_the_plans_bytes_and_its_times_add_up(replayed):
     # replay says so (with the command that re-records them) exactly when they are.
     fresh = pr.read_index()["schedule_sources_sha256"] == pr.schedule_sources_hash()
     assert (replayed["stale"] == "") is fresh, replayed["stale"]
-    assert fresh or "--record-traces megatron_lbp/bench/traces" in replayed["stale"]
+    assert fresh or pr.RECORD_COMMAND in replayed["stale"]
     assert replayed["idealised"]["micro_batches"] == 2 and replayed["idealised"]["recompute"]
 
 

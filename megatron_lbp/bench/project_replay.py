@@ -66,6 +66,8 @@ REPO = Path(__file__).resolve().parents[2]
 SCHEDULE_SOURCES = ("megatron_lbp/engine/schedule.py", "megatron_lbp/engine/unit.py",
                     "megatron_lbp/engine/data_parallel.py", "megatron_lbp/engine/optimizer.py",
                     "megatron_lbp/engine/grouping.py")
+RECORD_COMMAND = "python -m megatron_lbp.bench project --record-traces megatron_lbp/bench/traces"
+RECORD_MINUTES = "~8 min on the 2-core machine when quiet, 13 min under heavy load"
 # A compute pass's time in forwards of its unit (backward: data and weight gradients).
 PASS_FORWARDS = {"forward": 1.0, "recompute": 1.0, "backward": 2.0}
 RECORD_DEFAULTS = {"layers": (44, 32), "schemes": pj.DEFAULT_SCHEMES, "ranks": 16,
@@ -392,8 +394,8 @@ def stale_traces(used: Mapping[str, Mapping[str, Any]]) -> str:
         return ""
     return (f"the committed traces were recorded with other engine schedule sources "
             f"({', '.join(SCHEDULE_SOURCES)}: sha256 {str(recorded)[:12]}, now {now[:12]}): "
-            f"the replay shows the schedule of then; re-record with "
-            f"python -m megatron_lbp.bench project --record-traces {_shown(TRACES_DIR)}")
+            f"the replay shows the schedule of then; re-record with `{RECORD_COMMAND}` "
+            f"({RECORD_MINUTES}) and commit {_shown(TRACES_DIR)}")
 
 
 # --------------------------------------------------------------------------- output

@@ -198,6 +198,10 @@ def collect(quick: bool, skip: set[str], reuse: set[str], previous: dict[str, An
             runs[key] = run_command(argv, timeout)
             log(f"[report] {key}: {runs[key]['status']} in {runs[key]['wall_s']:.0f} s"
                 + (f" ({runs[key]['reason']})" if runs[key]["status"] != "ok" else ""))
+        if section == "project" and runs["project"]["status"] == "ok":
+            stale = (runs["project"]["result"].get("replay") or {}).get("stale")
+            if stale:
+                log(f"[report] WARNING: {stale}; then run this report again")
         if section == "overhead":
             if runs["overhead"]["status"] == "ok":
                 runs["overhead_plan"] = run_command(
