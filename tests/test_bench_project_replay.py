@@ -9,6 +9,7 @@ leave only compute).
 """
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -148,6 +149,13 @@ def test_cli_replays_a_given_trace_and_refuses_bad_ones(tmp_path):
     text = subprocess.run(CMD + ["--models", "20B", "--gcds", "8,384", "--schemes", "lbp,zeropp"],
                           capture_output=True, text=True, timeout=300)
     assert text.returncode == 0 and "replayed" in text.stdout and "paper 1.71" in text.stdout
+    # the replayed ratios stand beside the idealised ones at the trace's settings and at the
+    # command's own (the tables above: 1 micro-batch, no recomputation)
+    lbp_line = next(ln for ln in text.stdout.splitlines() if "20B lbp/zeropp" in ln
+                    and "replayed" in ln)
+    assert re.search(r"replayed 1\.\d{3}   idealised \d\.\d{3}   as above \d\.\d{3}   paper 1\.71",
+                     lbp_line), lbp_line
+    assert "idealised as above (1 micro-batch(es), no recomputation)" in text.stdout
     for args, says in ((["--trace", "lbp"], "give SCHEME=PATH"),
                        (["--trace", f"nosuch={l44}"], "give SCHEME=PATH"),
                        (["--trace", f"lbp={tmp_path}/none.jsonl"], "does not exist"),

@@ -224,7 +224,10 @@ def check_replay(text: str, proj):
     ratio_rows = {r[0]: r for r in table_rows(replayed) if r[0] in rep["ratios"]}
     for key, value in rep["ratios"].items():
         ideal = rep["idealised"]["ratios"].get(key)
-        assert ratio_rows[key][1:3] == [f"{value:.3f}", f"{ideal:.3f}"], (key, ratio_rows[key])
+        # beside it the idealised figure of the tables above (the command's own settings)
+        above = proj["ratios"][key]
+        assert ratio_rows[key][1:4] == [f"{value:.3f}", f"{ideal:.3f}", f"{above:.3f}"], (
+            key, ratio_rows[key])
 
 
 def independent_headline(rec):

@@ -579,7 +579,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(out))
     else:
-        print(render(out) + ("\n" + "\n".join(pr.render(out["replay"], out["paper"]))
+        print(render(out) + ("\n" + "\n".join(pr.render(out["replay"], out["paper"], out))
                              if "replay" in out else ""))
     return 0
 

@@ -401,7 +401,10 @@ def stale_traces(used: Mapping[str, Mapping[str, Any]]) -> str:
 # --------------------------------------------------------------------------- output
 
 
-def render(rep: Mapping[str, Any], paper: Mapping[str, Any]) -> list[str]:
+def render(rep: Mapping[str, Any], paper: Mapping[str, Any],
+           above: Mapping[str, Any] | None = None) -> list[str]:
+    """The replay's lines; ``above``: the idealised projection printed before it (its
+    ``ratios`` and ``assumptions``), whose ratios stand beside the replayed ones."""
     a = rep["assumptions"]
     lines = ["", "Replayed schedule (the engine's traced program order at Frontier's figures; "
              "megatron_lbp/bench/project_replay.py):",
@@ -437,15 +440,26 @@ def render(rep: Mapping[str, Any], paper: Mapping[str, Any]) -> list[str]:
     refs = {"lbp/zeropp TFLOPS": paper["lbp_over_zeropp_tflops_20B_384"],
             "zeropp/zero3 TFLOPS": paper["zeropp_over_zero3_tflops"],
             "lbp scaling efficiency": paper["lbp_scaling_efficiency"]}
+    old = (above or {}).get("ratios", {})
     lines.append(f"\nratios: replayed vs idealised (same settings: {a['micro_batches']} "
-                 f"micro-batch(es), {'full recomputation' if a['recompute'] else 'none'}) "
-                 f"vs paper:")
+                 f"micro-batch(es), {'full recomputation' if a['recompute'] else 'none'})"
+                 + (f" vs idealised as above ({settings_text(above['assumptions'])})"
+                    if old else "") + " vs paper:")
     ideal = rep["idealised"]["ratios"]
     for key, value in rep["ratios"].items():
         ref = next((v for k, v in refs.items() if k in key), None)
         lines.append(f"  {key:<44} replayed {value:.3f}   idealised "
-                     f"{ideal.get(key, float('nan')):.3f}" + (f"   paper {ref}" if ref else ""))
+                     f"{ideal.get(key, float('nan')):.3f}"
+                     + (f"   as above {old[key]:.3f}" if key in old else "")
+                     + (f"   paper {ref}" if ref else ""))
     return lines
+
+
+def settings_text(assumptions: Mapping[str, Any]) -> str:
+    """The idealised projection's micro-batches and recomputation, as its assumptions say."""
+    recompute = (assumptions.get("compute") or {}).get("recompute")
+    return (f"{assumptions.get('micro_batches')} micro-batch(es), "
+            f"{'full recomputation' if recompute else 'no recomputation'}")
 
 
 # --------------------------------------------------------------------------- recording

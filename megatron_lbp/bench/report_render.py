@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from megatron_lbp.bench.project_replay import settings_text
 from megatron_lbp.bench.report_goals import calibration_rows, fmt_ratio, result, traffic_bytes
 from megatron_lbp.costs import LINK_CLASS_ORDER
 
@@ -317,12 +318,14 @@ def replay_section(proj, refs) -> list[str]:
                          f"{r['link_s']:.2f}); " + _cell("; ".join(r["explain"]) or "nothing "
                                                           "exposed"))
         lines.append("")
-    ideal = rep["idealised"]["ratios"]
-    lines += ["| ratio | replayed | idealised, same settings | paper |", "|---|---:|---:|---:|"]
+    ideal, above = rep["idealised"]["ratios"], proj.get("ratios", {})
+    lines += [f"| ratio | replayed | idealised, same settings | idealised as above "
+              f"({settings_text(proj['assumptions'])}) | paper |", "|---|---:|---:|---:|---:|"]
     for key, value in rep["ratios"].items():
         ref = next((v for k, v in refs.items() if k in key), None)
         lines.append(f"| {key} | {value:.3f} | "
-                     + (f"{ideal[key]:.3f}" if key in ideal else "—")
+                     + (f"{ideal[key]:.3f}" if key in ideal else "—") + " | "
+                     + (f"{above[key]:.3f}" if key in above else "—")
                      + f" | {ref if ref is not None else '—'} |")
     return lines + [""]
 
