@@ -320,10 +320,28 @@ def project(models: Sequence[str] = tuple(MODELS), gcds: Sequence[int] = GCDS,
             for row in rows.values():
                 row["scaling_efficiency"] = row["tflops_per_gcd"] / base
             results[name][scheme] = rows
-    top = str(max(gcds))
+    return {"assumptions": assumptions(models, micro_batches, bucket_size, links, compute,
+                                       overlap),
+            "results": results, "ratios": ratios_of(results, gcds), "paper": PAPER}
+
+
+def tflops_lines(per_scheme: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """TFLOPS per GCD (scaling efficiency), a line per scheme, a column per GCD count."""
+    gcds = list(next(iter(per_scheme.values())))
+    lines = ["  " + f"{'scheme':<14}" + "".join(f"{g + ' GCDs':>16}" for g in gcds)]
+    for scheme, rows in per_scheme.items():
+        lines.append("  " + f"{scheme:<14}" + "".join(
+            f"{rows[g]['tflops_per_gcd']:>9.1f} ({rows[g]['scaling_efficiency']:.2f})"
+            for g in gcds))
+    return lines
+
+
+def ratios_of(results: Mapping[str, Any], gcds: Sequence[int]) -> dict[str, float]:
+    """The ratios set beside the paper's: per model, lbp/zeropp and zeropp/zero3 TFLOPS per
+    GCD at the largest GCD count, lbp's scaling efficiency from the smallest to it."""
+    top, low = str(max(gcds)), min(gcds)
     ratios = {}
-    for name in models:
-        r = results[name]
+    for name, r in results.items():
         if "lbp" in r and "zeropp" in r:
             ratios[f"{name} lbp/zeropp TFLOPS at {top}"] = (
                 r["lbp"][top]["tflops_per_gcd"] / r["zeropp"][top]["tflops_per_gcd"])
@@ -331,11 +349,9 @@ def project(models: Sequence[str] = tuple(MODELS), gcds: Sequence[int] = GCDS,
             ratios[f"{name} zeropp/zero3 TFLOPS at {top}"] = (
                 r["zeropp"][top]["tflops_per_gcd"] / r["zero3"][top]["tflops_per_gcd"])
         if "lbp" in r:
-            ratios[f"{name} lbp scaling efficiency {min(gcds)}->{top}"] = \
+            ratios[f"{name} lbp scaling efficiency {low}->{top}"] = \
                 r["lbp"][top]["scaling_efficiency"]
-    return {"assumptions": assumptions(models, micro_batches, bucket_size, links, compute,
-                                       overlap),
-            "results": results, "ratios": ratios, "paper": PAPER}
+    return ratios
 
 
 def assumptions(models, micro_batches, bucket_size, links: LinkModel, compute: ComputeModel,
@@ -472,11 +488,7 @@ def render(out: Mapping[str, Any]) -> str:
         params = first[gcds[0]]["params"]
         lines.append(f"\n{name} ({params / 1e9:.2f} B parameters): TFLOPS/GCD "
                      f"(scaling efficiency)")
-        lines.append("  " + f"{'scheme':<14}" + "".join(f"{g + ' GCDs':>16}" for g in gcds))
-        for scheme, rows in per_scheme.items():
-            lines.append("  " + f"{scheme:<14}" + "".join(
-                f"{rows[g]['tflops_per_gcd']:>9.1f} ({rows[g]['scaling_efficiency']:.2f})"
-                for g in gcds))
+        lines += tflops_lines(per_scheme)
         top = gcds[-1]
         lines.append(f"  at {top} GCDs, seconds per step: " + ", ".join(
             f"{s} {rows[top]['step_s']:.2f} (compute {rows[top]['compute_s']:.2f}, exposed "

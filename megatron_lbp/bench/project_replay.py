@@ -337,7 +337,7 @@ def replay_projection(models: Sequence[str], gcds: Sequence[int], schemes: Seque
                           f"recompute, prefetch) settings {sorted(settings)}: compare like "
                           f"with like")
     k, recompute, depth = settings.pop() if settings else (1, False, None)
-    ratios = _ratios(results, gcds)
+    ratios = pj.ratios_of(results, gcds)
     idealised = pj.project(models, gcds, [s for s in schemes if s in used] or schemes, k,
                            links=links, compute=replace(compute, recompute=recompute))
     return {"assumptions": {
@@ -357,22 +357,6 @@ def replay_projection(models: Sequence[str], gcds: Sequence[int], schemes: Seque
             "idealised": {"micro_batches": k, "recompute": recompute,
                           "ratios": idealised["ratios"]},
             "stale": stale_traces(used)}
-
-
-def _ratios(results: Mapping[str, Any], gcds: Sequence[int]) -> dict[str, float]:
-    top, low = str(max(gcds)), min(gcds)
-    ratios = {}
-    for name, r in results.items():
-        if "lbp" in r and "zeropp" in r:
-            ratios[f"{name} lbp/zeropp TFLOPS at {top}"] = (
-                r["lbp"][top]["tflops_per_gcd"] / r["zeropp"][top]["tflops_per_gcd"])
-        if "zeropp" in r and "zero3" in r:
-            ratios[f"{name} zeropp/zero3 TFLOPS at {top}"] = (
-                r["zeropp"][top]["tflops_per_gcd"] / r["zero3"][top]["tflops_per_gcd"])
-        if "lbp" in r:
-            ratios[f"{name} lbp scaling efficiency {low}->{top}"] = \
-                r["lbp"][top]["scaling_efficiency"]
-    return ratios
 
 
 def _shown(path: Path) -> str:
@@ -424,11 +408,7 @@ def render(rep: Mapping[str, Any], paper: Mapping[str, Any],
             continue
         gcds = list(next(iter(per_scheme.values())))
         lines.append(f"\n{name}, replayed: TFLOPS/GCD (scaling efficiency)")
-        lines.append("  " + f"{'scheme':<14}" + "".join(f"{g + ' GCDs':>16}" for g in gcds))
-        for scheme, rows in per_scheme.items():
-            lines.append("  " + f"{scheme:<14}" + "".join(
-                f"{rows[g]['tflops_per_gcd']:>9.1f} ({rows[g]['scaling_efficiency']:.2f})"
-                for g in gcds))
+        lines += pj.tflops_lines(per_scheme)
         top = gcds[-1]
         for scheme, rows in per_scheme.items():
             r = rows[top]

@@ -387,38 +387,30 @@ def replay_goals(runs) -> list[dict[str, Any]]:
     setting = (f"{a['micro_batches']} micro-batch(es), "
                f"{'full recomputation' if a['recompute'] else 'no recomputation'}, prefetch "
                f"{a['prefetch_units']}")
-    key = f"20B lbp scaling efficiency {low}->{top}"
-    v = rep["ratios"].get(key)
-    if v is None or top != "384":
-        goals.append(_goal("replay_efficiency", eff_goal, "not measured", "—", None,
-                           f"the replay has no {key.replace(top, '384')}"))
-    else:
-        ok = v >= REPLAY_EFFICIENCY
-        lo, hi = r20["lbp"][low], r20["lbp"][top]
+
+    def judge(gid: str, goal: str, key: str, target: float, ref: float, why) -> None:
+        v = rep["ratios"].get(key)
+        if v is None or top != "384":
+            goals.append(_goal(gid, goal, "not measured", "—", None,
+                               f"the replay has no {key.replace(top, '384')}"))
+            return
+        ok = v >= target
         ideal = rep["idealised"]["ratios"].get(key)
         reason = "" if ok else (
-            f"at {top} GCDs {_replay_parts('lbp', hi)}; at {low} GCDs lbp {lo['step_s']:.2f} s "
-            f"(exposed {lo['exposed_s']:.2f}). Traces: {setting}"
+            f"{why()}. Traces: {setting}"
             + (f"; the idealised model at the same settings gives {ideal:.3f}" if ideal else "")
-            + f"; paper {paper['lbp_scaling_efficiency']}.{stale}")
-        goals.append(_goal("replay_efficiency", eff_goal, "met" if ok else "missed",
-                           f"{v:.3f} (paper {paper['lbp_scaling_efficiency']})", v, reason))
-    key = f"20B lbp/zeropp TFLOPS at {top}"
-    v = rep["ratios"].get(key)
-    if v is None or top != "384":
-        goals.append(_goal("replay_lbp_over_zeropp", ratio_goal, "not measured", "—", None,
-                           f"the replay has no {key.replace(top, '384')}"))
-    else:
-        ok = v >= REPLAY_LBP_OVER_ZEROPP
-        ideal = rep["idealised"]["ratios"].get(key)
-        reason = "" if ok else (
-            f"{_replay_parts('lbp', r20['lbp'][top])}. "
-            f"{_replay_parts('zeropp', r20['zeropp'][top])}. Traces: {setting}"
-            + (f"; the idealised model at the same settings gives {ideal:.3f}" if ideal else "")
-            + f"; paper {paper['lbp_over_zeropp_tflops_20B_384']}.{stale}")
-        goals.append(_goal("replay_lbp_over_zeropp", ratio_goal, "met" if ok else "missed",
-                           f"{v:.3f} (paper {paper['lbp_over_zeropp_tflops_20B_384']})", v,
+            + f"; paper {ref}.{stale}")
+        goals.append(_goal(gid, goal, "met" if ok else "missed", f"{v:.3f} (paper {ref})", v,
                            reason))
+
+    lo, hi = r20["lbp"][low], r20["lbp"][top]
+    judge("replay_efficiency", eff_goal, f"20B lbp scaling efficiency {low}->{top}",
+          REPLAY_EFFICIENCY, paper["lbp_scaling_efficiency"],
+          lambda: f"at {top} GCDs {_replay_parts('lbp', hi)}; at {low} GCDs lbp "
+                  f"{lo['step_s']:.2f} s (exposed {lo['exposed_s']:.2f})")
+    judge("replay_lbp_over_zeropp", ratio_goal, f"20B lbp/zeropp TFLOPS at {top}",
+          REPLAY_LBP_OVER_ZEROPP, paper["lbp_over_zeropp_tflops_20B_384"],
+          lambda: f"{_replay_parts('lbp', hi)}. {_replay_parts('zeropp', r20['zeropp'][top])}")
     return goals
 
 

@@ -247,6 +247,18 @@ def overhead_section(report) -> list[str]:
     return lines
 
 
+def tflops_table(per_scheme) -> list[str]:
+    """TFLOPS per GCD (scaling efficiency), a row per scheme, a column per GCD count."""
+    gcds = sorted({int(g) for rows in per_scheme.values() for g in rows})
+    lines = ["| scheme | " + " | ".join(f"{g} GCDs" for g in gcds) + " |",
+             "|---|" + "---:|" * len(gcds)]
+    for scheme, rows in per_scheme.items():
+        lines.append(f"| {scheme} | " + " | ".join(
+            f"{rows[str(g)]['tflops_per_gcd']:.1f} ({rows[str(g)]['scaling_efficiency']:.2f})"
+            for g in gcds) + " |")
+    return lines
+
+
 def project_section(report, out: Path, plots: Path) -> list[str]:
     runs = report["runs"]
     lines = ["## Frontier projection (`python -m megatron_lbp.bench project`)", ""]
@@ -258,16 +270,9 @@ def project_section(report, out: Path, plots: Path) -> list[str]:
               "A cost model, not a measurement: model TFLOPS per GCD (scaling efficiency against "
               "the same scheme at the smallest GCD count).", ""]
     for name, per_scheme in proj["results"].items():
-        gcds = sorted({int(g) for rows in per_scheme.values() for g in rows})
         params = next(iter(next(iter(per_scheme.values())).values()))["params"]
         lines += [f"### {name} ({params / 1e9:.2f} B parameters)", "",
-                  "| scheme | " + " | ".join(f"{g} GCDs" for g in gcds) + " |",
-                  "|---|" + "---:|" * len(gcds)]
-        for scheme, rows in per_scheme.items():
-            lines.append(f"| {scheme} | " + " | ".join(
-                f"{rows[str(g)]['tflops_per_gcd']:.1f} ({rows[str(g)]['scaling_efficiency']:.2f})"
-                for g in gcds) + " |")
-        lines.append("")
+                  *tflops_table(per_scheme), ""]
     paper = proj["paper"]
     refs = {"lbp/zeropp TFLOPS": paper["lbp_over_zeropp_tflops_20B_384"],
             "zeropp/zero3 TFLOPS": paper["zeropp_over_zero3_tflops"],
@@ -302,13 +307,7 @@ def replay_section(proj, refs) -> list[str]:
         if not per_scheme:
             continue
         gcds = sorted({int(g) for rows in per_scheme.values() for g in rows})
-        lines += [f"#### {name}, replayed", "",
-                  "| scheme | " + " | ".join(f"{g} GCDs" for g in gcds) + " |",
-                  "|---|" + "---:|" * len(gcds)]
-        for scheme, rows in per_scheme.items():
-            lines.append(f"| {scheme} | " + " | ".join(
-                f"{rows[str(g)]['tflops_per_gcd']:.1f} ({rows[str(g)]['scaling_efficiency']:.2f})"
-                for g in gcds) + " |")
+        lines += [f"#### {name}, replayed", "", *tflops_table(per_scheme)]
         top = str(gcds[-1])
         lines.append("")
         for scheme, rows in per_scheme.items():
