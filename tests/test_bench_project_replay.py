@@ -33,9 +33,10 @@ def replayed():
 def test_committed_traces_are_todays_engine_schedule():
     index = pr.read_index()
     assert index["schedule_sources_sha256"] == pr.schedule_sources_hash(), (
-        f"the engine's schedule sources changed since megatron_lbp/bench/traces was recorded: "
-        f"re-record with {pr.RECORD_COMMAND} ({pr.RECORD_MINUTES}) and commit the directory")
+        f"the engine changed since megatron_lbp/bench/traces was recorded "
+        f"({pr.changed_sources(index.get('schedule_sources'))}): re-record with {pr.RECORD_COMMAND} ({pr.RECORD_MINUTES}) and commit the directory")
     assert index["command"] == pr.RECORD_COMMAND
+    assert index["schedule_sources"] == pr.source_hashes()
     traces = pr.default_traces()
     for model in pj.MODELS.values():
         for scheme in pj.DEFAULT_SCHEMES:
@@ -49,10 +50,24 @@ def test_the_schedule_hash_sees_code_not_comments():
     src = 'def f(x):\n    """Why."""\n    return x + 1  # a comment\n'
     assert pr.code_of(src) == pr.code_of('def f(x):\n    # moved\n    return x + 1\n')
     assert pr.code_of(src) != pr.code_of('def f(x):\n    return x + 2\n')
-    files = {rel: (pr.REPO / rel).read_text() for rel in pr.SCHEDULE_SOURCES}
-    touched = dict(files, **{pr.SCHEDULE_SOURCES[0]: files[pr.SCHEDULE_SOURCES[0]] + "\nX = 1\n"})
+    sources = pr.schedule_sources()
+    files = {rel: (pr.REPO / rel).read_text() for rel in sources}
+    first = sources[0]
+    touched = dict(files, **{first: files[first] + "\nX = 1\n"})
     assert pr.schedule_sources_hash(files.get) == pr.schedule_sources_hash()
     assert pr.schedule_sources_hash(touched.get) != pr.schedule_sources_hash()
+    # every engine module counts but those that take no part in a step, a new one included
+    assert "megatron_lbp/engine/schedule.py" in sources and "megatron_lbp/engine/comm.py" in \
+        sources and not any(rel.endswith(tuple(pr.NOT_SCHEDULE)) for rel in sources)
+    added = dict(files, **{"megatron_lbp/engine/chains.py": "X = 1\n"})
+    assert pr.schedule_sources_hash(added.get, [*sources, "megatron_lbp/engine/chains.py"]) != \
+        pr.schedule_sources_hash()
+    # and the staleness message names what moved
+    now = pr.source_hashes()
+    recorded = dict(now, **{first: "0" * 64, "megatron_lbp/engine/old.py": "0" * 64})
+    recorded.pop(sources[-1])
+    assert pr.changed_sources(recorded, now) == (
+        f"changed: {first}; new: {sources[-1]}; gone: megatron_lbp/engine/old.py")
 
 
 def test_phases_are_the_engines():

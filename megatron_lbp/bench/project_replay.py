@@ -38,7 +38,8 @@ link class are checked against the plan's (``bytes_match_plan``).
 
 Traces: ``megatron_lbp/bench/traces`` holds one per (layer count, scheme),
 rank 0's records of a few steps, described in its ``index.json`` (how each was
-recorded, and a hash of the engine's schedule sources at the time);
+recorded, and a hash of the code of each engine module that takes part in a
+step at the time: :func:`stale_traces` names those changed since);
 ``record_traces`` (``bench project --record-traces DIR``) makes them.
 """
 from __future__ import annotations
@@ -61,11 +62,12 @@ from megatron_lbp.bench.replay import ReplayError, explain, replay
 TRACES_DIR = Path(__file__).resolve().parent / "traces"
 INDEX = "index.json"
 REPO = Path(__file__).resolve().parents[2]
-# Where the engine decides when units are gathered, reduced and waited for: a
-# change here can change the program order the committed traces hold.
-SCHEDULE_SOURCES = ("megatron_lbp/engine/schedule.py", "megatron_lbp/engine/unit.py",
-                    "megatron_lbp/engine/data_parallel.py", "megatron_lbp/engine/optimizer.py",
-                    "megatron_lbp/engine/grouping.py")
+ENGINE_DIR = "megatron_lbp/engine"
+# Engine modules that take no part in a traced training step's order; every
+# other module of the engine, one added later included, can change the program
+# order the committed traces hold.
+NOT_SCHEDULE = {"checkpoint.py": "saving and loading", "materialize.py": "building the model",
+                "memory.py": "memory accounting", "faults.py": "the tests' fault injection"}
 RECORD_COMMAND = "python -m megatron_lbp.bench project --record-traces megatron_lbp/bench/traces"
 RECORD_MINUTES = "~8 min on the 2-core machine when quiet, 13 min under heavy load"
 # A compute pass's time in forwards of its unit (backward: data and weight gradients).
@@ -88,12 +90,28 @@ def code_of(source: str) -> str:
     return ast.dump(tree)
 
 
-def schedule_sources_hash(read=lambda rel: (REPO / rel).read_text()) -> str:
-    """sha256 over the code of the engine's schedule sources (SCHEDULE_SOURCES), in order:
-    a comment or docstring edit leaves it, any code change moves it."""
+def schedule_sources(repo: Path = REPO) -> tuple[str, ...]:
+    """The engine's modules but NOT_SCHEDULE, as paths from the repository root, sorted."""
+    return tuple(sorted(f"{ENGINE_DIR}/{p.name}" for p in (repo / ENGINE_DIR).glob("*.py")
+                        if p.name not in NOT_SCHEDULE))
+
+
+def _read(rel: str) -> str:
+    return (REPO / rel).read_text()
+
+
+def source_hashes(read=_read, sources: Sequence[str] | None = None) -> dict[str, str]:
+    """{module: sha256 of its code}: a comment or docstring edit leaves it, a code change
+    moves it."""
+    return {rel: hashlib.sha256(code_of(read(rel)).encode()).hexdigest()
+            for rel in (schedule_sources() if sources is None else sources)}
+
+
+def schedule_sources_hash(read=_read, sources: Sequence[str] | None = None) -> str:
+    """sha256 over every schedule source's path and code hash, in order."""
     h = hashlib.sha256()
-    for rel in SCHEDULE_SOURCES:
-        h.update(rel.encode() + b"\0" + code_of(read(rel)).encode() + b"\0")
+    for rel, digest in source_hashes(read, sources).items():
+        h.update(rel.encode() + b"\0" + digest.encode() + b"\0")
     return h.hexdigest()
 
 
@@ -372,14 +390,26 @@ def stale_traces(used: Mapping[str, Mapping[str, Any]]) -> str:
                  if (REPO / t["path"]).parent == TRACES_DIR]
     if not committed:
         return ""
-    recorded = read_index().get("schedule_sources_sha256")
-    now = schedule_sources_hash()
-    if recorded == now:
+    index = read_index()
+    if index.get("schedule_sources_sha256") == schedule_sources_hash():
         return ""
-    return (f"the committed traces were recorded with other engine schedule sources "
-            f"({', '.join(SCHEDULE_SOURCES)}: sha256 {str(recorded)[:12]}, now {now[:12]}): "
-            f"the replay shows the schedule of then; re-record with `{RECORD_COMMAND}` "
-            f"({RECORD_MINUTES}) and commit {_shown(TRACES_DIR)}")
+    return (f"the committed traces were recorded with other engine code "
+            f"({changed_sources(index.get('schedule_sources'))}): the replay shows the "
+            f"schedule of then; re-record with `{RECORD_COMMAND}` ({RECORD_MINUTES}) and "
+            f"commit {_shown(TRACES_DIR)}")
+
+
+def changed_sources(recorded: Mapping[str, str] | Sequence[str] | None,
+                    now: Mapping[str, str] | None = None) -> str:
+    """Which schedule sources differ from those the traces were recorded with, in words."""
+    now = source_hashes() if now is None else now
+    if not isinstance(recorded, Mapping):  # an index from before the per-module hashes
+        return f"{ENGINE_DIR}/ changed since"
+    parts = [(what, [rel for rel in names]) for what, names in (
+        ("changed", [r for r in now if r in recorded and recorded[r] != now[r]]),
+        ("new", [r for r in now if r not in recorded]),
+        ("gone", [r for r in recorded if r not in now]))]
+    return "; ".join(f"{what}: {', '.join(names)}" for what, names in parts if names)
 
 
 # --------------------------------------------------------------------------- output
@@ -535,7 +565,7 @@ def record_traces(out_dir: str | os.PathLike, *, layers: Sequence[int] = RECORD_
              "gcds_per_package": GCDS_PER_PACKAGE, "micro_batch_size": cfg["micro_batch_size"],
              "micro_batches": cfg["micro_batches"], "steps": cfg["steps"], "recompute": True,
              "prefetch_units": cfg["prefetch_units"], "params_dtype": "bf16", "rank": 0,
-             "schedule_sources": list(SCHEDULE_SOURCES),
+             "schedule_sources": source_hashes(),
              "schedule_sources_sha256": schedule_sources_hash(), "traces": entries}
     (out / INDEX).write_text(json.dumps(index, indent=1) + "\n")
     log(f"[record] wrote {len(entries)} trace(s) and {INDEX} to {out}")
