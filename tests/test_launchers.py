@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import frontier_small
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = {"20b": REPO / "scripts" / "frontier_gpt20b.sh",
            "10b": REPO / "scripts" / "frontier_gpt10b.sh"}
@@ -184,8 +186,11 @@ def test_dry_run_frontier(site, model, nodes):
     step = float(re.search(r"step time: ([\d.]+) s per iteration \(cost model", out).group(1))
     interval = int(flag(cmd, "--save-interval"))
     assert 10000 % interval == 0 and 30 <= interval * step / 60 <= 60, (interval, step)
-    m = re.search(r"-t 02:00:00\); margin (\d+) s \(save (\d+) s .*-> --exit-duration-in-mins (\d+)", out)
+    # the margin also covers the #SBATCH --signal=TERM@150 lead as early as Slurm may send it
+    m = re.search(r"-t 02:00:00\); margin (\d+) s \((.*)\) -> --exit-duration-in-mins (\d+)", out)
     assert m and int(flag(cmd, "--exit-duration-in-mins")) == int(m.group(3)) == (7200 - int(m.group(1))) // 60
+    assert int(m.group(1)) >= 150 + 60 + step - 1, m.group(0)   # printed to the second
+    assert ("the --signal lead 150 s" in m.group(2)) == (nodes == 48), m.group(0)   # the larger term
     assert re.search(r"checkpoint: [\d.]+ GB per save \(14 B/param\)", out)
 
     for setting in OLCF_ENV + ("NCCL_NET=OFI", "OMP_NUM_THREADS=7"):
@@ -198,19 +203,25 @@ def test_dry_run_frontier(site, model, nodes):
     assert f"W={8 * nodes} ranks, P=2 G=8 O={8 * nodes} S=8 (int8)" in out
     total = float(re.search(r"memory per GCD total: ([\d.]+) GB of 64 GB \(fits\)", out).group(1))
     assert 0 < total <= 64
+    # issue 12: the construction peak per GCD (sharded initialization) next to the steady state
+    assert re.search(r"construction peak per GCD \(plan: the model built module by module into its "
+                     r"slices, --hier-sharded-init\): [\d.]+ GB", out), out
     assert "dry run: not launching" in out
 
 
 def test_memory_shrinks_with_nodes_and_matches_plan(site):
-    """The printed plan memory is the plan tool's total for that world size."""
+    """The printed plan memory and construction peak are the plan tool's for that world size."""
     from megatron_lbp import plan
 
     totals = []
     for nodes in (2, 8, 48):
         out = run(SCRIPTS["20b"], site, "--dry-run", NNODES=nodes).stdout
         printed = float(re.search(r"memory per GCD \(plan\):.* = ([\d.]+) GB", out).group(1))
+        peak = float(re.search(r"construction peak per GCD .*: ([\d.]+) GB", out).group(1))
         argv = re.search(r"plan: python -m megatron_lbp.plan (.*)", out).group(1).split()
-        assert abs(plan.make_plan(argv)["memory_bytes"]["total"] / 1e9 - printed) < 0.01
+        p = plan.make_plan(argv)
+        assert abs(p["memory_bytes"]["total"] / 1e9 - printed) < 0.01
+        assert abs(p["construction_peak_bytes"] / 1e9 - peak) < 0.01, (peak, p["construction_peak_bytes"])
         totals.append(printed)
     assert totals[0] > totals[1] > totals[2]
 
@@ -373,6 +384,37 @@ def test_local_profile_dry_run(site):
     assert flag(cmd, "--tokenizer-type") == "SentencePieceTokenizer"
     assert "W=8 ranks, P=2 G=4 O=8 S=4 (int8)" in r.stdout
     assert "--recompute-granularity" not in cmd and flag(cmd, "--exit-duration-in-mins") == "13"
+
+
+def test_frontier_small_differs_only_in_its_overrides(site):
+    """Issue 16: scripts/frontier_small.env sets only size, node and task counts and the device,
+    and the Frontier profile's dry run with it differs from the profile's own (#SBATCH -N 48,
+    -t 2 h) only where those values (and the job length) explain it."""
+    small = frontier_small.overrides()
+    assert set(small) <= set(frontier_small.ALLOWED), \
+        f"overrides issue 16 does not allow: {sorted(set(small) - set(frontier_small.ALLOWED))}"
+    assert not set(small) & {"DATA_PATH", "VOCAB_FILE", "MERGE_FILE", "CHECKPOINT_DIR"}  # yours
+    real = run(SCRIPTS["20b"], site, "--dry-run")
+    r = run(SCRIPTS["20b"], site, "--dry-run", LBP_WALLTIME="6", **small)
+    assert real.returncode == 0 and r.returncode == 0, real.stderr + r.stderr
+    given = set(small) | {"LBP_WALLTIME"}
+    bad = frontier_small.unexplained(real.stdout, r.stdout, given)
+    assert not bad, "the small profile differs from frontier_gpt20b.sh's beyond its overrides:\n" \
+        + "\n".join(bad)
+    cmd = training_line(r.stdout)
+    # what stays the profile's: GPT-2 BPE from files, full recomputation, the int8 secondary copy
+    # over the node (S = TASKS_PER_NODE), bf16, the save and exit settings
+    assert flag(cmd, "--tokenizer-type") == "GPT2BPETokenizer"
+    assert flag(cmd, "--recompute-granularity") == "full" and "--bf16" in cmd
+    assert flag(cmd, "--hier-secondary-group-size") == small["TASKS_PER_NODE"] == flag(cmd, "--hier-gpus-per-node")
+    assert flag(cmd, "--hier-secondary-dtype") == "int8" and "--exit-signal-handler" in cmd
+    assert "W=8 ranks, P=2 G=4 O=8 S=4 (int8)" in r.stdout and "flags for a CPU run" in r.stdout
+    assert "SAVE_INTERVAL=auto" in r.stdout and "the --signal lead 150 s" in r.stdout
+    # the diff names what no override explains (the small run's printout with two settings changed)
+    smuggled = r.stdout.replace(" --recompute-granularity full", " --recompute-granularity selective") \
+        .replace(" --bf16", "").replace("OMP_NUM_THREADS=1", "OMP_NUM_THREADS=1 NCCL_DEBUG=INFO")
+    named = [b.split(":")[0] for b in frontier_small.unexplained(real.stdout, smuggled, given)]
+    assert named == ["--bf16", "--recompute-granularity", "env NCCL_DEBUG"], named
 
 
 def test_the_three_profiles_share_one_launcher():
