@@ -668,22 +668,32 @@ def test_local_slurm_job(tmp_path):
         # 1. The first job of a chain of two: 6 minutes, minus the pre-flight (health check
         #    included) and the margin of 210 s (the profile's --signal=TERM@150 + the 60 s
         #    Slurm may send it early; more than save 60 s + step + slack 120 s), leaves one or
-        #    two minutes of Megatron's clock. Where the pre-flight took more than 90 s (a busy
-        #    machine), the job refuses as too short, submits nothing, and it is asked again
-        #    with one more minute. The second job (10 minutes) stops at the next multiple of
-        #    10 iterations (--exit-interval): it shows the resume, not the exit time again.
+        #    two minutes of Megatron's clock. It is asked again with one more minute where the
+        #    machine is so busy that the pre-flight took more than 90 s (the job refuses as too
+        #    short and submits nothing), or that the first iteration ended only after Slurm's
+        #    signal (Megatron looks at the signal before its clock: the backstop stopped it;
+        #    its chain is cancelled). The second job (10 minutes) stops at the next multiple
+        #    of 10 iterations (--exit-interval): it shows the resume, not the exit time again.
         next_args = (f"{' '.join(WHOLE_NODES)} -t 10 -o {jobs}/%x-%j.out -e {jobs}/%x-%j.err "
                      "--export=ALL,EXTRA_ARGS=--exit-interval=10")
-        for minutes in (6, 7, 8):
+        retries = []
+        for minutes in (6, 7, 8, 9):
             ckpt = tmp_path / f"ckpt{minutes}"
             first = _sbatch(env, jobs, "--chain", "2", time_limit=str(minutes), CHECKPOINT_DIR=ckpt,
                             LBP_LOSS_LOG=tmp_path / f"chain{minutes}.loss", LBP_LOG_ALL_RANKS=1,
                             LBP_CHAIN_SBATCH_ARGS=next_args, **run_env)
             state = _wait_job(first, env)
             out, err = _logs(jobs, first)
-            if state != "FAILED" or "less than one minute of training" not in err:
+            if state == "FAILED" and "less than one minute of training" in err:
+                retries.append(f"-t {minutes}: refused as too short")
+            elif state == "COMPLETED" and "exiting program after receiving SIGTERM" in out:
+                retries.append(f"-t {minutes}: the first iteration ended after the signal")
+                for job in re.findall(r"chain: submitted job (\d+)", out):
+                    subprocess.run(["scancel", job], env=env)
+                    _wait_job(job, env, 120)
+            else:
                 break
-        assert state == "COMPLETED", f"{state}\n{out[-3000:]}\n{err[-3000:]}"
+        assert state == "COMPLETED", f"{state} after {retries}\n{out[-3000:]}\n{err[-3000:]}"
         k1 = _exit_point(out, first)
         second = re.search(r"chain: submitted job (\d+) \(--dependency=afterany:" + first, out).group(1)
         for rank in range(8):
@@ -739,7 +749,7 @@ def test_local_slurm_job(tmp_path):
         err = _logs(jobs, job)[1]
         assert "lbp_launch: error: DATA_PATH:" in err and "missing.bin" in err
         print(f"local Slurm chain of the Frontier profile at small size: first job -t {minutes} "
-              f"(after {minutes - 6} refusal(s) as too short), stopped at iteration {k1} by its exit "
+              f"(retried: {retries or 'no'}), stopped at iteration {k1} by its exit "
               f"time; second resumed, stopped at {k2}; {len(single)} losses equal to one "
               f"uninterrupted run (first {single[1]:.4f}, last {single[k2]:.4f}); kept {kept}")
     finally:
