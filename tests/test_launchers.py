@@ -330,9 +330,10 @@ def test_environment_precedence_module_defaults_user(site):
 def test_exit_time_from_squeue_in_a_job(site):
     r = run(SCRIPTS["20b"], site, **in_job(SLURM_JOB_END_TIME=None, FAKE_TIME_LEFT="29:30"))
     assert r.returncode == 0, r.stderr
-    # 29:30 left (a debug job), small model: save 61 s + step + 120 s slack -> 26 minutes
+    # 29:30 left (a debug job), small model: the --signal lead 150 s + 60 s + a step (more than
+    # save 61 s + step + 120 s slack) -> 25 minutes
     assert "job 42 has 0:29:30 left (squeue -o %L: 29:30)" in r.stdout
-    assert flag(calls(site, "srun")[-1].split(), "--exit-duration-in-mins") == "26"
+    assert flag(calls(site, "srun")[-1].split(), "--exit-duration-in-mins") == "25"
     assert all(c.startswith("-h -j 42 -o") for c in calls(site, "squeue"))
 
 
@@ -668,29 +669,39 @@ def test_local_slurm_job(tmp_path):
         # 1. The first job of a chain of two: 6 minutes, minus the pre-flight (health check
         #    included) and the margin of 210 s (the profile's --signal=TERM@150 + the 60 s
         #    Slurm may send it early; more than save 60 s + step + slack 120 s), leaves one or
-        #    two minutes of Megatron's clock. It is asked again with one more minute where the
+        #    two minutes of Megatron's clock. It is asked again (at most 4 times) where the
         #    machine is so busy that the pre-flight took more than 90 s (the job refuses as too
-        #    short and submits nothing), or that the first iteration ended only after Slurm's
+        #    short and submits nothing: then with the -t that this pre-flight, a quarter more,
+        #    the margin and 90 s need), or that the first iteration ended only after Slurm's
         #    signal (Megatron looks at the signal before its clock: the backstop stopped it;
-        #    its chain is cancelled). The second job (10 minutes) stops at the next multiple
-        #    of 10 iterations (--exit-interval): it shows the resume, not the exit time again.
+        #    its chain is cancelled; then 3 minutes more). The second job (10 minutes) stops
+        #    at the next multiple of 10 iterations (--exit-interval): it shows the resume, not
+        #    the exit time again.
         next_args = (f"{' '.join(WHOLE_NODES)} -t 10 -o {jobs}/%x-%j.out -e {jobs}/%x-%j.err "
                      "--export=ALL,EXTRA_ARGS=--exit-interval=10")
-        retries = []
-        for minutes in (6, 7, 8, 9):
+        retries, minutes = [], 6
+        while len(retries) < 4:
             ckpt = tmp_path / f"ckpt{minutes}"
             first = _sbatch(env, jobs, "--chain", "2", time_limit=str(minutes), CHECKPOINT_DIR=ckpt,
                             LBP_LOSS_LOG=tmp_path / f"chain{minutes}.loss", LBP_LOG_ALL_RANKS=1,
                             LBP_CHAIN_SBATCH_ARGS=next_args, **run_env)
             state = _wait_job(first, env)
             out, err = _logs(jobs, first)
-            if state == "FAILED" and "less than one minute of training" in err:
-                retries.append(f"-t {minutes}: refused as too short")
-            elif state == "COMPLETED" and "exiting program after receiving SIGTERM" in out:
-                retries.append(f"-t {minutes}: the first iteration ended after the signal")
+            left = re.search(r"has (\d+):(\d\d):(\d\d) left \(squeue", err)
+            if state == "FAILED" and "less than one minute of training" in err and left:
+                # the next -t: this pre-flight, a quarter more, the margin and a minute and a half
+                h, m, s = map(int, left.groups())
+                preflight = minutes * 60 - (h * 3600 + m * 60 + s)
+                retries.append(f"-t {minutes}: refused as too short after a {preflight} s pre-flight")
+                minutes = max(minutes + 1, -(-(preflight * 5 // 4 + 210 + 90) // 60))
+            elif ("exiting program after receiving SIGTERM" in out
+                  or re.search(r"training step ended at \S+ with status 143", out)):
+                # the signal came before the first iteration ended (or before Megatron's handler)
+                retries.append(f"-t {minutes}: Megatron's start took longer than its clock allows")
                 for job in re.findall(r"chain: submitted job (\d+)", out):
                     subprocess.run(["scancel", job], env=env)
                     _wait_job(job, env, 120)
+                minutes += 3
             else:
                 break
         assert state == "COMPLETED", f"{state} after {retries}\n{out[-3000:]}\n{err[-3000:]}"
@@ -733,7 +744,7 @@ def test_local_slurm_job(tmp_path):
         assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(k2)
 
         # 3. One uninterrupted run to the same iteration: the same losses.
-        ref = _sbatch(env, jobs, CHECKPOINT_DIR=tmp_path / "ref", LBP_HEALTH_CHECK=0,
+        ref = _sbatch(env, jobs, time_limit="15", CHECKPOINT_DIR=tmp_path / "ref", LBP_HEALTH_CHECK=0,
                       LBP_LOSS_LOG=tmp_path / "ref.loss", EXTRA_ARGS=f"--exit-interval={k2}",
                       **run_env)
         assert _wait_job(ref, env) == "COMPLETED", _logs(jobs, ref)[1][-3000:]
