@@ -612,10 +612,12 @@ def _losses(path: Path) -> dict[int, float]:
 
 def _exit_point(log: str, job: str) -> int:
     """The iteration a job stopped at by its computed exit time (and saved), from its log."""
-    m = re.search(rf"exit time: job {job} has 0:0\d:\d\d left \(squeue -o %L: .*"
-                  r"-> --exit-duration-in-mins (\d+) ", log)
+    # the last exit time: the one computed just before training (the first, at the job's start,
+    # only refuses a job too short for the pre-flight)
+    m = re.findall(rf"exit time: job {job} has 0:0\d:\d\d left \(squeue -o %L: .*"
+                   r"-> --exit-duration-in-mins (\d+) ", log)
     assert m, log[-3000:]
-    assert f"exiting program after {m.group(1)}." in log, log[-3000:]
+    assert f"exiting program after {m[-1]}." in log, log[-3000:]
     assert "exiting program after receiving SIGTERM" not in log, log[-3000:]   # not the backstop
     return _last_save(log)
 
