@@ -697,8 +697,10 @@ def test_local_slurm_job(tmp_path):
                 retries.append(f"-t {minutes}: refused as too short after a {preflight} s pre-flight")
                 minutes = max(minutes + 1, -(-(preflight * 5 // 4 + 210 + 90) // 60))
             elif ("exiting program after receiving SIGTERM" in out
-                  or re.search(r"training step ended at \S+ with status 143", out)):
-                # the signal came before the first iteration ended (or before Megatron's handler)
+                  or re.search(r"training step ended at \S+ with status 143", out)
+                  or ("the health check failed" in err and "CANCELLED AT" in err)):
+                # the signal came before the first iteration ended (or before Megatron's handler,
+                # or during the health check)
                 retries.append(f"-t {minutes}: Megatron's start took longer than its clock allows")
                 for job in re.findall(r"chain: submitted job (\d+)", out):
                     subprocess.run(["scancel", job], env=env)
