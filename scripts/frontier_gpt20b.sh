@@ -10,7 +10,8 @@
 #SBATCH --signal=TERM@150
 # (-q debug for a <= 2 h test job; -p extended for <= 64 nodes and 24 h; -C nvme with
 # LBP_SBCAST_ENV. --signal: Megatron's --exit-signal-handler saves and stops on it, the
-# backstop of the computed exit time; Slurm may send it up to 60 s early.)
+# backstop of the computed exit time, which comes before it: Slurm may send it up to 60 s
+# early, and the exit margin covers that (LBP_SIGNAL_S, read from this line).)
 #
 # GPT 20B (GPT-NeoX-20B shape: 44 layers, hidden 6144, 64 heads, seq 2048,
 # vocabulary 50257 padded to 50304; 20.24 B parameters) pretrained with
@@ -42,6 +43,10 @@
 # resubmissions (Megatron checks the checkpoint's LR schedule;
 # EXTRA_ARGS=--override-opt_param-scheduler to change it on purpose). Extra
 # arguments (or EXTRA_ARGS) are appended to the training command line.
+#
+# At small size on CPU ranks (a one-machine Slurm, the tests): scripts/frontier_small.env
+# holds the only values that differ (model and batch size, node and task counts, the
+# device); every other setting stays this profile's.
 #
 # None of this has been run on Frontier by the authors: the module names, the
 # RCCL/libfabric settings and the #SBATCH options are the conventions of OLCF's
@@ -102,14 +107,15 @@
 #                    a divisor of LBP_MILESTONE_EVERY; LBP_STEP_SECONDS replaces the estimate]
 #     EXIT_DURATION_MINS [auto: the job's time left (SLURM_JOB_END_TIME or squeue %L)
 #                    minus one save (14 B/param at LBP_WRITE_GBPS=1 per node, x2, +
-#                    LBP_SAVE_FIXED_S=60), one step and LBP_EXIT_SLACK_S=120]
+#                    LBP_SAVE_FIXED_S=60), one step and LBP_EXIT_SLACK_S=120, and at
+#                    least the --signal lead (LBP_SIGNAL_S [150]) + 60 s + one step]
 #     LBP_KEEP_LAST [2] LBP_MILESTONE_EVERY [10000] LBP_PRUNE_EVERY_S [600]
 #     LBP_CHAIN_SBATCH_ARGS [] more sbatch options for the chain's next jobs
 #     LBP_HEALTH_CHECK [1; 0: device checks only] LBP_HEALTH_MIN_FRACTION [0.25]
 #     LBP_HEALTH_EXPECT_GBPS [package=200,node=50,network=12.5: the cost model's]
 #     LBP_HEALTH_MB [64] GCD_MEMORY_GB [64] LBP_MEMORY_RESERVE_GB [4]
 #   Hierarchy (--hier-partition --hier-preset lbp: P = 2 (package), G = 8 (node), O = all)
-#     HIER_SECONDARY_GROUP_SIZE [8]  HIER_SECONDARY_DTYPE [int8]
+#     HIER_SECONDARY_GROUP_SIZE [TASKS_PER_NODE = 8: the node]  HIER_SECONDARY_DTYPE [int8]
 #   LBP_DRY_RUN=1 or --dry-run: print the srun and training commands, the parameter
 #     count, the per-GCD memory of each recomputation/micro-batch choice, the step time,
 #     save interval, checkpoint size, exit time for the #SBATCH -t (LBP_WALLTIME), the
@@ -148,7 +154,8 @@ export LBP_REPO
 : "${NUM_LAYERS:=44}" "${HIDDEN_SIZE:=6144}" "${NUM_ATTENTION_HEADS:=64}" "${SEQ_LENGTH:=2048}"
 : "${VOCAB_SIZE_PADDED:=50304}" "${GLOBAL_BATCH_SIZE:=1536}"
 : "${TRAIN_ITERS:=150000}" "${LR:=9.7e-5}" "${MIN_LR:=9.7e-6}" "${LR_WARMUP_ITERS:=1500}"
-: "${HIER_SECONDARY_GROUP_SIZE:=8}" "${HIER_SECONDARY_DTYPE:=int8}"
+# The int8 secondary copy spans the node, whatever the node holds (8 GCDs on Frontier)
+: "${HIER_SECONDARY_GROUP_SIZE:=${TASKS_PER_NODE:-8}}" "${HIER_SECONDARY_DTYPE:=int8}"
 
 # shellcheck source-path=SCRIPTDIR source=launch/lbp_launch.sh
 . "$LBP_REPO/scripts/launch/lbp_launch.sh"

@@ -294,6 +294,8 @@ LAUNCHER = [
            "LBP_KEEP_LAST=0"),
     launch("LBP_WRITE_GBPS=0", SCRIPTS["20b"], ["--dry-run"], {**DRY, "LBP_WRITE_GBPS": "0"},
            "LBP_WRITE_GBPS=0"),
+    launch("SBATCH_SIGNAL without seconds", SCRIPTS["20b"], ["--dry-run"],
+           {**DRY, "SBATCH_SIGNAL": "TERM@soon"}, "LBP_SIGNAL_S=soon"),
     launch("LBP_HEALTH_CHECK=maybe", SCRIPTS["20b"], ["--dry-run"],
            {**DRY, "LBP_HEALTH_CHECK": "maybe"}, "LBP_HEALTH_CHECK=maybe"),
     launch("LBP_HEALTH_EXPECT_GBPS=package=fast", SCRIPTS["20b"], ["--dry-run"],

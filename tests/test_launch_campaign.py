@@ -111,6 +111,13 @@ def test_remaining_time_from_end_time_or_squeue():
     assert walltime.exit_minutes(7200, 214) == 116 and walltime.exit_minutes(100, 66) == 0
 
 
+def test_exit_margin_covers_the_signal_as_early_as_slurm_sends_it():
+    """Training stops before the --signal backstop can arrive (up to 60 s before its lead)."""
+    assert walltime.margin_seconds(72, 22.5, 120) == walltime.margin_seconds(72, 22.5, 120, 0) == 214.5
+    assert walltime.margin_seconds(72, 22.5, 120, 150) == 150 + 60 + 22.5     # the signal's is larger
+    assert walltime.margin_seconds(343, 5, 120, 150) == 468                   # the save's is larger
+
+
 @pytest.fixture
 def fake_squeue(tmp_path):
     """squeue as Slurm prints it for job 42: -o %L the time left, -o %l the limit."""
@@ -140,6 +147,10 @@ def test_exit_time_command_in_a_job(fake_squeue, tmp_path):
                env={"SLURM_JOB_ID": "42", "FAKE_TIME_LEFT": "4:00"}, path_prepend=fake_squeue)
     assert r.returncode == 4 and r.stderr.count("\n") == 1, r.stderr
     assert "0:04:00 left" in r.stderr and "less than one minute of training" in r.stderr
+    r = launch("exit-time", "--save-s", "60", "--step-s", "1", "--slack-s", "120", "--signal-s", "150",
+               env={"SLURM_JOB_ID": "42", "FAKE_TIME_LEFT": "6:00"}, path_prepend=fake_squeue)
+    assert r.returncode == 0 and "margin 211 s (the --signal lead 150 s + 60 s" in r.stdout, r.stdout
+    assert "--exit-duration-in-mins 2 " in r.stdout       # (360 - 211) // 60
     r = launch("exit-time", "--save-s", "1", "--step-s", "1", "--slack-s", "1",
                env={"SLURM_JOB_ID": "42", "FAKE_TIME_LEFT": "UNLIMITED"}, path_prepend=fake_squeue)
     assert r.returncode == 0 and "no wall-clock limit" in r.stdout

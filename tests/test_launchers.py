@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import frontier_small
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = {"20b": REPO / "scripts" / "frontier_gpt20b.sh",
            "10b": REPO / "scripts" / "frontier_gpt10b.sh"}
@@ -184,8 +186,11 @@ def test_dry_run_frontier(site, model, nodes):
     step = float(re.search(r"step time: ([\d.]+) s per iteration \(cost model", out).group(1))
     interval = int(flag(cmd, "--save-interval"))
     assert 10000 % interval == 0 and 30 <= interval * step / 60 <= 60, (interval, step)
-    m = re.search(r"-t 02:00:00\); margin (\d+) s \(save (\d+) s .*-> --exit-duration-in-mins (\d+)", out)
+    # the margin also covers the #SBATCH --signal=TERM@150 lead as early as Slurm may send it
+    m = re.search(r"-t 02:00:00\); margin (\d+) s \((.*)\) -> --exit-duration-in-mins (\d+)", out)
     assert m and int(flag(cmd, "--exit-duration-in-mins")) == int(m.group(3)) == (7200 - int(m.group(1))) // 60
+    assert int(m.group(1)) >= 150 + 60 + step - 1, m.group(0)   # printed to the second
+    assert ("the --signal lead 150 s" in m.group(2)) == (nodes == 48), m.group(0)   # the larger term
     assert re.search(r"checkpoint: [\d.]+ GB per save \(14 B/param\)", out)
 
     for setting in OLCF_ENV + ("NCCL_NET=OFI", "OMP_NUM_THREADS=7"):
@@ -198,19 +203,25 @@ def test_dry_run_frontier(site, model, nodes):
     assert f"W={8 * nodes} ranks, P=2 G=8 O={8 * nodes} S=8 (int8)" in out
     total = float(re.search(r"memory per GCD total: ([\d.]+) GB of 64 GB \(fits\)", out).group(1))
     assert 0 < total <= 64
+    # issue 12: the construction peak per GCD (sharded initialization) next to the steady state
+    assert re.search(r"construction peak per GCD \(plan: the model built module by module into its "
+                     r"slices, --hier-sharded-init\): [\d.]+ GB", out), out
     assert "dry run: not launching" in out
 
 
 def test_memory_shrinks_with_nodes_and_matches_plan(site):
-    """The printed plan memory is the plan tool's total for that world size."""
+    """The printed plan memory and construction peak are the plan tool's for that world size."""
     from megatron_lbp import plan
 
     totals = []
     for nodes in (2, 8, 48):
         out = run(SCRIPTS["20b"], site, "--dry-run", NNODES=nodes).stdout
         printed = float(re.search(r"memory per GCD \(plan\):.* = ([\d.]+) GB", out).group(1))
+        peak = float(re.search(r"construction peak per GCD .*: ([\d.]+) GB", out).group(1))
         argv = re.search(r"plan: python -m megatron_lbp.plan (.*)", out).group(1).split()
-        assert abs(plan.make_plan(argv)["memory_bytes"]["total"] / 1e9 - printed) < 0.01
+        p = plan.make_plan(argv)
+        assert abs(p["memory_bytes"]["total"] / 1e9 - printed) < 0.01
+        assert abs(p["construction_peak_bytes"] / 1e9 - peak) < 0.01, (peak, p["construction_peak_bytes"])
         totals.append(printed)
     assert totals[0] > totals[1] > totals[2]
 
@@ -319,9 +330,10 @@ def test_environment_precedence_module_defaults_user(site):
 def test_exit_time_from_squeue_in_a_job(site):
     r = run(SCRIPTS["20b"], site, **in_job(SLURM_JOB_END_TIME=None, FAKE_TIME_LEFT="29:30"))
     assert r.returncode == 0, r.stderr
-    # 29:30 left (a debug job), small model: save 61 s + step + 120 s slack -> 26 minutes
+    # 29:30 left (a debug job), small model: the --signal lead 150 s + 60 s + a step (more than
+    # save 61 s + step + 120 s slack) -> 25 minutes
     assert "job 42 has 0:29:30 left (squeue -o %L: 29:30)" in r.stdout
-    assert flag(calls(site, "srun")[-1].split(), "--exit-duration-in-mins") == "26"
+    assert flag(calls(site, "srun")[-1].split(), "--exit-duration-in-mins") == "25"
     assert all(c.startswith("-h -j 42 -o") for c in calls(site, "squeue"))
 
 
@@ -373,6 +385,37 @@ def test_local_profile_dry_run(site):
     assert flag(cmd, "--tokenizer-type") == "SentencePieceTokenizer"
     assert "W=8 ranks, P=2 G=4 O=8 S=4 (int8)" in r.stdout
     assert "--recompute-granularity" not in cmd and flag(cmd, "--exit-duration-in-mins") == "13"
+
+
+def test_frontier_small_differs_only_in_its_overrides(site):
+    """Issue 16: scripts/frontier_small.env sets only size, node and task counts and the device,
+    and the Frontier profile's dry run with it differs from the profile's own (#SBATCH -N 48,
+    -t 2 h) only where those values (and the job length) explain it."""
+    small = frontier_small.overrides()
+    assert set(small) <= set(frontier_small.ALLOWED), \
+        f"overrides issue 16 does not allow: {sorted(set(small) - set(frontier_small.ALLOWED))}"
+    assert not set(small) & {"DATA_PATH", "VOCAB_FILE", "MERGE_FILE", "CHECKPOINT_DIR"}  # yours
+    real = run(SCRIPTS["20b"], site, "--dry-run")
+    r = run(SCRIPTS["20b"], site, "--dry-run", LBP_WALLTIME="6", **small)
+    assert real.returncode == 0 and r.returncode == 0, real.stderr + r.stderr
+    given = set(small) | {"LBP_WALLTIME"}
+    bad = frontier_small.unexplained(real.stdout, r.stdout, given)
+    assert not bad, "the small profile differs from frontier_gpt20b.sh's beyond its overrides:\n" \
+        + "\n".join(bad)
+    cmd = training_line(r.stdout)
+    # what stays the profile's: GPT-2 BPE from files, full recomputation, the int8 secondary copy
+    # over the node (S = TASKS_PER_NODE), bf16, the save and exit settings
+    assert flag(cmd, "--tokenizer-type") == "GPT2BPETokenizer"
+    assert flag(cmd, "--recompute-granularity") == "full" and "--bf16" in cmd
+    assert flag(cmd, "--hier-secondary-group-size") == small["TASKS_PER_NODE"] == flag(cmd, "--hier-gpus-per-node")
+    assert flag(cmd, "--hier-secondary-dtype") == "int8" and "--exit-signal-handler" in cmd
+    assert "W=8 ranks, P=2 G=4 O=8 S=4 (int8)" in r.stdout and "flags for a CPU run" in r.stdout
+    assert "SAVE_INTERVAL=auto" in r.stdout and "the --signal lead 150 s" in r.stdout
+    # the diff names what no override explains (the small run's printout with two settings changed)
+    smuggled = r.stdout.replace(" --recompute-granularity full", " --recompute-granularity selective") \
+        .replace(" --bf16", "").replace("OMP_NUM_THREADS=1", "OMP_NUM_THREADS=1 NCCL_DEBUG=INFO")
+    named = [b.split(":")[0] for b in frontier_small.unexplained(real.stdout, smuggled, given)]
+    assert named == ["--bf16", "--recompute-granularity", "env NCCL_DEBUG"], named
 
 
 def test_the_three_profiles_share_one_launcher():
@@ -500,7 +543,7 @@ def test_sbcast_of_a_packed_environment(tmp_path):
 def test_shellcheck_clean():
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck not installed (apt-get install -y shellcheck; CI installs it)")
-    files = [*SCRIPTS.values(), LOCAL, *sorted(LAUNCH.glob("*.sh"))]
+    files = [*SCRIPTS.values(), LOCAL, frontier_small.ENV_FILE, *sorted(LAUNCH.glob("*.sh"))]
     r = subprocess.run(["shellcheck", "-x", *map(str, files)], capture_output=True, text=True,
                        cwd=REPO)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -509,12 +552,14 @@ def test_shellcheck_clean():
 # --------------------------------------------------------------------------- real Slurm
 #
 # bash scripts/test.sh --slow -k local_slurm_job   (root, Debian: installs slurm + munge with
-# apt-get; 5.9 min on the shared 2-core machine at load 16-30, 8.6 min at 40-60). Starts a
-# two-node Slurm on this machine (scripts/launch/local_slurm.sh), sbatch's the local
-# profile, the same launcher as the Frontier scripts, and stops every daemon it started by
-# PID whatever the outcome.
+# apt-get). Starts a two-node Slurm on this machine (scripts/launch/local_slurm.sh), sbatch's
+# scripts/frontier_gpt20b.sh itself with scripts/frontier_small.env (issue 16: the Frontier
+# profile at small size, GPT-2 BPE built from the shipped corpus) as a chain of two jobs
+# (issue 14), and stops every daemon it started by PID whatever the outcome.
 
 LOCAL_SLURM = LAUNCH / "local_slurm.sh"
+FRONTIER = SCRIPTS["20b"]
+WHOLE_NODES = ("--exclusive", "--gpus-per-node=8")
 
 
 def _job_state(job: str, env: dict) -> str:
@@ -537,16 +582,23 @@ def _wait_job(job: str, env: dict, timeout: float = 900.0) -> str:
 
 
 def _sbatch(env: dict, jobs: Path, *args: str, time_limit: str = "10", **export) -> str:
-    """sbatch the local profile with ``export`` in the job's environment (values with commas,
-    which sbatch's --export list cannot hold, go through sbatch's own environment)."""
+    """sbatch the Frontier profile on the two nodes with ``export`` in the job's environment
+    (values with commas, which sbatch's --export list cannot hold, go through sbatch's own
+    environment). The script's other #SBATCH options (-A, -J, -p batch, --network, --signal)
+    are taken as shipped; --exclusive --gpus-per-node=8 ask this cluster for whole nodes with
+    their fake GPUs, which Frontier gives every job without asking."""
     plain = {k: str(v) for k, v in export.items() if "," not in str(v)}
     exports = ",".join(["ALL"] + [f"{k}={v}" for k, v in plain.items()])
-    r = subprocess.run(["sbatch", "--parsable", "--chdir", str(REPO), "-t", time_limit,
+    r = subprocess.run(["sbatch", "--parsable", "--chdir", str(REPO), "-N", "2", *WHOLE_NODES, "-t", time_limit,
                         "-o", f"{jobs}/%x-%j.out", "-e", f"{jobs}/%x-%j.err",
-                        f"--export={exports}", str(LOCAL), *args],
+                        f"--export={exports}", str(FRONTIER), *args],
                        env={**env, **{k: str(v) for k, v in export.items() if k not in plain}},
                        capture_output=True, text=True, check=True)
     return r.stdout.strip().split(";")[0]
+
+
+def _logs(jobs: Path, job: str) -> tuple[str, str]:
+    return ((jobs / f"lbp-gpt20b-{job}.out").read_text(), (jobs / f"lbp-gpt20b-{job}.err").read_text())
 
 
 def _losses(path: Path) -> dict[int, float]:
@@ -560,9 +612,13 @@ def _losses(path: Path) -> dict[int, float]:
 
 def _exit_point(log: str, job: str) -> int:
     """The iteration a job stopped at by its computed exit time (and saved), from its log."""
-    assert re.search(rf"exit time: job {job} has 0:0\d:\d\d left \(squeue -o %L: .*"
-                     r"-> --exit-duration-in-mins 1 ", log), log[-3000:]
-    assert "exiting program after 1." in log, log[-3000:]
+    # the last exit time: the one computed just before training (the first, at the job's start,
+    # only refuses a job too short for the pre-flight)
+    m = re.findall(rf"exit time: job {job} has 0:0\d:\d\d left \(squeue -o %L: .*"
+                   r"-> --exit-duration-in-mins (\d+) ", log)
+    assert m, log[-3000:]
+    assert f"exiting program after {m[-1]}." in log, log[-3000:]
+    assert "exiting program after receiving SIGTERM" not in log, log[-3000:]   # not the backstop
     return _last_save(log)
 
 
@@ -570,47 +626,89 @@ def _last_save(log: str) -> int:
     return [int(m) for m in re.findall(r"successfully saved checkpoint from iteration +(\d+)", log)][-1]
 
 
+def _gpt2_data(tmp: Path, env: dict) -> dict:
+    """A GPT-2-format vocabulary built from the shipped corpus, and every 2nd document of it
+    preprocessed with that vocabulary (enough documents for the profile's 949,50,1 split)."""
+    corpus = REPO / "data_src" / "python-docs-3.11.jsonl.gz"
+    out = tmp / "gpt2"
+    subprocess.run([sys.executable, str(REPO / "tokenizer" / "build_gpt2_bpe.py"), "--out", str(out)],
+                   check=True, env=env, capture_output=True)
+    import gzip
+
+    with gzip.open(corpus, "rt", encoding="utf-8") as f:
+        docs = [line for line in f if line.strip()][::2]
+    (out / "docs.jsonl").write_text("".join(docs), encoding="utf-8")
+    paths = {"VOCAB_FILE": out / "vocab.json", "MERGE_FILE": out / "merges.txt"}
+    subprocess.run([sys.executable, str(REPO / "scripts" / "preprocess_data.py"), "--input",
+                    str(out / "docs.jsonl"), "--output-prefix", str(out / "docs"),
+                    "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(paths["VOCAB_FILE"]),
+                    "--merge-file", str(paths["MERGE_FILE"])], check=True, env=env, capture_output=True)
+    return {**paths, "DATA_PATH": out / "docs_text_document"}
+
+
 @pytest.mark.slow
 def test_local_slurm_job(tmp_path):
-    """A chain of two jobs on a real two-node Slurm: the first stops at the exit time it computed
-    from its wall time, with a checkpoint; the second resumes from it with the losses of one
-    uninterrupted run; the health check runs in both."""
+    """scripts/frontier_gpt20b.sh at small size (scripts/frontier_small.env) on a real two-node
+    Slurm, as a chain of two jobs: the first stops at the exit time it computed from its wall
+    time, with a checkpoint, and what it ran differs from the profile's dry run only in the
+    overrides; the second resumes from it with the losses of one uninterrupted run; the health
+    check runs in both."""
     if os.geteuid() != 0 or (shutil.which("apt-get") is None and shutil.which("slurmctld") is None):
         pytest.skip("needs root and Debian's slurm packages (or apt-get)")
     subprocess.run(["bash", str(LOCAL_SLURM), "install"], check=True)
-    from megatron_lbp.data import build_demo_data
-
-    data = build_demo_data(REPO / "data", quiet=True)
     cluster, jobs = tmp_path / "slurm", tmp_path / "jobs"
     jobs.mkdir()
-    env = dict(os.environ, SLURM_CONF=str(cluster / "etc" / "slurm.conf"))
-    for k in [k for k in env if k.startswith("SLURM_") and k != "SLURM_CONF"]:
-        env.pop(k)
-    # TRAIN_ITERS no job reaches; saves every 10, the newest 2 kept.
-    run_env = dict(TRAIN_ITERS=100000, SAVE_INTERVAL=10, LOG_INTERVAL=1, DATA_PATH=data)
+    # OMP_NUM_THREADS: conftest's default for the test process, not a value the user exported
+    env = {k: v for k, v in os.environ.items()
+           if not (k.startswith("SLURM_") or k.startswith("LBP_") or k == "OMP_NUM_THREADS")}
+    env["SLURM_CONF"] = str(cluster / "etc" / "slurm.conf")
+    small = frontier_small.overrides()
+    paths = _gpt2_data(tmp_path, {**env, "PYTHONWARNINGS": "ignore"})
+    run_env = {**small, **paths}
     try:
         subprocess.run(["bash", str(LOCAL_SLURM), "start", str(cluster)], check=True, env=env)
 
-        # 1. The first job of a chain of two: 4 minutes, minus the pre-flight (health check
-        #    included) and a margin of 126 s (save, step, LBP_EXIT_SLACK_S=120), leaves one
-        #    minute of Megatron's clock. Where the pre-flight took more than 54 s (a busy
-        #    machine), the job refuses as too short, submits nothing, and it is asked again
-        #    with one more minute. The second job (10 minutes) stops at the next multiple of
-        #    10 iterations (--exit-interval): it shows the resume, not the exit time again.
-        next_args = (f"-t 10 -o {jobs}/%x-%j.out -e {jobs}/%x-%j.err "
+        # 1. The first job of a chain of two: 6 minutes, minus the pre-flight (health check
+        #    included) and the margin of 210 s (the profile's --signal=TERM@150 + the 60 s
+        #    Slurm may send it early; more than save 60 s + step + slack 120 s), leaves one or
+        #    two minutes of Megatron's clock. It is asked again (at most 4 times) where the
+        #    machine is so busy that the pre-flight took more than 90 s (the job refuses as too
+        #    short and submits nothing: then with the -t that this pre-flight, a quarter more,
+        #    the margin and 90 s need), or that the first iteration ended only after Slurm's
+        #    signal (Megatron looks at the signal before its clock: the backstop stopped it;
+        #    its chain is cancelled; then 3 minutes more). The second job (10 minutes) stops
+        #    at the next multiple of 10 iterations (--exit-interval): it shows the resume, not
+        #    the exit time again.
+        next_args = (f"{' '.join(WHOLE_NODES)} -t 10 -o {jobs}/%x-%j.out -e {jobs}/%x-%j.err "
                      "--export=ALL,EXTRA_ARGS=--exit-interval=10")
-        for minutes in (4, 5, 6):
+        retries, minutes = [], 6
+        while len(retries) < 4:
             ckpt = tmp_path / f"ckpt{minutes}"
             first = _sbatch(env, jobs, "--chain", "2", time_limit=str(minutes), CHECKPOINT_DIR=ckpt,
-                            LBP_LOSS_LOG=tmp_path / f"chain{minutes}.loss", LBP_EXIT_SLACK_S=120,
-                            LBP_LOG_ALL_RANKS=1,
+                            LBP_LOSS_LOG=tmp_path / f"chain{minutes}.loss", LBP_LOG_ALL_RANKS=1,
                             LBP_CHAIN_SBATCH_ARGS=next_args, **run_env)
             state = _wait_job(first, env)
-            out = (jobs / f"lbp-local-{first}.out").read_text()
-            err = (jobs / f"lbp-local-{first}.err").read_text()
-            if state != "FAILED" or "less than one minute of training" not in err:
+            out, err = _logs(jobs, first)
+            left = re.search(r"has (\d+):(\d\d):(\d\d) left \(squeue", err)
+            if state == "FAILED" and "less than one minute of training" in err and left:
+                # the next -t: this pre-flight, a quarter more, the margin and a minute and a half
+                h, m, s = map(int, left.groups())
+                preflight = minutes * 60 - (h * 3600 + m * 60 + s)
+                retries.append(f"-t {minutes}: refused as too short after a {preflight} s pre-flight")
+                minutes = max(minutes + 1, -(-(preflight * 5 // 4 + 210 + 90) // 60))
+            elif ("exiting program after receiving SIGTERM" in out
+                  or re.search(r"training step ended at \S+ with status 143", out)
+                  or ("the health check failed" in err and "CANCELLED AT" in err)):
+                # the signal came before the first iteration ended (or before Megatron's handler,
+                # or during the health check)
+                retries.append(f"-t {minutes}: Megatron's start took longer than its clock allows")
+                for job in re.findall(r"chain: submitted job (\d+)", out):
+                    subprocess.run(["scancel", job], env=env)
+                    _wait_job(job, env, 120)
+                minutes += 3
+            else:
                 break
-        assert state == "COMPLETED", f"{state}\n{out[-3000:]}\n{err[-3000:]}"
+        assert state == "COMPLETED", f"{state} after {retries}\n{out[-3000:]}\n{err[-3000:]}"
         k1 = _exit_point(out, first)
         second = re.search(r"chain: submitted job (\d+) \(--dependency=afterany:" + first, out).group(1)
         for rank in range(8):
@@ -618,40 +716,56 @@ def test_local_slurm_job(tmp_path):
             assert re.search(rf"rank {rank} on \S+ node {node} package {package}\n", out)
         assert "[lbp_task] placement verified: rank 0 is local rank 0 of node 0 (node1); local " \
                "ranks 0,1 on devices 4,5 = package 2" in out
+        # What the job ran is the profile's own command but for the overrides (issue 16): the
+        # job's printout against the dry run of frontier_gpt20b.sh as shipped, same paths.
+        as_shipped = {k: v for k, v in env.items() if k != "SLURM_CONF"}
+        as_shipped.update({k: str(v) for k, v in paths.items()}, CHECKPOINT_DIR=str(ckpt))
+        real = subprocess.run(["bash", str(FRONTIER), "--dry-run"], capture_output=True, text=True,
+                              cwd=tmp_path, timeout=300, env=as_shipped)
+        assert real.returncode == 0, real.stderr
+        bad = frontier_small.unexplained(real.stdout, out, set(run_env) | {"LBP_WALLTIME"})
+        assert not bad, "the job ran more than the profile's overrides change:\n" + "\n".join(bad)
+        cmd = training_line(out)
+        assert flag(cmd, "--tokenizer-type") == "GPT2BPETokenizer" and "--bf16" in cmd
+        assert flag(cmd, "--recompute-granularity") == "full" and flag(cmd, "--hier-secondary-dtype") == "int8"
+        assert "megatron-lbp hierarchy (lbp): W=8 P=2 S=4 G=4 O=8 R=1" in out, out[-3000:]
 
         # 2. The second resumes from that checkpoint.
         state = _wait_job(second, env)
-        out2 = (jobs / f"lbp-local-{second}.out").read_text()
-        assert state == "COMPLETED", f"{state}\n{out2[-3000:]}"
-        assert f"the tracker names iteration {k1} of 100000, up from 0 when job {first} started" in out2
+        out2, err2 = _logs(jobs, second)
+        assert state == "COMPLETED", f"{state}\n{out2[-3000:]}\n{err2[-3000:]}"
+        assert f"the tracker names iteration {k1} of 150000, up from 0 when job {first} started" in out2
         assert re.search(rf"successfully loaded checkpoint from \S+ .*at iteration {k1}\b", out2), out2[-3000:]
         k2 = _last_save(out2)
         assert k1 < k2 <= k1 + 10 and k2 % 10 == 0 and "chain: submitted" not in out2
         for log in (out, out2):
             assert log.count("[lbp health] package: all-gather") == 1, log[-2000:]
             assert "[lbp health] network: " in log and "between node1 and node2" in log
-        # retention: the saves every 10 and at the exit were written, the newest 2 are left
+        # retention (newest 2 + milestones every 10000): SAVE_INTERVAL=auto is 10000 at this
+        # size, so the two exits' checkpoints are the ones written, and both are kept
         kept = sorted(int(p.name[5:]) for p in ckpt.glob("iter_*"))
-        assert kept == sorted(set(range(10, k2 + 1, 10)) | {k1})[-2:], kept
+        assert kept == [k1, k2], kept
         assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(k2)
 
         # 3. One uninterrupted run to the same iteration: the same losses.
-        ref = _sbatch(env, jobs, CHECKPOINT_DIR=tmp_path / "ref", LBP_HEALTH_CHECK=0,
+        ref = _sbatch(env, jobs, time_limit="15", CHECKPOINT_DIR=tmp_path / "ref", LBP_HEALTH_CHECK=0,
                       LBP_LOSS_LOG=tmp_path / "ref.loss", EXTRA_ARGS=f"--exit-interval={k2}",
                       **run_env)
-        assert _wait_job(ref, env) == "COMPLETED"
+        assert _wait_job(ref, env) == "COMPLETED", _logs(jobs, ref)[1][-3000:]
         chain, single = _losses(tmp_path / f"chain{minutes}.loss"), _losses(tmp_path / "ref.loss")
         assert sorted(chain) == sorted(single) == list(range(1, k2 + 1)), (sorted(chain)[-3:], k2)
         differ = [(i, chain[i], single[i]) for i in single if chain[i] != single[i]]
         assert not differ, f"resumed at {k1}; iterations whose loss differs: {differ[:5]}"
 
         # 4. A bad data path the launcher sees: FAILED before srun, the reason in the log.
-        job = _sbatch(env, jobs, DATA_PATH=tmp_path / "missing", CHECKPOINT_DIR=tmp_path / "c2")
+        job = _sbatch(env, jobs, **{**run_env, "DATA_PATH": tmp_path / "missing",
+                                    "CHECKPOINT_DIR": tmp_path / "c2"})
         assert _wait_job(job, env, 120) == "FAILED"
-        err = (jobs / f"lbp-local-{job}.err").read_text()
+        err = _logs(jobs, job)[1]
         assert "lbp_launch: error: DATA_PATH:" in err and "missing.bin" in err
-        print(f"local Slurm chain: first job -t {minutes} (after {minutes - 4} refusal(s) as too "
-              f"short), stopped at iteration {k1} by its exit time; second resumed, stopped at "
-              f"{k2}; {len(single)} losses equal to one uninterrupted run; kept {kept}")
+        print(f"local Slurm chain of the Frontier profile at small size: first job -t {minutes} "
+              f"(retried: {retries or 'no'}), stopped at iteration {k1} by its exit "
+              f"time; second resumed, stopped at {k2}; {len(single)} losses equal to one "
+              f"uninterrupted run (first {single[1]:.4f}, last {single[k2]:.4f}); kept {kept}")
     finally:
         subprocess.run(["bash", str(LOCAL_SLURM), "stop", str(cluster)], env=env)

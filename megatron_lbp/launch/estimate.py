@@ -4,7 +4,8 @@
         --hidden-size H --num-attention-heads A --seq-length S --vocab-size V \\
         --global-batch-size B [--micro-batch-size auto|b] [--recompute auto|full|selective|none]
 
-Memory: the plan tool's persistent state per GCD (``megatron_lbp.plan``: primary,
+Memory: the plan tool's construction peak (``construction_peak_bytes``: what a rank holds
+while the model is built sharded) and its persistent state per GCD (``megatron_lbp.plan``: primary,
 secondary, gradient and optimizer shards, buckets padded as the engine pads them) plus
 :func:`activation_bytes` for each recomputation choice and micro-batch size, plus a
 runtime reserve (HIP/RCCL buffers and fragmentation, ``--reserve-gb``). A choice fits
@@ -242,6 +243,8 @@ def report(a) -> tuple[list[str], dict, str | None]:
         "plan: python -m megatron_lbp.plan " + shlex.join(plan_argv(a, base["world_size"])),
         f"memory per GCD (plan): primary {gb(m['primary'])}, secondary {gb(m['secondary'])}, "
         f"grad {gb(m['grad'])}, optimizer {gb(m['optimizer'])} = {gb(m['total'])}",
+        f"construction peak per GCD (plan: the model built module by module into its slices, "
+        f"--hier-sharded-init): {gb(base['construction_peak_bytes'])}",
         f"memory per GCD by choice (plan + activations and buffers estimate + "
         f"{a.reserve_gb:g} GB runtime reserve; step time: "
         + ("--step-seconds" if a.step_seconds else f"cost model, MFU {a.mfu:g}") + "):",

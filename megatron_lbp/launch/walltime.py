@@ -8,7 +8,10 @@ Slurm 23.02 and later) or else from ``squeue -h -j $SLURM_JOB_ID -o %L`` (the ti
 Slurm's ``[days-]hours:minutes:seconds``); outside a job (a dry run) from ``--walltime``,
 the job length to plan for. The margin is one save (``--save-s``, from the checkpoint's
 bytes), one training step (``--step-s``: Megatron checks the clock between steps) and
-``--slack-s`` (the tasks' exit and the batch script's last steps). Megatron's clock
+``--slack-s`` (the tasks' exit and the batch script's last steps), and at least the job's
+``--signal`` lead (``--signal-s``: ``#SBATCH --signal=TERM@150``) plus the 60 s that Slurm
+may send it early plus one step, so that the computed exit always comes first and the
+signal (Megatron's ``--exit-signal-handler``) stays the backstop. Megatron's clock
 starts when this command reads the time left: the launcher passes that moment to the
 tasks as LBP_LAUNCH_TIME (megatron_lbp.training_hooks.start_clock_at_launch), so the
 imports before Megatron's own clock, minutes at scale, do not eat the margin.
@@ -87,6 +90,19 @@ def _squeue_time_left(job: str) -> str:
     return r.stdout.strip().splitlines()[0]
 
 
+SIGNAL_EARLY_S = 60  # man sbatch, --signal: "may be sent up to 60 seconds earlier than specified"
+
+
+def margin_seconds(save_s: float, step_s: float, slack_s: float, signal_s: float = 0.0) -> float:
+    """Seconds before the end at which training must stop: one save, one step and the slack,
+    and no less than the job's --signal lead (``signal_s``, 0: none) as early as Slurm may send
+    it, plus the step Megatron finishes before it looks at the clock."""
+    margin = save_s + step_s + slack_s
+    if signal_s > 0:
+        margin = max(margin, signal_s + SIGNAL_EARLY_S + step_s)
+    return margin
+
+
 def exit_minutes(remaining_s: int, margin_s: float) -> int:
     """Whole minutes of training that leave ``margin_s`` before the end (may be < 1)."""
     return int((remaining_s - margin_s) // 60)
@@ -105,14 +121,19 @@ def main(argv=None, env: Mapping[str, str] | None = None,
     ap.add_argument("--save-s", type=float, required=True)
     ap.add_argument("--step-s", type=float, required=True)
     ap.add_argument("--slack-s", type=float, required=True)
+    ap.add_argument("--signal-s", type=float, default=0.0,
+                    help="the job's sbatch --signal lead in seconds (0: none)")
     ap.add_argument("--walltime", default=None, help="job length to plan for outside a job")
     ap.add_argument("--no-job", action="store_true",
                     help="plan for --walltime even inside a job (dry runs)")
     ap.add_argument("--resolved", default=None)
     a = ap.parse_args(argv)
     env = os.environ if env is None else env
-    margin = a.save_s + a.step_s + a.slack_s
+    margin = margin_seconds(a.save_s, a.step_s, a.slack_s, a.signal_s)
     parts = f"save {a.save_s:.0f} s + one step {a.step_s:.3g} s + slack {a.slack_s:.0f} s"
+    if margin > a.save_s + a.step_s + a.slack_s:
+        parts = (f"the --signal lead {a.signal_s:.0f} s + {SIGNAL_EARLY_S} s that Slurm may send it "
+                 f"early + one step {a.step_s:.3g} s, more than {parts}")
     try:
         if env.get("SLURM_JOB_ID") and not a.no_job:
             left, source = remaining_seconds(env, squeue=squeue)

@@ -72,6 +72,10 @@
 #                       LBP_EXIT_SLACK_S; minutes; 0: off. The save is estimated from the
 #                       checkpoint's bytes at LBP_WRITE_GBPS per node + LBP_SAVE_FIXED_S.
 #                       Dry runs plan for LBP_WALLTIME (default: the script's #SBATCH -t).
+#                       The margin is at least LBP_SIGNAL_S + 60 s + one step, so that training
+#                       stops before the job's --signal can arrive (Slurm may send it 60 s early)
+#   LBP_SIGNAL_S        seconds of sbatch's --signal lead [SBATCH_SIGNAL's, else the script's
+#                       #SBATCH --signal=TERM@N; 0: none]; set it when you give sbatch another --signal
 #   LBP_KEEP_LAST LBP_MILESTONE_EVERY  retention: the newest K complete checkpoints and
 #                       the first at or after every N iterations (0: none); the tracker's
 #                       and the newest complete one are never deleted; LBP_PRUNE_EVERY_S
@@ -119,12 +123,13 @@ lbp_read_resolved() {  # lbp_read_resolved FILE NAME...
 # --------------------------------------------------------------------------- inputs
 
 # The script's own #SBATCH value of an option (dry runs outside an allocation).
-lbp_sbatch_directive() {  # lbp_sbatch_directive -N|-t
+lbp_sbatch_directive() {  # lbp_sbatch_directive -N|-t|--signal
   local script=${LBP_PROFILE_SCRIPT:-} opt=$1 line
   [ -f "$script" ] || return 0
   while IFS= read -r line; do
     case "$line" in
       "#SBATCH $opt "*) echo "${line#"#SBATCH $opt "}"; return ;;
+      "#SBATCH $opt="*) echo "${line#"#SBATCH $opt="}"; return ;;
       "#SBATCH "*) ;;
       "#"*|"") ;;
       *) return ;;
@@ -285,6 +290,14 @@ lbp_estimate() {
     LBP_CKPT_BYTES LBP_SAVE_S
 }
 
+# Seconds before the end at which Slurm signals the job: sbatch's --signal=[R:|B:]SIG[@SECONDS]
+# (60 without @) as SBATCH_SIGNAL or the script's #SBATCH --signal; 0 without one.
+lbp_signal_lead() {
+  local spec=${SBATCH_SIGNAL:-$(lbp_sbatch_directive --signal)}
+  [ -n "$spec" ] || { echo 0; return; }
+  case "$spec" in *@*) echo "${spec##*@}" ;; *) echo 60 ;; esac
+}
+
 # --exit-duration-in-mins from the job's remaining wall time (dry run: LBP_WALLTIME).
 lbp_exit_time() {
   LBP_EXIT_MEASURED_AT=$(date +%s)  # when the time left is read (Megatron's clock starts there)
@@ -295,7 +308,7 @@ lbp_exit_time() {
     return
   fi
   local args=(--save-s "$LBP_SAVE_S" --step-s "$LBP_STEP_S" --slack-s "$LBP_EXIT_SLACK_S"
-              --resolved "$LBP_TMP/exit")
+              --signal-s "$LBP_SIGNAL_S" --resolved "$LBP_TMP/exit")
   local walltime=${LBP_WALLTIME:-$(lbp_sbatch_directive -t)}
   [ -n "$walltime" ] && args+=(--walltime "$walltime")
   [ "$LBP_DRY_RUN" = 1 ] && args+=(--no-job)  # a dry run plans for the job length
@@ -441,6 +454,7 @@ lbp_defaults() {
   : "${LBP_PRUNE_EVERY_S:=600}" "${LBP_HEALTH_CHECK:=1}" "${LBP_HEALTH_MIN_FRACTION:=0.25}"
   : "${LBP_HEALTH_MB:=64}" "${LBP_HEALTH_EXPECT_GBPS:=}" "${LBP_NODE_LOCAL_ROOT:=/tmp}"
   : "${LBP_GCD_BUS_IDS:=c1,c6,c9,ce,d1,d6,d9,de}"
+  [ -n "${LBP_SIGNAL_S:-}" ] || LBP_SIGNAL_S=$(lbp_signal_lead)
   LBP_EXIT_AUTO=0
   [ "$EXIT_DURATION_MINS" = auto ] && LBP_EXIT_AUTO=1
   local v
@@ -462,6 +476,8 @@ lbp_defaults() {
     LBP_MEMORY_RESERVE_GB=0
     [ "$GPUS_PER_TASK" -gt 0 ] && LBP_MEMORY_RESERVE_GB=4
   fi
+  lbp_is_uint "$LBP_SIGNAL_S" || { lbp_die 2 "LBP_SIGNAL_S=$LBP_SIGNAL_S: the --signal lead (from" \
+    "LBP_SIGNAL_S, SBATCH_SIGNAL or the script's #SBATCH --signal=SIG@SECONDS) must be seconds >= 0"; return; }
   for v in LBP_KEEP_LAST LBP_MILESTONE_EVERY LBP_PRUNE_EVERY_S LBP_EXIT_SLACK_S; do
     lbp_is_uint "${!v}" || { lbp_die 2 "$v=${!v} must be an integer >= 0"; return; }
   done

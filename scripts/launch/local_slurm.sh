@@ -10,7 +10,8 @@
 #   export SLURM_CONF=DIR/etc/slurm.conf              for sbatch / squeue / scontrol
 #
 # The two nodes (node1, node2) are emulated on this host with 8 CPUs and 8 fake
-# GPUs (/dev/null links) each; SlurmdParameters=config_overrides lets them claim
+# GPUs (/dev/null links) each, in one partition named batch (Frontier's, so the
+# Frontier profiles' #SBATCH -p batch is taken as shipped); SlurmdParameters=config_overrides lets them claim
 # more CPUs than the machine has. Emulated node names do not resolve: jobs use
 # MASTER_ADDR=$(hostname -i), which the launcher does by default.
 set -euo pipefail
@@ -59,7 +60,7 @@ SlurmctldTimeout=30
 SlurmdTimeout=60
 Waittime=0
 NodeName=node[1-2] NodeHostname=$host NodeAddr=127.0.0.1 Port=[17001-17002] CPUs=8 Boards=1 SocketsPerBoard=1 CoresPerSocket=8 ThreadsPerCore=1 RealMemory=8000 Gres=gpu:8 State=UNKNOWN
-PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+PartitionName=batch Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 EOF
   cat >"$d/etc/gres.conf" <<EOF
 AutoDetect=off
