@@ -64,7 +64,9 @@ def test_patched_megatron_trains_with_hier_partition_and_unpatched_refuses(tree,
     args = TINY + ["--data-path", data, "--train-iters", "3", "--global-batch-size", "8",
                    "--hier-partition", "--hier-gpus-per-node", "2"]
     hooks_off = {"LBP_RUNTIME_HOOKS": "0"}
-    code, log, losses = run_pretrain(2, args, env={**hooks_off, "PYTHONPATH": str(tree)})
+    # torchrun: a fresh interpreter per rank, importing the patched tree on PYTHONPATH.
+    code, log, losses = run_pretrain(2, args, env={**hooks_off, "PYTHONPATH": str(tree)},
+                                     launcher="torchrun")
     assert code == 0, why(log)
     assert "megatron-lbp hierarchy (lbp): W=2 P=2" in log and sorted(losses) == [1, 2, 3], why(log)
     code, log, _ = run_pretrain(1, args, env=hooks_off)

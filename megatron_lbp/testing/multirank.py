@@ -52,7 +52,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _context():
+def forkserver_context():
+    """The multiprocessing context whose server has _PRELOAD imported (one per process)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
@@ -115,7 +116,7 @@ def run_on_ranks(
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
-    ctx = _context()
+    ctx = forkserver_context()
     results = ctx.Queue()
     port = free_port()
     stack_dir = tempfile.mkdtemp(prefix="lbp-ranks-")
@@ -224,4 +225,4 @@ def rank_location_env(gpus_per_node: int) -> Callable[[int], Mapping[str, str]]:
 
 
 __all__: Sequence[str] = ["MultiRankError", "run_on_ranks", "run_single", "free_port",
-                          "rank_location_env"]
+                          "rank_location_env", "forkserver_context"]
