@@ -31,7 +31,7 @@ import numpy
 import pytest
 
 from megatron_lbp.testing.multirank import free_port
-from tests.pretrain_runner import REPO, TINY, demo_data, run_pretrain, why
+from tests.pretrain_runner import REPO, TINY, run_pretrain, why
 from tests.test_launchers import LOCAL, SCRIPTS, _megatron_tree, site  # noqa: F401  (site: fixture)
 
 PY = sys.executable
@@ -514,8 +514,8 @@ CASES = PLAN + PREPROCESS + TOKENIZER_CHECK + LAUNCHER + APPLY + PRETRAIN
 # --------------------------------------------------------------------------- running a row
 
 @pytest.fixture(scope="module")
-def shared_data(tmp_path_factory):
-    return demo_data(tmp_path_factory.mktemp("data"))
+def shared_data(demo_dataset):
+    return demo_dataset
 
 
 @pytest.fixture(scope="module")

@@ -19,14 +19,14 @@ iterations (its accumulator is not reset), so it cannot show bit-identity.
 import pytest
 
 from tests import reliability_helpers as rh
-from tests.pretrain_runner import TINY, demo_data
+from tests.pretrain_runner import TINY
 
 SAVE_EVERY, ITERS, KILL_AT = 2, 6, 4
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return demo_data(tmp_path_factory.mktemp("data"))
+def data(demo_dataset):
+    return demo_dataset
 
 
 def _args(data, save, *extra, gbs=4):

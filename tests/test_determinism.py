@@ -7,12 +7,12 @@ byte for byte: model weights, fp32 master weights and both Adam moments.
 import pytest
 
 from tests import reliability_helpers as rh
-from tests.pretrain_runner import TINY, demo_data
+from tests.pretrain_runner import TINY
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return demo_data(tmp_path_factory.mktemp("data"))
+def data(demo_dataset):
+    return demo_dataset
 
 
 def _run(data, tmp, name, nproc, iters, extra):
