@@ -1,14 +1,14 @@
 """``python -m megatron_lbp.pretrain_gpt`` on N local ranks without paying its start-up N times.
 
-torchrun starts a fresh interpreter per rank, and each spends ~5 s of CPU importing
-torch, megatron-core and megatron.training before it reads an argument: on the
-2-core CI machine that was most of every end-to-end test. Here each rank is a
-process forked from the multirank harness's server (those modules already
-imported, see _preload.py), given:
+torchrun starts a fresh interpreter per rank, and each spends ~4 s of CPU importing
+torch and megatron-core before it reads an argument: on the 2-core CI machine that
+was most of every end-to-end test. Here each rank is a process forked from the
+multirank harness's server (those modules already imported, see _preload.py), given:
 
 - the variables torchrun gives a worker (RANK, LOCAL_RANK, WORLD_SIZE,
-  LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK, ..., MASTER_ADDR/PORT on a free port),
-  on top of the caller's current environment, then ``env`` and ``rank_env(rank)``;
+  LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK, ..., MASTER_ADDR/PORT of a rendezvous
+  store that the launcher hosts, as torchrun's agent does), on top of the caller's
+  current environment, then ``env`` and ``rank_env(rank)``;
 - the caller's working directory;
 - stdout and stderr on one log file that every rank appends to (torchrun's
   merged output);
@@ -33,31 +33,37 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from megatron_lbp.testing.multirank import forkserver_context, free_port
+from megatron_lbp.testing.multirank import agent_store, forkserver_context
 
 TERM_GRACE_S = 10.0
 
 
 def torchrun_env(rank: int, world: int, port: int) -> dict[str, str]:
-    """What torchrun --nproc-per-node=world sets for one worker on a single host."""
+    """What torchrun --nproc-per-node=world sets for one worker on a single host.
+
+    Like torchrun, the launcher hosts the rendezvous store (TORCHELASTIC_USE_AGENT_STORE):
+    every rank connects to it as a client.
+    """
     return {
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
         "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
         "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world), "ROLE_NAME": "default",
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "none",
         "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-        "OMP_NUM_THREADS": "1",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "OMP_NUM_THREADS": "1",
     }
 
 
-def as_entry_process(argv: Sequence[str], environ: Mapping[str, str] | None, cwd: str | None,
-                     started: float | None = None) -> None:
+def as_entry_process(argv: Sequence[str], environ: Mapping[str, str] | None, cwd: str | None) -> None:
     """In a process forked from the harness's server: become ``python -m megatron_lbp.pretrain_gpt argv``.
 
     ``environ`` (when given) replaces the server's environment, as exec would;
     exit status and output are the caller's business (SystemExit propagates).
+    The server has torch and megatron-core imported, not megatron.training: that
+    import (0.2 s) configures logging, so it happens here, inside main(), in the
+    same order as in a fresh interpreter.
     """
-    started = time.time() if started is None else started
     if environ is not None:
         os.environ.clear()
         os.environ.update(environ)
@@ -67,7 +73,6 @@ def as_entry_process(argv: Sequence[str], environ: Mapping[str, str] | None, cwd
     import warnings
 
     import torch
-    from megatron.training.training import set_startup_timestamps
 
     from megatron_lbp import pretrain_gpt
 
@@ -77,23 +82,20 @@ def as_entry_process(argv: Sequence[str], environ: Mapping[str, str] | None, cwd
     if os.environ.get("PYTHONWARNINGS") == "ignore":
         warnings.simplefilter("ignore")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    # Megatron takes its start time (--exit-duration-in-mins, throughput) from its own
-    # import, which happened in the server: this process's start is the program start.
-    set_startup_timestamps(program_start=started)
+    sys.argv = [pretrain_gpt.__file__]   # what python -m puts there (argparse's prog)
     pretrain_gpt.main(list(argv))
     sys.stdout.flush()
     sys.stderr.flush()
 
 
 def _entry_rank(argv: list[str], environ: dict[str, str], cwd: str, log_path: str) -> None:
-    started = time.time()
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
     sys.stdout = os.fdopen(1, "w", buffering=1)
     sys.stderr = os.fdopen(2, "w", buffering=1)
-    as_entry_process(argv, environ, cwd, started)
+    as_entry_process(argv, environ, cwd)
 
 
 class EntryJob:
@@ -108,7 +110,8 @@ class EntryJob:
         self.log_path = str(log_path)
         Path(self.log_path).write_text("")
         ctx = forkserver_context()
-        port = free_port()
+        self._store = agent_store(nproc)
+        port = self._store.port
         base = dict(os.environ)
         self.procs = []
         for rank in range(nproc):
@@ -141,6 +144,7 @@ class EntryJob:
             for p in self.procs:
                 p.join()
             self.returncode = next((c for c in codes if c != 0), 0)
+            self._store = None
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:

@@ -1,9 +1,11 @@
 """Run one function on N real torch.distributed ranks (gloo, CPU) and collect what each returned.
 
 Used by the multi-rank tests and the benchmarks. Each rank is a separate process
-with the environment a launcher would give it (MASTER_ADDR/PORT on a free port,
-RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, plus anything the caller adds),
-so the code under test sees exactly what it sees under torchrun.
+with the environment a launcher would give it (RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, MASTER_ADDR/PORT of a rendezvous store hosted by this process as
+torchrun's agent hosts it, plus anything the caller adds), so the code under test
+sees what it sees under torchrun. The store listens on a port the OS assigns
+while it binds: no other process on a shared machine can take it in between.
 
 Failure handling is the point of this module:
 - an exception on any rank is returned with that rank's traceback; the other
@@ -46,6 +48,17 @@ class _Outcome:
     error: str = ""
 
 
+def agent_store(world_size: int):
+    """A rendezvous store as torchrun's agent hosts one (ranks connect with TORCHELASTIC_USE_AGENT_STORE)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, world_size=world_size, is_master=True,
+                         timeout=datetime.timedelta(seconds=900), wait_for_workers=False,
+                         multi_tenant=True)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -70,10 +83,8 @@ def _rank_main(fn, args, kwargs, rank, env, results, stack_file, dump_after_s, i
             if init_pg:
                 import torch.distributed as dist
 
-                dist.init_process_group(
-                    backend="gloo", rank=rank, world_size=int(env["WORLD_SIZE"]),
-                    init_method=f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}",
-                )
+                dist.init_process_group(backend="gloo", rank=rank,
+                                        world_size=int(env["WORLD_SIZE"]), init_method="env://")
             value = fn(*args, **kwargs)
             outcome = _Outcome(rank, True, value)
         except BaseException:  # noqa: BLE001 - the parent reports it with the traceback
@@ -118,7 +129,9 @@ def run_on_ranks(
         raise ValueError(f"world_size={world_size} must be >= 1")
     ctx = forkserver_context()
     results = ctx.Queue()
-    port = free_port()
+    # Without a process group, fn may set one up itself (rank 0 hosting the store).
+    store = agent_store(world_size) if init_process_group else None
+    port = store.port if store is not None else free_port()
     stack_dir = tempfile.mkdtemp(prefix="lbp-ranks-")
     dump_after = max(timeout - 5.0, timeout * 0.8)
     procs = []
@@ -131,6 +144,7 @@ def run_on_ranks(
             "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(world_size),
             "OMP_NUM_THREADS": "1",
+            **({"TORCHELASTIC_USE_AGENT_STORE": "True"} if store is not None else {}),
         }
         rank_vars.update(env or {})
         if rank_env is not None:
@@ -225,4 +239,4 @@ def rank_location_env(gpus_per_node: int) -> Callable[[int], Mapping[str, str]]:
 
 
 __all__: Sequence[str] = ["MultiRankError", "run_on_ranks", "run_single", "free_port",
-                          "rank_location_env", "forkserver_context"]
+                          "rank_location_env", "forkserver_context", "agent_store"]
