@@ -3,12 +3,13 @@
 8 gloo ranks placed as 2 nodes x 2 packages x 2 GCDs, tiny megatron-core GPT,
 10 steps with 2 micro-batches each. fp32: losses and final weights agree to
 1e-5 relative (the only differences are summation orders of the reductions).
+Each test's trainings run one after another in the same 8 ranks (stock first).
 """
 import pytest
 import torch
 
 from megatron_lbp.testing.multirank import rank_location_env, run_on_ranks
-from megatron_lbp.testing.tiny_gpt import TinyGPTSpec, TrainSpec, train_hier, train_stock_megatron
+from megatron_lbp.testing.tiny_gpt import TinyGPTSpec, TrainSpec, train_several, trained
 
 WORLD = 8
 TOPOLOGY = rank_location_env(4)       # nodes of 4 ranks, packages of 2
@@ -27,9 +28,19 @@ PRESETS = {
 }
 
 
+# Generous: 7 trainings in one launch, on a machine that may be shared.
+TIMEOUT = 900
+
+
+def run_all(spec, train, configs):
+    """Per rank, {name: TrainResult or traceback} of every configuration, in order."""
+    return run_on_ranks(train_several, WORLD, spec, train, configs, rank_env=TOPOLOGY,
+                        timeout=TIMEOUT)
+
+
 @pytest.fixture(scope="module")
-def stock():
-    return run_on_ranks(train_stock_megatron, WORLD, SPEC, TRAIN)[0]
+def fp32():
+    return run_all(SPEC, TRAIN, {"stock": None, **PRESETS})
 
 
 def rel(a, b):
@@ -49,8 +60,9 @@ def assert_same_training(got, ref, tol, label):
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))
-def test_preset_matches_stock_megatron_fp32(preset, stock):
-    ranks = run_on_ranks(train_hier, WORLD, SPEC, TRAIN, PRESETS[preset], rank_env=TOPOLOGY)
+def test_preset_matches_stock_megatron_fp32(preset, fp32):
+    stock = trained(fp32[0], "stock")
+    ranks = [trained(r, preset) for r in fp32]
     for r, res in enumerate(ranks):
         assert res.losses == ranks[0].losses, f"{preset}: rank {r} logged other losses than rank 0"
     assert_same_training(ranks[0], stock, FP32_REL, preset)
@@ -61,19 +73,19 @@ def test_parameter_count_not_divisible_by_world():
     # hidden 36 (2 heads of 18) and vocab 127: a parameter count no power of two divides.
     spec = TinyGPTSpec(hidden_size=36, num_attention_heads=2, vocab_size=127)
     train = TrainSpec(steps=5, micro_batches=2, bucket_size=5000)
-    ref = run_on_ranks(train_stock_megatron, WORLD, spec, train)[0]
-    ranks = run_on_ranks(train_hier, WORLD, spec, train, PRESETS["lbp-P2-G4-O8"], rank_env=TOPOLOGY)
-    numels = ranks[0].extra["bucket_numels"]
+    runs = run_all(spec, train, {"stock": None, "lbp": PRESETS["lbp-P2-G4-O8"]})[0]
+    ref, got = trained(runs, "stock"), trained(runs, "lbp")
+    numels = got.extra["bucket_numels"]
     assert sum(numels) % WORLD != 0, f"model has {sum(numels)} parameters, divisible by {WORLD}"
     assert any(n % (WORLD * 128) for n in numels), numels
-    assert_same_training(ranks[0], ref, FP32_REL, "odd-sized model")
+    assert_same_training(got, ref, FP32_REL, "odd-sized model")
 
 
 def test_overlap_on_and_off_give_identical_results():
     train = TrainSpec(steps=4, micro_batches=2, bucket_size=20000)
     argv = PRESETS["lbp-P2-G4-O8"]
-    on = run_on_ranks(train_hier, WORLD, SPEC, train, argv + ["--hier-overlap"], rank_env=TOPOLOGY)[0]
-    off = run_on_ranks(train_hier, WORLD, SPEC, train, argv + ["--no-hier-overlap"], rank_env=TOPOLOGY)[0]
+    runs = run_all(SPEC, train, {"on": argv + ["--hier-overlap"], "off": argv + ["--no-hier-overlap"]})[0]
+    on, off = trained(runs, "on"), trained(runs, "off")
     assert on.losses == off.losses, f"overlap changed the losses:\n on  {on.losses}\n off {off.losses}"
     for name, w in off.params.items():
         assert torch.equal(on.params[name], w), f"overlap changed the final {name}"
@@ -96,8 +108,8 @@ def test_bf16_lbp_tracks_stock_bf16():
     stale weight) moves the loss by 1e-2 or more.
     """
     spec = TinyGPTSpec(params_dtype=torch.bfloat16)
-    ref = run_on_ranks(train_stock_megatron, WORLD, spec, TRAIN)[0]
-    got = run_on_ranks(train_hier, WORLD, spec, TRAIN, PRESETS["lbp-P2-G4-O8"], rank_env=TOPOLOGY)[0]
+    runs = run_all(spec, TRAIN, {"stock": None, "lbp": PRESETS["lbp-P2-G4-O8"]})[0]
+    ref, got = trained(runs, "stock"), trained(runs, "lbp")
     worst = max(rel(a, b) for a, b in zip(got.losses, ref.losses))
     assert worst <= BF16_REL, f"bf16 losses differ by {worst:.3g}:\n engine {got.losses}\n stock  {ref.losses}"
     assert ref.losses[-1] < ref.losses[0] - 0.1

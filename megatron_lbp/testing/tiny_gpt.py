@@ -346,6 +346,33 @@ def train_hier(spec: TinyGPTSpec, train: TrainSpec, hier_argv: list[str],
     return result
 
 
+def train_several(spec: TinyGPTSpec, train: TrainSpec, configs: dict, probe=None) -> dict:
+    """Several trainings one after another in the same ranks: one process start-up for all.
+
+    ``configs``: name -> ``--hier-*`` argv for the engine, or None for stock
+    Megatron (run first if it comes first, before any engine code has run here).
+    Each value is that run's TrainResult, or the traceback of what it raised, so
+    a configuration that fails on every rank fails only its own test.
+    """
+    import traceback
+
+    out = {}
+    for name, argv in configs.items():
+        try:
+            out[name] = (train_stock_megatron(spec, train) if argv is None
+                         else train_hier(spec, train, argv, probe=probe))
+        except Exception:  # noqa: BLE001 - reported as this configuration's result
+            out[name] = f"{name} raised on rank {dist.get_rank()}:\n{traceback.format_exc()}"
+    return out
+
+
+def trained(result, name: str):
+    """One configuration's TrainResult from train_several's answer; its traceback fails the test."""
+    value = result[name]
+    assert not isinstance(value, str), value
+    return value
+
+
 def train_reference(spec: TinyGPTSpec, train: TrainSpec, dp_size: int) -> TrainResult:
     """The same training in one process: full global batch, torch AdamW, clip_grad_norm_."""
     init_megatron_state(seed=spec.seed)
