@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_lbp.testing.entry import as_entry_process
-from megatron_lbp.testing.multirank import forkserver_context, free_port
+from megatron_lbp.testing.multirank import (forkserver_context, host_store_in_this_rank,
+                                            wait_for_store_port)
 from megatron_lbp.testing.tiny_gpt import TinyGPTSpec, TrainSpec, setup_hier
 
 TOPOLOGY_ARGS = ["--hier-preset", "lbp", "--hier-param-group-size", "2",
@@ -52,16 +53,22 @@ def _watch(procs, logs, world, start, deadline_s, poll):
     return ended, said
 
 
-def _child(fn, args, rank, env, log_path, init_pg=True):
+def _child(fn, args, rank, env, log_path, port_box, init_pg=True):
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     sys.stdout = os.fdopen(1, "w", buffering=1)
     sys.stderr = os.fdopen(2, "w", buffering=1)
+    os.environ.update(env)
+    # As under srun, rank 0's process hosts the rendezvous store (the fault tests kill it).
+    if rank == 0:
+        host_store_in_this_rank(int(env["WORLD_SIZE"]), port_box)
+    else:
+        wait_for_store_port(port_box)
+    env = {**env, "MASTER_PORT": os.environ["MASTER_PORT"]}
     if not init_pg:   # fn is the training entry: it sets torch.distributed up itself
         fn(*args, environ=env)
         return
-    os.environ.update(env)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=int(env["WORLD_SIZE"]))
     fn(*args)
@@ -69,9 +76,10 @@ def _child(fn, args, rank, env, log_path, init_pg=True):
     dist.destroy_process_group()
 
 
-def _rank_vars(rank: int, world: int, port: int, env, rank_env, **extra: str) -> dict:
-    """The torch.distributed variables one rank gets (as torchrun or srun would set them)."""
-    rank_vars = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+def _rank_vars(rank: int, world: int, env, rank_env, **extra: str) -> dict:
+    """The torch.distributed variables one rank gets (as srun would set them; MASTER_PORT
+    comes from rank 0 once it hosts the store)."""
+    rank_vars = {"MASTER_ADDR": "127.0.0.1", "RANK": str(rank),
                  "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                  "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1", **extra}
     rank_vars.update(env or {})
@@ -89,15 +97,16 @@ def launch(fn, args, world: int, tmp_path, *, env=None, rank_env=None,
     initializes torch.distributed itself.
     """
     ctx = forkserver_context()
-    port = free_port()
+    port_box = ctx.Value("i", 0)
     procs, logs = [], []
     start = time.monotonic()
     for rank in range(world):
-        rank_vars = _rank_vars(rank, world, port, env, rank_env)
+        rank_vars = _rank_vars(rank, world, env, rank_env)
         if entry:
             rank_vars = {**os.environ, **rank_vars}
         log = os.path.join(str(tmp_path), f"rank{rank}.log")
-        p = ctx.Process(target=_child, args=(fn, args, rank, rank_vars, log, not entry), daemon=False)
+        p = ctx.Process(target=_child, args=(fn, args, rank, rank_vars, log, port_box, not entry),
+                        daemon=False)
         p.start()
         procs.append(p)
         logs.append(log)

@@ -14,7 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_lbp.testing.multirank import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([\dE+\-.]+) \|")
@@ -52,10 +51,11 @@ def run_pretrain(nproc: int, args: list[str], *, timeout: int = 900, env: dict |
     if nproc == 1:
         cmd = [sys.executable, "-m", "megatron_lbp.pretrain_gpt"]
         extra = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}   # one rank: no peer needs the port
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(free_port()), "-m", "megatron_lbp.pretrain_gpt"]
+        # --standalone: the agent hosts the store on a port the OS assigns while it binds.
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               str(nproc), "-m", "megatron_lbp.pretrain_gpt"]
         extra = {}
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **extra,
                     **(env or {}))

@@ -60,9 +60,50 @@ def agent_store(world_size: int):
 
 
 def free_port() -> int:
+    """A port free now, which anybody may take before it is bound: only for a private network namespace.
+
+    On a shared machine use agent_store (the launcher hosts the store) or
+    host_store_in_this_rank (rank 0 hosts it, as under srun) instead.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_OWN_STORE = []   # keeps the store of host_store_in_this_rank alive as long as the rank
+
+
+def host_store_in_this_rank(world_size: int, port_box) -> int:
+    """Rank 0's side of a srun-like launch: host the rendezvous store on a port the OS assigns.
+
+    torch.distributed's own env:// set-up in this process then reuses this server
+    (its rank 0 store is multi-tenant: same process, same port), so the store still
+    lives and dies with rank 0 as under srun, and no other process can take the
+    port between choosing and binding it. ``port_box`` (a shared multiprocessing
+    Value) tells the other ranks; sets MASTER_PORT here.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, world_size=world_size, is_master=True,
+                          timeout=datetime.timedelta(seconds=900), wait_for_workers=False,
+                          multi_tenant=True)
+    _OWN_STORE.append(store)
+    os.environ["MASTER_PORT"] = str(store.port)
+    port_box.value = store.port
+    return store.port
+
+
+def wait_for_store_port(port_box, timeout_s: float = 300.0) -> int:
+    """The other ranks' side of host_store_in_this_rank: wait for rank 0's port; sets MASTER_PORT."""
+    deadline = time.monotonic() + timeout_s
+    while port_box.value == 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 published no rendezvous port within {timeout_s:.0f} s")
+        time.sleep(0.02)
+    os.environ["MASTER_PORT"] = str(port_box.value)
+    return port_box.value
 
 
 def forkserver_context():
@@ -116,21 +157,25 @@ def run_on_ranks(
     env: Mapping[str, str] | None = None,
     rank_env: Callable[[int], Mapping[str, str]] | None = None,
     init_process_group: bool = True,
+    host_store: bool = True,
     **kwargs: Any,
 ) -> list[Any]:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank values.
 
     ``fn`` must be importable (module level) since ranks are separate processes.
     ``env`` is added to every rank's environment, ``rank_env(rank)`` to one rank's.
-    With ``init_process_group`` the default process group is up before ``fn`` runs.
+    With ``init_process_group`` the default process group is up before ``fn`` runs;
+    without it ``fn`` brings one up itself (env:// finds this process's store).
+    ``host_store=False``: no store here, MASTER_PORT is a free port, for ``fn``s
+    that host their own inside private network namespaces (bench network), where
+    nobody else can take it.
     Raises MultiRankError naming every failed or unfinished rank.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
     ctx = forkserver_context()
     results = ctx.Queue()
-    # Without a process group, fn may set one up itself (rank 0 hosting the store).
-    store = agent_store(world_size) if init_process_group else None
+    store = agent_store(world_size) if host_store else None
     port = store.port if store is not None else free_port()
     stack_dir = tempfile.mkdtemp(prefix="lbp-ranks-")
     dump_after = max(timeout - 5.0, timeout * 0.8)
@@ -239,4 +284,5 @@ def rank_location_env(gpus_per_node: int) -> Callable[[int], Mapping[str, str]]:
 
 
 __all__: Sequence[str] = ["MultiRankError", "run_on_ranks", "run_single", "free_port",
-                          "rank_location_env", "forkserver_context", "agent_store"]
+                          "rank_location_env", "forkserver_context", "agent_store",
+                          "host_store_in_this_rank", "wait_for_store_port"]
