@@ -17,6 +17,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([\dE+\-.]+) \|")
+GRAD_NORM = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*? grad norm: ([\d.]+) \|")
 
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
@@ -67,6 +68,11 @@ def run_pretrain(nproc: int, args: list[str], *, timeout: int = 900, env: dict |
 
 def _losses(log: str) -> dict[int, float]:
     return {int(m.group(1)): float(m.group(2)) for m in LOSS.finditer(log)}
+
+
+def grad_norms(log: str) -> dict[int, float]:
+    """{iteration: gradient norm} from Megatron's iteration log (printed with 3 decimals)."""
+    return {int(m.group(1)): float(m.group(2)) for m in GRAD_NORM.finditer(log)}
 
 
 def why(log: str) -> str:
