@@ -61,21 +61,21 @@ def rel(a, b):
     return abs(a - b) / max(abs(b), 1e-12)
 
 
+def _assert_same_per_step(what, got, ref, tol, label):
+    worst = max(rel(a, b) for a, b in zip(got, ref))
+    print(f"{label}: {what} at most {worst:.3g} relative from stock")
+    assert len(got) == len(ref) and worst <= tol, (
+        f"{label}: {what} differ by up to {worst:.3g} relative (> {tol}):\n"
+        f" engine {got}\n stock  {ref}")
+
+
 def assert_same_losses(got, ref, tol, label):
-    worst = max(rel(a, b) for a, b in zip(got.losses, ref.losses))
-    print(f"{label}: losses at most {worst:.3g} relative from stock")
-    assert len(got.losses) == len(ref.losses) and worst <= tol, (
-        f"{label}: losses differ by up to {worst:.3g} relative (> {tol}):\n"
-        f" engine {got.losses}\n stock  {ref.losses}")
+    _assert_same_per_step("losses", got.losses, ref.losses, tol, label)
 
 
 def assert_same_grad_norms(got, ref, tol, label):
     """The gradient norm each step reported (before clipping), engine against stock."""
-    worst = max(rel(a, b) for a, b in zip(got.grad_norms, ref.grad_norms))
-    print(f"{label}: grad norms at most {worst:.3g} relative from stock")
-    assert len(got.grad_norms) == len(ref.grad_norms) and worst <= tol, (
-        f"{label}: grad norms differ by up to {worst:.3g} relative (> {tol}):\n"
-        f" engine {got.grad_norms}\n stock  {ref.grad_norms}")
+    _assert_same_per_step("grad norms", got.grad_norms, ref.grad_norms, tol, label)
 
 
 def assert_same_weights(got, ref, tol, label):
