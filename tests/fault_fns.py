@@ -8,8 +8,8 @@ the others with it) and nobody is killed until the test's deadline.
 """
 from __future__ import annotations
 
+import functools
 import math
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -18,7 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_lbp.testing.multirank import free_port
+from megatron_lbp.testing.entry import as_entry_process
+from megatron_lbp.testing.multirank import (forkserver_context, host_store_in_this_rank,
+                                            wait_for_store_port)
 from megatron_lbp.testing.tiny_gpt import TinyGPTSpec, TrainSpec, setup_hier
 
 TOPOLOGY_ARGS = ["--hier-preset", "lbp", "--hier-param-group-size", "2",
@@ -51,13 +53,22 @@ def _watch(procs, logs, world, start, deadline_s, poll):
     return ended, said
 
 
-def _child(fn, args, rank, env, log_path):
+def _child(fn, args, rank, env, log_path, port_box, init_pg=True):
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     sys.stdout = os.fdopen(1, "w", buffering=1)
     sys.stderr = os.fdopen(2, "w", buffering=1)
     os.environ.update(env)
+    # As under srun, rank 0's process hosts the rendezvous store (the fault tests kill it).
+    if rank == 0:
+        host_store_in_this_rank(int(env["WORLD_SIZE"]), port_box)
+    else:
+        wait_for_store_port(port_box)
+    env = {**env, "MASTER_PORT": os.environ["MASTER_PORT"]}
+    if not init_pg:   # fn is the training entry: it sets torch.distributed up itself
+        fn(*args, environ=env)
+        return
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=int(env["WORLD_SIZE"]))
     fn(*args)
@@ -65,9 +76,10 @@ def _child(fn, args, rank, env, log_path):
     dist.destroy_process_group()
 
 
-def _rank_vars(rank: int, world: int, port: int, env, rank_env, **extra: str) -> dict:
-    """The torch.distributed variables one rank gets (as torchrun or srun would set them)."""
-    rank_vars = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+def _rank_vars(rank: int, world: int, env, rank_env, **extra: str) -> dict:
+    """The torch.distributed variables one rank gets (as srun would set them; MASTER_PORT
+    comes from rank 0 once it hosts the store)."""
+    rank_vars = {"MASTER_ADDR": "127.0.0.1", "RANK": str(rank),
                  "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                  "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1", **extra}
     rank_vars.update(env or {})
@@ -77,17 +89,24 @@ def _rank_vars(rank: int, world: int, port: int, env, rank_env, **extra: str) ->
 
 
 def launch(fn, args, world: int, tmp_path, *, env=None, rank_env=None,
-           deadline_s: float = 120.0) -> list[RankRun]:
-    """Start ``fn(*args)`` on ``world`` gloo ranks; wait until all ended or the deadline."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["megatron_lbp.testing._preload"])
-    port = free_port()
+           deadline_s: float = 120.0, entry: bool = False) -> list[RankRun]:
+    """Start ``fn(*args)`` on ``world`` gloo ranks; wait until all ended or the deadline.
+
+    ``entry``: fn is the training entry (megatron_lbp.testing.entry.as_entry_process),
+    which gets this process's whole environment plus the rank's variables and
+    initializes torch.distributed itself.
+    """
+    ctx = forkserver_context()
+    port_box = ctx.Value("i", 0)
     procs, logs = [], []
     start = time.monotonic()
     for rank in range(world):
-        rank_vars = _rank_vars(rank, world, port, env, rank_env)
+        rank_vars = _rank_vars(rank, world, env, rank_env)
+        if entry:
+            rank_vars = {**os.environ, **rank_vars}
         log = os.path.join(str(tmp_path), f"rank{rank}.log")
-        p = ctx.Process(target=_child, args=(fn, args, rank, rank_vars, log), daemon=False)
+        p = ctx.Process(target=_child, args=(fn, args, rank, rank_vars, log, port_box, not entry),
+                        daemon=False)
         p.start()
         procs.append(p)
         logs.append(log)
@@ -106,33 +125,16 @@ def launch(fn, args, world: int, tmp_path, *, env=None, rank_env=None,
 
 def launch_pretrain(argv: list[str], world: int, tmp_path, *, env=None, rank_env=None,
                     deadline_s: float = 300.0) -> list[RankRun]:
-    """``python -m megatron_lbp.pretrain_gpt`` once per rank, as srun starts tasks."""
-    import subprocess
+    """The training entry once per rank, each rank on its own (as srun starts tasks).
 
+    Each rank is forked from the harness's server (megatron_lbp.testing.entry),
+    not a fresh interpreter: the same ``megatron_lbp.pretrain_gpt.main``.
+    """
     from tests.pretrain_runner import REPO
 
-    port = free_port()
-    procs, logs = [], []
-    start = time.monotonic()
-    for rank in range(world):
-        rank_vars = _rank_vars(rank, world, port, env, rank_env, PYTHONWARNINGS="ignore")
-        log = open(os.path.join(str(tmp_path), f"rank{rank}.log"), "w")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "megatron_lbp.pretrain_gpt", *argv], cwd=REPO,
-            env=dict(os.environ, **rank_vars), stdout=log, stderr=subprocess.STDOUT))
-        logs.append(log)
-    ended, said = _watch(procs, [f.name for f in logs], world, start, deadline_s,
-                         lambda p: p.poll())
-    runs = []
-    for r, p in enumerate(procs):
-        if p.poll() is None:
-            p.kill()
-        p.wait(timeout=10)
-        logs[r].close()
-        with open(logs[r].name, errors="replace") as f:
-            runs.append(RankRun(r, p.returncode if r in ended else None, ended.get(r), f.read(),
-                                said.get(r)))
-    return runs
+    return launch(functools.partial(as_entry_process, cwd=str(REPO)), (argv,), world, tmp_path,
+                  env={"PYTHONWARNINGS": "ignore", **(env or {})}, rank_env=rank_env,
+                  deadline_s=deadline_s, entry=True)
 
 
 # --- rank functions -------------------------------------------------------------------------

@@ -1,40 +1,22 @@
-"""Launch the real training entry as a process tree, kill it like a node failure, read exact losses and checkpoints."""
+"""Launch the real training entry on local ranks, kill it like a node failure, read exact losses and checkpoints."""
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import psutil
-
-from megatron_lbp.testing.multirank import free_port
+from megatron_lbp.testing.entry import EntryJob
 from tests.pretrain_runner import REPO, why
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
-def command(nproc: int) -> tuple[list[str], dict]:
-    if nproc == 1:
-        return ([sys.executable, "-m", "megatron_lbp.pretrain_gpt"],
-                {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
-    return ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-             "--master-port", str(free_port()), "-m", "megatron_lbp.pretrain_gpt"], {})
+def start(nproc: int, args: list[str], log: Path, env: dict | None = None) -> EntryJob:
+    """The training entry on ``nproc`` ranks (tests/pretrain_runner.py's forkserver launcher), all output into ``log``."""
+    return EntryJob(nproc, args, log, env={"PYTHONWARNINGS": "ignore", **(env or {})}, cwd=REPO)
 
 
-def start(nproc: int, args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
-    """The entry point in its own session, stdout and stderr into ``log``."""
-    cmd, extra = command(nproc)
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **extra, **(env or {}))
-    with open(log, "w") as out:
-        return subprocess.Popen(cmd + args, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                env=full_env, start_new_session=True)
-
-
-def wait_for(proc: subprocess.Popen, log: Path, needle: str, timeout: float) -> None:
+def wait_for(proc: EntryJob, log: Path, needle: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if needle in log.read_text():
@@ -47,33 +29,12 @@ def wait_for(proc: subprocess.Popen, log: Path, needle: str, timeout: float) -> 
     raise AssertionError(f"no {needle!r} within {timeout} s:\n" + "\n".join(log.read_text().splitlines()[-30:]))
 
 
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL the launcher and every worker at once, as a node failure or scancel does.
-
-    torchrun starts each worker in a session of its own, so killing the
-    launcher's process group would leave the workers running: collect the
-    whole tree first, freeze it, then kill it.
-    """
-    try:
-        root = psutil.Process(proc.pid)
-        tree = [root] + root.children(recursive=True)
-    except psutil.NoSuchProcess:
-        tree = []
-    for p in tree:
-        try:
-            p.send_signal(signal.SIGSTOP)
-        except psutil.NoSuchProcess:
-            pass
-    for p in tree:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait(timeout=30)
-    psutil.wait_procs(tree, timeout=30)
+def kill_tree(proc: EntryJob) -> None:
+    """SIGKILL every rank and every process it started at once, as a node failure or scancel does."""
+    proc.kill()
 
 
-def finish(proc: subprocess.Popen, log: Path, timeout: float = 900) -> str:
+def finish(proc: EntryJob, log: Path, timeout: float = 900) -> str:
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:

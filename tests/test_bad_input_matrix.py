@@ -30,8 +30,7 @@ from typing import Callable
 import numpy
 import pytest
 
-from megatron_lbp.testing.multirank import free_port
-from tests.pretrain_runner import REPO, TINY, demo_data, run_pretrain, why
+from tests.pretrain_runner import REPO, TINY, run_pretrain, why
 from tests.test_launchers import LOCAL, SCRIPTS, _megatron_tree, site  # noqa: F401  (site: fixture)
 
 PY = sys.executable
@@ -516,8 +515,8 @@ CASES = PLAN + PREPROCESS + TOKENIZER_CHECK + LAUNCHER + APPLY + PRETRAIN
 # --------------------------------------------------------------------------- running a row
 
 @pytest.fixture(scope="module")
-def shared_data(tmp_path_factory):
-    return demo_data(tmp_path_factory.mktemp("data"))
+def shared_data(demo_dataset):
+    return demo_dataset
 
 
 @pytest.fixture(scope="module")
@@ -584,7 +583,7 @@ def _run(case: Case, ctx: Ctx, argv: list, env_over: dict, site_env: dict | None
         env_over = {}
     elif case.entry == "pretrain":
         single = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}   # no peer needs it
         cmd, env = [PY, "-m", "megatron_lbp.pretrain_gpt", *argv], _env(single, base)
     else:
         raise AssertionError(case.entry)

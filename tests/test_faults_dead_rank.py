@@ -13,7 +13,7 @@ import pytest
 from megatron_lbp.engine import faults
 from megatron_lbp.testing.multirank import rank_location_env
 from tests.fault_fns import TOPOLOGY_ARGS, launch, launch_pretrain, train_tiny
-from tests.pretrain_runner import TINY, demo_data
+from tests.pretrain_runner import TINY
 
 WORLD = 8
 CHECKIN_S = 3
@@ -104,11 +104,10 @@ def test_injection_spec_is_checked():
 
 
 @pytest.mark.slow
-def test_rank_killed_under_the_training_entry(tmp_path):
+def test_rank_killed_under_the_training_entry(tmp_path, demo_dataset):
     """python -m megatron_lbp.pretrain_gpt per rank (as srun starts tasks), rank 6 killed in
     grad_reduce at Megatron's iteration 3: the survivors leave megatron.training with the line."""
-    data = demo_data(tmp_path / "data")
-    argv = TINY + ["--data-path", data, "--train-iters", "6", "--global-batch-size", "16",
+    argv = TINY + ["--data-path", demo_dataset, "--train-iters", "6", "--global-batch-size", "16",
                    "--hier-partition", "--hier-gpus-per-node", "4",
                    "--hier-fault-checkin-s", str(CHECKIN_S),
                    "--hier-collective-timeout-s", str(COLLECTIVE_TIMEOUT_S)]

@@ -10,7 +10,7 @@ import math
 from megatron_lbp.engine import faults
 from megatron_lbp.testing.multirank import rank_location_env, run_on_ranks
 from tests.fault_fns import TOPOLOGY_ARGS, launch_pretrain, poisoned_step
-from tests.pretrain_runner import TINY, demo_data
+from tests.pretrain_runner import TINY
 
 WORLD = 8
 TOPOLOGY = rank_location_env(4)
@@ -49,12 +49,11 @@ def test_without_poison_nothing_is_reported():
                                             for s in res["steps"]), f"rank {r}: {res}"
 
 
-def test_training_entry_stops_every_rank_naming_the_poisoned_rank(tmp_path):
+def test_training_entry_stops_every_rank_naming_the_poisoned_rank(tmp_path, demo_dataset):
     """Through python -m megatron_lbp.pretrain_gpt (one process per rank, as srun starts them),
     Megatron's default --check-for-nan-in-loss-and-grad: rank 3 writes a nan into its own
     gradient at iteration 3 (LBP_FAULT_INJECT action=nan); every rank stops non-zero, naming it."""
-    data = demo_data(tmp_path / "data")
-    argv = TINY + ["--data-path", data, "--train-iters", "6", "--global-batch-size", "8",
+    argv = TINY + ["--data-path", demo_dataset, "--train-iters", "6", "--global-batch-size", "8",
                    "--hier-partition", "--hier-gpus-per-node", "2"]
     runs = launch_pretrain(argv, 4, tmp_path,
                            env={faults.INJECT_ENV: "rank=3,phase=grad_reduce,iteration=3,action=nan"},

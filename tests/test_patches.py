@@ -11,7 +11,7 @@ import pytest
 
 import megatron
 
-from tests.pretrain_runner import TINY, demo_data, run_pretrain, why
+from tests.pretrain_runner import TINY, run_pretrain, why
 
 REPO = Path(__file__).resolve().parents[1]
 APPLY = str(REPO / "scripts" / "apply_patches.sh")
@@ -25,8 +25,9 @@ def apply(*args):
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron-copy")
-    shutil.copytree(WHEEL_ROOT / "megatron", root / "megatron",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    # With the wheel's bytecode (copytree keeps mtimes, so it stays valid for every file
+    # the patches leave alone): otherwise each rank compiles all of megatron/ again.
+    shutil.copytree(WHEEL_ROOT / "megatron", root / "megatron")
     return root
 
 
@@ -58,13 +59,14 @@ def test_apply_is_checked_idempotent_and_refuses_other_versions(tree, tmp_path):
     assert missing.returncode == 2 and "not found" in missing.stderr, missing.stderr
 
 
-def test_patched_megatron_trains_with_hier_partition_and_unpatched_refuses(tree, tmp_path):
+def test_patched_megatron_trains_with_hier_partition_and_unpatched_refuses(tree, demo_dataset):
     assert apply(tree).returncode == 0
-    data = demo_data(tmp_path / "data")
-    args = TINY + ["--data-path", data, "--train-iters", "3", "--global-batch-size", "8",
+    args = TINY + ["--data-path", demo_dataset, "--train-iters", "3", "--global-batch-size", "8",
                    "--hier-partition", "--hier-gpus-per-node", "2"]
     hooks_off = {"LBP_RUNTIME_HOOKS": "0"}
-    code, log, losses = run_pretrain(2, args, env={**hooks_off, "PYTHONPATH": str(tree)})
+    # torchrun: a fresh interpreter per rank, importing the patched tree on PYTHONPATH.
+    code, log, losses = run_pretrain(2, args, env={**hooks_off, "PYTHONPATH": str(tree)},
+                                     launcher="torchrun")
     assert code == 0, why(log)
     assert "megatron-lbp hierarchy (lbp): W=2 P=2" in log and sorted(losses) == [1, 2, 3], why(log)
     code, log, _ = run_pretrain(1, args, env=hooks_off)

@@ -448,53 +448,110 @@ def test_triton_kernels_match_torch_bit_for_bit_under_the_interpreter():
 
 
 _COMPILE_CHECK = r"""
-import json
+import json, subprocess
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.compiler.errors import CompilationError
 from megatron_lbp.quant import triton_kernels as tk
 Q = {"x_ptr": "*bf16", "q_ptr": "*i8", "scale_ptr": "*fp32", "numel": "i64",
      "BLOCK_SIZE": "constexpr", "BLOCK_POW2": "constexpr"}
 D = {"q_ptr": "*i8", "scale_ptr": "*fp32", "out_ptr": "*bf16", "numel": "i64",
      "BLOCK_SIZE": "constexpr", "BLOCK_POW2": "constexpr", "OUT_BF16": "constexpr"}
-out = {}
-for name, target, key in [("cuda", GPUTarget("cuda", 90, 32), "ptx"),
-                          ("hip", GPUTarget("hip", "gfx90a", 64), "amdgcn")]:
-    asm = {}
-    for kern, sig, consts in [(tk._quantize_kernel, Q, {"BLOCK_SIZE": 192, "BLOCK_POW2": 256}),
-                              (tk._dequantize_kernel, D, {"BLOCK_SIZE": 256, "BLOCK_POW2": 256,
-                                                          "OUT_BF16": True})]:
-        try:
-            k = triton.compile(ASTSource(fn=kern, signature=sig, constexprs=consts),
-                               target=target, options={"num_warps": 1})
-            asm[kern.fn.__name__] = k.asm[key]
-        except Exception as e:  # a backend toolchain missing from this install
-            asm[kern.fn.__name__] = "ERROR " + type(e).__name__ + ": " + str(e)[:300]
-    out[name] = asm
-print(json.dumps(out))
+TOOLS = ("ptxas", "lld", "libdevice", "compatible backends for target")
+
+def kind(e):
+    # A kernel the frontend rejects is a bug in it; a missing binary or backend is the install's.
+    if isinstance(e, CompilationError):
+        return "kernel"
+    if isinstance(e, (OSError, subprocess.CalledProcessError)) or any(t in str(e) for t in TOOLS):
+        return "toolchain"
+    return "unknown"
+
+@triton.jit
+def _broken_kernel(x_ptr, q_ptr, numel, BLOCK_SIZE: tl.constexpr):
+    offs = tl.arange(0, BLOCK_SIZE)     # a block of 192 is no power of two: arange refuses
+    tl.store(q_ptr + offs, tl.load(x_ptr + offs).to(tl.int8), mask=offs < numel)
+
+def compile_all(kernels, targets):
+    out = {}
+    for name, target, key in targets:
+        asm = {}
+        for kern, sig, consts in kernels:
+            try:
+                k = triton.compile(ASTSource(fn=kern, signature=sig, constexprs=consts),
+                                   target=target, options={"num_warps": 1})
+                asm[kern.fn.__name__] = {"asm": k.asm[key]}
+            except Exception as e:
+                asm[kern.fn.__name__] = {"kind": kind(e),
+                                         "error": type(e).__name__ + ": " + str(e)[:300]}
+        out[name] = asm
+    return out
+
+TARGETS = [("cuda", GPUTarget("cuda", 90, 32), "ptx"), ("hip", GPUTarget("hip", "gfx90a", 64), "amdgcn")]
+real = compile_all([(tk._quantize_kernel, Q, {"BLOCK_SIZE": 192, "BLOCK_POW2": 256}),
+                    (tk._dequantize_kernel, D, {"BLOCK_SIZE": 256, "BLOCK_POW2": 256, "OUT_BF16": True})],
+                   TARGETS)
+# the test of the test: a kernel that cannot compile, and a backend that is not there
+broken = compile_all([(_broken_kernel, {"x_ptr": "*bf16", "q_ptr": "*i8", "numel": "i64",
+                                        "BLOCK_SIZE": "constexpr"}, {"BLOCK_SIZE": 192})],
+                     TARGETS + [("absent", GPUTarget("no-such-backend", 1, 32), "asm")])
+print(json.dumps({"real": real, "broken": broken}))
 """
 
 
-def test_kernels_compile_for_nvidia_and_amd_with_ieee_division(tmp_path):
-    """No GPU needed: Triton compiles for sm_90 and gfx90a (MI250X) from this machine."""
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """{"real"|"broken": {target: {kernel: {"asm"} or {"kind", "error"}}}}, in a fresh interpreter."""
     pytest.importorskip("triton")
-    out = _run(_COMPILE_CHECK, {"TRITON_CACHE_DIR": str(tmp_path)}, timeout=180)
+    tmp = tmp_path_factory.mktemp("triton")
+    script = tmp / "compile_check.py"      # a file: triton.jit reads the kernels' source
+    script.write_text(_COMPILE_CHECK)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=REPO,
+                         timeout=180, env={**os.environ, "PYTHONPATH": str(REPO),
+                                           "TRITON_CACHE_DIR": str(tmp / "cache")})
     assert out.returncode == 0, out.stderr[-3000:]
-    asm = json.loads(out.stdout.strip().splitlines()[-1])
-    failed = {t: [a for a in ks.values() if a.startswith("ERROR")] for t, ks in asm.items()}
-    # a target whose toolchain is missing fails both kernels alike: skip it, not a bug
-    usable = [t for t, errs in failed.items() if len(errs) < 2]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _usable_targets(asm):
+    """Targets whose toolchain is here; raises naming any kernel that no longer compiles."""
+    broken = [f"{t} {k}: {r['error']}" for t, ks in asm.items() for k, r in ks.items()
+              if r.get("kind") in ("kernel", "unknown")]
+    assert not broken, "kernels that do not compile:\n" + "\n".join(broken)
+    return [t for t, ks in asm.items() if not any("error" in r for r in ks.values())]
+
+
+def test_kernels_compile_for_nvidia_and_amd_with_ieee_division(compiled):
+    """No GPU needed: Triton compiles for sm_90 and gfx90a (MI250X) from this machine.
+
+    Only a missing toolchain (a backend not shipped, no ptxas) skips a target; a
+    kernel Triton's frontend rejects fails the test.
+    """
+    asm = compiled["real"]
+    usable = _usable_targets(asm)
     if not usable:
-        pytest.skip("no Triton GPU backend can compile here: " + failed["cuda"][0])
-    assert all(not failed[t] for t in usable), failed
+        pytest.skip("no Triton GPU backend can compile here: "
+                    + "; ".join(r["error"] for ks in asm.values() for r in ks.values()))
     if "cuda" in usable:
-        ptx = asm["cuda"]["_quantize_kernel"]
+        ptx = asm["cuda"]["_quantize_kernel"]["asm"]
         assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
         assert "div.rn.ftz" not in ptx  # subnormal quotients are kept, as in torch
     if "hip" in usable:
-        gcn = asm["hip"]["_quantize_kernel"]
+        gcn = asm["hip"]["_quantize_kernel"]["asm"]
         assert "v_div_fmas_f32" in gcn  # the IEEE-correct division sequence
         assert ".amdhsa_float_denorm_mode_32 3" in gcn  # fp32 denormals preserved
+
+
+def test_compile_check_tells_a_broken_kernel_from_a_missing_toolchain(compiled):
+    """The test of the test: a kernel the frontend rejects fails it, an absent backend only skips."""
+    asm = compiled["broken"]
+    kinds = {t: {r.get("kind") for r in ks.values()} for t, ks in asm.items()}
+    assert kinds == {"cuda": {"kernel"}, "hip": {"kernel"}, "absent": {"toolchain"}}, asm
+    with pytest.raises(AssertionError, match="kernels that do not compile"):
+        _usable_targets(asm)
+    assert _usable_targets({"absent": asm["absent"]}) == []
 
 
 # ----------------------------------------------------------------- benchmark smoke

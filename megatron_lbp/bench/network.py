@@ -283,7 +283,8 @@ def _on_network(net, args, fn, *fn_args, timeout):
     rpn = args.ranks_per_node
     ns_of_rank = [net.place(r // rpn, (r % rpn) // GCDS_PER_PACKAGE) for r in range(world)]
     return run_on_ranks(fn, world, ns_of_rank, net.address(0), *fn_args, timeout=timeout,
-                        init_process_group=False,
+                        # rank 0 hosts the store inside its node's namespace (a free port there)
+                        init_process_group=False, host_store=False,
                         env={"MASTER_ADDR": net.address(0), "GLOO_SOCKET_IFNAME": netns.UPLINK},
                         rank_env=rank_location_env(args.ranks_per_node))
 

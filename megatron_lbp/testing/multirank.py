@@ -1,9 +1,11 @@
 """Run one function on N real torch.distributed ranks (gloo, CPU) and collect what each returned.
 
 Used by the multi-rank tests and the benchmarks. Each rank is a separate process
-with the environment a launcher would give it (MASTER_ADDR/PORT on a free port,
-RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, plus anything the caller adds),
-so the code under test sees exactly what it sees under torchrun.
+with the environment a launcher would give it (RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, MASTER_ADDR/PORT of a rendezvous store hosted by this process as
+torchrun's agent hosts it, plus anything the caller adds), so the code under test
+sees what it sees under torchrun. The store listens on a port the OS assigns
+while it binds: no other process on a shared machine can take it in between.
 
 Failure handling is the point of this module:
 - an exception on any rank is returned with that rank's traceback; the other
@@ -46,13 +48,66 @@ class _Outcome:
     error: str = ""
 
 
+def agent_store(world_size: int):
+    """A rendezvous store as torchrun's agent hosts one (ranks connect with TORCHELASTIC_USE_AGENT_STORE)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, world_size=world_size, is_master=True,
+                         timeout=datetime.timedelta(seconds=900), wait_for_workers=False,
+                         multi_tenant=True)
+
+
 def free_port() -> int:
+    """A port free now, which anybody may take before it is bound: only for a private network namespace.
+
+    On a shared machine use agent_store (the launcher hosts the store) or
+    host_store_in_this_rank (rank 0 hosts it, as under srun) instead.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _context():
+_OWN_STORE = []   # keeps the store of host_store_in_this_rank alive as long as the rank
+
+
+def host_store_in_this_rank(world_size: int, port_box) -> int:
+    """Rank 0's side of a srun-like launch: host the rendezvous store on a port the OS assigns.
+
+    torch.distributed's own env:// set-up in this process then reuses this server
+    (its rank 0 store is multi-tenant: same process, same port), so the store still
+    lives and dies with rank 0 as under srun, and no other process can take the
+    port between choosing and binding it. ``port_box`` (a shared multiprocessing
+    Value) tells the other ranks; sets MASTER_PORT here.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, world_size=world_size, is_master=True,
+                          timeout=datetime.timedelta(seconds=900), wait_for_workers=False,
+                          multi_tenant=True)
+    _OWN_STORE.append(store)
+    os.environ["MASTER_PORT"] = str(store.port)
+    port_box.value = store.port
+    return store.port
+
+
+def wait_for_store_port(port_box, timeout_s: float = 300.0) -> int:
+    """The other ranks' side of host_store_in_this_rank: wait for rank 0's port; sets MASTER_PORT."""
+    deadline = time.monotonic() + timeout_s
+    while port_box.value == 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 published no rendezvous port within {timeout_s:.0f} s")
+        time.sleep(0.02)
+    os.environ["MASTER_PORT"] = str(port_box.value)
+    return port_box.value
+
+
+def forkserver_context():
+    """The multiprocessing context whose server has _PRELOAD imported (one per process)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
@@ -69,10 +124,8 @@ def _rank_main(fn, args, kwargs, rank, env, results, stack_file, dump_after_s, i
             if init_pg:
                 import torch.distributed as dist
 
-                dist.init_process_group(
-                    backend="gloo", rank=rank, world_size=int(env["WORLD_SIZE"]),
-                    init_method=f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}",
-                )
+                dist.init_process_group(backend="gloo", rank=rank,
+                                        world_size=int(env["WORLD_SIZE"]), init_method="env://")
             value = fn(*args, **kwargs)
             outcome = _Outcome(rank, True, value)
         except BaseException:  # noqa: BLE001 - the parent reports it with the traceback
@@ -104,20 +157,26 @@ def run_on_ranks(
     env: Mapping[str, str] | None = None,
     rank_env: Callable[[int], Mapping[str, str]] | None = None,
     init_process_group: bool = True,
+    host_store: bool = True,
     **kwargs: Any,
 ) -> list[Any]:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank values.
 
     ``fn`` must be importable (module level) since ranks are separate processes.
     ``env`` is added to every rank's environment, ``rank_env(rank)`` to one rank's.
-    With ``init_process_group`` the default process group is up before ``fn`` runs.
+    With ``init_process_group`` the default process group is up before ``fn`` runs;
+    without it ``fn`` brings one up itself (env:// finds this process's store).
+    ``host_store=False``: no store here, MASTER_PORT is a free port, for ``fn``s
+    that host their own inside private network namespaces (bench network), where
+    nobody else can take it.
     Raises MultiRankError naming every failed or unfinished rank.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
-    ctx = _context()
+    ctx = forkserver_context()
     results = ctx.Queue()
-    port = free_port()
+    store = agent_store(world_size) if host_store else None
+    port = store.port if store is not None else free_port()
     stack_dir = tempfile.mkdtemp(prefix="lbp-ranks-")
     dump_after = max(timeout - 5.0, timeout * 0.8)
     procs = []
@@ -130,6 +189,7 @@ def run_on_ranks(
             "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(world_size),
             "OMP_NUM_THREADS": "1",
+            **({"TORCHELASTIC_USE_AGENT_STORE": "True"} if store is not None else {}),
         }
         rank_vars.update(env or {})
         if rank_env is not None:
@@ -224,4 +284,5 @@ def rank_location_env(gpus_per_node: int) -> Callable[[int], Mapping[str, str]]:
 
 
 __all__: Sequence[str] = ["MultiRankError", "run_on_ranks", "run_single", "free_port",
-                          "rank_location_env"]
+                          "rank_location_env", "forkserver_context", "agent_store",
+                          "host_store_in_this_rank", "wait_for_store_port"]

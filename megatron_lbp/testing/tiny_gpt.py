@@ -11,6 +11,7 @@ CPU before anything of ours is measured against it.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -221,8 +222,16 @@ def forward_loss(model, tokens: torch.Tensor) -> torch.Tensor:
     return per_token.float().mean()
 
 
+def _gpt_of(model):
+    """The GPTModel inside megatron's Float16Module (bf16/fp16), or the model itself."""
+    from megatron.core.transformer.module import Float16Module
+
+    return model.module if isinstance(model, Float16Module) else model
+
+
 def _gathered_params(model) -> dict[str, torch.Tensor]:
-    return {name: p.detach().float().clone() for name, p in model.named_parameters()}
+    """Final weights by the GPT's own parameter names (no Float16Module prefix), in fp32."""
+    return {name: p.detach().float().clone() for name, p in _gpt_of(model).named_parameters()}
 
 
 @dataclass
@@ -257,6 +266,10 @@ class Trainer:
                     loss = loss / train.micro_batches
                     loss.backward()
                 local_loss += loss.detach()
+                if hasattr(self.model, "take_overlap_samples"):
+                    # the engine's in-flight count at each unit's compute start (CONTRACTS §2)
+                    result.extra.setdefault("overlap_samples", []).extend(
+                        self.model.take_overlap_samples())
                 if probe is not None:
                     result.extra.setdefault("probes", []).append(
                         probe(self.model, self.optimizer, step, micro))
@@ -273,10 +286,14 @@ class Trainer:
         return result
 
     def final_params(self) -> dict[str, torch.Tensor]:
-        names = dict(self.inner.named_parameters())
+        """Every parameter by the GPT's names, gathered; the engine's must cover them all."""
         if self.hier is None:
             return _gathered_params(self.inner)
-        return {n: t.float() for n, t in self.model.state_dict().items() if n in names}
+        names = dict(_gpt_of(self.inner).named_parameters())
+        params = {n: t.float() for n, t in self.model.state_dict().items() if n in names}
+        missing = sorted(set(names) - set(params))
+        assert not missing, f"the engine's state dict lacks parameters {missing[:3]}..."
+        return params
 
 
 def setup_stock(spec: TinyGPTSpec, train: TrainSpec) -> Trainer:
@@ -341,9 +358,44 @@ def train_hier(spec: TinyGPTSpec, train: TrainSpec, hier_argv: list[str],
     result.params = trainer.final_params()
     hier = trainer.hier
     result.extra.update({"bucket_numels": trainer.model.bucket_numels(),
-                         "config": hier.config.as_dict(), "links": dict(hier.link_classes)})
+                         "config": hier.config.as_dict(), "links": dict(hier.link_classes),
+                         "comm_stats": dataclasses.asdict(trainer.model.comm.stats)})
     result.extra.setdefault("probes", [])
     return result
+
+
+def train_several(spec: TinyGPTSpec, train: TrainSpec, configs: dict, probe=None,
+                  faults: dict | None = None) -> dict:
+    """Several trainings one after another in the same ranks: one process start-up for all.
+
+    ``configs``: name -> ``--hier-*`` argv for the engine, or None for stock
+    Megatron (run first if it comes first, before any engine code has run here).
+    ``faults``: name -> a callable returning a context manager that breaks the
+    engine while that configuration trains (tests of the tests inject faults
+    this way, in the rank; nothing in the engine knows about them).
+    Each value is that run's TrainResult, or the traceback of what it raised, so
+    a configuration that fails on every rank fails only its own test.
+    """
+    import contextlib
+    import traceback
+
+    out = {}
+    for name, argv in configs.items():
+        fault = (faults or {}).get(name)
+        try:
+            with fault() if fault is not None else contextlib.nullcontext():
+                out[name] = (train_stock_megatron(spec, train) if argv is None
+                             else train_hier(spec, train, argv, probe=probe))
+        except Exception:  # noqa: BLE001 - reported as this configuration's result
+            out[name] = f"{name} raised on rank {dist.get_rank()}:\n{traceback.format_exc()}"
+    return out
+
+
+def trained(result, name: str):
+    """One configuration's TrainResult from train_several's answer; its traceback fails the test."""
+    value = result[name]
+    assert not isinstance(value, str), value
+    return value
 
 
 def train_reference(spec: TinyGPTSpec, train: TrainSpec, dp_size: int) -> TrainResult:

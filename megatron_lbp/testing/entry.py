@@ -1,0 +1,202 @@
+"""``python -m megatron_lbp.pretrain_gpt`` on N local ranks without paying its start-up N times.
+
+torchrun starts a fresh interpreter per rank, and each spends ~4 s of CPU importing
+torch and megatron-core before it reads an argument: on the 2-core CI machine that
+was most of every end-to-end test. Here each rank is a process forked from the
+multirank harness's server (those modules already imported, see _preload.py), given:
+
+- the variables torchrun gives a worker (RANK, LOCAL_RANK, WORLD_SIZE,
+  LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK, ..., MASTER_ADDR/PORT of a rendezvous
+  store that the launcher hosts, as torchrun's agent does), on top of the caller's
+  current environment, then ``env`` and ``rank_env(rank)``;
+- the caller's working directory;
+- stdout and stderr on one log file that every rank appends to (torchrun's
+  merged output);
+
+and then runs ``megatron_lbp.pretrain_gpt.main(argv)``, the function
+``python -m megatron_lbp.pretrain_gpt`` runs. Exit status as torchrun reports it:
+0 when every rank exited 0, otherwise the first failed rank's status; once a rank
+has failed the others are sent SIGTERM (SIGKILL after a grace period).
+
+What this does not exercise, and where that is covered: the interpreter start-up
+and torchrun's own agent. tests/test_patches.py launches the entry with torchrun,
+tests/test_bad_input_matrix.py runs ``python -m megatron_lbp.pretrain_gpt`` once per
+row, and the real Slurm test starts it with srun.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+from megatron_lbp.testing.multirank import agent_store, forkserver_context
+
+TERM_GRACE_S = 10.0
+
+
+def torchrun_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """What torchrun --nproc-per-node=world sets for one worker on a single host.
+
+    Like torchrun, the launcher hosts the rendezvous store (TORCHELASTIC_USE_AGENT_STORE):
+    every rank connects to it as a client.
+    """
+    return {
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
+        "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world), "ROLE_NAME": "default",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "none",
+        "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "OMP_NUM_THREADS": "1",
+    }
+
+
+def as_entry_process(argv: Sequence[str], environ: Mapping[str, str] | None, cwd: str | None) -> None:
+    """In a process forked from the harness's server: become ``python -m megatron_lbp.pretrain_gpt argv``.
+
+    ``environ`` (when given) replaces the server's environment, as exec would;
+    exit status and output are the caller's business (SystemExit propagates).
+    The server has torch and megatron-core imported, not megatron.training: that
+    import (0.2 s) configures logging, so it happens here, inside main(), in the
+    same order as in a fresh interpreter.
+    """
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
+    if cwd is not None:
+        os.chdir(cwd)
+    import multiprocessing
+    import warnings
+
+    import torch
+
+    from megatron_lbp import pretrain_gpt
+
+    # A fresh interpreter's default start method (fork on Linux), not the server's:
+    # Megatron's data-loader workers are not picklable.
+    multiprocessing.set_start_method(None, force=True)
+    if os.environ.get("PYTHONWARNINGS") == "ignore":
+        warnings.simplefilter("ignore")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    sys.argv = [pretrain_gpt.__file__]   # what python -m puts there (argparse's prog)
+    pretrain_gpt.main(list(argv))
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def _entry_rank(argv: list[str], environ: dict[str, str], cwd: str, log_path: str) -> None:
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = os.fdopen(1, "w", buffering=1)
+    sys.stderr = os.fdopen(2, "w", buffering=1)
+    as_entry_process(argv, environ, cwd)
+
+
+class EntryJob:
+    """The ranks of one launch; the parts of subprocess.Popen's interface the tests use."""
+
+    def __init__(self, nproc: int, argv: Sequence[str], log_path: str | os.PathLike, *,
+                 env: Mapping[str, str] | None = None,
+                 rank_env: Callable[[int], Mapping[str, str]] | None = None,
+                 cwd: str | os.PathLike | None = None):
+        if nproc < 1:
+            raise ValueError(f"nproc={nproc} must be >= 1")
+        self.log_path = str(log_path)
+        Path(self.log_path).write_text("")
+        ctx = forkserver_context()
+        self._store = agent_store(nproc)
+        port = self._store.port
+        base = dict(os.environ)
+        self.procs = []
+        for rank in range(nproc):
+            environ = {**base, **torchrun_env(rank, nproc, port), **(env or {})}
+            if rank_env is not None:
+                environ.update(rank_env(rank))
+            p = ctx.Process(target=_entry_rank, name=f"lbp-entry-rank{rank}",
+                            args=(list(argv), environ, str(cwd or os.getcwd()), self.log_path),
+                            daemon=False)  # Megatron's checkpoint writers start processes of their own
+            p.start()
+            self.procs.append(p)
+        self.pids = [p.pid for p in self.procs]
+        self.returncode: int | None = None
+        self._failed_at: float | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        codes = [p.exitcode for p in self.procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed and self._failed_at is None:
+            self._failed_at = time.monotonic()
+            for p in self.procs:   # torchrun stops the other workers when one fails
+                if p.exitcode is None:
+                    _signal(p.pid, signal.SIGTERM)
+        if failed and self._failed_at is not None and time.monotonic() - self._failed_at > TERM_GRACE_S:
+            self.kill()
+            codes = [p.exitcode for p in self.procs]
+        if all(c is not None for c in codes):
+            for p in self.procs:
+                p.join()
+            self.returncode = next((c for c in codes if c != 0), 0)
+            self._store = None
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"megatron_lbp.pretrain_gpt on {len(self.procs)} ranks",
+                                                timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def kill(self) -> None:
+        """SIGKILL every rank and everything it started, at once (as a node failure does)."""
+        import psutil
+
+        tree = []
+        for pid in self.pids:
+            try:
+                root = psutil.Process(pid)
+                tree += [root] + root.children(recursive=True)
+            except psutil.NoSuchProcess:
+                pass
+        for sig in (signal.SIGSTOP, signal.SIGKILL):   # frozen first: nothing forks or exits meanwhile
+            for p in tree:
+                try:
+                    p.send_signal(sig)
+                except psutil.NoSuchProcess:
+                    pass
+        for p in self.procs:
+            p.join(timeout=30)
+        psutil.wait_procs(tree, timeout=30)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def run_entry(nproc: int, argv: Sequence[str], log_path: str | os.PathLike, *,
+              timeout: float = 900, env: Mapping[str, str] | None = None,
+              rank_env: Callable[[int], Mapping[str, str]] | None = None,
+              cwd: str | os.PathLike | None = None) -> tuple[int, str]:
+    """(exit status, merged log) of one launch; on timeout every rank is killed and TimeoutExpired raised."""
+    job = EntryJob(nproc, argv, log_path, env=env, rank_env=rank_env, cwd=cwd)
+    try:
+        job.wait(timeout)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        raise
+    return job.returncode, Path(log_path).read_text(errors="replace")
+
+
+__all__ = ["EntryJob", "as_entry_process", "run_entry", "torchrun_env"]

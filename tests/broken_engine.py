@@ -1,0 +1,66 @@
+"""Deliberately broken engines, for the tests of the tests (ranks import these by name).
+
+Each function returns a context manager that, inside a rank, patches the engine
+for as long as one training runs (tiny_gpt.train_several's ``faults``). They
+exist only here: no engine flag or environment variable turns them on. A check
+that still passes on one of these engines would be a check that cannot fail.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from unittest import mock
+
+
+@contextlib.contextmanager
+def gradient_scale(factor: float):
+    """Every reduced gradient multiplied by ``factor`` before the optimizer sees it.
+
+    factor 2 on 8 ranks with grad groups of 4 is the error of dividing by G
+    where the engine must divide by W; clipping at 1.0 then hides most of it
+    from the loss (test-audit.md: the loss moves by ~1e-4 relative).
+    """
+    from megatron_lbp.engine.optimizer import HierDistributedOptimizer
+
+    reduce = HierDistributedOptimizer._reduce_to_optimizer_slices
+
+    def scaled(self):
+        reduce(self)
+        for st in self.states:
+            st.grad.mul_(factor)
+
+    with mock.patch.object(HierDistributedOptimizer, "_reduce_to_optimizer_slices", scaled):
+        yield
+
+
+@contextlib.contextmanager
+def overlap_off():
+    """--hier-overlap accepted, but the engine's schedule runs every collective synchronously."""
+    from megatron_lbp.engine import schedule
+
+    init = schedule.UnitSchedule.__init__
+
+    def synchronous(self, *args, **kwargs):
+        kwargs["overlap"] = False
+        init(self, *args, **kwargs)
+
+    with mock.patch.object(schedule.UnitSchedule, "__init__", synchronous):
+        yield
+
+
+@contextlib.contextmanager
+def quantization_off():
+    """The int8 flags accepted, but the engine keeps a bf16 secondary copy and gathers unquantized."""
+    from megatron_lbp import process_groups
+
+    build = process_groups.build_hier_groups
+
+    def unquantized(*args, **kwargs):
+        hier = build(*args, **kwargs)
+        hier.config = dataclasses.replace(hier.config, secondary_dtype="bf16",
+                                          quantize_weight_gather=False,
+                                          quantize_grad_reduce=False)
+        return hier
+
+    with mock.patch.object(process_groups, "build_hier_groups", unquantized):
+        yield
