@@ -502,6 +502,9 @@ def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16
     def reduce(N: int, families: set[str]) -> int:
         transpose = gb * N if 1 < P < G else 0
         out = gb * N // G
+        # The transposed copy exists only where torch.distributed sorted the G-group
+        # (no new_group(sort_ranks=False), megatron_lbp/layout.py): kept in the bound
+        # so that it holds on any torch.
         quantized = ("grad" in families and G > 1) and \
             (2 * G * int8_payload_bytes(N // G, B) + 2 * 4 * (N // G))
         return gb * N + transpose + out + (quantized or 0)

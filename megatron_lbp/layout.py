@@ -62,22 +62,39 @@ Collective orders
   rank i's slice, so a plain all_gather_into_tensor / reduce_scatter_tensor
   over the sorted group works.
 - The G reduce-scatter is the one exception. reduce_scatter_tensor hands
-  chunk i (units of N/G) to G-group rank i = P*q + p, but that rank's slice
-  sits at bucket chunk p*(G/P) + q. In the example, G-group ranks 0,1,2,3 own
-  bucket chunks 0,2,1,3. This is unavoidable when 1 < P < G: the P all-gather
-  needs each primary chunk to be contiguous *and* indexed by p, so the G/P
-  grad chunks inside primary chunk p belong to ranks p, p+P, p+2P, ... --
-  strided across the G-group, not consecutive. (Making grad chunks
-  consecutive would instead make primary chunks strided, and the forward
-  all-gather, which runs every micro-batch, is the hotter collective.)
-  The input of the G reduce-scatter is therefore the grad bucket permuted
-  by ``grad_scatter_chunk_order``; in torch terms::
+  chunk i (units of N/G) to G-group rank i, and over the *sorted* group rank
+  i = P*q + p, but that rank's slice sits at bucket chunk p*(G/P) + q. In the
+  example, sorted G-group ranks 0,1,2,3 own bucket chunks 0,2,1,3. Sorted
+  order cannot avoid this when 1 < P < G: the P all-gather needs each primary
+  chunk to be contiguous *and* indexed by p, so the G/P grad chunks inside
+  primary chunk p belong to ranks p, p+P, p+2P, ... -- strided across the
+  sorted G-group, not consecutive. (Making grad chunks consecutive would
+  instead make primary chunks strided, and the forward all-gather, which
+  runs every micro-batch, is the hotter collective.)
+
+  So the G-group's reduce communicator is not sorted: it is created with its
+  members in *chunk order* (:func:`grad_reduce_order`: position c is the rank
+  that owns bucket chunk c; (0, 2, 1, 3) in the example), and a plain
+  reduce_scatter_tensor of the bucket in its own order hands every rank its
+  slice -- no copy of the gradient at all. torch.distributed sorts a group's
+  ranks unless ``new_group(..., sort_ranks=False)`` (torch >= 2.13; not with
+  TORCH_DISTRIBUTED_USE_TORCHCOMMS=1); megatron_lbp.process_groups uses it
+  where it exists and checks the order it got back.
+
+  Where it does not, the group stays sorted and the input of the G
+  reduce-scatter is the bucket permuted by ``grad_scatter_chunk_order``, one
+  extra pass over the gradient per micro-batch; in torch terms::
 
       send = bucket.view(P, G // P, -1).transpose(0, 1).reshape(-1)
 
-  and the inverse (e.g. for a G all-gather back to bucket order) is
-  ``gathered.view(G // P, P, -1).transpose(0, 1).reshape(-1)``.
-  When P == 1 or P == G the order is the identity.
+  (and the inverse, for a G all-gather back to bucket order, is
+  ``gathered.view(G // P, P, -1).transpose(0, 1).reshape(-1)``). Folding the
+  permutation into the per-parameter gradient copy instead was considered and
+  left out: a parameter that straddles a chunk boundary would then not be one
+  contiguous window of the gradient buffer, which ``main_grad`` views for
+  fused weight-gradient accumulation need, and with the ordered communicator
+  there is nothing left to fold. When P == 1 or P == G every order is the
+  identity.
 """
 
 from __future__ import annotations
@@ -96,6 +113,7 @@ __all__ = [
     "all_groups",
     "permute_chunks",
     "inverse_order",
+    "grad_reduce_order",
 ]
 
 LEVELS = ("param", "grad", "optim", "inter", "grad_to_param", "secondary", "replica")
@@ -218,6 +236,23 @@ def group_ranks(level: str, rank: int, world_size: int, param_group_size: int,
     size = {"param": P, "grad": G, "optim": O, "secondary": S}[level]
     base = rank - rank % size
     return tuple(range(base, base + size))
+
+
+def grad_reduce_order(param_group_size: int, grad_group_size: int) -> tuple[int, ...]:
+    """The G-group's members in chunk order, as indices into the sorted group.
+
+    Entry c is the position in the sorted G-group of the rank that owns bucket
+    chunk c (units of N/G): the rank (q, p) = (c % (G/P), c // (G/P)), i.e.
+    sorted index P*q + p. A communicator with its members in this order needs
+    no permutation for the G reduce-scatter. It is the inverse of
+    :attr:`BucketLayout.grad_scatter_chunk_order`; the identity when P == 1 or P == G.
+    """
+    P, G = param_group_size, grad_group_size
+    _check_int("param_group_size", P, 1)
+    _check_int("grad_group_size", G, 1)
+    _check_divides("param_group_size", P, "grad_group_size", G)
+    Q = G // P
+    return tuple(P * (c % Q) + c // Q for c in range(G))
 
 
 def all_groups(level: str, world_size: int, param_group_size: int, grad_group_size: int,
@@ -374,7 +409,8 @@ class BucketLayout:
     # collective order
     @property
     def grad_scatter_chunk_order(self) -> tuple[int, ...]:
-        """Entry i = bucket chunk (units of N/G) that the G reduce-scatter sends to G-group rank i."""
+        """Entry i = bucket chunk (units of N/G) that a G reduce-scatter over the *sorted*
+        G-group sends to its rank i (the communicator in :func:`grad_reduce_order` needs none)."""
         P, Q = self.param_group_size, self.grad_group_size // self.param_group_size
         # group rank i = P*q + p owns bucket chunk p*Q + q
         return tuple((i % P) * Q + i // P for i in range(self.grad_group_size))

@@ -18,7 +18,11 @@ environment -> :mod:`topology` locations, flags -> :mod:`config`, group families
    the scalar all-reduces on "reduce" ones, so a backward gather never queues
    behind a reduce-scatter over the same ranks (zero3, or S = G). Within one
    channel, identical member lists are created once and shared between
-   families (zero3's G- and O-group reductions are one communicator).
+   families (zero3's G- and O-group reductions are one communicator). The
+   G-group's reduce communicator lists its members in chunk order
+   (layout.grad_reduce_order, ``new_group(sort_ranks=False)`` where torch has
+   it), so the gradient reduce-scatter hands every rank its slice without a
+   transpose copy; ``HierGroups.grad_chunk_ordered`` says whether it got that.
 
 Megatron's model-parallel layout enters only as the caller's data-parallel
 group plus the tensor/context parallel sizes; this module imports nothing
@@ -35,6 +39,7 @@ import torch.distributed as dist
 
 from megatron_lbp.engine import faults
 from megatron_lbp.config import DEFAULT_GCDS_PER_PACKAGE, HierConfig, HierConfigError, hier_config_from_args
+from megatron_lbp.layout import grad_reduce_order
 from megatron_lbp.topology import (
     RankLocation,
     TopologyError,
@@ -78,6 +83,10 @@ class HierGroups:
     # family that created it): two collectives with one name queue behind each other.
     comm_names: dict[str, dict[str, str]] = field(default_factory=dict)
     dp_group: Any = None                   # the data-parallel process group (None: the world)
+    # The G-group's reduce communicator has its members in chunk order (layout.grad_reduce_order):
+    # its reduce-scatter needs no permutation of the gradient. False only where
+    # torch.distributed sorted the group anyway (no new_group(sort_ranks=False)).
+    grad_chunk_ordered: bool = True
     warnings: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
@@ -90,7 +99,8 @@ class HierGroups:
             f"node {self.location.node} package {self.location.package}",
         ]
         for family, ranks in self.ranks.items():
-            lines.append(f"  {family:<14} {self.link_classes[family]:<8} ranks {list(ranks)}")
+            # Who is in the group (its collective order may differ: the G-group's).
+            lines.append(f"  {family:<14} {self.link_classes[family]:<8} ranks {sorted(ranks)}")
         lines.extend(f"  warning: {w}" for w in self.warnings)
         return "\n".join(lines)
 
@@ -158,6 +168,7 @@ def build_hier_groups(
     warnings = check_colocation(families, locations,
                                 allow=bool(getattr(args, "hier_allow_non_colocated", False)))
 
+    families = _chunk_ordered_grad_groups(families, config)
     me = dist.get_rank()
     created: dict[tuple[tuple[int, ...], str], tuple[Any, str]] = {}
     mine_ranks: dict[str, tuple[int, ...]] = {}
@@ -171,14 +182,18 @@ def build_hier_groups(
             for channel in FAMILY_CHANNELS[family]:
                 key = (members, channel)
                 if key not in created:
-                    created[key] = (dist.new_group(list(members), timeout=timeout),
-                                    f"{family}_{channel}")
+                    created[key] = (_new_group(members, timeout), f"{family}_{channel}")
                 if me in members:
                     group, name = created[key]
                     mine_ranks[family] = members
                     mine_groups.setdefault(family, {})[channel] = group
                     mine_names.setdefault(family, {})[channel] = name
+    order = grad_reduce_order(config.param_group_size, config.grad_group_size)
+    in_chunk_order = tuple(sorted(mine_ranks["grad"])[i] for i in order)
     return HierGroups(
+        # What the communicator really is, not what was asked for.
+        grad_chunk_ordered=tuple(dist.get_process_group_ranks(
+            mine_groups["grad"]["reduce"])) == in_chunk_order,
         config=config,
         dp_ranks=dp_ranks,
         dp_index=dp_ranks.index(me),
@@ -191,3 +206,35 @@ def build_hier_groups(
         dp_group=dp_group,
         warnings=warnings,
     )
+
+
+def _chunk_ordered_grad_groups(families: dict[str, list[tuple[int, ...]]], config: HierConfig
+                               ) -> dict[str, list[tuple[int, ...]]]:
+    """Each G-group's members in chunk order (layout.grad_reduce_order), where torch keeps an order.
+
+    Then G-group rank c owns bucket chunk c and the gradient reduce-scatter
+    needs no transpose copy (megatron_lbp/layout.py, "Collective orders").
+    """
+    order = grad_reduce_order(config.param_group_size, config.grad_group_size)
+    if order == tuple(range(len(order))) or not _keeps_rank_order():
+        return families
+    out = dict(families)
+    out["grad"] = [tuple(members[i] for i in order) for members in families["grad"]]
+    return out
+
+
+def _keeps_rank_order() -> bool:
+    """Whether ``dist.new_group`` can keep a given rank order (torch >= 2.13, not via torchcomms)."""
+    import inspect
+
+    if "sort_ranks" not in inspect.signature(dist.new_group).parameters:
+        return False
+    use_torchcomms = getattr(dist.distributed_c10d, "_use_torchcomms_enabled", None)
+    return not (use_torchcomms is not None and use_torchcomms())
+
+
+def _new_group(members: tuple[int, ...], timeout):
+    """A process group whose group rank i is ``members[i]`` (sorted members: any torch)."""
+    if list(members) == sorted(members):
+        return dist.new_group(list(members), timeout=timeout)
+    return dist.new_group(list(members), timeout=timeout, sort_ranks=False)

@@ -57,7 +57,8 @@ class FlatBucket:
                  *, dp_index: int, world_size: int, param_group_size: int, grad_group_size: int,
                  optim_group_size: int, secondary_group_size: int, grad_dtype: torch.dtype,
                  transient: TransientLedger, secondary_dtype: str = "int8",
-                 quant_block_size: int = DEFAULT_BLOCK_SIZE, copy_weights: bool = True) -> None:
+                 quant_block_size: int = DEFAULT_BLOCK_SIZE, copy_weights: bool = True,
+                 grad_chunk_ordered: bool = False) -> None:
         devices = {p.device for _, p in named_params}
         if len(devices) != 1:
             raise ValueError(f"bucket {index} mixes devices {sorted(map(str, devices))}")
@@ -87,6 +88,8 @@ class FlatBucket:
         self.optim_in_primary = self.layout.optim_in_primary(r)
         self.optim_in_grad = self.layout.optim_in_grad(r)
 
+        # The G-group's reduce communicator hands out chunks in bucket order (layout.py).
+        self.grad_chunk_ordered = grad_chunk_ordered
         self.quant_block_size = quant_block_size
         self.secondary_dtype = secondary_dtype
         self.secondary_range = self.layout.secondary_range(r)
@@ -220,12 +223,14 @@ class FlatBucket:
     def grad_scatter_input(self) -> torch.Tensor:
         """The full gradient in the order the G-group reduce-scatter hands out chunks.
 
-        Rank (q, p) of the G-group owns chunk q of primary chunk p, but
-        reduce_scatter_tensor gives chunk i to group rank i = P*q + p, so the
-        bucket is viewed as (P, G/P, N/G) and its first two axes swapped (see
-        megatron_lbp.layout). With P == 1 or P == G that is the identity.
+        With the G-group's communicator in chunk order (layout.grad_reduce_order),
+        and whenever P == 1 or P == G, that is the bucket itself. Only where
+        torch.distributed sorted the group: rank (q, p) owns chunk q of primary
+        chunk p, but reduce_scatter_tensor gives chunk i to sorted group rank
+        i = P*q + p, so the bucket is viewed as (P, G/P, N/G) and its first two
+        axes swapped (a copy; see megatron_lbp.layout).
         """
-        if self.layout.grad_scatter_is_identity:
+        if self.grad_chunk_ordered or self.layout.grad_scatter_is_identity:
             return self.grad_full
         P = self.layout.param_group_size
         G = self.layout.grad_group_size

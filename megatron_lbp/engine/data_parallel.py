@@ -91,7 +91,8 @@ class HierDataParallel(_megatron_base()):
                 optim_group_size=cfg.optim_group_size,
                 secondary_group_size=cfg.secondary_group_size, grad_dtype=self.grad_dtype,
                 transient=self.transient, secondary_dtype=cfg.secondary_dtype,
-                quant_block_size=cfg.quant_block_size, copy_weights=materialize is None)
+                quant_block_size=cfg.quant_block_size, copy_weights=materialize is None,
+                grad_chunk_ordered=hier.grad_chunk_ordered)
             self.units.append(GatherUnit(index, plan.kind, plan.layer, bucket, self.ctx))
         self.buckets: list[FlatBucket] = [u.bucket for u in self.units]
         self.schedule = UnitSchedule(self.units, unit_map, self.comm, overlap=options.overlap,
