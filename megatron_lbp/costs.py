@@ -472,7 +472,9 @@ def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16
     - ``prefetch``: what ``prefetch_units`` = d gathers running ahead add, d of those;
     - ``forward``:  tied embedding + (1 + d) gathered units;
     - ``backward``: tied embedding + (1 + d) gathered units + (1 + MAX_PENDING_REDUCES)
-      full gradient units with their reduce-scatter buffers;
+      full gradient units with their reduce-scatter buffers, + what ``step`` holds:
+      the last micro-batch's backward already reduces each finished unit to its
+      1/O slice (megatron_lbp.engine.schedule);
     - ``step``: the optimizer step's fp32 1/O gradient of every unit + one network
       reduce-scatter's buffers;
     - ``peak``: the largest of the three.
@@ -514,14 +516,15 @@ def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16
     tied = weight_gather(padded[0]) if tied_embedding and padded else 0
     d = int(prefetch_units)
     forward = tied + (1 + d) * max((weight_gather(N) for N in padded), default=0)
-    backward = (tied + (1 + d) * max((backward_gather(N) for N in padded), default=0)
-                + (1 + MAX_PENDING_REDUCES) * max((reduce(N, families) for N in padded),
-                                                  default=0))
     n_inter = O // G
     step_network = max(((2 * n_inter * int8_payload_bytes(N // O, B) + 2 * 4 * (N // O))
                         if "inter" in families and n_inter > 1 else 0 for N in padded),
                        default=0)
     step = sum(4 * N // O for N in padded) + step_network
+    backward = (tied + (1 + d) * max((backward_gather(N) for N in padded), default=0)
+                + (1 + MAX_PENDING_REDUCES) * max((reduce(N, families) for N in padded),
+                                                  default=0)
+                + step)
     return {"prefetch_units": d, "unit_gather": gather, "prefetch": d * gather,
             "forward": forward, "backward": backward, "step": step,
             "peak": max(forward, backward, step)}

@@ -106,6 +106,12 @@ def wrap_model(config: Any, model: torch.nn.Module, hier, options: EngineOptions
     A model built by :func:`build_sharded` holds no weights yet: the engine lays
     out its buckets, then the construction runs again and leaves each rank
     only its slices (engine/materialize.py).
+
+    Megatron's schedules run every micro-batch but the last inside
+    ``config.no_sync_func``; megatron.training sets it only for its own DDP
+    classes (training.py, with --overlap-grad-reduce), so the engine's goes in
+    here: it is how the engine knows the last micro-batch, whose backward
+    carries the step's network reductions.
     """
     from megatron_lbp.engine import materialize
     from megatron_lbp.engine.data_parallel import HierDataParallel
@@ -128,6 +134,8 @@ def wrap_model(config: Any, model: torch.nn.Module, hier, options: EngineOptions
                            units=gather_units(model), materialize=fill)
     if construction is not None:
         materialize.forget(model)
+    if getattr(config, "no_sync_func", None) is None and hasattr(config, "no_sync_func"):
+        config.no_sync_func = ddp.no_sync
     return ddp
 
 

@@ -413,6 +413,20 @@ def hook_training_module(ns: dict) -> None:
         return orig_save(iteration, *a, **k)
 
     ns["get_model"] = _building_sharded(ns["get_model"])
+    orig_train = ns["train"]
+
+    @functools.wraps(orig_train)
+    def train(forward_step_func, model, *a, **k):
+        out = orig_train(forward_step_func, model, *a, **k)
+        if enabled(_current_args()):
+            # The last step's weight gathers run under a next forward that never comes:
+            # wait for them before evaluation, the final save or the exit.
+            for chunk in model:
+                if hasattr(chunk, "settle"):
+                    chunk.settle()
+        return out
+
+    ns["train"] = train
     ns["wrap_model_chunks_with_ddp"] = wrap_chunks
     ns["get_megatron_optimizer"] = get_optimizer
     ns["training_log"] = training_log

@@ -61,10 +61,13 @@ def _runs(trace_dir):
         model = trainer.model
         result = trainer.run(range(TRAIN.steps))
         if name == "recompute":
+            # The last step's weight gathers still run (the next forward would wait for them).
+            in_flight_after_step = model.comm.stats.in_flight
             # An optimizer state load re-gathers the weights: in neither the next
             # step's comm report nor its trace record.
             trainer.optimizer.load_state_dict(trainer.optimizer.state_dict())
             trainer.run([TRAIN.steps], result=result)
+        model.settle()   # the end of training: nothing left in flight
         out[name] = {
             "losses": result.losses, "reports": result.step_reports,
             "units": model.unit_table(),
@@ -72,6 +75,8 @@ def _runs(trace_dir):
             "stats": asdict(model.comm.stats), "samples": model.take_overlap_samples(),
             "traced": model.comm.trace is not None,
         }
+        if name == "recompute":
+            out[name]["in_flight_after_step"] = in_flight_after_step
     hier = trainer.hier
     untraced = setup_hier(TinyGPTSpec(num_layers=LAYERS), TRAIN, HIER)
     out["groups"] = {"secondary": hier.ranks["secondary"], "grad": hier.ranks["grad"],
@@ -186,6 +191,8 @@ def test_counters_and_trace_agree_on_what_ran_under_compute(ranks):
     for rank, got in enumerate(out):
         on, off = got["recompute"], got["off"]
         assert on["stats"]["async_issued"] > 0 and on["stats"]["in_flight"] == 0, on["stats"]
+        # The updated weights' gathers of a step run into the next one (issue 13 item 4).
+        assert on["in_flight_after_step"] > 0, on
         assert got["depth2"]["stats"]["max_in_flight"] >= 3, got["depth2"]["stats"]
         # The next unit is in flight whenever a unit starts computing, except at the end
         # of a pass (output unit, last layer recomputed, embedding's backward).
@@ -207,7 +214,9 @@ def test_counters_and_trace_agree_on_what_ran_under_compute(ranks):
 
 def test_gathers_never_share_a_communicator_with_reductions(ranks):
     trace_dir, out = ranks
-    assert out[0]["groups"]["secondary"] == out[0]["groups"]["grad"], out[0]["groups"]
+    # The same members (the G-group's reduce communicator lists them in chunk order).
+    assert out[0]["groups"]["secondary"] == tuple(sorted(out[0]["groups"]["grad"])), \
+        out[0]["groups"]
     for rank in (0, 6):
         comms = defaultdict(set)
         for rec in _records(trace_dir, "recompute", rank):
@@ -235,18 +244,29 @@ def test_trace_fields_and_bytes_equal_the_comm_report(ranks):
         for rec, report in zip(records, got["recompute"]["reports"]):
             assert rec["rank"] == rank and rec["t_start"] == 0.0 < rec["t_end"]
             assert rec["micro_batches"] == 2 and rec["prefetch_units"] == 1
-            assert rec["units"] == got["recompute"]["units"] and rec["carried"] == []
+            assert rec["units"] == got["recompute"]["units"]
+            # The step before's weight gathers, done under this step (none before step 1).
+            assert (rec["carried"] == []) == (rec["step"] == 1), rec["carried"]
+            assert all(c["phase"] == "step_gather" for c in rec["carried"]), rec["carried"]
             seqs = []
             sent = defaultdict(lambda: defaultdict(float))
             for c in rec["collectives"]:
                 assert set(c) == COLLECTIVE_FIELDS, sorted(c)
+                sent[c["phase"]][c["link"]] += c["bytes"]
+                if c["done"] is None:   # still in flight at the step's end: carried
+                    assert c["phase"] == "step_gather" and c["async"], c
+                    seqs.append(c["issued_seq"])
+                    continue
                 assert c["issued"] <= c["wait"] <= c["done"], c
                 assert c["issued_seq"] <= c["wait_seq"] < c["done_seq"], c
                 assert (c["wait_seq"] > c["issued_seq"]) == c["async"], c
                 seqs += [c["issued_seq"], c["done_seq"]] + ([c["wait_seq"]] if c["async"] else [])
-                sent[c["phase"]][c["link"]] += c["bytes"]
-                if c["phase"] in ("step_reduce", "step_gather", "control"):
+                if c["phase"] == "control":
                     assert c["micro_batch"] is None, c
+                elif c["phase"] == "step_reduce":   # under the last backward (issue 13)
+                    assert c["micro_batch"] == 1 and c["unit"] in range(len(KINDS)), c
+                elif c["phase"] == "step_gather":   # the second hop: under the next forward
+                    assert c["micro_batch"] in (None, 0) and c["unit"] in range(len(KINDS)), c
                 else:
                     assert c["micro_batch"] in (0, 1) and c["unit"] in range(len(KINDS)), c
             passes = defaultdict(int)

@@ -9,15 +9,23 @@ A bucket owns three kinds of memory:
   storage to zero, so the views stay valid objects but hold no memory, and a
   stray use of a freed weight fails loudly instead of reading stale numbers;
 - ``grad_shard``: this rank's persistent 1/G slice of the gradient, in the
-  reduce dtype, accumulated across micro-batches; plus ``grad_full``, the
-  whole bucket's gradient of one backward, holding memory only from the
-  bucket's backward until it is reduced. Like ``full``, it is one tensor for
-  the bucket's whole life whose storage is resized: every parameter's
-  ``main_grad`` is a view into it, so a fused weight-gradient kernel
-  (gradient-accumulation fusion: Apex's ``fused_weight_gradient_mlp_cuda``,
-  Transformer Engine's ``fuse_wgrad_accumulation``) that captured
-  ``weight.main_grad`` in the forward accumulates straight into the bucket in
-  the backward, as into Megatron's DDP grad buffer;
+  reduce dtype, accumulated across micro-batches (the first micro-batch's
+  reduce-scatter writes it, later ones add: ``grad_shard_fresh`` says its
+  contents are to be read as zero); plus ``grad_full``, the whole bucket's
+  gradient of one backward, holding memory only from the bucket's backward
+  until it is reduced. Like ``full``, it is one tensor for the bucket's whole
+  life whose storage is resized: every parameter's ``main_grad`` is a view
+  into it, so a fused weight-gradient kernel (gradient-accumulation fusion:
+  Apex's ``fused_weight_gradient_mlp_cuda``, Transformer Engine's
+  ``fuse_wgrad_accumulation``) that captured ``weight.main_grad`` in the
+  forward accumulates straight into the bucket in the backward, as into
+  Megatron's DDP grad buffer. Its memory is not zero-filled on arrival: each
+  parameter's first gradient of the backward is copied into its window and
+  later ones added (:meth:`FlatBucket.write_grad`), and
+  :meth:`FlatBucket.finish_grad_full` zeroes only what no gradient wrote
+  (padding, unused parameters) before the reduce. Only a window a kernel
+  accumulates into (``main_grad`` with fusion, :meth:`FlatBucket.ensure_grad_full`
+  with ``zero``) is zeroed first;
 - ``secondary`` (only when S > 0): this rank's 1/S slice of the weights as the
   backward pass will regather them, persistent: int8 codes and fp32 scales
   packed in one uint8 buffer (``quant.packed_views`` layout,
@@ -46,6 +54,7 @@ class ParamSlot:
     start: int                 # offset of the parameter in the bucket
     numel: int
     shape: torch.Size
+    index: int = 0             # position in the bucket's slots
 
     @property
     def stop(self) -> int:
@@ -75,7 +84,7 @@ class FlatBucket:
         self.slots: list[ParamSlot] = []
         offset = 0
         for name, p in named_params:
-            self.slots.append(ParamSlot(name, p, offset, p.numel(), p.shape))
+            self.slots.append(ParamSlot(name, p, offset, p.numel(), p.shape, len(self.slots)))
             offset += p.numel()
         self.layout: BucketLayout = plan_bucket(
             offset, world_size, param_group_size, grad_group_size, optim_group_size,
@@ -146,6 +155,8 @@ class FlatBucket:
                 else torch.zeros(m, dtype=torch.bfloat16, device=self.device))
         self.grad_shard = torch.zeros(self.layout.grad_size, dtype=self.grad_dtype,
                                       device=self.device)
+        self.grad_shard_fresh = False   # True after zero_grad_buffer: read as zero, overwrite
+        self._grad_written = [False] * len(self.slots)   # windows of grad_full holding values
 
     def write_primary(self, slot: ParamSlot, values: torch.Tensor) -> None:
         """Copy this rank's part of one parameter's full ``values`` into the primary slice."""
@@ -204,16 +215,57 @@ class FlatBucket:
     def grad_full_resident(self) -> bool:
         return self.grad_full.untyped_storage().nbytes() > 0
 
-    def ensure_grad_full(self) -> None:
-        """Give ``grad_full`` (and so every ``main_grad`` view) zeroed memory, once per backward."""
+    def ensure_grad_full(self, zero: bool = False) -> None:
+        """Give ``grad_full`` (and so every ``main_grad`` view) memory, once per backward.
+
+        Its contents are undefined: :meth:`write_grad` copies each parameter's
+        first gradient. ``zero``: every window not yet written is zeroed and
+        counted written, for a fused wgrad kernel that accumulates into
+        ``main_grad``.
+        """
         if not self.grad_full_resident():
             self.grad_full.untyped_storage().resize_(self.grad_full_nbytes)
-            self.grad_full.zero_()
             self._transient.alloc(self.grad_full_nbytes)
+            self._grad_written = [False] * len(self.slots)
+        if zero and not all(self._grad_written):
+            if not any(self._grad_written):
+                self.grad_full.zero_()
+            else:
+                for slot, written in zip(self.slots, self._grad_written):
+                    if not written:
+                        self.grad_full[slot.start:slot.stop].zero_()
+            self._grad_written = [True] * len(self.slots)
 
     def grad_view(self, slot: ParamSlot) -> torch.Tensor:
+        """The parameter's window of ``grad_full``, holding zeros or what was accumulated so far
+        (for a kernel that accumulates into it)."""
         self.ensure_grad_full()
-        return self.grad_full[slot.start:slot.stop]
+        window = self.grad_full[slot.start:slot.stop]
+        if not self._grad_written[slot.index]:
+            window.zero_()
+            self._grad_written[slot.index] = True
+        return window
+
+    def write_grad(self, slot: ParamSlot, grad: torch.Tensor) -> None:
+        """Add the parameter's gradient into its window (the first one of a backward is copied)."""
+        self.ensure_grad_full()
+        window = self.grad_full[slot.start:slot.stop]
+        if self._grad_written[slot.index]:
+            window.add_(grad.reshape(-1))
+        else:
+            window.copy_(grad.reshape(-1))
+            self._grad_written[slot.index] = True
+
+    def finish_grad_full(self) -> torch.Tensor:
+        """``grad_full`` ready to reduce: zeros where no gradient was written (padding, unused
+        parameters; all of it if nothing arrived: every rank still takes part)."""
+        self.ensure_grad_full()
+        g = self.grad_full
+        g[self.layout.numel:].zero_()
+        for slot, written in zip(self.slots, self._grad_written):
+            if not written:
+                g[slot.start:slot.stop].zero_()
+        return g
 
     def release_grad_full(self) -> None:
         if self.grad_full_resident():

@@ -120,6 +120,7 @@ class Collectives:
         self.ledger = ledger or CommLedger()
         self.comm_names = {f: dict(by_channel) for f, by_channel in (comm_names or {}).items()}
         self.stats = CommStats()
+        self._folds: dict[str, bool] = {}   # family -> folds_prescale
         self.trace = None   # a ScheduleTrace with --hier-trace on a rank that writes one
         self._activity = {f: faults.Activity("", f, _group_ranks(next(iter(g.values()))))
                           for f, g in self.groups.items() if g}
@@ -194,28 +195,50 @@ class Collectives:
         self.ledger.record(phase, self.links[family], nbytes)
 
     def _exchange(self, collective, channel: str, out: torch.Tensor, inp: torch.Tensor,
-                  family: str, phase: str, total_bytes: int, async_op: bool, unit: int | None):
-        """One out-of-place collective whose rank sends (n-1)/n of ``total_bytes``."""
+                  family: str, phase: str, total_bytes: int, async_op: bool, unit: int | None,
+                  **kwargs):
+        """One collective whose rank sends (n-1)/n of ``total_bytes`` (``inp`` may be the
+        rank's own chunk of ``out``: an in-place all-gather)."""
         n = self.sizes[family]
         if n == 1:
-            out.copy_(inp)
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp)
             return None
         nbytes = Fraction(total_bytes * (n - 1), n)
         self._charge(family, phase, nbytes)
         return self._issue(family, phase, collective, out, inp,
                            group=self.groups[family][channel], async_op=async_op,
                            trace_as=(unit, self._comm_name(family, channel),
-                                     self.links[family], nbytes))
+                                     self.links[family], nbytes), **kwargs)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, family: str, phase: str,
                    async_op: bool = False, unit: int | None = None):
         return self._exchange(dist.all_gather_into_tensor, GATHER, out, inp, family, phase,
                               _nbytes(out), async_op, unit)
 
+    def folds_prescale(self, family: str) -> bool:
+        """Whether a reduce-scatter in ``family`` can multiply its inputs by a factor itself
+        (``reduce_scatter(prescale=...)``): a group of more than one rank whose backend has
+        PREMUL_SUM (:func:`prescale_in_collective`)."""
+        if family not in self._folds:
+            group = self.groups[family][REDUCE]
+            self._folds[family] = (self.sizes[family] > 1
+                                   and prescale_in_collective(dist.get_backend(group)))
+        return self._folds[family]
+
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, family: str, phase: str,
-                       async_op: bool = False, unit: int | None = None):
+                       async_op: bool = False, unit: int | None = None,
+                       prescale: float | None = None):
+        """``prescale``: every rank's input multiplied by it inside the collective (NCCL's
+        PREMUL_SUM), instead of a separate pass over it; only where :meth:`folds_prescale`."""
+        kwargs = {}
+        if prescale is not None:
+            if not self.folds_prescale(family):
+                raise ValueError(f"the {family} group's backend cannot prescale in the "
+                                 "reduce-scatter; scale the input first")
+            kwargs["op"] = dist._make_nccl_premul_sum(prescale)
         return self._exchange(dist.reduce_scatter_tensor, REDUCE, out, inp, family, phase,
-                              _nbytes(inp), async_op, unit)
+                              _nbytes(inp), async_op, unit, **kwargs)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, family: str, phase: str,
                    async_op: bool = False, unit: int | None = None):
@@ -243,6 +266,19 @@ class Collectives:
             self.ledger.record(phase, link, nbytes)
             self._issue("broadcast", phase, dist.broadcast, t, src=src, group=group,
                         async_op=False, trace_as=(None, "dp_broadcast", link, nbytes))
+
+
+def prescale_in_collective(backend: str) -> bool:
+    """Whether reduce-scatters on a ``backend`` process group can scale their inputs.
+
+    NCCL (RCCL names itself "nccl" too) has PREMUL_SUM, which multiplies each
+    rank's input by a factor as it reads it, so pre-scaling a gradient costs no
+    pass of its own, and the sum is that of the scaled inputs: the same numbers
+    as scaling first. Gloo has neither PREMUL_SUM nor AVG for reduce-scatters
+    (and AVG's division after the sum would round differently); there the
+    caller scales in a pass it makes anyway (megatron_lbp.engine.unit).
+    """
+    return backend == "nccl" and hasattr(dist, "_make_nccl_premul_sum")
 
 
 class _TrackedWork:

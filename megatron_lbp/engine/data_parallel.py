@@ -16,7 +16,13 @@ This module only wires things together (see DESIGN.md §2 for the data flow):
   call the schedule (megatron_lbp.engine.schedule), which decides when each
   unit is gathered, prefetched, freed and reduced;
 - Megatron's DDP interface (no_sync, finish_grad_sync, zero_grad_buffer,
-  state dicts, ...) at the bottom.
+  state dicts, ...) at the bottom. ``no_sync()`` marks the micro-batch after
+  it as the step's last (megatron_lbp.engine.schedule): the step's network
+  reductions then run under its backward. Everything that reads or writes
+  the weights outside the training step (state dicts, checkpoints, loads,
+  broadcast, ``start_param_sync(force_sync=True)``) first waits for the
+  updated-weights gathers still in flight (:meth:`HierDataParallel.settle`);
+  a forward waits for each unit's own at its first use.
 
 Every rank issues the same collectives in the same order because every rank
 runs the same modules in the same order. Data-dependent parameter use that
@@ -193,14 +199,25 @@ class HierDataParallel(_megatron_base()):
     # --- Megatron's DDP interface --------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self):
-        """Accepted for Megatron's schedules; nothing to defer.
+        """Megatron's schedules run every micro-batch but the last inside it.
 
         Gradients are reduce-scattered inside the G-group (one node) every
-        micro-batch into the persistent 1/G shard, which is what keeps the full
-        gradient off the memory budget; the network part of the reduction
-        happens once per optimizer step regardless.
+        micro-batch into the persistent 1/G shard regardless (that keeps the full
+        gradient off the memory budget); what the context defers is the network
+        part: leaving it marks the next backward as the step's last, whose units
+        start their reduction to the optimizer slices as soon as their G-group
+        reduce-scatter is done (megatron.training sets it as ``no_sync_func``:
+        megatron_lbp.megatron_adapter.wrap_model).
         """
-        yield
+        self.schedule.mark_last_micro_batch(False)
+        try:
+            yield
+        finally:
+            self.schedule.mark_last_micro_batch(True)
+
+    def mark_last_micro_batch(self) -> None:
+        """The next backward is the step's last micro-batch: for callers without ``no_sync``."""
+        self.schedule.mark_last_micro_batch(True)
 
     def start_grad_sync(self, *unused) -> None:
         self.schedule.flush_backward()
@@ -208,18 +225,29 @@ class HierDataParallel(_megatron_base()):
     def finish_grad_sync(self, *unused, **kwargs) -> None:
         self.schedule.finish()
 
+    def start_step_reduces(self) -> None:
+        """Every unit's reduction to its optimizer slice issued (those not yet started)."""
+        self.schedule.start_step_reduces()
+
     def zero_grad_buffer(self) -> None:
         self._check_no_new_parameters()
+        self.schedule.reset_step()
         for b in self.buckets:
-            b.grad_shard.zero_()
+            b.grad_shard_fresh = True   # read as zero; the next reduce-scatter overwrites it
         self.schedule.overlap_samples = []
 
     def scale_gradients(self, scaling_factor: float) -> None:
-        for b in self.buckets:
-            b.grad_shard.mul_(scaling_factor)
+        for u in self.units:
+            u.scale_gradients(scaling_factor)
 
-    def start_param_sync(self, *unused, **kwargs) -> None:
-        """Weights are gathered on demand from the primary slices: nothing to start."""
+    def start_param_sync(self, *unused, force_sync: bool = False, **kwargs) -> None:
+        """Weights are gathered on demand; ``force_sync`` waits for the updated weights' gathers."""
+        if force_sync:
+            self.settle()
+
+    def settle(self) -> None:
+        """Wait until every unit's primary slice holds the updated weights (nothing in flight)."""
+        self.ctx.refreshes.complete()
 
     def broadcast_params(self) -> None:
         """Make every rank's weights those of data-parallel rank 0's P-group.
@@ -242,6 +270,7 @@ class HierDataParallel(_megatron_base()):
         broadcast never makes the whole model resident.
         """
         self.finish_grad_sync()
+        self.settle()
         for u in self.units:
             u.unshard(CONTROL, async_op=False)
             try:
@@ -289,6 +318,7 @@ class HierDataParallel(_megatron_base()):
         from megatron_lbp.engine import checkpoint
 
         if any(".__lbp_piece" in k for k in state_dict):
+            self.settle()  # nothing in flight may land on the loaded slices
             rest = checkpoint.load_model_pieces(self, state_dict)
             return self.module.load_state_dict(rest, strict=False)
         from torch.nn.modules.module import _IncompatibleKeys
@@ -314,6 +344,7 @@ class HierDataParallel(_megatron_base()):
         """megatron-core's sharded state dict, each weight as the pieces this rank holds."""
         from megatron_lbp.engine import checkpoint
 
+        self.settle()  # the pieces are views of the primary slices, saved later
         return checkpoint.model_sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
     # --- accounting ----------------------------------------------------------------------

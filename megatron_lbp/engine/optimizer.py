@@ -4,17 +4,28 @@ Per bucket, this rank owns the optimizer slice that the layout nests inside
 its gradient slice (and so inside its primary weight slice). One step:
 
 1. ``inter`` reduce-scatter (network): the persistent 1/G gradient shard ->
-   the 1/O slice; all-reduce over the R replicas when O < W;
+   the 1/O slice; all-reduce over the R replicas when O < W; both averaged in
+   the collective. Each unit's starts under the last micro-batch's backward
+   when the wrapper knows it is the last (megatron_lbp.engine.schedule), else
+   here, all units at once; the step waits for all of them (its one barrier);
 2. gradient norm: sum of squares over the O-group (the ranks of one optimizer
-   instance hold every element exactly once), inf/nan flag, clipping, and with
-   fp16 Megatron's dynamic loss scale;
+   instance hold every element exactly once) and the inf/nan verdict from the
+   same pass (a non-finite element makes the sum non-finite) with each rank's
+   own count of non-finite gradients, in one all-reduce; only when something is
+   non-finite, a second one names the ranks. Clipping, and with fp16
+   Megatron's dynamic loss scale;
 3. Adam (torch's AdamW, which is what megatron-core uses without Apex/TE) on
    the fp32 master slice; master, exp_avg and exp_avg_sq are three flat
    buffers of exactly 1/O of each padded bucket, each model parameter's share
    a view into them;
 4. the updated weights back down: cast into the primary slice, ``inter``
    all-gather (network) 1/O -> 1/G, then ``grad_to_param`` all-gather (node)
-   1/G -> 1/P. The next forward gathers full buckets from there.
+   1/G -> 1/P, in place, per unit in the order the next forward needs the
+   units. With overlap the first hop is issued here and the second once the
+   first is done, under the next forward, whose gather of each unit waits for
+   both (Megatron's overlap-param-gather): they are in the next step's trace
+   record (``carried``, and the second hop's collectives) and the second hop's
+   bytes in its comm report.
 
 With fp32 weights the master slice *is* the primary slice's optimizer part
 (nesting makes it a view), so no separate master copy exists.
@@ -34,6 +45,7 @@ from megatron_lbp.engine.comm import CONTROL
 from megatron_lbp.engine.data_parallel import HierDataParallel
 from megatron_lbp.engine.memory import tensor_bytes
 from megatron_lbp.engine.trace import append_json_line, output_path
+from megatron_lbp.engine.unit import GatherUnit
 
 
 def _megatron_optimizer_base():
@@ -46,6 +58,7 @@ def _megatron_optimizer_base():
 class _BucketState:
     bucket: FlatBucket
     model: HierDataParallel
+    unit: GatherUnit
     master: torch.Tensor          # fp32 [N/O] (a view of primary for fp32 weights)
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
@@ -113,8 +126,8 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
         n = b.layout.optim_size
         own = b.primary[b.optim_in_primary.slice]
         master = own if b.dtype == torch.float32 else own.float().clone()
-        return _BucketState(b, model, master, torch.zeros(n, device=b.device),
-                            torch.zeros(n, device=b.device))
+        return _BucketState(b, model, model.units[b.index], master,
+                            torch.zeros(n, device=b.device), torch.zeros(n, device=b.device))
 
     # --- step ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -123,14 +136,13 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
         trace = self.comm.trace
         # The host side of the step (inf check, norm, clipping, Adam) in the schedule trace.
         interval = trace.compute_start(None, "optimizer") if trace is not None else None
-        found_inf = self._unscale_and_check_for_inf()
+        found_inf, grad_norm = self._norm_and_inf_check()
         if found_inf and self.grad_scaler is not None:
             self._drop_grads()
             if interval is not None:
                 trace.compute_end(interval)
             self._finish_step()
             return False, None, None
-        grad_norm = self._grad_norm()
         if self.config.clip_grad > 0.0 and math.isfinite(grad_norm):
             coeff = self.config.clip_grad / (grad_norm + 1.0e-6)
             if coeff < 1.0:
@@ -152,43 +164,59 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
     def _reduce_to_optimizer_slices(self) -> None:
         for model in self.models:
             model.finish_grad_sync()
+            model.start_step_reduces()
         for st in self.states:
-            b = st.bucket
-            grad = torch.empty(b.layout.optim_size, dtype=b.grad_dtype, device=b.device)
-            # int8 all-to-all summed in fp32 when qgZ covers this (cross-node) hop
-            st.model.reduce_scatter_grad(grad, b.grad_shard, "inter", "step_reduce",
-                                         unit=b.index).wait()
-            st.model.comm.all_reduce(grad, "replica", "step_reduce", unit=b.index)
-            st.grad = grad.float() if grad.dtype != torch.float32 else grad
-            st.model.transient.alloc(st.grad.numel() * 4)
+            st.grad = st.unit.take_step_grad()
 
-    def _unscale_and_check_for_inf(self) -> bool:
-        """Agree on every rank whether any gradient is inf/nan, and whose it was.
+    def _norm_and_inf_check(self) -> tuple[bool, float]:
+        """The global gradient norm and whether any gradient is inf/nan, agreed on every rank.
 
-        One byte per data-parallel rank (its own gradient was non-finite before
-        any reduction, counted by the data-parallel wrapper) plus one for a
-        non-finite reduced slice (a sum that overflowed), MAX-reduced over the
-        O-group and then the replicas: together they span every rank, so every
-        rank reaches the same verdict and names the same ranks.
+        One fp64 all-reduce over the O-group (whose ranks hold every element
+        exactly once) of this rank's sum of squares and its own count of
+        non-finite gradients (counted by the data-parallel wrapper before any
+        reduction), then the count over the replicas. A non-finite element makes
+        the sum of squares non-finite (squares of finite fp32 values cannot
+        overflow fp64), so that one pass is also the check of the reduced
+        gradients. Only when something is non-finite does :meth:`_blame` find whose.
         """
         hier = self.models[0].hier
-        flags = torch.zeros(len(hier.dp_ranks) + 1, dtype=torch.uint8, device=self._device)
+        local = torch.zeros((), dtype=torch.float64, device=self._device)
         for m in self.models:
-            flags[hier.dp_index] |= (m.local_nonfinite.to(self._device) > 0).to(torch.uint8)
+            local += m.local_nonfinite.to(self._device)
             m.local_nonfinite = torch.zeros_like(m.local_nonfinite)
+        sq = torch.zeros((), dtype=torch.float64, device=self._device)
         for st in self.states:
             if self.grad_scaler is not None:
                 st.grad.mul_(self.grad_scaler.inv_scale)
-            flags[-1] |= (~torch.isfinite(st.grad).all()).to(torch.uint8)
-        self.comm.all_reduce(flags, "optim", CONTROL, op=dist.ReduceOp.MAX)
-        self.comm.all_reduce(flags, "replica", CONTROL, op=dist.ReduceOp.MAX)
-        flags = flags.tolist()
-        found_inf = any(flags)
-        self.nonfinite_ranks = [hier.dp_ranks[i] for i, f in enumerate(flags[:-1]) if f]
+            sq += st.grad.double().pow(2).sum()
+        both = torch.stack([sq, local])
+        self.comm.all_reduce(both, "optim", CONTROL)
+        self.comm.all_reduce(both[1:], "replica", CONTROL)
+        total_sq, nonfinite = both.tolist()
+        found_inf = nonfinite > 0 or not math.isfinite(total_sq)
+        self.nonfinite_ranks = []
         if not found_inf:
             if self.grad_scaler is not None:
                 self.grad_scaler.update(False)
-            return False
+            return False, math.sqrt(total_sq)
+        self._blame(hier, local > 0, not math.isfinite(sq.item()))
+        return True, math.sqrt(total_sq) if total_sq >= 0 else total_sq
+
+    def _blame(self, hier, mine: torch.Tensor, my_slice_nonfinite: bool) -> None:
+        """Some gradient is inf/nan: name the ranks whose own gradient was, and react.
+
+        One byte per data-parallel rank (its own gradient was non-finite before
+        any reduction) plus one for a non-finite reduced slice (a sum that
+        overflowed), MAX-reduced over the O-group and then the replicas:
+        together they span every rank, so every rank names the same ranks.
+        """
+        flags = torch.zeros(len(hier.dp_ranks) + 1, dtype=torch.uint8, device=self._device)
+        flags[hier.dp_index] = mine.to(torch.uint8)
+        flags[-1] = int(my_slice_nonfinite)
+        self.comm.all_reduce(flags, "optim", CONTROL, op=dist.ReduceOp.MAX)
+        self.comm.all_reduce(flags, "replica", CONTROL, op=dist.ReduceOp.MAX)
+        flags = flags.tolist()
+        self.nonfinite_ranks = [hier.dp_ranks[i] for i, f in enumerate(flags[:-1]) if f]
         iteration = faults.TRACKER.iteration
         origin = (f"rank(s) {self.nonfinite_ranks}" if self.nonfinite_ranks
                   else "no single rank (the reduced sum overflowed)")
@@ -207,36 +235,28 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
         if dist.get_rank() == hier.dp_ranks[0]:
             print(f"[megatron-lbp] iteration {iteration}: inf/nan gradient from {origin}; {what}",
                   flush=True)
-        return True
-
-    def _grad_norm(self) -> float:
-        sq = torch.zeros(1, dtype=torch.float64, device=self._device)
-        for st in self.states:
-            sq += st.grad.double().pow(2).sum()
-        # One optimizer instance (the O-group) holds every element exactly once.
-        self.comm.all_reduce(sq, "optim", CONTROL)
-        return math.sqrt(sq.item())
 
     def _drop_grads(self) -> None:
         for group in self.optimizer.param_groups:
             for shard in group["params"]:
                 shard.grad = None
         for st in self.states:
-            if st.grad is not None:
-                st.model.transient.free(st.grad.numel() * 4)
-                st.grad = None
+            st.grad = None
+            st.unit.release_step_grad()
 
     def _gather_updated_weights(self) -> None:
-        for st in self.states:
-            b, comm = st.bucket, st.model.comm
-            own = b.primary[b.optim_in_primary.slice]
-            if st.master.data_ptr() != own.data_ptr():
-                own.copy_(st.master)
-            # In-place gathers: this rank's chunk already sits at its place in the output.
-            comm.all_gather(b.primary[b.grad_in_primary.slice], own.clone(), "inter", "step_gather",
-                            unit=b.index)
-            grad_part = b.primary[b.grad_in_primary.slice].clone()
-            comm.all_gather(b.primary, grad_part, "grad_to_param", "step_gather", unit=b.index)
+        """Each unit's updated weights back into its primary slice, in next-forward order
+        (asynchronously with overlap: a unit's next gather waits for its own)."""
+        of_unit = {(id(st.model), st.unit.index): st for st in self.states}
+        for model in self.models:
+            for unit in model.schedule.forward_order():
+                st = of_unit[(id(model), unit.index)]
+                b = st.bucket
+                own = b.primary[b.optim_in_primary.slice]
+                unit.await_refresh()   # (a load right after a step: the step's gathers first)
+                if st.master.data_ptr() != own.data_ptr():
+                    own.copy_(st.master)
+                unit.start_refresh(async_op=model.options.overlap)
 
     def _finish_step(self) -> None:
         self.steps_done += 1
@@ -290,6 +310,8 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
 
     def reload_model_params(self, state_dict=None) -> None:
         """Refresh the fp32 master slices from the (changed) primary weights."""
+        for model in self.models:
+            model.settle()
         for st in self.states:
             own = st.bucket.primary[st.bucket.optim_in_primary.slice]
             if st.master.data_ptr() != own.data_ptr():
@@ -308,6 +330,8 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for model in self.models:
+            model.settle()   # nothing in flight may land on the loaded slices
         if "param_state" in state_dict:  # from a distributed (torch_dist) checkpoint
             self._load_sharded(state_dict)
             return
@@ -331,7 +355,9 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
         if self.grad_scaler is not None and state_dict.get("grad_scaler"):
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
         self._gather_updated_weights()
-        # Not part of the next step's report, nor of its trace record.
+        # Not part of the next step's report, nor of its trace record. With overlap
+        # the second hop is issued in the next forward, as the last step's would have
+        # been: that step's report holds it, as any step's does.
         self.comm.ledger.reset()
         if self.comm.trace is not None:
             self.comm.trace.discard()

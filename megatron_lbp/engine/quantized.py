@@ -53,6 +53,10 @@ class Pending:
     def in_flight(self) -> bool:
         return self.work is not None or self._finish is not None
 
+    def is_complete(self) -> bool:
+        """Whether :meth:`wait` would return at once (its collective, if any, has completed)."""
+        return self.work is None or self.work.is_completed()
+
     def wait(self) -> None:
         work, finish = self.work, self._finish
         self.work = self._finish = None

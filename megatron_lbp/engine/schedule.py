@@ -27,6 +27,27 @@ between     the next forward (or finish_grad_sync) first completes what the
             (every rank takes part in every collective), every reduce-scatter is
             waited for.
 
+The optimizer step overlaps at both ends (megatron_lbp.engine.chains):
+
+last micro-batch  the backward that follows :meth:`UnitSchedule.mark_last_micro_batch`
+            (Megatron's schedules say so by leaving the wrapper's ``no_sync()``,
+            inside which they run every micro-batch but the last) is the step's
+            last: as soon as a unit's G-group reduce-scatter is done, the unit's
+            network reduction to the 1/O optimizer slice is issued, under the
+            rest of the backward. A backward after it (before zero_grad_buffer)
+            would come too late and is refused. Without the mark the reductions
+            start in the optimizer step, all at once.
+next forward the optimizer issues each unit's updated-weights gathers at the end of
+            the step, in the order the forward will need the units; the unit's
+            first use waits for them: its forward gather, issued as a prefetch
+            under the unit before it or at its need. With NCCL that wait only
+            orders streams; with gloo it blocks the host for what has not
+            landed yet (usually nothing: they ran under the units before).
+
+At every hook the schedule also completes, without blocking, reduce-scatters
+that are done and advances the step's chains, so a network reduction starts as
+soon as its input is ready and the host only ever waits for what it needs now.
+
 Order: prefetching follows each pass's order, the order in which units were
 first needed in the previous pass of that kind (forward, or backward with its
 recomputation); before any pass has run, module order for forward and its
@@ -95,8 +116,20 @@ class UnitSchedule:
         self._open_backward: dict[int, Any] = {}         # unit -> its backward interval
         self._pending_reduces: list[ReduceInFlight] = []
         self._backward_ran = False
+        self.ctx = units[0].ctx if units else None
+        self.last_micro_batch = False       # the next backward is the step's last
+        self._backward_is_last = False      # the running backward is
+        self.step_reduce_started = False    # its network reductions are issued
 
     # --- forward -------------------------------------------------------------------------
+    def mark_last_micro_batch(self, last: bool = True) -> None:
+        """The next backward is the step's last micro-batch (False: it is not)."""
+        self.last_micro_batch = last
+
+    def forward_order(self) -> list[GatherUnit]:
+        """The units in the order the next forward will need them."""
+        return [self.units[i] for i in self._order[FORWARD]]
+
     def begin_forward(self) -> None:
         """The root module's pre-forward: complete the last backward, open a forward pass."""
         self.flush_backward()
@@ -123,6 +156,7 @@ class UnitSchedule:
         self._keep_order(FORWARD)
 
     def pre_forward(self, module: torch.nn.Module) -> None:
+        self._poll()
         if in_autograd_backward():   # activation recomputation inside the backward pass
             self._enter_backward()
             self._need(module, self.uses.get(module, []), "backward_gather", BACKWARD)
@@ -134,6 +168,7 @@ class UnitSchedule:
     def post_forward(self, module: torch.nn.Module) -> None:
         recompute = self._pass is Pass.BACKWARD
         self._end_compute(module)
+        self._poll()
         if recompute:
             return  # the weights stay gathered for the backward that follows
         for u in self.uses.get(module, []):
@@ -145,6 +180,7 @@ class UnitSchedule:
     def pre_backward(self, module: torch.nn.Module) -> None:
         """Gradients of ``module``'s outputs are ready: its backward is next."""
         self._enter_backward()
+        self._poll()
         units = [u for u in self.uses.get(module, []) if u.index not in self._reduced]
         self._need(module, units, "backward_gather", BACKWARD)
         home = self.home.get(module)
@@ -163,24 +199,45 @@ class UnitSchedule:
 
     def _enter_backward(self) -> None:
         if self._pass is not Pass.BACKWARD:
+            if self.step_reduce_started:
+                raise RuntimeError(
+                    "a backward pass after the step's last micro-batch (its gradients are "
+                    "already being reduced to the optimizer slices): run every micro-batch but "
+                    "the last inside model.no_sync(), as Megatron's schedules do, or call "
+                    "model.mark_last_micro_batch() only before the last backward")
             self._pass = Pass.BACKWARD
             self._used, self._recording = set(), []
             self._open_compute = {}
             self._backward_ran = True
+            self._backward_is_last = self.last_micro_batch
 
     def _reduce(self, unit: GatherUnit) -> None:
         self._reduced.add(unit.index)
         interval = self._open_backward.pop(unit.index, None)
         if interval is not None:
             self.comm.trace.compute_end(interval)
-        self._pending_reduces.append(unit.start_reduce(async_op=self.overlap))
+        # Without overlap the step's reductions wait for the optimizer step, as before.
+        self._pending_reduces.append(unit.start_reduce(
+            async_op=self.overlap, last=self._backward_is_last and self.overlap))
         limit = MAX_PENDING_REDUCES if self.overlap else 0
         while len(self._pending_reduces) > limit:
             self._complete_oldest_reduce()
+        self._poll()
 
     def _complete_oldest_reduce(self) -> None:
         reduce = self._pending_reduces.pop(0)
         reduce.unit.finish_reduce(reduce)
+        if reduce.last:
+            # Its 1/G shard is final: the network reduction runs under the rest of the backward.
+            reduce.unit.start_step_reduce(async_op=self.overlap)
+
+    def _poll(self) -> None:
+        """Without blocking: complete the reduce-scatters that are done (in issue order, so
+        every rank starts the step's reductions in one order) and advance the step's chains."""
+        while self._pending_reduces and self._pending_reduces[0].pending.is_complete():
+            self._complete_oldest_reduce()
+        if self.ctx is not None:
+            self.ctx.poll()
 
     def flush_backward(self) -> None:
         """Reduce what the last backward left (unused parameters) and wait for every reduce."""
@@ -192,6 +249,23 @@ class UnitSchedule:
             self._keep_order(BACKWARD)
         while self._pending_reduces:
             self._complete_oldest_reduce()
+        if self._backward_is_last:
+            self._backward_is_last = self.last_micro_batch = False
+            self.step_reduce_started = True
+
+    def start_step_reduces(self) -> None:
+        """finish the backward, then issue the network reduction of every unit not yet reduced."""
+        self.flush_backward()
+        for u in self.units:
+            u.start_step_reduce(async_op=self.overlap)
+        self.step_reduce_started = True
+
+    def reset_step(self) -> None:
+        """zero_grad_buffer: a new step; reductions of the last one still running are dropped."""
+        self.flush_backward()
+        for u in self.units:
+            u.release_step_grad()
+        self.step_reduce_started = self.last_micro_batch = self._backward_is_last = False
 
     def finish(self) -> None:
         """finish_grad_sync: everything of the micro-batches done, every unit sharded."""
@@ -245,6 +319,7 @@ class UnitSchedule:
                     and not unit.bucket.secondary_is_current()):
                 continue  # not run forward this micro-batch: its own need will say so
             if unit.state is WeightState.SHARDED:
+                # (waits for the unit's updated weights first: their first use)
                 unit.unshard(phase, async_op=True)
             ahead += 1
 

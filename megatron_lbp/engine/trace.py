@@ -21,8 +21,9 @@ the step in program order, which breaks ties in time.
 A record covers exactly what the comm report of the same step covers: every
 collective since the previous step's record was written (so a checkpoint load
 or an evaluation before a step's first forward lands in that step, at negative
-times). A collective still in flight when the record is written (none are with
-today's schedule: the step waits for everything it issued) is written with
+times). A collective still in flight when the record is written (the updated
+weights' gathers, which the next forward waits for: megatron_lbp.engine.schedule)
+is written with
 ``wait``/``done`` null, and again, once completed, under ``carried`` in the
 record of the step it completed in, its times relative to that record's
 ``t_start`` (its ``issued_seq`` still counts in the step that issued it).

@@ -14,14 +14,28 @@ all-gather into ``full`` in flight) -> :meth:`GatherUnit.wait_for_unshard` ->
 reads the primary slices in the P-group (int8 + scales with qwZ); in backward,
 the secondary copies in the S-group when S > 0.
 
-Gradients: each parameter's gradient is added into the unit's transient fp32
-``grad_full`` (:meth:`GatherUnit.accumulate`), or, with gradient-accumulation
-fusion, a fused kernel has already added it into ``param.main_grad``, a view of
-``grad_full`` that :meth:`GatherUnit.prepare_backward` gives memory before the
-unit's backward (only counted then: :func:`unfused_gradient`); when the last one has arrived the
-schedule calls :meth:`GatherUnit.start_reduce`, which frees the weights, scales
-by 1/W, reduce-scatters in the G-group (int8 all-to-all with qgZ) and, at
-:meth:`GatherUnit.finish_reduce`, adds the result to the persistent 1/G shard.
+Gradients: each parameter's gradient is written into the unit's transient
+fp32 ``grad_full`` (:meth:`GatherUnit.accumulate`: copied on its first arrival,
+added after), or, with gradient-accumulation fusion, a fused kernel has
+already added it into ``param.main_grad``, a view of ``grad_full`` that
+:meth:`GatherUnit.prepare_backward` gives zeroed memory before the unit's
+backward (only counted then: :func:`unfused_gradient`); when the last one has
+arrived the schedule calls :meth:`GatherUnit.start_reduce`, which frees the
+weights and reduce-scatters in the G-group with the 1/W average folded into
+the collective where the backend can (NCCL's PREMUL_SUM,
+:meth:`Collectives.folds_prescale`), else into the one pass that also counts
+this rank's inf/nan (int8 all-to-all with qgZ), straight into the persistent
+1/G shard on the first micro-batch of a step and, at
+:meth:`GatherUnit.finish_reduce`, added to it on later ones.
+
+The optimizer step's two hops are chains of collectives (megatron_lbp.engine.chains):
+:meth:`GatherUnit.start_step_reduce` takes the 1/G shard to the 1/O optimizer
+slice (``inter`` reduce-scatter, then the ``replica`` all-reduce when R > 1);
+:meth:`GatherUnit.start_refresh` sends the updated weights back up (``inter``
+all-gather 1/O -> 1/G, ``grad_to_param`` all-gather 1/G -> 1/P, both in place
+into the primary slice). A gather of the unit waits for its refresh first
+(:meth:`GatherUnit.await_refresh`), so the weights a forward computes with are
+always the updated ones.
 """
 from __future__ import annotations
 
@@ -32,6 +46,7 @@ from typing import Any
 import torch
 
 from megatron_lbp.engine.buckets import FlatBucket, ParamSlot
+from megatron_lbp.engine.chains import Chain, ChainQueue
 from megatron_lbp.engine.comm import CONTROL, Collectives
 from megatron_lbp.engine.memory import TransientLedger
 from megatron_lbp.engine.quantized import (Pending, all_gather_quantized, gather_packed_slices,
@@ -62,18 +77,49 @@ class UnitContext:
     # counted before the reduction mixes ranks (read and reset by the optimizer).
     local_nonfinite: torch.Tensor = field(
         default_factory=lambda: torch.zeros((), dtype=torch.int32))
+    # The optimizer step's chains, in the order every rank starts them.
+    step_reduces: ChainQueue = field(default_factory=ChainQueue)
+    refreshes: ChainQueue = field(default_factory=ChainQueue)
 
     def reduce_scatter_grad(self, out: torch.Tensor, inp: torch.Tensor, family: str,
-                            phase: str, async_op: bool = False,
-                            unit: int | None = None) -> Pending:
+                            phase: str, async_op: bool = False, unit: int | None = None,
+                            prescale: float | None = None) -> Pending:
         """A gradient reduce-scatter in ``family``: int8 all-to-all with qgZ when that
-        family crosses nodes, else the plain reduce-scatter. Call ``.wait()`` on the result."""
+        family crosses nodes, else the plain reduce-scatter (``prescale``: see
+        :meth:`folds_prescale`). Call ``.wait()`` on the result."""
         if family in self.quantized_grad_families:
+            assert prescale is None, "qgZ quantizes the scaled gradient"
             return reduce_scatter_quantized(self.comm, out, inp, self.group_index[family],
                                             self.quant_block_size, family, phase,
                                             self.transient, async_op=async_op, unit=unit)
         return Pending(self.comm.reduce_scatter(out, inp, family, phase, async_op=async_op,
-                                                unit=unit))
+                                                unit=unit, prescale=prescale))
+
+    def folds_prescale(self, family: str) -> bool:
+        """Whether ``family``'s gradient reduce-scatter scales its input itself (not qgZ, and
+        a backend with PREMUL_SUM: megatron_lbp.engine.comm.prescale_in_collective)."""
+        return family not in self.quantized_grad_families and self.comm.folds_prescale(family)
+
+    def scale_and_count_nonfinite(self, grad: torch.Tensor, factor: float) -> None:
+        """``grad *= factor`` and this rank's inf/nan counted, in one pass (the kernel that
+        unscales for torch's GradScaler; bit-identical to ``mul_``)."""
+        found = torch.zeros((), dtype=torch.float32, device=grad.device)
+        inv = torch.full((), factor, dtype=torch.float32, device=grad.device)
+        torch._amp_foreach_non_finite_check_and_unscale_([grad], found, inv)
+        self.local_nonfinite = self.local_nonfinite.to(grad.device) + found.to(torch.int32)
+
+    def count_nonfinite(self, grad: torch.Tensor) -> None:
+        """This rank's inf/nan counted from a read of ``grad`` (inf/nan survive the sum; no
+        host sync on GPU)."""
+        finite = torch.isfinite(grad.sum())
+        self.local_nonfinite = self.local_nonfinite.to(grad.device) + ~finite
+
+    def poll(self) -> None:
+        """Advance the step's chains without blocking (the schedule calls it at its hooks)."""
+        if self.step_reduces:
+            self.step_reduces.poll()
+        if self.refreshes:
+            self.refreshes.poll()
 
 
 @dataclass
@@ -82,9 +128,10 @@ class ReduceInFlight:
 
     unit: "GatherUnit"
     pending: Pending
-    out: torch.Tensor
+    out: torch.Tensor       # the 1/G shard itself on the step's first micro-batch
     send: torch.Tensor
     nbytes: int             # transient bytes held by ``out`` and a separate ``send``
+    last: bool = False      # of the step's last micro-batch: the step's reduction follows
 
 
 class GatherUnit:
@@ -98,6 +145,10 @@ class GatherUnit:
         self.state = WeightState.SHARDED
         self._pending: Pending | None = None
         self.grads_left = len(bucket.slots)
+        self.refresh: Chain | None = None        # the updated weights' gathers, until done
+        self.step_reduce: Chain | None = None    # the 1/G -> 1/O reduction, until taken
+        self._step_grad: torch.Tensor | None = None
+        self._step_grad_nbytes = 0
 
     def describe(self) -> dict[str, Any]:
         """The unit's row in the schedule trace's unit table."""
@@ -116,6 +167,7 @@ class GatherUnit:
         """Start filling ``full``: from the secondary copy in backward when there is one,
         else from the primary slices in the P-group (int8 on the wire with qwZ)."""
         b, ctx = self.bucket, self.ctx
+        self.await_refresh()
         b.alloc_full()
         if phase == "backward_gather" and b.has_secondary:
             pending = self._gather_secondary(async_op)
@@ -177,52 +229,165 @@ class GatherUnit:
         if self.bucket.has_secondary:
             self.bucket.build_secondary()
 
+    # --- the updated weights ------------------------------------------------------------
+    def start_refresh(self, async_op: bool) -> None:
+        """After the optimizer wrote this rank's 1/O slice: gather the primary slice back up.
+
+        1/O -> 1/G over ``inter`` (network), then 1/G -> 1/P over
+        ``grad_to_param`` (node), each in place (this rank's chunk already sits
+        where the gather puts it). Asynchronous: the unit's next gather waits.
+        """
+        b, comm = self.bucket, self.ctx.comm
+        grad_part = b.primary[b.grad_in_primary.slice]
+        stages = []
+        if comm.sizes.get("inter", 1) > 1:
+            own = b.primary[b.optim_in_primary.slice]
+            stages.append(lambda a: Pending(comm.all_gather(
+                grad_part, own, "inter", "step_gather", async_op=a, unit=self.index)))
+        if comm.sizes.get("grad_to_param", 1) > 1:
+            stages.append(lambda a: Pending(comm.all_gather(
+                b.primary, grad_part, "grad_to_param", "step_gather", async_op=a,
+                unit=self.index)))
+        self.await_refresh()
+        self.refresh = Chain(self.index, stages, on_done=self._refreshed)
+        self.ctx.refreshes.start(self.refresh, async_op=async_op)
+
+    def _refreshed(self) -> None:
+        self.refresh = None
+
+    def await_refresh(self) -> None:
+        """Block until the primary slice holds the updated weights (and every refresh before)."""
+        if self.refresh is not None:
+            self.ctx.refreshes.complete(self.refresh)
+
     # --- gradients -----------------------------------------------------------------------
     def grad_buffer(self, slot: ParamSlot) -> torch.Tensor:
-        """The parameter's window of the unit's full gradient, allocated at the first use
-        (the buffer lives from here until the reduce-scatter is done)."""
+        """The parameter's window of the unit's full gradient (zeros or what it holds so far;
+        the buffer lives from its first use until the reduce-scatter is done)."""
         return self.bucket.grad_view(slot)
 
     def prepare_backward(self) -> None:
-        """Before the unit's backward: a fused wgrad kernel writes into the ``main_grad`` views."""
+        """Before the unit's backward: a fused wgrad kernel accumulates into the ``main_grad``
+        views, which must hold zeros."""
         if self.ctx.fused_wgrad:
-            self.bucket.ensure_grad_full()
+            self.bucket.ensure_grad_full(zero=True)
 
     def accumulate(self, slot: ParamSlot, grad: torch.Tensor | None) -> bool:
-        """Add one parameter's gradient (None: it is already in ``main_grad``); True when it
+        """Write one parameter's gradient (None: it is already in ``main_grad``); True when it
         was the unit's last one."""
         if grad is not None:
             with torch.no_grad():
-                self.grad_buffer(slot).add_(grad.reshape(-1))
+                self.bucket.write_grad(slot, grad)
         self.grads_left -= 1
         return self.grads_left == 0
 
-    def start_reduce(self, async_op: bool) -> ReduceInFlight:
-        """Free the weights and reduce-scatter the unit's gradient in the G-group."""
+    def start_reduce(self, async_op: bool, last: bool = False) -> ReduceInFlight:
+        """Free the weights and reduce-scatter the unit's gradient in the G-group, averaged.
+
+        The first micro-batch after zero_grad_buffer writes the 1/G shard
+        directly; later ones reduce into a buffer that :meth:`finish_reduce` adds.
+        """
         b, ctx = self.bucket, self.ctx
         self.reshard()
-        b.ensure_grad_full()  # zeros if nothing arrived: still take part in the collective
-        b.grad_full.mul_(1.0 / ctx.world_size)
-        ctx.comm.poison_if_injected(b.grad_full, "grad_reduce")
-        finite = torch.isfinite(b.grad_full.sum())  # inf/nan survive the sum; no sync on GPU
-        ctx.local_nonfinite = ctx.local_nonfinite.to(b.device) + ~finite
+        grad = b.finish_grad_full()  # zeros if nothing arrived: still take part
+        ctx.comm.poison_if_injected(grad, "grad_reduce")
         send = b.grad_scatter_input()
-        send_extra = 0 if send is b.grad_full else send.numel() * send.element_size()
-        out = torch.empty(b.layout.grad_size, dtype=ctx.grad_dtype, device=b.device)
-        nbytes = send_extra + out.numel() * out.element_size()
+        send_extra = 0 if send is grad else send.numel() * send.element_size()
+        if b.grad_shard_fresh:
+            out, b.grad_shard_fresh = b.grad_shard, False
+            nbytes = send_extra
+        else:
+            out = torch.empty(b.layout.grad_size, dtype=ctx.grad_dtype, device=b.device)
+            nbytes = send_extra + out.numel() * out.element_size()
         ctx.transient.alloc(nbytes)
+        scale = 1.0 / ctx.world_size
+        fold = ctx.folds_prescale("grad")
+        if not fold:
+            ctx.scale_and_count_nonfinite(send, scale)
         pending = ctx.reduce_scatter_grad(out, send, "grad", "grad_reduce", async_op=async_op,
-                                          unit=self.index)
-        return ReduceInFlight(self, pending, out, send, nbytes)
+                                          unit=self.index, prescale=scale if fold else None)
+        if fold:
+            # The one read of this rank's own gradient besides the collective's, beside it.
+            ctx.count_nonfinite(grad)
+        return ReduceInFlight(self, pending, out, send, nbytes, last)
 
     def finish_reduce(self, reduce: ReduceInFlight) -> None:
         reduce.pending.wait()
-        self.bucket.grad_shard.add_(reduce.out)
+        b = self.bucket
+        if reduce.out is not b.grad_shard:
+            b.grad_shard.add_(reduce.out)
         self.ctx.transient.free(reduce.nbytes)
-        self.bucket.release_grad_full()
+        b.release_grad_full()
 
     def reset_pass(self) -> None:
         self.grads_left = len(self.bucket.slots)
+
+    # --- the step's reduction ------------------------------------------------------------
+    def start_step_reduce(self, async_op: bool) -> None:
+        """The 1/G shard -> this rank's 1/O slice: ``inter`` reduce-scatter (network), then
+        the ``replica`` all-reduce (R > 1), both sums (the 1/W came with the G-group
+        reduce-scatter); :meth:`take_step_grad` waits."""
+        b, ctx = self.bucket, self.ctx
+        if self.step_reduce is not None or self._step_grad is not None:
+            return
+        if b.grad_shard_fresh:     # no micro-batch reduced into it since zero_grad_buffer
+            b.grad_shard.zero_()
+            b.grad_shard_fresh = False
+        stages = []
+        if ctx.comm.sizes.get("inter", 1) > 1:
+            out = torch.empty(b.layout.optim_size, dtype=ctx.grad_dtype, device=b.device)
+            self._step_grad_nbytes = out.numel() * out.element_size()
+            ctx.transient.alloc(self._step_grad_nbytes)
+            # int8 all-to-all summed in fp32 when qgZ covers this (cross-node) hop
+            stages.append(lambda a: ctx.reduce_scatter_grad(
+                out, b.grad_shard, "inter", "step_reduce", async_op=a, unit=self.index))
+        else:   # O == G: the optimizer slice is the gradient shard
+            out = b.grad_shard
+            self._step_grad_nbytes = 0
+        if ctx.comm.sizes.get("replica", 1) > 1:
+            stages.append(lambda a: Pending(ctx.comm.all_reduce(
+                out, "replica", "step_reduce", async_op=a, unit=self.index)))
+        self._step_grad = out
+        self.step_reduce = Chain(self.index, stages)
+        ctx.step_reduces.start(self.step_reduce, async_op=async_op)
+
+    @property
+    def step_reduce_started(self) -> bool:
+        return self._step_grad is not None
+
+    def take_step_grad(self) -> torch.Tensor:
+        """This rank's reduced 1/O gradient slice (fp32), once its reduction is done."""
+        if self.step_reduce is not None:
+            self.ctx.step_reduces.complete(self.step_reduce)
+            self.step_reduce = None
+        grad = self._step_grad
+        if grad.dtype != torch.float32:   # reduced in bf16: Adam and the norm want fp32
+            wide = grad.float()
+            self.ctx.transient.alloc(wide.numel() * 4)
+            self.ctx.transient.free(self._step_grad_nbytes)
+            self._step_grad, self._step_grad_nbytes = wide, wide.numel() * 4
+            grad = wide
+        return grad
+
+    def scale_gradients(self, factor: float) -> None:
+        """Megatron's scale_gradients: the 1/G shard, and a reduction of it already started
+        (it is linear: scaling its result is scaling its input)."""
+        b = self.bucket
+        if self._step_grad is not None:
+            grad = self.take_step_grad()
+            if grad is not b.grad_shard:
+                grad.mul_(factor)
+        if not b.grad_shard_fresh:
+            b.grad_shard.mul_(factor)
+
+    def release_step_grad(self) -> None:
+        """Drop the step's gradient slice (after the optimizer used it, or to discard it)."""
+        if self.step_reduce is not None:
+            self.ctx.step_reduces.complete(self.step_reduce)
+            self.step_reduce = None
+        self._step_grad = None
+        self.ctx.transient.free(self._step_grad_nbytes)
+        self._step_grad_nbytes = 0
 
 
 def unfused_gradient(param: torch.nn.Parameter) -> torch.Tensor | None:

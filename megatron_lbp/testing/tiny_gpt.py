@@ -257,14 +257,14 @@ class Trainer:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
             local_loss = torch.zeros(())
-            for micro in range(train.micro_batches):
+
+            def micro_batch(micro: int) -> None:
+                nonlocal local_loss
                 tokens = global_batch(step, micro, self.spec, train, self.dp_size)
                 lo = self.dp_rank * train.micro_batch_size
-                last = micro == train.micro_batches - 1
-                with _nullcontext() if last else self.model.no_sync():
-                    loss = forward_loss(self.model, tokens[lo:lo + train.micro_batch_size])
-                    loss = loss / train.micro_batches
-                    loss.backward()
+                loss = forward_loss(self.model, tokens[lo:lo + train.micro_batch_size])
+                loss = loss / train.micro_batches
+                loss.backward()
                 local_loss += loss.detach()
                 if hasattr(self.model, "take_overlap_samples"):
                     # the engine's in-flight count at each unit's compute start (CONTRACTS §2)
@@ -273,6 +273,13 @@ class Trainer:
                 if probe is not None:
                     result.extra.setdefault("probes", []).append(
                         probe(self.model, self.optimizer, step, micro))
+
+            # As Megatron's forward_backward_no_pipelining: every micro-batch but the
+            # last inside no_sync() (entered even when there is only one).
+            with self.model.no_sync():
+                for micro in range(train.micro_batches - 1):
+                    micro_batch(micro)
+            micro_batch(train.micro_batches - 1)
             self.model.finish_grad_sync()
             ok, grad_norm, _ = self.optimizer.step()
             assert ok, f"step {step}: the optimizer skipped the update"
@@ -463,10 +470,3 @@ def _optimizer_config(spec: TinyGPTSpec, train: TrainSpec, distributed: bool):
         use_distributed_optimizer=distributed,
     )
 
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
