@@ -1,0 +1,188 @@
+"""The optimizer step overlapped with the backward before it and the forward after it (issue 13
+items 4 and 5), on real gloo ranks.
+
+8 ranks as 2 nodes of 4, lbp with P=2, G=4, O=8 (so the step's network hop, ``inter``,
+has 2 ranks and the updated weights come back in two hops), a 3-layer tiny GPT, two
+steps of two micro-batches, trained with overlap and with ``--no-hier-overlap`` in the
+same ranks. Checked:
+
+- the same losses, gradient norms (clipping is on), weights, evaluation loss and
+  checkpoint pieces, each read right after the last step while its weight gathers are
+  still in flight: whatever reads the weights waits for them;
+- in the trace: the last micro-batch's backward issues every unit's network
+  reduce-scatter (without overlap they all come after it), the step leaves each
+  unit's updated-weights gather in flight, waited for only in the next step, whose
+  forward issues the second hop;
+- the G-group's reduce communicator is in chunk order (no transpose copy) and gloo
+  takes the scaling pass, not the collective (the choice is by capability).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_lbp.engine.comm import prescale_in_collective
+from megatron_lbp.testing.multirank import rank_location_env, run_on_ranks
+from megatron_lbp.testing.tiny_gpt import TinyGPTSpec, TrainSpec, forward_loss, global_batch
+
+WORLD, NODE, LAYERS = 8, 4, 3
+N_UNITS = LAYERS + 2                       # embedding, layers, output
+HIER = ["--hier-param-group-size", "2", "--hier-grad-group-size", "4",
+        "--hier-optim-group-size", "8"]
+SPEC = TinyGPTSpec(num_layers=LAYERS)
+TRAIN = TrainSpec(steps=2, micro_batches=2)
+
+
+def _right_after_training(trace_dir):
+    import torch.distributed as dist
+
+    from megatron_lbp.testing.tiny_gpt import setup_hier
+
+    out = {}
+    for name, extra in (("on", []), ("off", ["--no-hier-overlap"])):
+        trainer = setup_hier(SPEC, TRAIN, HIER + extra + [
+            "--hier-trace", f"{trace_dir}/{name}-{{rank}}.jsonl"])
+        model = trainer.model
+        result = trainer.run(range(TRAIN.steps))
+        got = {"losses": result.losses, "grad_norms": result.grad_norms,
+               "in_flight": model.comm.stats.in_flight}
+        # A checkpoint right after the step: its pieces as they are when the dict is made.
+        pieces = model.sharded_state_dict()
+        got["pieces"] = {k: v.data.clone() for k, v in pieces.items()
+                         if torch.is_tensor(getattr(v, "data", None))}
+        got["in_flight_after_save"] = model.comm.stats.in_flight
+        got["weights"] = model.state_dict()
+        # An evaluation forward after a fresh step (its gathers in flight again).
+        trainer.run([TRAIN.steps], result=result)
+        got["in_flight_before_eval"] = model.comm.stats.in_flight
+        tokens = global_batch(99, 0, SPEC, TRAIN, trainer.dp_size)
+        lo = trainer.dp_rank * TRAIN.micro_batch_size
+        model.eval()
+        with torch.no_grad():
+            got["eval_loss"] = forward_loss(model, tokens[lo:lo + TRAIN.micro_batch_size]).item()
+        model.train()
+        model.settle()   # the end of training
+        got["in_flight_at_end"] = model.comm.stats.in_flight
+        got["grad_chunk_ordered"] = trainer.hier.grad_chunk_ordered
+        got["folds_prescale"] = model.comm.folds_prescale("grad")
+        b = model.buckets[1]
+        b.ensure_grad_full()
+        got["scatter_input_is_bucket"] = b.grad_scatter_input() is b.grad_full
+        b.release_grad_full()
+        out[name] = got
+    out["rank"] = dist.get_rank()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    trace_dir = tmp_path_factory.mktemp("overlap")
+    return trace_dir, run_on_ranks(_right_after_training, WORLD, str(trace_dir),
+                                   rank_env=rank_location_env(NODE), timeout=600)
+
+
+def _records(trace_dir, name, rank):
+    return [json.loads(x) for x in (trace_dir / f"{name}-{rank}.jsonl").read_text().splitlines()]
+
+
+def test_results_are_identical_with_and_without_the_overlap(ranks):
+    _, out = ranks
+    for got in out:
+        on, off, r = got["on"], got["off"], got["rank"]
+        assert on["losses"] == off["losses"], f"rank {r}: losses {on['losses']} != {off['losses']}"
+        assert on["grad_norms"] == off["grad_norms"], (
+            f"rank {r}: gradient norms {on['grad_norms']} != {off['grad_norms']}")
+        assert on["eval_loss"] == off["eval_loss"], (
+            f"rank {r}: evaluation right after a step: {on['eval_loss']} != {off['eval_loss']}")
+        for what in ("weights", "pieces"):
+            assert on[what].keys() == off[what].keys()
+            assert sum(torch.is_tensor(v) for v in on[what].values()) > 5, on[what].keys()
+            differ = [k for k in on[what] if torch.is_tensor(on[what][k])
+                      and not torch.equal(on[what][k], off[what][k])]
+            assert not differ, f"rank {r}: {what} taken right after a step differ: {differ[:4]}"
+
+
+def test_what_reads_the_weights_waits_for_the_gathers_in_flight(ranks):
+    _, out = ranks
+    for got in out:
+        on, off = got["on"], got["off"]
+        assert on["in_flight"] > 0 and on["in_flight_before_eval"] > 0, (
+            "the step left no weight gather in flight: nothing overlaps the next forward", on)
+        assert on["in_flight_after_save"] == on["in_flight_at_end"] == 0, on
+        assert off["in_flight"] == off["in_flight_before_eval"] == 0, off
+
+
+def test_the_trace_shows_the_step_under_the_backward_and_the_next_forward(ranks):
+    trace_dir, _ = ranks
+    for rank in (0, 5):
+        on = _records(trace_dir, "on", rank)
+        off = _records(trace_dir, "off", rank)
+        for rec, overlapped in ((on[1], True), (off[1], False)):
+            backward_end = max(i["end_seq"] for i in rec["compute"]
+                               if i["pass"] == "backward" and i["micro_batch"] == 1)
+            optimizer = next(i for i in rec["compute"] if i["pass"] == "optimizer")
+            reduces = [c for c in rec["collectives"] if c["phase"] == "step_reduce"]
+            assert sorted(c["unit"] for c in reduces) == list(range(N_UNITS)), reduces
+            assert all(c["issued_seq"] < optimizer["start_seq"] for c in reduces)
+            under_backward = [c["unit"] for c in reduces if c["issued_seq"] < backward_end]
+            if overlapped:
+                # At least those whose in-node reduce-scatter the backward itself completes
+                # (two kept in flight): the output layer's and the last layer's; the others
+                # as soon as a hook sees theirs done.
+                assert {N_UNITS - 1, N_UNITS - 2} <= set(under_backward), (
+                    f"rank {rank}: only units {under_backward} reduced to the optimizer slices "
+                    "during the last backward")
+                assert all(c["async"] and c["micro_batch"] == 1 for c in reduces), reduces
+            else:
+                assert under_backward == [], f"rank {rank}: overlap off, yet {under_backward}"
+        # Each unit's first hop (1/O -> 1/G, network) is still in flight when step 1 ends,
+        # waited for only after step 2 began; the second hop is issued in step 2.
+        first = [c for c in on[0]["collectives"] if c["phase"] == "step_gather"]
+        assert sorted(c["unit"] for c in first) == list(range(N_UNITS)), first
+        assert all(c["family"] == "inter" and c["done"] is None for c in first), first
+        carried = {c["unit"]: c for c in on[1]["carried"]}
+        assert sorted(carried) == list(range(N_UNITS)), on[1]["carried"]
+        assert all(c["wait"] >= 0.0 for c in carried.values()), carried
+        second = [c for c in on[1]["collectives"]
+                  if c["phase"] == "step_gather" and c["family"] == "grad_to_param"]
+        assert len(second) >= N_UNITS and all(c["issued"] >= 0.0 for c in second), second
+        # A unit's forward gather in step 2 comes after its weights are back.
+        for c in on[1]["collectives"]:
+            if c["phase"] == "forward_gather" and c["micro_batch"] == 0:
+                back = max(s["done_seq"] for s in second if s["unit"] == c["unit"])
+                assert back < c["issued_seq"], (rank, c)
+        assert all(c["phase"] != "step_gather" or c["done"] is not None
+                   for c in off[0]["collectives"]), "overlap off left a gather in flight"
+
+
+def test_no_transpose_and_scaling_in_the_collective_only_where_the_backend_can(ranks):
+    _, out = ranks
+    for got in out:
+        for name in ("on", "off"):
+            g = got[name]
+            assert g["grad_chunk_ordered"] and g["scatter_input_is_bucket"], (got["rank"], g)
+            assert g["folds_prescale"] is False, "gloo has no PREMUL_SUM"
+    # The choice is the backend's capability: NCCL (and RCCL, which is "nccl") has it.
+    assert prescale_in_collective("nccl") and not prescale_in_collective("gloo")
+    assert not prescale_in_collective("mpi")
+
+
+def _refuses_prescale_on_gloo():
+    import torch.distributed as dist
+
+    from megatron_lbp.engine.comm import Collectives
+
+    comm = Collectives({"grad": {"reduce": None}}, {"grad": dist.get_world_size()},
+                       {"grad": "node"})
+    try:
+        comm.reduce_scatter(torch.zeros(1), torch.ones(2), "grad", "grad_reduce", prescale=0.5)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_a_prescaled_reduce_scatter_is_refused_where_the_backend_cannot():
+    for msg in run_on_ranks(_refuses_prescale_on_gloo, 2):
+        assert msg and "cannot prescale" in msg, msg
