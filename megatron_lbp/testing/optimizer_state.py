@@ -26,7 +26,7 @@ class OptimizerState:
     """Whole-parameter optimizer state: ``tensors[state][param name]`` flat fp32, plus Adam's step."""
 
     tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
-    step: float = 0.0
+    step: float | None = None    # None: not known (read from a checkpoint's tensors only)
 
 
 def _held_pieces(optimizer):
@@ -77,6 +77,33 @@ def gather_optimizer_state(optimizer, group=None) -> OptimizerState:
     return out
 
 
+def checkpoint_optimizer_state(ckpt_dir: str) -> OptimizerState:
+    """The optimizer state in a distributed (torch_dist) checkpoint directory, read in this process.
+
+    Keys are the checkpoint's weight keys (megatron-core's, stacked layers as
+    one tensor), so two checkpoints of one model compare whatever hierarchy and
+    world size wrote them. No process group needed.
+    """
+    import os
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "state.pt")
+        dcp_to_torch_save(ckpt_dir, path)
+        loaded = torch.load(path, weights_only=False)
+    out = OptimizerState(tensors={name: {} for name in STATE_NAMES})
+    for key, value in loaded.items():
+        for name in STATE_NAMES:
+            prefix = f"optimizer.state.{name}."
+            if key.startswith(prefix) and torch.is_tensor(value):
+                out.tensors[name][key[len(prefix):]] = value.detach().float().reshape(-1)
+    if not any(out.tensors.values()):
+        raise ValueError(f"{ckpt_dir}: no optimizer state in this checkpoint")
+    return out
+
+
 def state_differences(got: OptimizerState, want: OptimizerState, rel: float = 0.0) -> list[str]:
     """One line per (state, parameter) that differs; empty when they agree.
 
@@ -90,7 +117,7 @@ def state_differences(got: OptimizerState, want: OptimizerState, rel: float = 0.
     absolute while its moments stay alike.
     """
     lines = []
-    if got.step != want.step:
+    if got.step is not None and want.step is not None and got.step != want.step:
         lines.append(f"Adam step count {got.step} != {want.step}")
     for name in STATE_NAMES:
         a, b = got.tensors.get(name, {}), want.tensors.get(name, {})
@@ -112,4 +139,5 @@ def state_differences(got: OptimizerState, want: OptimizerState, rel: float = 0.
     return lines
 
 
-__all__ = ["STATE_NAMES", "OptimizerState", "gather_optimizer_state", "state_differences"]
+__all__ = ["STATE_NAMES", "OptimizerState", "gather_optimizer_state", "checkpoint_optimizer_state",
+           "state_differences"]
