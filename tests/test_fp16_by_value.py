@@ -6,13 +6,14 @@ weights); lbp P=2 G=2 O=4 against megatron-core's DDP + DistributedOptimizer
 with its DynamicGradScaler. The initial loss scale 2^20 is far too high for
 fp16 gradients and --loss-scale-window 2 regrows the scale fast, so the run
 skips steps and backs off (hysteresis 1) then grows again and overflows again:
-measured, steps 0, 1, 3 and 8 of 10 are skipped, scales 2^20 -> 2^17 -> 2^19 -> 2^18.
+measured, steps 0, 1, 3 and 8 of 10 are skipped, the scale per step is
+2^20 2^19 2^18 2^18 2^17 2^17 2^18 2^18 2^19 2^18.
 
 Compared per step: the loss scale each step ran with and which steps were
 skipped (exactly), the losses and the gradient norms of applied steps, and
 the final weights (the attention key biases, whose gradient is rounding noise
-in exact arithmetic, within what Adam can move them). The forward and backward run in fp16 on fp16 copies of the
-fp32 masters; the two sides sum gradients in different orders, so a master may
+in exact arithmetic, within what Adam can move them). The forward and backward
+run in fp16 on fp16 copies of the fp32 masters; the two sides sum gradients in different orders, so a master may
 differ by ~1e-7 and its fp16 copy then by one fp16 step (2^-11 relative), and
 those flips compound. Measured over these 10 steps: losses 4.4e-6 relative,
 gradient norms 1.3e-4 relative, weights within two fp16 steps. The bounds below
