@@ -51,26 +51,8 @@ def test_resume_from_a_distributed_checkpoint_is_bit_identical(tmp_path):
     assert got == expected, f"resumed {got} != uninterrupted {expected}"
 
 
-RESHARD_REL = 1e-6
-
-
-def test_checkpoint_moves_between_hierarchies_and_world_sizes(tmp_path):
-    """lbp on 8 ranks -> zero2 on 4 ranks -> lbp on 8 ranks.
-
-    Summation order differs with the world size, so the next-step loss agrees
-    to float32 rounding (1e-6 relative), not bit for bit.
-    """
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    topo8 = rank_location_env(4)
-    expected = run_on_ranks(_save_then_continue, 8, a, LBP8, 8, 2, 1, rank_env=topo8)[0]
-    on4 = run_on_ranks(_load_then_continue, 4, a, ["--hier-preset", "zero2"], 4, 2, 1)[0]
-    assert abs(on4[0] - expected[0]) <= RESHARD_REL * abs(expected[0]), (on4, expected)
-
-    expected4 = run_on_ranks(_save_then_continue, 4, b, ["--hier-preset", "zero2"], 4, 2, 1)[0]
-    back = run_on_ranks(_load_then_continue, 8, b, LBP8, 8, 2, 1, rank_env=topo8)[0]
-    assert abs(back[0] - expected4[0]) <= RESHARD_REL * abs(expected4[0]), (back, expected4)
+# Moving between hierarchies and world sizes (lbp/8 -> zero2/4 -> lbp/8), with the
+# optimizer state compared by value: tests/test_reshard_optimizer_state.py.
 
 
 @pytest.mark.parametrize("shape,start,stop", [

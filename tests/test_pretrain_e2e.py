@@ -10,7 +10,9 @@ hierarchy and resharded onto zero2 on 4 ranks. The resumed runs keep
 """
 import pytest
 
+from megatron_lbp.testing.optimizer_state import checkpoint_optimizer_state, state_differences
 from tests.pretrain_runner import TINY, grad_norms, run_pretrain, why
+from tests.test_reshard_optimizer_state import AFTER_RESHARD_REL
 
 PRINT_REL = 2e-6   # two units in the 7th significant digit
 NORM_PRINT_ABS = 1.0e-3 + 1e-9   # Megatron prints the grad norm with 3 decimals: one unit apart
@@ -62,14 +64,16 @@ def test_hierarchy_equals_stock_distributed_optimizer_for_20_iterations(stock, l
     assert stock_losses[20] < stock_losses[1] - 0.5, f"loss did not fall: {stock_losses}"
 
 
-def test_resume_and_reshard_through_megatrons_checkpointing(demo_dataset, lbp):
+def test_resume_and_reshard_through_megatrons_checkpointing(demo_dataset, lbp, tmp_path):
     code, log, straight, ckpt = lbp
     assert code == 0, why(log)
     assert f"successfully saved checkpoint from iteration {SAVED_AT:7d}" in log, log[-3000:]
     first = SAVED_AT + 1
 
+    ckpt_resumed = str(tmp_path / "ckpt_resumed")
     code, log, resumed = run_pretrain(8, _args(demo_dataset, *LBP8, "--load", ckpt, "--ckpt-step",
-                                               str(SAVED_AT), "--exit-interval", str(SAVED_AT + 3)))
+                                               str(SAVED_AT), "--save", ckpt_resumed,
+                                               "--exit-interval", str(SAVED_AT + 3)))
     assert code == 0, why(log)
     assert sorted(resumed) == [first, first + 1, first + 2], resumed
     # Megatron does not reset its loss accumulator after the first iteration of a
@@ -78,10 +82,23 @@ def test_resume_and_reshard_through_megatrons_checkpointing(demo_dataset, lbp):
         resumed, straight)
     assert close(resumed[first + 1], (straight[first] + straight[first + 1]) / 2), (resumed, straight)
 
-    # The same checkpoint under zero2 on 4 ranks (same global batch): next step equal.
+    # The same checkpoint under zero2 on 4 ranks (same global batch): the three steps after
+    # it, and the optimizer state it saves after them, match the lbp run's. The lbp
+    # reference state is the resumed run's save at the same iteration: its losses equal
+    # the uninterrupted run's exactly (above), and it needs no extra launch.
+    last = first + 2
+    ckpt4 = str(tmp_path / "ckpt4")
     code, log, on4 = run_pretrain(4, _args(demo_dataset, "--hier-partition", "--hier-preset", "zero2",
                                            "--ckpt-format", "torch_dist", "--load", ckpt,
-                                           "--ckpt-step", str(SAVED_AT), "--exit-interval",
-                                           str(first)))
+                                           "--ckpt-step", str(SAVED_AT), "--save", ckpt4,
+                                           "--exit-interval", str(last)))
     assert code == 0, why(log)
-    assert sorted(on4) == [first] and close(on4[first], straight[first]), (on4, straight)
+    assert sorted(on4) == [first, first + 1, last], on4
+    assert close(on4[first], straight[first]) and close(on4[last], straight[last]), (on4, straight)
+    assert close(on4[first + 1], (straight[first] + straight[first + 1]) / 2), (on4, straight)
+    # 3 fp32 steps on another world size: rounding only (see test_reshard_optimizer_state,
+    # which also compares the state bit for bit right after each load).
+    differences = state_differences(checkpoint_optimizer_state(f"{ckpt4}/iter_{last:07d}"),
+                                    checkpoint_optimizer_state(f"{ckpt_resumed}/iter_{last:07d}"),
+                                    AFTER_RESHARD_REL)
+    assert not differences, "\n".join(differences)
