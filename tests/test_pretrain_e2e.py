@@ -72,8 +72,8 @@ def test_resume_and_reshard_through_megatrons_checkpointing(demo_dataset, lbp, t
 
     ckpt_resumed = str(tmp_path / "ckpt_resumed")
     code, log, resumed = run_pretrain(8, _args(demo_dataset, *LBP8, "--load", ckpt, "--ckpt-step",
-                                               str(SAVED_AT), "--save", ckpt_resumed,
-                                               "--exit-interval", str(SAVED_AT + 3)))
+                                               str(SAVED_AT), "--save", ckpt_resumed, "--save-interval",
+                                               str(SAVED_AT + 3), "--exit-interval", str(SAVED_AT + 3)))
     assert code == 0, why(log)
     assert sorted(resumed) == [first, first + 1, first + 2], resumed
     # Megatron does not reset its loss accumulator after the first iteration of a
@@ -91,7 +91,7 @@ def test_resume_and_reshard_through_megatrons_checkpointing(demo_dataset, lbp, t
     code, log, on4 = run_pretrain(4, _args(demo_dataset, "--hier-partition", "--hier-preset", "zero2",
                                            "--ckpt-format", "torch_dist", "--load", ckpt,
                                            "--ckpt-step", str(SAVED_AT), "--save", ckpt4,
-                                           "--exit-interval", str(last)))
+                                           "--save-interval", str(last), "--exit-interval", str(last)))
     assert code == 0, why(log)
     assert sorted(on4) == [first, first + 1, last], on4
     assert close(on4[first], straight[first]) and close(on4[last], straight[last]), (on4, straight)
