@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lbp.testing.tiny_gpt import (Trainer, TinyGPTSpec, TrainSpec, constant_schedule,
-                                           forward_loss, global_batch, init_megatron_state,
+                                           forward_loss, global_batch, init_megatron_state, setup_hier,
                                            tiny_gpt_config, tiny_gpt_provider)
 
 FP16_SPEC = TinyGPTSpec(params_dtype=torch.float16)
@@ -102,25 +102,8 @@ def setup_stock_fp16(spec: TinyGPTSpec, train: TrainSpec, scaling: LossScaleSpec
 def setup_hier_fp16(spec: TinyGPTSpec, train: TrainSpec, scaling: LossScaleSpec,
                     hier_argv: list[str]) -> Trainer:
     """The same model through the engine (HierDataParallel + HierDistributedOptimizer with the scaler)."""
-    import argparse
-
-    from megatron_lbp import megatron_adapter
-    from megatron_lbp.config import add_hier_arguments, engine_options_from_args
-    from megatron_lbp.process_groups import build_hier_groups
-
-    init_megatron_state(seed=spec.seed)
-    argv = list(hier_argv)
-    if train.bucket_size is not None and "--hier-bucket-size" not in argv:
-        argv += ["--hier-bucket-size", str(train.bucket_size)]
-    args = add_hier_arguments(argparse.ArgumentParser()).parse_args(argv)
-    hier = build_hier_groups(args, dp_group=megatron_adapter.data_parallel_group())
-    options = engine_options_from_args(args)
-    model, config = fp16_model(spec, sharded=options.sharded_init)
-    ddp_model = megatron_adapter.wrap_model(config, model, hier, options)
-    opt_config = fp16_optimizer_config(train, scaling)
-    optimizer = megatron_adapter.build_optimizer(opt_config, [ddp_model], options)
-    return Trainer(spec, train, ddp_model, model, optimizer, constant_schedule(optimizer, opt_config),
-                   hier.dp_index, len(hier.dp_ranks), hier.dp_group, hier)
+    return setup_hier(spec, train, hier_argv, build_model=fp16_model,
+                      optimizer_config=fp16_optimizer_config(train, scaling))
 
 
 def run_fp16(trainer: Trainer, steps) -> Fp16Result:

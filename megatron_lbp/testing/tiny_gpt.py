@@ -327,8 +327,12 @@ def setup_stock(spec: TinyGPTSpec, train: TrainSpec) -> Trainer:
                    parallel_state.get_data_parallel_group())
 
 
-def setup_hier(spec: TinyGPTSpec, train: TrainSpec, hier_argv: list[str]) -> Trainer:
-    """The same model through HierDataParallel + HierDistributedOptimizer; ``hier_argv``: --hier-* flags."""
+def setup_hier(spec: TinyGPTSpec, train: TrainSpec, hier_argv: list[str], *,
+               build_model=None, optimizer_config=None) -> Trainer:
+    """The same model through HierDataParallel + HierDistributedOptimizer; ``hier_argv``: --hier-* flags.
+
+    ``build_model(spec, sharded=...)`` and ``optimizer_config`` replace the fp32 tiny GPT
+    and its optimizer config (the fp16 runs use a Float16Module model and a loss scaler)."""
     import argparse
 
     from megatron_lbp import megatron_adapter
@@ -342,9 +346,9 @@ def setup_hier(spec: TinyGPTSpec, train: TrainSpec, hier_argv: list[str]) -> Tra
     args = add_hier_arguments(argparse.ArgumentParser()).parse_args(argv)
     hier = build_hier_groups(args, dp_group=megatron_adapter.data_parallel_group())
     options = engine_options_from_args(args)
-    model, config = build_tiny_gpt(spec, sharded=options.sharded_init)
+    model, config = (build_model or build_tiny_gpt)(spec, sharded=options.sharded_init)
     ddp_model = megatron_adapter.wrap_model(config, model, hier, options)
-    opt_config = _optimizer_config(spec, train, distributed=True)
+    opt_config = optimizer_config or _optimizer_config(spec, train, distributed=True)
     optimizer = megatron_adapter.build_optimizer(opt_config, [ddp_model], options)
     return Trainer(spec, train, ddp_model, model, optimizer, constant_schedule(optimizer, opt_config),
                    hier.dp_index, len(hier.dp_ranks), hier.dp_group, hier)
