@@ -56,6 +56,25 @@ def test_replay_goals_follow_the_targets_and_a_miss_says_why_from_the_trace(proj
             assert "prefetch 1" in goal["reason"] and "paper" in goal["reason"]
 
 
+def test_a_missed_ratio_says_whether_any_lbp_schedule_could_reach_it(project_run):
+    """zeropp's replayed step over lbp's compute alone is the ratio with nothing of lbp's
+    exposed; the reason says whether the target lies above it."""
+    runs = copy.deepcopy(project_run)
+    rep = runs["project"]["result"]["replay"]
+    rep["ratios"][RATIO_KEY] = 0.01
+    r20 = rep["results"]["20B"]
+    best = r20["zeropp"]["384"]["step_s"] / r20["lbp"]["384"]["compute_s"]
+    reason = _by_id(rg.replay_goals(runs))["replay_lbp_over_zeropp"]["reason"]
+    assert f"the ratio would be {best:.3f}" in reason, reason
+    reachable = "hiding the rest of lbp's exposed time would reach the goal"
+    assert (reachable in reason) is (best >= rg.REPLAY_LBP_OVER_ZEROPP), reason
+    # the other outcome, with zeropp's step moved across the target
+    r20["zeropp"]["384"]["step_s"] = r20["lbp"]["384"]["compute_s"] * (
+        rg.REPLAY_LBP_OVER_ZEROPP + (-0.1 if best >= rg.REPLAY_LBP_OVER_ZEROPP else 0.1))
+    reason = _by_id(rg.replay_goals(runs))["replay_lbp_over_zeropp"]["reason"]
+    assert (reachable in reason) is not (best >= rg.REPLAY_LBP_OVER_ZEROPP), reason
+
+
 def test_replay_goals_say_when_the_traces_are_stale(project_run):
     runs = copy.deepcopy(project_run)
     rep = runs["project"]["result"]["replay"]
