@@ -3,7 +3,8 @@
 8 gloo ranks as 2 emulated nodes x 2 packages x 2 GCDs; the tiny megatron-core
 GPT (2 layers, hidden 64, 4 heads, sequence 32) in bf16 with an fp32 master,
 vocabulary 4096 = the shipped SentencePiece tokenizer's, trained on the
-shipped corpus (Python 3.11 docs) for 50 steps of 8 x 2 sequences at lr 1e-3.
+shipped corpus (Python 3.11 docs) for 25 steps (the slow qgZ case: 50) of 8 x 2
+sequences at lr 1e-3.
 
 Criterion, per quantized configuration: at every step s >= WARMUP (= 5; the
 first steps are Adam's moment estimates settling while the loss falls from
@@ -21,12 +22,13 @@ all-reduced, so equal losses on every rank would prove nothing). The minimum
 gap is shown to fail on an engine that keeps the int8 flags but quantizes
 nothing (tests/broken_engine.quantization_off).
 
-Measured on the 2-core CI machine: the largest relative gap at any step was
-0.061 % (lbp S=2), 0.062 % (lbp S=8) and 0.073 % (zeropp, qwZ + int8 S=4); at
-step 50 the gaps were 0.057 %, 0.060 % and 0.042 %. qgZ (the slow test)
-measured 0.042 % (lbp, network step reduce) and 0.069 % (zeropp, every
-micro-batch's reduce crossing nodes). The engine with quantization off inside
-stays under the minimum gap (test_minimum_gap_fails_when_nothing_is_quantized).
+Measured on the 2-core CI machine (tests/test_quant_training.py -s prints it): over 25
+steps the largest relative gap at any step was 0.052 % (lbp S=2), 0.056 % (lbp S=8) and
+0.073 % (zeropp, qwZ + int8 S=4), at step 25 0.030 %, 0.032 % and 0.034 %; over 50 steps
+(before CI was shortened) 0.061 %, 0.062 % and 0.073 %. qgZ (the slow test, 50 steps)
+measured 0.042 % (lbp, network step reduce) and 0.069 % (zeropp, every micro-batch's
+reduce crossing nodes). The engine with quantization off inside stays at 0.000 %, under
+the minimum gap (test_minimum_gap_fails_when_nothing_is_quantized).
 """
 import pytest
 import torch
@@ -38,7 +40,10 @@ from tests import broken_engine
 WORLD = 8
 TOPOLOGY = rank_location_env(4)
 SPEC = TinyGPTSpec(params_dtype=torch.bfloat16, vocab_size=4096)
-TRAIN = TrainSpec(steps=50, micro_batches=1, bucket_size=50000, text=True)
+# CI trains 25 steps (the loss has fallen by > 2 nats by then and the gaps have stopped
+# growing); the slow qgZ case the full 50.
+TRAIN = TrainSpec(steps=25, micro_batches=1, bucket_size=50000, text=True)
+TRAIN_LONG = TrainSpec(steps=50, micro_batches=1, bucket_size=50000, text=True)
 WARMUP = 5
 REL = 0.005
 MIN_GAP = 1e-4
@@ -81,15 +86,15 @@ def assert_ranks_hold_the_same_weights(runs):
                 assert torch.equal(r[name][2][p], w), f"{name}: rank {rank}'s final {p} differs"
 
 
-def check_gaps(runs, names):
+def check_gaps(runs, names, steps=TRAIN.steps):
     ref = runs["reference"][0]
-    assert len(ref) == TRAIN.steps >= 50
+    assert len(ref) == steps >= 25
     assert ref[-1] < ref[0] - 1.0, f"the reference barely learnt: {ref}"
     for name in names:
         losses = runs[name][0]
         gaps = [abs(a - b) / b for a, b in zip(losses, ref)]
         worst = max(range(WARMUP, len(gaps)), key=gaps.__getitem__)
-        print(f"{name}: worst {gaps[worst]:.3%} at step {worst}, step 50 {gaps[-1]:.3%}")
+        print(f"{name}: worst {gaps[worst]:.3%} at step {worst}, step {steps} {gaps[-1]:.3%}")
         assert gaps[worst] >= MIN_GAP, (
             f"{name}: at most {gaps[worst]:.2e} relative from the unquantized reference "
             f"(< {MIN_GAP:g}): nothing was quantized")
@@ -106,7 +111,7 @@ def int8_runs():
                         FAULTS, rank_env=TOPOLOGY, timeout=600)
 
 
-def test_int8_secondary_and_qwz_stay_within_half_a_percent_for_50_steps(int8_runs):
+def test_int8_secondary_and_qwz_stay_within_half_a_percent_for_25_steps(int8_runs):
     assert_ranks_hold_the_same_weights(int8_runs)
     check_gaps(int8_runs[0], list(QUANTIZED))
 
@@ -119,7 +124,7 @@ def test_minimum_gap_fails_when_nothing_is_quantized(int8_runs):
 
 @pytest.mark.slow
 def test_qgz_stays_within_half_a_percent_for_50_steps():
-    runs = run_on_ranks(train_all, WORLD, SPEC, TRAIN, {"reference": REFERENCE, **QGZ},
+    runs = run_on_ranks(train_all, WORLD, SPEC, TRAIN_LONG, {"reference": REFERENCE, **QGZ},
                         rank_env=TOPOLOGY, timeout=400)
     assert_ranks_hold_the_same_weights(runs)
-    check_gaps(runs[0], list(QGZ))
+    check_gaps(runs[0], list(QGZ), TRAIN_LONG.steps)
