@@ -196,25 +196,34 @@ class Collectives:
 
     def _exchange(self, collective, channel: str, out: torch.Tensor, inp: torch.Tensor,
                   family: str, phase: str, total_bytes: int, async_op: bool, unit: int | None,
-                  **kwargs):
+                  charge: bool = True, issue: bool = True, **kwargs):
         """One collective whose rank sends (n-1)/n of ``total_bytes`` (``inp`` may be the
-        rank's own chunk of ``out``: an in-place all-gather)."""
+        rank's own chunk of ``out``: an in-place all-gather).
+
+        ``charge``/``issue``: a later stage of a chain (megatron_lbp.engine.chains)
+        is charged to the ledger when its chain starts (``issue=False``) and
+        issued later without charging again (``charge=False``)."""
         n = self.sizes[family]
         if n == 1:
-            if out.data_ptr() != inp.data_ptr():
+            if issue and out.data_ptr() != inp.data_ptr():
                 out.copy_(inp)
             return None
         nbytes = Fraction(total_bytes * (n - 1), n)
-        self._charge(family, phase, nbytes)
+        if charge:
+            self._charge(family, phase, nbytes)
+        if not issue:
+            return None
         return self._issue(family, phase, collective, out, inp,
                            group=self.groups[family][channel], async_op=async_op,
                            trace_as=(unit, self._comm_name(family, channel),
                                      self.links[family], nbytes), **kwargs)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, family: str, phase: str,
-                   async_op: bool = False, unit: int | None = None):
+                   async_op: bool = False, unit: int | None = None, charge: bool = True,
+                   issue: bool = True):
+        """``charge``/``issue``: see :meth:`_exchange` (a chain's later stage)."""
         return self._exchange(dist.all_gather_into_tensor, GATHER, out, inp, family, phase,
-                              _nbytes(out), async_op, unit)
+                              _nbytes(out), async_op, unit, charge=charge, issue=issue)
 
     def folds_prescale(self, family: str) -> bool:
         """Whether a reduce-scatter in ``family`` can multiply its inputs by a factor itself
@@ -247,12 +256,17 @@ class Collectives:
                               _nbytes(inp), async_op, unit)
 
     def all_reduce(self, t: torch.Tensor, family: str, phase: str,
-                   op=dist.ReduceOp.SUM, async_op: bool = False, unit: int | None = None):
+                   op=dist.ReduceOp.SUM, async_op: bool = False, unit: int | None = None,
+                   charge: bool = True, issue: bool = True):
+        """``charge``/``issue``: see :meth:`_exchange` (a chain's later stage)."""
         n = self.sizes[family]
         if n == 1:
             return None
         nbytes = Fraction(2 * _nbytes(t) * (n - 1), n)
-        self._charge(family, phase, nbytes)
+        if charge:
+            self._charge(family, phase, nbytes)
+        if not issue:
+            return None
         return self._issue(family, phase, dist.all_reduce, t, op=op,
                            group=self.groups[family][REDUCE], async_op=async_op,
                            trace_as=(unit, self._comm_name(family, REDUCE),

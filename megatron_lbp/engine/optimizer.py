@@ -24,8 +24,10 @@ its gradient slice (and so inside its primary weight slice). One step:
    units. With overlap the first hop is issued here and the second once the
    first is done, under the next forward, whose gather of each unit waits for
    both (Megatron's overlap-param-gather): they are in the next step's trace
-   record (``carried``, and the second hop's collectives) and the second hop's
-   bytes in its comm report.
+   record (``carried``, and the second hop's collectives), while both hops'
+   bytes are in this step's comm report (a chain is charged when it starts:
+   megatron_lbp.engine.chains), so every step's report, the first included,
+   counts the same bytes.
 
 With fp32 weights the master slice *is* the primary slice's optimizer part
 (nesting makes it a view), so no separate master copy exists.
@@ -355,9 +357,9 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
         if self.grad_scaler is not None and state_dict.get("grad_scaler"):
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
         self._gather_updated_weights()
-        # Not part of the next step's report, nor of its trace record. With overlap
-        # the second hop is issued in the next forward, as the last step's would have
-        # been: that step's report holds it, as any step's does.
+        # Not part of the next step's report (both hops are charged here, when the
+        # chains start), nor of its trace record, except that with overlap the second
+        # hop's collectives are issued, and recorded, under the next forward.
         self.comm.ledger.reset()
         if self.comm.trace is not None:
             self.comm.trace.discard()

@@ -236,18 +236,20 @@ class GatherUnit:
         1/O -> 1/G over ``inter`` (network), then 1/G -> 1/P over
         ``grad_to_param`` (node), each in place (this rank's chunk already sits
         where the gather puts it). Asynchronous: the unit's next gather waits.
+        Both hops count in this step's comm report, though the second is issued
+        under the next forward (megatron_lbp.engine.chains).
         """
         b, comm = self.bucket, self.ctx.comm
         grad_part = b.primary[b.grad_in_primary.slice]
         stages = []
         if comm.sizes.get("inter", 1) > 1:
             own = b.primary[b.optim_in_primary.slice]
-            stages.append(lambda a: Pending(comm.all_gather(
-                grad_part, own, "inter", "step_gather", async_op=a, unit=self.index)))
+            stages.append(lambda a, **how: Pending(comm.all_gather(
+                grad_part, own, "inter", "step_gather", async_op=a, unit=self.index, **how)))
         if comm.sizes.get("grad_to_param", 1) > 1:
-            stages.append(lambda a: Pending(comm.all_gather(
+            stages.append(lambda a, **how: Pending(comm.all_gather(
                 b.primary, grad_part, "grad_to_param", "step_gather", async_op=a,
-                unit=self.index)))
+                unit=self.index, **how)))
         self.await_refresh()
         self.refresh = Chain(self.index, stages, on_done=self._refreshed)
         self.ctx.refreshes.start(self.refresh, async_op=async_op)
@@ -345,8 +347,8 @@ class GatherUnit:
             out = b.grad_shard
             self._step_grad_nbytes = 0
         if ctx.comm.sizes.get("replica", 1) > 1:
-            stages.append(lambda a: Pending(ctx.comm.all_reduce(
-                out, "replica", "step_reduce", async_op=a, unit=self.index)))
+            stages.append(lambda a, **how: Pending(ctx.comm.all_reduce(
+                out, "replica", "step_reduce", async_op=a, unit=self.index, **how)))
         self._step_grad = out
         self.step_reduce = Chain(self.index, stages)
         ctx.step_reduces.start(self.step_reduce, async_op=async_op)
