@@ -64,3 +64,15 @@ def quantization_off():
 
     with mock.patch.object(process_groups, "build_hier_groups", unquantized):
         yield
+
+
+@contextlib.contextmanager
+def reduced_check_ignores_nonfinite():
+    """The optimizer's verdict trusts only the ranks' own counts, not its pass over the reduced
+    gradients: right wherever every rank counts, blind where the collective scales the
+    gradients (PREMUL_SUM) and nobody counts (no --check-for-nan-in-loss-and-grad)."""
+    from megatron_lbp.engine.optimizer import HierDistributedOptimizer
+
+    with mock.patch.object(HierDistributedOptimizer, "_found_nonfinite",
+                           staticmethod(lambda total_sq, nonfinite: nonfinite > 0)):
+        yield
