@@ -44,9 +44,9 @@ from typing import Callable, Sequence
 
 from megatron_lbp.engine.quantized import Pending
 
-# Issues one collective: ``stage(async_op)``; a later stage of a chain also takes the
-# keywords ``charge`` and ``issue`` of megatron_lbp.engine.comm.Collectives' plain
-# all-gather and all-reduce (what it is: the later stages are plain collectives).
+# Issues one collective: ``stage(async_op)``. A later stage of a chain is a plain
+# all-gather or all-reduce and also takes their keywords ``charge`` and ``issue``
+# (megatron_lbp.engine.comm.Collectives).
 Stage = Callable[..., Pending]
 
 

@@ -13,8 +13,8 @@ its gradient slice (and so inside its primary weight slice). One step:
    same pass (a non-finite element makes the sum non-finite) with each rank's
    own count of non-finite gradients (on NCCL/RCCL only with
    --check-for-nan-in-loss-and-grad: elsewhere it is free), in one all-reduce;
-   only when something is non-finite, a second one names the ranks. Clipping, and with fp16
-   Megatron's dynamic loss scale;
+   only when something is non-finite, a second one names the ranks. Clipping,
+   and with fp16 Megatron's dynamic loss scale;
 3. Adam (torch's AdamW, which is what megatron-core uses without Apex/TE) on
    the fp32 master slice; master, exp_avg and exp_avg_sq are three flat
    buffers of exactly 1/O of each padded bucket, each model parameter's share

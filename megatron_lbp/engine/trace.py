@@ -26,12 +26,14 @@ for it. The comm report charges a chain's stages to the step that started it
 next forward, is in the next record but in this step's report. Summed per phase
 and link a record's bytes are its step's report from the second step on (the
 hop it holds is the step before's, as big as its own); the first record lacks
-its step's second hop. A collective still in flight when the record is written (the updated
-weights' gathers, which the next forward waits for: megatron_lbp.engine.schedule)
-is written with
-``wait``/``done`` null, and again, once completed, under ``carried`` in the
-record of the step it completed in, its times relative to that record's
-``t_start`` (its ``issued_seq`` still counts in the step that issued it).
+its step's second hop.
+
+A collective still in flight when the record is written (the updated weights'
+gathers, which the next forward waits for: megatron_lbp.engine.schedule) is
+written with ``wait``/``done`` null, and again, once completed, under
+``carried`` in the record of the step it completed in, its times relative to
+that record's ``t_start`` (its ``issued_seq`` still counts in the step that
+issued it).
 """
 from __future__ import annotations
 

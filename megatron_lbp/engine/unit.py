@@ -24,9 +24,9 @@ arrived the schedule calls :meth:`GatherUnit.start_reduce`, which frees the
 weights and reduce-scatters in the G-group with the 1/W average folded into
 the collective where the backend can (NCCL's PREMUL_SUM,
 :meth:`Collectives.folds_prescale`; this rank's inf/nan then counted only with
---check-for-nan-in-loss-and-grad, which names the rank), else into the one pass
-that also counts this rank's inf/nan (int8 all-to-all with qgZ), straight into the persistent
-1/G shard on the first micro-batch of a step and, at
+--check-for-nan-in-loss-and-grad, which names the rank), else into the one
+pass that also counts this rank's inf/nan (int8 all-to-all with qgZ),
+straight into the persistent 1/G shard on the first micro-batch of a step and, at
 :meth:`GatherUnit.finish_reduce`, added to it on later ones.
 
 The optimizer step's two hops are chains of collectives (megatron_lbp.engine.chains):
