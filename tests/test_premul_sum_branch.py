@@ -23,8 +23,9 @@ differ in about a third of the elements).
   and weights, and the fold branch made no count pass;
 - fp32 with the nan check, the same nan: the fold branch stops naming rank 3 (as
   the gloo branch does: tests/test_faults_nan.py), one count pass per unit gradient;
-- the test of the test: the fold branch with a verdict that ignores the
-  reduced gradients (tests/broken_engine.py) misses the nan.
+- the tests of the tests (tests/broken_engine.py): a PREMUL_SUM that multiplies
+  in fp64 fails the bit-identity check; the fold branch with a verdict that
+  ignores the reduced gradients misses the nan.
 """
 from __future__ import annotations
 
@@ -43,18 +44,20 @@ POISONED_RANK = 3
 LBP = ["--hier-preset", "lbp", "--hier-param-group-size", "2", "--hier-grad-group-size", "2"]
 NAN_AT = f"rank={POISONED_RANK},phase=grad_reduce,iteration=2,action=nan"
 
-# name: (fold branch, fp16 with loss scaling, nan check, nan injected, broken verdict)
+# name: (fold branch, fp16 with loss scaling, nan check, nan injected, broken engine)
 CONFIGS = {
-    "gloo": (False, False, False, False, False),
-    "fold": (True, False, False, False, False),
-    "gloo-fp16-nan": (False, True, False, True, False),
-    "fold-fp16-nan": (True, True, False, True, False),
-    "fold-check-nan": (True, False, True, True, False),
-    "fold-fp16-nan-blind": (True, True, False, True, True),
+    "gloo": (False, False, False, False, None),
+    "fold": (True, False, False, False, None),
+    "gloo-fp16-nan": (False, True, False, True, None),
+    "fold-fp16-nan": (True, True, False, True, None),
+    "fold-check-nan": (True, False, True, True, None),
+    # tests of the tests (tests/broken_engine.py)
+    "fold-fp64-product": (True, False, False, False, "premul_sum_rounding_in_fp64"),
+    "fold-fp16-nan-blind": (True, True, False, True, "reduced_check_ignores_nonfinite"),
 }
 
 
-def _train(fold, fp16, check_nan, nan, blind):
+def _train(fold, fp16, check_nan, nan, broken):
     from megatron_lbp.engine.optimizer import NonFiniteGradientError
     from megatron_lbp.testing.fp16_training import (FP16_SPEC, LossScaleSpec, run_fp16,
                                                     setup_hier_fp16)
@@ -71,8 +74,8 @@ def _train(fold, fp16, check_nan, nan, blind):
     with contextlib.ExitStack() as stack:
         if fold:
             stack.enter_context(premul_sum_on_gloo())
-        if blind:
-            stack.enter_context(broken_engine.reduced_check_ignores_nonfinite())
+        if broken is not None:
+            stack.enter_context(getattr(broken_engine, broken)())
         stack.enter_context(counting_passes())
         if fp16:
             trainer = setup_hier_fp16(FP16_SPEC, train, LossScaleSpec(
@@ -163,6 +166,14 @@ def test_with_the_nan_check_the_fold_branch_stops_naming_the_rank(ranks):
         # 4 units x 1 micro-batch x 2 iterations.
         calls = res["calls"]
         assert calls.get("count_pass") == 8 and "scale_pass" not in calls, calls
+
+
+def test_identity_check_fails_when_the_collective_rounds_differently(ranks):
+    """The test of the test: a PREMUL_SUM multiplying in fp64 (1/6 rounds otherwise)."""
+    for r, got in enumerate(ranks):
+        assert got["fold-fp64-product"]["calls"]["premul_sum"] == 16, got["fold-fp64-product"]
+        with pytest.raises(AssertionError, match="losses|grad_norms|final weights"):
+            assert_same_training(got["fold-fp64-product"], got["gloo"], f"rank {r}")
 
 
 def test_detection_check_fails_when_the_verdict_ignores_the_reduced_gradients(ranks):
