@@ -5,8 +5,8 @@ optimizer step are fixed by the model, the topology, the micro-batches and the
 preset, not by the data. One multi-rank job (the forkserver of
 megatron_lbp.testing.multirank: torch and megatron-core imported once, not per
 rank and per launch) builds the main job's GPT with megatron-core on the same
-ranks and emulated nodes, runs two optimizer steps of each preset through the
-engine (the second counted) and returns each one's ledger record, the same record
+ranks and emulated nodes, runs one optimizer step of each preset through the
+engine and returns each one's ledger record, the same record
 ``--hier-comm-report`` writes. lbp is run too and must give exactly the bytes
 the main job's own ``pretrain()`` run reported: that is the check that the two
 count the same model and topology.
@@ -34,10 +34,9 @@ def _rank_bytes(presets: dict[str, tuple[str, ...]], gpus_per_node: int, bf16: b
                        num_attention_heads=MODEL["num-attention-heads"], vocab_size=VOCAB,
                        seq_length=MODEL["seq-length"],
                        params_dtype=torch.bfloat16 if bf16 else torch.float32)
-    # Two steps, the second counted: a step's 1/G -> 1/P weight gathers overlap the next
-    # forward and are charged to the next step's record, so the first has none carried in
-    # and only the second is the steady state the main job's later iterations report.
-    train = TrainSpec(steps=2, micro_batch_size=MICRO_BATCH,
+    # One step: every step's record, the first included, counts the same bytes (a step's
+    # weight gathers issued under the next forward are charged to it).
+    train = TrainSpec(steps=1, micro_batch_size=MICRO_BATCH,
                       micro_batches=SAMPLES_PER_RANK // MICRO_BATCH)
     out = {}
     for preset, extra in presets.items():

@@ -64,3 +64,31 @@ def quantization_off():
 
     with mock.patch.object(process_groups, "build_hier_groups", unquantized):
         yield
+
+
+@contextlib.contextmanager
+def reduced_check_ignores_nonfinite():
+    """The optimizer's verdict trusts only the ranks' own counts, not its pass over the reduced
+    gradients: right wherever every rank counts, blind where the collective scales the
+    gradients (PREMUL_SUM) and nobody counts (no --check-for-nan-in-loss-and-grad)."""
+    from megatron_lbp.engine.optimizer import HierDistributedOptimizer
+
+    with mock.patch.object(HierDistributedOptimizer, "_found_nonfinite",
+                           staticmethod(lambda total_sq, nonfinite: nonfinite > 0)):
+        yield
+
+
+@contextlib.contextmanager
+def premul_sum_rounding_in_fp64():
+    """The fold branch with a PREMUL_SUM that multiplies in fp64 and rounds once: NCCL's op
+    multiplies in the input's dtype, so with 1/W no power of two the numbers differ."""
+    from megatron_lbp.engine import comm
+    from tests.premul_sum_gloo import GlooPremulSum
+
+    class Fp64Product(GlooPremulSum):
+        def reduce_scatter(self, out, inp, factor, *, group, async_op):
+            return super().reduce_scatter(out, (inp.double() * factor).to(inp.dtype), 1.0,
+                                          group=group, async_op=async_op)
+
+    with mock.patch.object(comm, "PREMUL_SUM", Fp64Product()):
+        yield

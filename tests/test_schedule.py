@@ -64,8 +64,9 @@ def _runs(trace_dir):
         if name == "recompute":
             # The last step's weight gathers still run (the next forward would wait for them).
             in_flight_after_step = model.comm.stats.in_flight
-            # An optimizer state load re-gathers the weights: in neither the next
-            # step's comm report nor its trace record.
+            # An optimizer state load re-gathers the weights: not in the next step's
+            # comm report; in its trace record only the second hop, issued under its
+            # forward (in place of the hop of the step before, as big).
             trainer.optimizer.load_state_dict(trainer.optimizer.state_dict())
             trainer.run([TRAIN.steps], result=result)
             steps_run += 1
@@ -241,11 +242,25 @@ COLLECTIVE_FIELDS = {"phase", "unit", "micro_batch", "family", "comm", "link", "
                      "issued", "issued_seq", "wait", "wait_seq", "done", "done_seq"}
 
 
+def _second_hop(rec):
+    """Bytes per link of a record's 1/G -> 1/P weight gathers: those of the step before
+    (or of an optimizer state load), issued under this step's forward."""
+    hop = defaultdict(float)
+    for c in rec["collectives"]:
+        if c["phase"] == "step_gather" and c["family"] == "grad_to_param":
+            hop[c["link"]] += c["bytes"]
+    return hop
+
+
 def test_trace_fields_and_bytes_equal_the_comm_report(ranks):
     trace_dir, out = ranks
     for rank, got in enumerate(out):
         records = _records(trace_dir, "recompute", rank)
         assert [r["step"] for r in records] == [1, 2, 3]
+        # The comm report charges a step's second hop to that step (its chain started
+        # there); the trace records it where it is issued, in the next step's record.
+        own_hop = _second_hop(records[1])
+        assert own_hop["node"] > 0 and _second_hop(records[0]) == {}, own_hop
         for rec, report in zip(records, got["recompute"]["reports"]):
             assert rec["rank"] == rank and rec["t_start"] == 0.0 < rec["t_end"]
             assert rec["micro_batches"] == 2 and rec["prefetch_units"] == 1
@@ -282,6 +297,11 @@ def test_trace_fields_and_bytes_equal_the_comm_report(ranks):
             assert len(seqs) == len(set(seqs)), "two points share a sequence number"
             assert dict(passes) == {"forward": 2 * len(KINDS), "recompute": 2 * LAYERS,
                                     "backward": 2 * len(KINDS), "optimizer": 1}, dict(passes)
+            # From the second step on the hop issued under the forward is as big as the
+            # step's own: the record's bytes are the report's; the first lacks its own hop.
+            if rec["step"] == 1:
+                for link, nbytes in own_hop.items():
+                    sent["step_gather"][link] += nbytes
             for ph, by_link in report["traffic_by_phase"].items():
                 for link, nbytes in by_link.items():
                     assert sent[ph][link] == pytest.approx(nbytes, abs=1e-6), (

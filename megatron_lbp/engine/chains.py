@@ -29,6 +29,14 @@ used. The same code serves both.
 A chain is never abandoned half way: a peer may already have issued a later
 stage (it noticed the earlier one done first), and would wait for this rank
 to issue it too.
+
+The comm report (megatron_lbp.engine.comm.CommLedger) charges every stage of a
+chain to the step that started it: :meth:`ChainQueue.start` charges the later
+stages' bytes at once (``stage(False, issue=False)``) and issues them later
+with ``charge=False``. The updated weights' second hop, issued under the next
+step's forward, so counts in the step that wrote the weights, and every step's
+report, the first and the last included, holds the same bytes. The schedule
+trace still records each collective when it really is issued.
 """
 from __future__ import annotations
 
@@ -36,7 +44,10 @@ from typing import Callable, Sequence
 
 from megatron_lbp.engine.quantized import Pending
 
-Stage = Callable[[bool], Pending]   # issues one collective; the argument is async_op
+# Issues one collective: ``stage(async_op)``. A later stage of a chain is a plain
+# all-gather or all-reduce and also takes their keywords ``charge`` and ``issue``
+# (megatron_lbp.engine.comm.Collectives).
+Stage = Callable[..., Pending]
 
 
 class Chain:
@@ -62,8 +73,15 @@ class Chain:
         pending.wait()
         return True
 
+    def _charge_later_stages(self) -> None:
+        for stage in self._stages[1:]:
+            stage(False, issue=False)
+
     def _issue_next(self) -> None:
-        self._pending = self._stages[self.issued](self.async_op)
+        stage = self._stages[self.issued]
+        # The first stage charges as it issues (at the start); the later ones were charged then.
+        self._pending = stage(self.async_op) if self.issued == 0 else \
+            stage(self.async_op, charge=False)
         self.issued += 1
 
     def _finish_if_last(self) -> None:
@@ -91,12 +109,13 @@ class ChainQueue:
     def start(self, chain: Chain, async_op: bool = True) -> Chain:
         """Issue the chain's first stage (all of them, one after another, without ``async_op``).
 
-        Nothing else moves here: the later stages are issued by the next
-        :meth:`poll` or :meth:`complete`, so which step's comm report they land in
-        does not depend on how fast the first one was.
+        Nothing else is issued here: the later stages are issued by the next
+        :meth:`poll` or :meth:`complete`; their bytes are charged now (the
+        module docstring).
         """
         self._chains.append(chain)
         chain.async_op = async_op
+        chain._charge_later_stages()
         if not async_op:
             self.complete(chain)
         elif chain._stages:

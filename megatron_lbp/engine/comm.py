@@ -196,25 +196,34 @@ class Collectives:
 
     def _exchange(self, collective, channel: str, out: torch.Tensor, inp: torch.Tensor,
                   family: str, phase: str, total_bytes: int, async_op: bool, unit: int | None,
-                  **kwargs):
+                  charge: bool = True, issue: bool = True, **kwargs):
         """One collective whose rank sends (n-1)/n of ``total_bytes`` (``inp`` may be the
-        rank's own chunk of ``out``: an in-place all-gather)."""
+        rank's own chunk of ``out``: an in-place all-gather).
+
+        ``charge``/``issue``: a later stage of a chain (megatron_lbp.engine.chains)
+        is charged to the ledger when its chain starts (``issue=False``) and
+        issued later without charging again (``charge=False``)."""
         n = self.sizes[family]
         if n == 1:
-            if out.data_ptr() != inp.data_ptr():
+            if issue and out.data_ptr() != inp.data_ptr():
                 out.copy_(inp)
             return None
         nbytes = Fraction(total_bytes * (n - 1), n)
-        self._charge(family, phase, nbytes)
+        if charge:
+            self._charge(family, phase, nbytes)
+        if not issue:
+            return None
         return self._issue(family, phase, collective, out, inp,
                            group=self.groups[family][channel], async_op=async_op,
                            trace_as=(unit, self._comm_name(family, channel),
                                      self.links[family], nbytes), **kwargs)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, family: str, phase: str,
-                   async_op: bool = False, unit: int | None = None):
+                   async_op: bool = False, unit: int | None = None, charge: bool = True,
+                   issue: bool = True):
+        """``charge``/``issue``: see :meth:`_exchange` (a chain's later stage)."""
         return self._exchange(dist.all_gather_into_tensor, GATHER, out, inp, family, phase,
-                              _nbytes(out), async_op, unit)
+                              _nbytes(out), async_op, unit, charge=charge, issue=issue)
 
     def folds_prescale(self, family: str) -> bool:
         """Whether a reduce-scatter in ``family`` can multiply its inputs by a factor itself
@@ -230,15 +239,19 @@ class Collectives:
                        async_op: bool = False, unit: int | None = None,
                        prescale: float | None = None):
         """``prescale``: every rank's input multiplied by it inside the collective (NCCL's
-        PREMUL_SUM), instead of a separate pass over it; only where :meth:`folds_prescale`."""
-        kwargs = {}
+        PREMUL_SUM: :data:`PREMUL_SUM`), instead of a separate pass over it; only where
+        :meth:`folds_prescale`."""
+        collective = dist.reduce_scatter_tensor
         if prescale is not None:
             if not self.folds_prescale(family):
                 raise ValueError(f"the {family} group's backend cannot prescale in the "
                                  "reduce-scatter; scale the input first")
-            kwargs["op"] = dist._make_nccl_premul_sum(prescale)
-        return self._exchange(dist.reduce_scatter_tensor, REDUCE, out, inp, family, phase,
-                              _nbytes(inp), async_op, unit, **kwargs)
+            premul = PREMUL_SUM   # looked up per call: the one seam the CPU tests replace
+
+            def collective(out, inp, *, group, async_op):
+                return premul.reduce_scatter(out, inp, prescale, group=group, async_op=async_op)
+        return self._exchange(collective, REDUCE, out, inp, family, phase,
+                              _nbytes(inp), async_op, unit)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, family: str, phase: str,
                    async_op: bool = False, unit: int | None = None):
@@ -247,12 +260,17 @@ class Collectives:
                               _nbytes(inp), async_op, unit)
 
     def all_reduce(self, t: torch.Tensor, family: str, phase: str,
-                   op=dist.ReduceOp.SUM, async_op: bool = False, unit: int | None = None):
+                   op=dist.ReduceOp.SUM, async_op: bool = False, unit: int | None = None,
+                   charge: bool = True, issue: bool = True):
+        """``charge``/``issue``: see :meth:`_exchange` (a chain's later stage)."""
         n = self.sizes[family]
         if n == 1:
             return None
         nbytes = Fraction(2 * _nbytes(t) * (n - 1), n)
-        self._charge(family, phase, nbytes)
+        if charge:
+            self._charge(family, phase, nbytes)
+        if not issue:
+            return None
         return self._issue(family, phase, dist.all_reduce, t, op=op,
                            group=self.groups[family][REDUCE], async_op=async_op,
                            trace_as=(unit, self._comm_name(family, REDUCE),
@@ -268,17 +286,36 @@ class Collectives:
                         async_op=False, trace_as=(None, "dp_broadcast", link, nbytes))
 
 
-def prescale_in_collective(backend: str) -> bool:
-    """Whether reduce-scatters on a ``backend`` process group can scale their inputs.
+class PremulSum:
+    """NCCL's PREMUL_SUM reduce-scatter: the only backend-specific piece of folding a
+    factor into the gradient reduce-scatter (everything around it is the same code on
+    every backend).
 
-    NCCL (RCCL names itself "nccl" too) has PREMUL_SUM, which multiplies each
-    rank's input by a factor as it reads it, so pre-scaling a gradient costs no
-    pass of its own, and the sum is that of the scaled inputs: the same numbers
-    as scaling first. Gloo has neither PREMUL_SUM nor AVG for reduce-scatters
-    (and AVG's division after the sum would round differently); there the
-    caller scales in a pass it makes anyway (megatron_lbp.engine.unit).
+    NCCL (RCCL names itself "nccl" too) multiplies each rank's input by the
+    factor (in the input's dtype) as it reads it, then sums: the numbers of
+    scaling first, without a pass of its own. Gloo has neither PREMUL_SUM nor AVG
+    for reduce-scatters (and AVG's division after the sum would round
+    differently); there the caller scales in a pass it makes anyway
+    (megatron_lbp.engine.unit). The CPU tests replace :data:`PREMUL_SUM` with an
+    exact gloo emulation (tests/premul_sum_gloo.py) to run the branch a GPU takes.
     """
-    return backend == "nccl" and hasattr(dist, "_make_nccl_premul_sum")
+
+    def available(self, backend: str) -> bool:
+        return backend == "nccl" and hasattr(dist, "_make_nccl_premul_sum")
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, factor: float, *,
+                       group: Any, async_op: bool):
+        return dist.reduce_scatter_tensor(out, inp, op=dist._make_nccl_premul_sum(factor),
+                                          group=group, async_op=async_op)
+
+
+PREMUL_SUM = PremulSum()
+
+
+def prescale_in_collective(backend: str) -> bool:
+    """Whether reduce-scatters on a ``backend`` process group can scale their inputs
+    (:class:`PremulSum`)."""
+    return PREMUL_SUM.available(backend)
 
 
 class _TrackedWork:

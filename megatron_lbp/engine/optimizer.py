@@ -11,9 +11,10 @@ its gradient slice (and so inside its primary weight slice). One step:
 2. gradient norm: sum of squares over the O-group (the ranks of one optimizer
    instance hold every element exactly once) and the inf/nan verdict from the
    same pass (a non-finite element makes the sum non-finite) with each rank's
-   own count of non-finite gradients, in one all-reduce; only when something is
-   non-finite, a second one names the ranks. Clipping, and with fp16
-   Megatron's dynamic loss scale;
+   own count of non-finite gradients (on NCCL/RCCL only with
+   --check-for-nan-in-loss-and-grad: elsewhere it is free), in one all-reduce;
+   only when something is non-finite, a second one names the ranks. Clipping,
+   and with fp16 Megatron's dynamic loss scale;
 3. Adam (torch's AdamW, which is what megatron-core uses without Apex/TE) on
    the fp32 master slice; master, exp_avg and exp_avg_sq are three flat
    buffers of exactly 1/O of each padded bucket, each model parameter's share
@@ -24,8 +25,10 @@ its gradient slice (and so inside its primary weight slice). One step:
    units. With overlap the first hop is issued here and the second once the
    first is done, under the next forward, whose gather of each unit waits for
    both (Megatron's overlap-param-gather): they are in the next step's trace
-   record (``carried``, and the second hop's collectives) and the second hop's
-   bytes in its comm report.
+   record (``carried``, and the second hop's collectives), while both hops'
+   bytes are in this step's comm report (a chain is charged when it starts:
+   megatron_lbp.engine.chains), so every step's report, the first included,
+   counts the same bytes.
 
 With fp32 weights the master slice *is* the primary slice's optimizer part
 (nesting makes it a view), so no separate master copy exists.
@@ -79,9 +82,7 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
         self.steps_done = 0
         self.last_step_report: dict[str, Any] = {}
         self.states: list[_BucketState] = []
-        # Megatron's --check-for-nan-in-loss-and-grad: stop on an inf/nan gradient
-        # (set by the training hooks); otherwise a loss scaler skips the step.
-        self.check_for_nan_in_grad = False
+        self.check_for_nan_in_grad = False   # (a property: the wrappers learn it too)
         self.nonfinite_ranks: list[int] = []
         shard_of_param: dict[int, list[torch.nn.Parameter]] = {}
         for model in self.models:
@@ -129,6 +130,21 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
         return _BucketState(b, model, model.units[b.index], master,
                             torch.zeros(n, device=b.device), torch.zeros(n, device=b.device))
 
+    @property
+    def check_for_nan_in_grad(self) -> bool:
+        """Megatron's --check-for-nan-in-loss-and-grad (set by the training hooks): stop on an
+        inf/nan gradient, naming the rank(s) it came from; otherwise a loss scaler skips
+        the step. Where the reduce-scatter scales the gradients itself (PREMUL_SUM), the
+        wrappers count each rank's own inf/nan only when this is on
+        (UnitContext.counts_own_nonfinite)."""
+        return self._check_for_nan_in_grad
+
+    @check_for_nan_in_grad.setter
+    def check_for_nan_in_grad(self, value: bool) -> None:
+        self._check_for_nan_in_grad = bool(value)
+        for model in self.models:
+            model.ctx.name_nonfinite_ranks = bool(value)
+
     # --- step ----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self):
@@ -174,10 +190,13 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
         One fp64 all-reduce over the O-group (whose ranks hold every element
         exactly once) of this rank's sum of squares and its own count of
         non-finite gradients (counted by the data-parallel wrapper before any
-        reduction), then the count over the replicas. A non-finite element makes
-        the sum of squares non-finite (squares of finite fp32 values cannot
-        overflow fp64), so that one pass is also the check of the reduced
-        gradients. Only when something is non-finite does :meth:`_blame` find whose.
+        reduction, where it counts: UnitContext.counts_own_nonfinite), then the
+        count over the replicas. A non-finite element makes the sum of squares
+        non-finite (squares of finite fp32 values cannot overflow fp64), and any
+        rank's inf/nan makes the reduced element non-finite (inf and nan survive
+        the sums and the 1/W, int8 blocks holding one dequantize to nan), so that
+        one pass alone detects every case exactly; the counts only say whose. Only
+        when something is non-finite does :meth:`_blame` find whose.
         """
         hier = self.models[0].hier
         local = torch.zeros((), dtype=torch.float64, device=self._device)
@@ -193,7 +212,7 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
         self.comm.all_reduce(both, "optim", CONTROL)
         self.comm.all_reduce(both[1:], "replica", CONTROL)
         total_sq, nonfinite = both.tolist()
-        found_inf = nonfinite > 0 or not math.isfinite(total_sq)
+        found_inf = self._found_nonfinite(total_sq, nonfinite)
         self.nonfinite_ranks = []
         if not found_inf:
             if self.grad_scaler is not None:
@@ -202,6 +221,12 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
         self._blame(hier, local > 0, not math.isfinite(sq.item()))
         return True, math.sqrt(total_sq) if total_sq >= 0 else total_sq
 
+    @staticmethod
+    def _found_nonfinite(total_sq: float, nonfinite: float) -> bool:
+        """The verdict: the reduced gradients' sum of squares is non-finite, or a rank counted
+        an inf/nan of its own (the first alone is exact: :meth:`_norm_and_inf_check`)."""
+        return nonfinite > 0 or not math.isfinite(total_sq)
+
     def _blame(self, hier, mine: torch.Tensor, my_slice_nonfinite: bool) -> None:
         """Some gradient is inf/nan: name the ranks whose own gradient was, and react.
 
@@ -209,14 +234,20 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
         any reduction) plus one for a non-finite reduced slice (a sum that
         overflowed), MAX-reduced over the O-group and then the replicas:
         together they span every rank, so every rank names the same ranks.
+        Where the ranks did not count their own (the collective scaled the
+        gradients and no --check-for-nan-in-loss-and-grad) there is no one to
+        name, and no collective: every rank knows that alike.
         """
-        flags = torch.zeros(len(hier.dp_ranks) + 1, dtype=torch.uint8, device=self._device)
-        flags[hier.dp_index] = mine.to(torch.uint8)
-        flags[-1] = int(my_slice_nonfinite)
-        self.comm.all_reduce(flags, "optim", CONTROL, op=dist.ReduceOp.MAX)
-        self.comm.all_reduce(flags, "replica", CONTROL, op=dist.ReduceOp.MAX)
-        flags = flags.tolist()
-        self.nonfinite_ranks = [hier.dp_ranks[i] for i, f in enumerate(flags[:-1]) if f]
+        counted = all(m.ctx.counts_own_nonfinite for m in self.models)
+        self.nonfinite_ranks = []
+        if counted:
+            flags = torch.zeros(len(hier.dp_ranks) + 1, dtype=torch.uint8, device=self._device)
+            flags[hier.dp_index] = mine.to(torch.uint8)
+            flags[-1] = int(my_slice_nonfinite)
+            self.comm.all_reduce(flags, "optim", CONTROL, op=dist.ReduceOp.MAX)
+            self.comm.all_reduce(flags, "replica", CONTROL, op=dist.ReduceOp.MAX)
+            flags = flags.tolist()
+            self.nonfinite_ranks = [hier.dp_ranks[i] for i, f in enumerate(flags[:-1]) if f]
         iteration = faults.TRACKER.iteration
         origin = (f"rank(s) {self.nonfinite_ranks}" if self.nonfinite_ranks
                   else "no single rank (the reduced sum overflowed)")
@@ -233,8 +264,10 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
         else:
             what = "no loss scaler and no --check-for-nan-in-loss-and-grad: step taken anyway"
         if dist.get_rank() == hier.dp_ranks[0]:
-            print(f"[megatron-lbp] iteration {iteration}: inf/nan gradient from {origin}; {what}",
-                  flush=True)
+            found = (f"inf/nan gradient from {origin}" if counted else
+                     "the reduced gradients are inf/nan (naming the rank(s) they came from "
+                     "needs --check-for-nan-in-loss-and-grad)")
+            print(f"[megatron-lbp] iteration {iteration}: {found}; {what}", flush=True)
 
     def _drop_grads(self) -> None:
         for group in self.optimizer.param_groups:
@@ -355,9 +388,9 @@ class HierDistributedOptimizer(_megatron_optimizer_base()):
         if self.grad_scaler is not None and state_dict.get("grad_scaler"):
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
         self._gather_updated_weights()
-        # Not part of the next step's report, nor of its trace record. With overlap
-        # the second hop is issued in the next forward, as the last step's would have
-        # been: that step's report holds it, as any step's does.
+        # Not part of the next step's report (both hops are charged here, when the
+        # chains start), nor of its trace record, except that with overlap the second
+        # hop's collectives are issued, and recorded, under the next forward.
         self.comm.ledger.reset()
         if self.comm.trace is not None:
             self.comm.trace.discard()

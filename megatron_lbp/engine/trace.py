@@ -18,15 +18,22 @@ Times are seconds of this rank's ``time.perf_counter()`` minus ``t_start`` (the
 start of the step's first forward); ``*_seq`` numbers every recorded point of
 the step in program order, which breaks ties in time.
 
-A record covers exactly what the comm report of the same step covers: every
-collective since the previous step's record was written (so a checkpoint load
-or an evaluation before a step's first forward lands in that step, at negative
-times). A collective still in flight when the record is written (the updated
-weights' gathers, which the next forward waits for: megatron_lbp.engine.schedule)
-is written with
-``wait``/``done`` null, and again, once completed, under ``carried`` in the
-record of the step it completed in, its times relative to that record's
-``t_start`` (its ``issued_seq`` still counts in the step that issued it).
+A record holds every collective issued since the previous step's record was
+written (so a checkpoint load or an evaluation before a step's first forward
+lands in that step, at negative times), each with the bytes the ledger charged
+for it. The comm report charges a chain's stages to the step that started it
+(megatron_lbp.engine.chains): the updated weights' second hop, issued under the
+next forward, is in the next record but in this step's report. Summed per phase
+and link a record's bytes are its step's report from the second step on (the
+hop it holds is the step before's, as big as its own); the first record lacks
+its step's second hop.
+
+A collective still in flight when the record is written (the updated weights'
+gathers, which the next forward waits for: megatron_lbp.engine.schedule) is
+written with ``wait``/``done`` null, and again, once completed, under
+``carried`` in the record of the step it completed in, its times relative to
+that record's ``t_start`` (its ``issued_seq`` still counts in the step that
+issued it).
 """
 from __future__ import annotations
 

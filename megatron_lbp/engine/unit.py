@@ -23,9 +23,10 @@ backward (only counted then: :func:`unfused_gradient`); when the last one has
 arrived the schedule calls :meth:`GatherUnit.start_reduce`, which frees the
 weights and reduce-scatters in the G-group with the 1/W average folded into
 the collective where the backend can (NCCL's PREMUL_SUM,
-:meth:`Collectives.folds_prescale`), else into the one pass that also counts
-this rank's inf/nan (int8 all-to-all with qgZ), straight into the persistent
-1/G shard on the first micro-batch of a step and, at
+:meth:`Collectives.folds_prescale`; this rank's inf/nan then counted only with
+--check-for-nan-in-loss-and-grad, which names the rank), else into the one
+pass that also counts this rank's inf/nan (int8 all-to-all with qgZ),
+straight into the persistent 1/G shard on the first micro-batch of a step and, at
 :meth:`GatherUnit.finish_reduce`, added to it on later ones.
 
 The optimizer step's two hops are chains of collectives (megatron_lbp.engine.chains):
@@ -74,9 +75,13 @@ class UnitContext:
     # Megatron's --gradient-accumulation-fusion: weight gradients arrive in main_grad.
     fused_wgrad: bool = False
     # This rank's own non-finite unit gradients since the last optimizer step,
-    # counted before the reduction mixes ranks (read and reset by the optimizer).
+    # counted before the reduction mixes ranks (read and reset by the optimizer),
+    # where :attr:`counts_own_nonfinite`.
     local_nonfinite: torch.Tensor = field(
         default_factory=lambda: torch.zeros((), dtype=torch.int32))
+    # Megatron's --check-for-nan-in-loss-and-grad (set by the optimizer): the step must
+    # name the rank(s) whose own gradient was inf/nan, so each rank counts its own.
+    name_nonfinite_ranks: bool = False
     # The optimizer step's chains, in the order every rank starts them.
     step_reduces: ChainQueue = field(default_factory=ChainQueue)
     refreshes: ChainQueue = field(default_factory=ChainQueue)
@@ -107,6 +112,13 @@ class UnitContext:
         inv = torch.full((), factor, dtype=torch.float32, device=grad.device)
         torch._amp_foreach_non_finite_check_and_unscale_([grad], found, inv)
         self.local_nonfinite = self.local_nonfinite.to(grad.device) + found.to(torch.int32)
+
+    @property
+    def counts_own_nonfinite(self) -> bool:
+        """Whether :attr:`local_nonfinite` is counted: always where the scaling pass counts
+        for free; where the collective scales (PREMUL_SUM) only when the ranks are to be
+        named, since that count is a read pass of its own."""
+        return not self.folds_prescale("grad") or self.name_nonfinite_ranks
 
     def count_nonfinite(self, grad: torch.Tensor) -> None:
         """This rank's inf/nan counted from a read of ``grad`` (inf/nan survive the sum; no
@@ -236,18 +248,20 @@ class GatherUnit:
         1/O -> 1/G over ``inter`` (network), then 1/G -> 1/P over
         ``grad_to_param`` (node), each in place (this rank's chunk already sits
         where the gather puts it). Asynchronous: the unit's next gather waits.
+        Both hops count in this step's comm report, though the second is issued
+        under the next forward (megatron_lbp.engine.chains).
         """
         b, comm = self.bucket, self.ctx.comm
         grad_part = b.primary[b.grad_in_primary.slice]
         stages = []
         if comm.sizes.get("inter", 1) > 1:
             own = b.primary[b.optim_in_primary.slice]
-            stages.append(lambda a: Pending(comm.all_gather(
-                grad_part, own, "inter", "step_gather", async_op=a, unit=self.index)))
+            stages.append(lambda a, **how: Pending(comm.all_gather(
+                grad_part, own, "inter", "step_gather", async_op=a, unit=self.index, **how)))
         if comm.sizes.get("grad_to_param", 1) > 1:
-            stages.append(lambda a: Pending(comm.all_gather(
+            stages.append(lambda a, **how: Pending(comm.all_gather(
                 b.primary, grad_part, "grad_to_param", "step_gather", async_op=a,
-                unit=self.index)))
+                unit=self.index, **how)))
         self.await_refresh()
         self.refresh = Chain(self.index, stages, on_done=self._refreshed)
         self.ctx.refreshes.start(self.refresh, async_op=async_op)
@@ -306,8 +320,13 @@ class GatherUnit:
             ctx.scale_and_count_nonfinite(send, scale)
         pending = ctx.reduce_scatter_grad(out, send, "grad", "grad_reduce", async_op=async_op,
                                           unit=self.index, prescale=scale if fold else None)
-        if fold:
-            # The one read of this rank's own gradient besides the collective's, beside it.
+        if fold and ctx.name_nonfinite_ranks:
+            # A read of this rank's own gradient besides the collective's, only to name it:
+            # the optimizer's pass over the reduced slices already detects any rank's
+            # inf/nan exactly. Stock Megatron pays the same read only with
+            # check_for_nan_in_grad (megatron-core 0.19.2,
+            # distributed/param_and_grad_buffer.py: start_grad_sync calls check_grads, a
+            # norm per bucket, only when ddp_config.check_for_nan_in_grad).
             ctx.count_nonfinite(grad)
         return ReduceInFlight(self, pending, out, send, nbytes, last)
 
@@ -345,8 +364,8 @@ class GatherUnit:
             out = b.grad_shard
             self._step_grad_nbytes = 0
         if ctx.comm.sizes.get("replica", 1) > 1:
-            stages.append(lambda a: Pending(ctx.comm.all_reduce(
-                out, "replica", "step_reduce", async_op=a, unit=self.index)))
+            stages.append(lambda a, **how: Pending(ctx.comm.all_reduce(
+                out, "replica", "step_reduce", async_op=a, unit=self.index, **how)))
         self._step_grad = out
         self.step_reduce = Chain(self.index, stages)
         ctx.step_reduces.start(self.step_reduce, async_op=async_op)
