@@ -92,3 +92,34 @@ def premul_sum_rounding_in_fp64():
 
     with mock.patch.object(comm, "PREMUL_SUM", Fp64Product()):
         yield
+
+
+@contextlib.contextmanager
+def stale_weights_on_rank(rank: int):
+    """On ``rank`` only, the step's weight gathers are lost: when a unit's refresh lands, its
+    primary slice is put back as it was when the refresh started (its own 1/O slice, which
+    the optimizer had just written, included: only what the gathers brought is lost). Its
+    P-group then computes with partly old weights, while the logged losses, all-reduced
+    over the data-parallel ranks, are still the same number on every rank. Purely local:
+    every collective is issued as before."""
+    import torch.distributed as dist
+
+    from megatron_lbp.engine.unit import GatherUnit
+
+    start, landed = GatherUnit.start_refresh, GatherUnit._refreshed
+
+    def start_and_remember(self, async_op):
+        if dist.get_rank() == rank:
+            self._lbp_before_refresh = self.bucket.primary.clone()
+        start(self, async_op)
+
+    def land_and_forget(self):
+        before = getattr(self, "_lbp_before_refresh", None)
+        if before is not None:
+            self.bucket.primary.copy_(before)
+            self._lbp_before_refresh = None
+        landed(self)
+
+    with mock.patch.object(GatherUnit, "start_refresh", start_and_remember), \
+            mock.patch.object(GatherUnit, "_refreshed", land_and_forget):
+        yield

@@ -43,6 +43,9 @@ TIMEOUT = 900
 # 1/G in place of 1/W (G=4, W=8): every reduced gradient twice what it must be.
 WRONG_SCALE = "lbp, gradients x2 (broken)"
 WRONG_SCALE_FAULT = {WRONG_SCALE: functools.partial(broken_engine.gradient_scale, 2.0)}
+# Rank 5 loses the step's weight gathers (its P-group {4, 5} trains on partly old weights).
+STALE_RANK = "lbp, rank 5 keeps stale weights (broken)"
+STALE_RANK_FAULT = {STALE_RANK: functools.partial(broken_engine.stale_weights_on_rank, 5)}
 
 
 def run_all(spec, train, configs, faults=None):
@@ -54,7 +57,9 @@ def run_all(spec, train, configs, faults=None):
 @pytest.fixture(scope="module")
 def fp32():
     return run_all(SPEC, TRAIN, {"stock": None, **PRESETS,
-                                 WRONG_SCALE: PRESETS["lbp-P2-G4-O8"]}, WRONG_SCALE_FAULT)
+                                 WRONG_SCALE: PRESETS["lbp-P2-G4-O8"],
+                                 STALE_RANK: PRESETS["lbp-P2-G4-O8"]},
+                   {**WRONG_SCALE_FAULT, **STALE_RANK_FAULT})
 
 
 def rel(a, b):
@@ -124,6 +129,17 @@ def test_grad_norm_check_fails_on_a_wrong_gradient_scale(fp32):
         assert_same_grad_norms(bad, stock, FP32_REL, WRONG_SCALE)
     # the same engine unbroken passes it (the fault is what fails, not the check's set-up)
     assert_same_grad_norms(trained(fp32[0], "lbp-P2-G4-O8"), stock, FP32_REL, "lbp-P2-G4-O8")
+
+
+def test_rank_weight_check_fails_when_one_rank_keeps_stale_weights(fp32):
+    """The test of the test: rank 5 drops the step's weight gathers. Every rank logs the
+    same losses (all-reduced), so only the per-rank weight comparison can see it."""
+    ranks = [trained(r, STALE_RANK) for r in fp32]
+    assert all(r.losses == ranks[0].losses for r in ranks), "logged losses differ between ranks"
+    with pytest.raises(AssertionError, match=r"rank [45]'s final \S+ differs from rank 0's"):
+        assert_ranks_hold_the_same_weights(ranks, STALE_RANK)
+    # the unbroken engine of the same launch passes it
+    assert_ranks_hold_the_same_weights([trained(r, "lbp-P2-G4-O8") for r in fp32], "lbp-P2-G4-O8")
 
 
 def test_parameter_count_not_divisible_by_world():
