@@ -14,8 +14,10 @@ step_reduce, step_gather, control) it sums, per optimizer step:
   time the rank waited for a collective it had not yet got back (a
   synchronous call is exposed from start to end); a collective completed in a
   later step (``carried``) counts there;
-- the number of collectives and the bytes the ledger charged for them (equal to
-  the comm report's bytes of that phase);
+- the number of collectives and the bytes the ledger charged for them (from the
+  second step on equal to the comm report's bytes of that phase: the report
+  charges a step's second weight-gather hop to that step, the trace records it
+  where it is issued, under the next forward; docs/schedule-trace.md);
 
 and the compute time per pass (forward, recompute, backward, optimizer) and
 the step time (``t_end``). Figures are means over the chosen steps; the first
