@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_lbp.testing.tiny_gpt import (Trainer, TinyGPTSpec, TrainSpec, constant_schedule,
-                                           forward_loss, global_batch, init_megatron_state, setup_hier,
-                                           tiny_gpt_config, tiny_gpt_provider)
+from megatron_lbp.testing.tiny_gpt import (Trainer, TinyGPTSpec, TrainSpec, forward_loss,
+                                           global_batch, setup_hier, setup_stock, tiny_gpt_config,
+                                           tiny_gpt_provider)
 
 FP16_SPEC = TinyGPTSpec(params_dtype=torch.float16)
 
@@ -80,23 +80,8 @@ def fp16_optimizer_config(train: TrainSpec, scaling: LossScaleSpec):
 
 def setup_stock_fp16(spec: TinyGPTSpec, train: TrainSpec, scaling: LossScaleSpec) -> Trainer:
     """megatron-core DDP + DistributedOptimizer (+ its DynamicGradScaler) over the data-parallel group."""
-    from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import get_megatron_optimizer, get_standard_config_overrides
-
-    init_megatron_state(seed=spec.seed)
-    model, config = fp16_model(spec)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                               use_distributed_optimizer=True,
-                                               bucket_size=train.bucket_size)
-    ddp_model = DistributedDataParallel(config, ddp_config, model)
-    opt_config = fp16_optimizer_config(train, scaling)
-    optimizer = get_megatron_optimizer(
-        opt_config, [ddp_model], config_overrides=get_standard_config_overrides(opt_config))
-    return Trainer(spec, train, ddp_model, model, optimizer, constant_schedule(optimizer, opt_config),
-                   parallel_state.get_data_parallel_rank(),
-                   parallel_state.get_data_parallel_world_size(),
-                   parallel_state.get_data_parallel_group())
+    return setup_stock(spec, train, build_model=fp16_model,
+                       optimizer_config=fp16_optimizer_config(train, scaling))
 
 
 def setup_hier_fp16(spec: TinyGPTSpec, train: TrainSpec, scaling: LossScaleSpec,

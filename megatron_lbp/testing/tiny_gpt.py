@@ -303,14 +303,17 @@ class Trainer:
         return params
 
 
-def setup_stock(spec: TinyGPTSpec, train: TrainSpec) -> Trainer:
-    """megatron-core DDP + DistributedOptimizer over the default data-parallel group."""
+def setup_stock(spec: TinyGPTSpec, train: TrainSpec, *, build_model=None,
+                optimizer_config=None) -> Trainer:
+    """megatron-core DDP + DistributedOptimizer over the default data-parallel group.
+
+    ``build_model(spec)`` and ``optimizer_config``: as in :func:`setup_hier`."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import get_megatron_optimizer, get_standard_config_overrides
 
     init_megatron_state(seed=spec.seed)
-    model, config = build_tiny_gpt(spec)
+    model, config = (build_model or build_tiny_gpt)(spec)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=train.overlap_grad_reduce,
@@ -318,7 +321,7 @@ def setup_stock(spec: TinyGPTSpec, train: TrainSpec) -> Trainer:
         bucket_size=train.bucket_size,
     )
     ddp_model = DistributedDataParallel(config, ddp_config, model)
-    opt_config = _optimizer_config(spec, train, distributed=True)
+    opt_config = optimizer_config or _optimizer_config(spec, train, distributed=True)
     optimizer = get_megatron_optimizer(
         opt_config, [ddp_model], config_overrides=get_standard_config_overrides(opt_config))
     return Trainer(spec, train, ddp_model, model, optimizer, constant_schedule(optimizer, opt_config),
