@@ -30,3 +30,10 @@ def exit_hard_on_rank(bad_rank):
         os._exit(3)
     dist.barrier()
     return dist.get_rank()
+
+
+def abort_in_native_code_on_rank(bad_rank: int):
+    """A C++-style abort (SIGABRT), as a failed assertion or terminate() in a library does."""
+    if dist.get_rank() == bad_rank:
+        os.abort()
+    dist.barrier()

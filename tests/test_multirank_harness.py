@@ -39,6 +39,15 @@ def test_rank_dying_without_exception_is_reported():
     assert "exited with code 3" in str(err.value), str(err.value)
 
 
+def test_rank_crashing_in_native_code_shows_where_it_was():
+    with pytest.raises(MultiRankError) as err:
+        run_on_ranks(ranks_fns.abort_in_native_code_on_rank, 2, 1, timeout=60)
+    msg = str(err.value)
+    assert "exited with code -6" in msg, msg
+    assert "rank 1 stacks when it crashed" in msg and "abort_in_native_code_on_rank" in msg, (
+        f"the aborting rank's Python stack is not in the failure:\n{msg}")
+
+
 def test_rank_location_env_places_consecutive_nodes():
     env = rank_location_env(4)
     assert [env(r)["GROUP_RANK"] for r in range(8)] == ["0"] * 4 + ["1"] * 4

@@ -46,6 +46,7 @@ class _Outcome:
     ok: bool
     value: Any = None
     error: str = ""
+    crashed: bool = False  # died without reporting: its stack file holds faulthandler's dump
 
 
 def agent_store(world_size: int):
@@ -116,6 +117,9 @@ def forkserver_context():
 def _rank_main(fn, args, kwargs, rank, env, results, stack_file, dump_after_s, init_pg):
     os.environ.update(env)
     with open(stack_file, "w") as stacks:
+        # A rank killed by a signal (SIGABRT from a C++ abort, SIGSEGV) writes its
+        # Python stacks here too, so a native crash names where it happened.
+        faulthandler.enable(file=stacks, all_threads=True)
         faulthandler.dump_traceback_later(dump_after_s, exit=False, file=stacks)
         try:
             import torch
@@ -224,7 +228,8 @@ def run_on_ranks(
                         if r not in outcomes and not p.is_alive() and p.exitcode not in (0, None)]
                 for r in dead:
                     outcomes[r] = _Outcome(r, False, error=f"process exited with code {procs[r].exitcode} "
-                                           "before reporting (killed or crashed in native code)")
+                                           "before reporting (killed or crashed in native code)",
+                                           crashed=True)
                     first_error_at = first_error_at or time.monotonic()
                 continue
             outcomes[item.rank] = item
@@ -247,6 +252,11 @@ def run_on_ranks(
     return [outcomes[r].value for r in range(world_size)]
 
 
+def _stack_dump(stack_dir: str, rank: int) -> str:
+    path = os.path.join(stack_dir, f"rank{rank}.stack")
+    return open(path).read().strip() if os.path.exists(path) else ""
+
+
 def _describe_failure(failed, missing, stack_dir, timeout, had_error) -> str:
     lines = []
     if failed:
@@ -257,10 +267,12 @@ def _describe_failure(failed, missing, stack_dir, timeout, had_error) -> str:
         lines.append(f"rank(s) {missing} {why}")
     for r in sorted(failed):
         lines.append(f"--- rank {r} traceback ---\n{failed[r].error.rstrip()}")
+        if failed[r].crashed:
+            stack = _stack_dump(stack_dir, r)
+            lines.append(f"--- rank {r} stacks when it crashed ---\n{stack or '(none dumped)'}")
     if not had_error:
         for r in missing:
-            path = os.path.join(stack_dir, f"rank{r}.stack")
-            stack = open(path).read().strip() if os.path.exists(path) else ""
+            stack = _stack_dump(stack_dir, r)
             lines.append(f"--- rank {r} stack shortly before the timeout ---\n{stack or '(none dumped)'}")
     return "\n".join(lines)
 
