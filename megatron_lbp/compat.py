@@ -86,6 +86,27 @@ Two independent parts, both applied by :func:`enable` (idempotent):
      compiles bias+gelu and bias+dropout+add with Inductor in every rank even when
      the flags turn those fusions off; it is skipped when the model calls none
      of the warmed kernels (``_skip_unused_jit_warmup``).
+
+4. Megatron-FSDP on gloo (``megatron_fsdp_on_gloo``, called where the benchmarks
+   build their Megatron-FSDP baseline; the hierarchy itself refuses
+   ``--use-megatron-fsdp``), only when the default process group is plain gloo:
+   its parameter all-gathers take its own synchronous branch
+   (``async_param_gather=False``: each coalesced block of gathers is waited for
+   as it closes), so no coalesced gloo collective is ever in flight beside
+   another. Asynchronous, they corrupt the heap now and then ("malloc():
+   unaligned tcache chunk detected", SIGABRT or SIGSEGV inside
+   ``_coalescing_manager``). ``bench overhead --schemes megatron-fsdp`` on 2 ranks,
+   60 steps, 2-4 runs side by side: 2 of 16 runs crashed; 1 of 24 with its bucket
+   frees turned off (so it is not Megatron-FSDP freeing a bucket early); 1 of 45
+   when only whole calls were waited for (coalesced blocks still overlapping one
+   another); 0 of 69 on this branch. The rank stacks come from
+   megatron_lbp.testing.multirank. Plain torch shows the same fault
+   (tests/gloo_coalesced_repro.py: an asynchronous coalesced all-gather left in
+   flight across a coalesced reduce-scatter aborted with the same malloc message
+   or hung in 2 of 18 runs of 3000 iterations, 0 of 10 waited for first), and
+   pytorch/pytorch#65231 records aborts of gloo's coalesced all-gather.
+   NCCL/RCCL runs are untouched. Cost: the CPU benchmarks' Megatron-FSDP no
+   longer overlaps its gathers with compute.
 """
 from __future__ import annotations
 
@@ -400,6 +421,27 @@ def _skip_unused_jit_warmup(orig):
         return None
 
     return set_jit_fusion_options
+
+
+def megatron_fsdp_on_gloo() -> None:
+    """Part 4 of the module docstring: Megatron-FSDP's parameter all-gathers synchronous on gloo."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer
+
+    pipeline = param_and_grad_buffer.AllGatherPipeline
+    orig = pipeline.all_gather_params
+    if getattr(orig, "__lbp_wrapped__", False):
+        return
+
+    @functools.wraps(orig)
+    def all_gather_params(self, *args, **kwargs):
+        import torch.distributed as dist
+
+        if dist.get_backend() == "gloo":
+            kwargs["async_param_gather"] = False
+        return orig(self, *args, **kwargs)
+
+    all_gather_params.__lbp_wrapped__ = True
+    pipeline.all_gather_params = all_gather_params
 
 
 def _skip_helper_build_if_prebuilt() -> None:

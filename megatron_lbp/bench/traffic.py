@@ -75,6 +75,8 @@ def setup_fsdp(spec, train):
     ``gradient_reduce_div_fusion=False``: gloo has no PREMUL_SUM. fp32 main
     weights and gradients (Megatron-FSDP's defaults for main params; main grads
     asked for explicitly), gradients reduced in fp32 like every other row.
+    On gloo its parameter all-gathers are synchronous (compat.megatron_fsdp_on_gloo:
+    asynchronous ones corrupt the heap now and then).
     """
     import torch
     from megatron.core import parallel_state
@@ -82,8 +84,10 @@ def setup_fsdp(spec, train):
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
     from megatron.core.optimizer import get_megatron_optimizer, get_standard_config_overrides
 
+    from megatron_lbp import compat
     from megatron_lbp.testing import tiny_gpt
 
+    compat.megatron_fsdp_on_gloo()
     tiny_gpt.init_megatron_state(seed=spec.seed)
     model, config = tiny_gpt.build_tiny_gpt(spec)
     ddp_config = DistributedDataParallelConfig(
