@@ -160,14 +160,21 @@ class ShardedConstruction:
         start, self.rng_at_start = self.rng_at_start, None   # used once: let it go
         start.restore()
         del start
+        # Everything alive before the rebuild is set aside from the collection below:
+        # the garbage is the second model, and a full collection would also walk
+        # every object of torch and Megatron (about 0.2 s of CPU per rank).
+        gc.freeze()
         try:
-            with _ParameterStream(ready) as stream:
-                model = self.rebuild()
-                stream.finish(model)
+            try:
+                with _ParameterStream(ready) as stream:
+                    model = self.rebuild()
+                    stream.finish(model)
+            finally:
+                now.restore()
+            del model
+            gc.collect()  # the second model's buffers, now, not when a cycle collection runs
         finally:
-            now.restore()
-        del model
-        gc.collect()  # the second model's buffers, now, not when a cycle collection runs
+            gc.unfreeze()
         done = set(seen)
         missing = [i for i, ref in enumerate(self.params) if ref() is not None and i not in done]
         if missing:
