@@ -119,6 +119,8 @@ def test_nothing_is_patched_when_an_accelerator_is_present():
         "assert compat.enable() is False\n"
         "assert torch.zeros is orig_zeros and torch.Tensor.to is orig_to\n"
         "assert torch.cuda.current_device is orig_cur\n"
+        "from megatron.core.dist_checkpointing.strategies import filesystem_async as fa\n"
+        "assert not hasattr(fa.get_write_results_queue, '__lbp_wrapped__')  # spawn kept\n"
         "print('untouched')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -212,3 +214,18 @@ def test_megatron_fsdp_gathers_synchronously_on_gloo():
         f"with compat.megatron_fsdp_on_gloo, coalesced blocks left in flight: {counts}")
     # The check can fail: Megatron-FSDP's own asynchronous gathers leave blocks in flight.
     assert any(counts["stock"]), f"stock Megatron-FSDP left no block in flight: {counts}"
+
+
+def test_checkpoint_result_queue_is_forked_on_the_cpu_runtime():
+    """compat part 5: the torch_dist writer's Manager is forked, not spawned (no torch import in it)."""
+    code = (
+        "from megatron_lbp import compat\n"
+        "assert compat.enable()\n"
+        "from megatron.core.dist_checkpointing.strategies import filesystem_async as fa\n"
+        "q = fa.get_write_results_queue()\n"
+        "q.put(1); assert q.get() == 1\n"
+        "print(type(q._manager._process).__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "ForkProcess", out.stdout
