@@ -350,20 +350,27 @@ def _activate_cpu_runtime() -> None:
     )
 
 
+def _replace_once(owner: typing.Any, name: str,
+                  make: typing.Callable[[typing.Callable], typing.Callable]) -> None:
+    """``owner.name = make(original)``, marked so that applying it again changes nothing."""
+    orig = getattr(owner, name)
+    if getattr(orig, "__lbp_wrapped__", False):
+        return
+    new = functools.wraps(orig)(make(orig))
+    new.__lbp_wrapped__ = True
+    setattr(owner, name, new)
+
+
 def _fork_checkpoint_result_queue() -> None:
     """Part 5 of the module docstring: the torch_dist writer's result queue in a forked Manager."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    orig = filesystem_async.get_write_results_queue
-    if getattr(orig, "__lbp_wrapped__", False):
-        return
+    def make(orig):
+        def get_write_results_queue(mp_mode: str = "spawn"):
+            return orig("fork" if mp_mode == "spawn" else mp_mode)
+        return get_write_results_queue
 
-    @functools.wraps(orig)
-    def get_write_results_queue(mp_mode: str = "fork"):
-        return orig("fork" if mp_mode == "spawn" else mp_mode)
-
-    get_write_results_queue.__lbp_wrapped__ = True
-    filesystem_async.get_write_results_queue = get_write_results_queue
+    _replace_once(filesystem_async, "get_write_results_queue", make)
 
 
 def _defer_torch_compile(torch) -> None:
@@ -465,41 +472,32 @@ def memoize_argument_help() -> None:
     """Part 3: each config class's field docstrings parsed from its source once per process."""
     from megatron.training import argument_utils
 
-    factory = argument_utils.ArgumentGroupFactory
-    orig = factory._get_field_docstrings
-    if getattr(orig, "__lbp_wrapped__", False):
-        return
     memo: dict[type, dict[str, str]] = {}
 
-    @functools.wraps(orig)
-    def _get_field_docstrings(self, src_cfg_class):
-        if src_cfg_class not in memo:
-            memo[src_cfg_class] = orig(self, src_cfg_class)  # recurses through this memo
-        return dict(memo[src_cfg_class])
+    def make(orig):
+        def _get_field_docstrings(self, src_cfg_class):
+            if src_cfg_class not in memo:
+                memo[src_cfg_class] = orig(self, src_cfg_class)  # recurses through this memo
+            return dict(memo[src_cfg_class])
+        return _get_field_docstrings
 
-    _get_field_docstrings.__lbp_wrapped__ = True
-    factory._get_field_docstrings = _get_field_docstrings
+    _replace_once(argument_utils.ArgumentGroupFactory, "_get_field_docstrings", make)
 
 
 def megatron_fsdp_on_gloo() -> None:
     """Part 4 of the module docstring: Megatron-FSDP's parameter all-gathers synchronous on gloo."""
     from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer
 
-    pipeline = param_and_grad_buffer.AllGatherPipeline
-    orig = pipeline.all_gather_params
-    if getattr(orig, "__lbp_wrapped__", False):
-        return
+    def make(orig):
+        def all_gather_params(self, *args, **kwargs):
+            import torch.distributed as dist
 
-    @functools.wraps(orig)
-    def all_gather_params(self, *args, **kwargs):
-        import torch.distributed as dist
+            if dist.get_backend() == "gloo":
+                kwargs["async_param_gather"] = False
+            return orig(self, *args, **kwargs)
+        return all_gather_params
 
-        if dist.get_backend() == "gloo":
-            kwargs["async_param_gather"] = False
-        return orig(self, *args, **kwargs)
-
-    all_gather_params.__lbp_wrapped__ = True
-    pipeline.all_gather_params = all_gather_params
+    _replace_once(param_and_grad_buffer.AllGatherPipeline, "all_gather_params", make)
 
 
 def _skip_helper_build_if_prebuilt() -> None:

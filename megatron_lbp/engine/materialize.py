@@ -165,15 +165,13 @@ class ShardedConstruction:
         # every object of torch and Megatron (about 0.2 s of CPU per rank).
         gc.freeze()
         try:
-            try:
-                with _ParameterStream(ready) as stream:
-                    model = self.rebuild()
-                    stream.finish(model)
-            finally:
-                now.restore()
+            with _ParameterStream(ready) as stream:
+                model = self.rebuild()
+                stream.finish(model)
             del model
             gc.collect()  # the second model's buffers, now, not when a cycle collection runs
         finally:
+            now.restore()
             gc.unfreeze()
         done = set(seen)
         missing = [i for i, ref in enumerate(self.params) if ref() is not None and i not in done]
