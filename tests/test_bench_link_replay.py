@@ -34,7 +34,8 @@ def _record_replay_rerecord():
     assert all(torch.equal(a, b) for a, b in zip(kept, (gathered, part, flag)))
     with link_replay.recording() as again:
         replay()
-    return {"count": replay.count, "same": _signature(calls) == _signature(again),
+    by_comm = sorted(calls, key=link_replay._communicator_key)  # the replay's order
+    return {"count": replay.count, "same": _signature(by_comm) == _signature(again),
             "first": _signature(calls)[0], "gathered": gathered.float().tolist()}
 
 
@@ -46,3 +47,28 @@ def test_a_recorded_step_replays_the_same_collectives_on_its_own_buffers():
         assert name == "all_gather_into_tensor" and args == ()
         assert kwargs["output_tensor"] == link_replay.TensorSpec((8,), torch.bfloat16), kwargs
         assert r["gathered"] == [1.0] * 4 + [2.0] * 4
+
+
+def _interleaved_differently():
+    """Two communicators over the same ranks, their calls interleaved in opposite orders on
+    the two ranks (as the engine's polled chains can): the replay must not deadlock."""
+    import datetime
+
+    rank = dist.get_rank()
+    short = datetime.timedelta(seconds=20)   # a deadlock fails fast instead of hanging
+    a = dist.new_group([0, 1], timeout=short)
+    b = dist.new_group([0, 1], timeout=short)
+    x, y = torch.ones(4), torch.ones(4)
+    with link_replay.recording() as calls:
+        first, second = ((a, x), (b, y)) if rank == 0 else ((b, y), (a, x))
+        works = [dist.all_reduce(t, group=g, async_op=True) for g, t in (first, second)]
+        for w in works:
+            w.wait()
+    replay = link_replay.Replay(calls)
+    replay()
+    return [c.kwargs["group"].group_name for c in calls]
+
+
+def test_calls_interleaved_differently_on_each_rank_replay_without_deadlock():
+    orders = run_on_ranks(_interleaved_differently, 2, timeout=120)
+    assert orders[0] == orders[1][::-1], f"the ranks recorded the same interleaving: {orders}"

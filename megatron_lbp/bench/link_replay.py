@@ -5,8 +5,9 @@ torch.distributed collective the step issues (the functions
 megatron_lbp.bench.stock_accounting wraps, so the engine's, megatron-core
 DDP's and Megatron-FSDP's alike): its function, its group and the shapes and
 dtypes of its tensors. ``Replay(calls)()`` then issues the same collectives
-again, in the same order, on the same groups, one after another and each
-waited for before the next, with no compute between them: the time that
+again on the same groups, one after another and each waited for before the
+next (one communicator's in their order, communicators one after another:
+:func:`_communicator_key`), with no compute between them: the time that
 takes (barrier to barrier, the slowest rank) is the link time of the step's
 collectives timed alone. Buffers are allocated once per (shape, dtype,
 argument position) and reused, so replaying allocates nothing.
@@ -65,13 +66,37 @@ def recording() -> Iterator[list[Call]]:
         yield calls
 
 
+def _communicator_key(call: Call) -> str:
+    """The name of the communicator ``call`` ran on, the same on every rank.
+
+    Every rank issues one communicator's collectives in the same order, but not
+    always interleaved with another communicator's in the same order: the
+    engine issues a chain's next stage when it notices the last one done
+    (megatron_lbp.engine.chains), and each rank notices at its own time. Issued
+    again one after another, each waited for, such calls would deadlock. The
+    replay therefore runs one communicator's calls (in their order) after
+    another's, communicators in one order on every rank: the members of the
+    first unfinished communicator are always all at it, so the replay never
+    waits on a peer that waits elsewhere. The sum of the calls' times, each
+    waited for alone, does not depend on their order.
+    """
+    import torch.distributed as dist
+
+    group = call.kwargs.get("group")
+    if group is None:
+        group = next((a for a in call.args if isinstance(a, dist.ProcessGroup)), None)
+    if group is None:
+        group = dist.distributed_c10d._get_default_group()
+    return group.group_name
+
+
 class Replay:
     """Issue recorded calls again, synchronously, on buffers of the recorded shapes."""
 
     def __init__(self, calls: list[Call]) -> None:
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._calls = []
-        for call in calls:
+        for call in sorted(calls, key=_communicator_key):
             counter = iter(range(10 ** 6))
             args = self._materialize(call.args, counter)
             kwargs = {k: self._materialize(v, counter) for k, v in call.kwargs.items()}

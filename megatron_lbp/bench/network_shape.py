@@ -113,8 +113,8 @@ def derivation_lines(d: Mapping[str, Any]) -> list[str]:
         f"({t['ratio']:.3f} x {d['compute_alone_s']:.3f} s) = {d['rate_mbit']:.1f} Mbit/s = "
         f"{d['rate_MB_per_s']:.2f} MB/s per node uplink, each way",
         f"  (the plan's {d['zero3_uplink_bytes_per_step'] / 1e6:.2f} MB per uplink per step "
-        f"would ask {d['plan_rate_mbit']:.1f} Mbit/s of a perfect link: gloo's reduce-scatter "
-        f"moves an all-reduce's bytes, TCP does not fill the tbf)"]
+        f"would ask {d['plan_rate_mbit']:.1f} Mbit/s of a perfect link: TCP through the tbf "
+        f"does not fill it, and gathers and reduce-scatters run one after another)"]
     if d.get("warning"):
         lines.append(f"  WARNING: {d['warning']}")
     return lines
@@ -164,8 +164,9 @@ def derive(args, net, spec, train, on_network, log) -> dict[str, Any]:
     the compute alone takes C; the link time scales as 1/rate while the tbf,
     not the CPU, limits the uplink, so the rate giving T'/C = target ratio is
     r0 x T / (ratio x C). The plan's bytes are printed beside: what a perfect
-    uplink would need (gloo's reduce-scatter moves an all-reduce's bytes and
-    TCP does not fill the tbf, so the measured link time is longer).
+    uplink would need (TCP does not fill the tbf, so the measured link time is
+    longer; the engine's reduce-scatters send a reduce-scatter's bytes on gloo
+    too: megatron_lbp.engine.comm.exchange_reduce_scatter).
     """
     from megatron_lbp.bench import project as pj
     from megatron_lbp.bench.traffic import GCDS_PER_PACKAGE
