@@ -91,7 +91,16 @@ def test_peak_transient_stays_within_the_plan_and_grows_with_prefetch_depth():
                                       prefetch_units=depth, tied_embedding=True)
         assert 0 < peak <= bound["peak"], (
             f"depth {depth}: peak transient {peak} bytes above the plan's bound {bound}")
-        assert peak - peaks[0] <= bound["prefetch"], (depth, peaks, bound)
+        # Look-ahead adds at most its gathers, plus one unit's gradient reduce-scatter
+        # (full fp32 gradient and 1/G result) that happened to be still in flight at the
+        # peak of one run and had landed by the peak of the other: when a collective
+        # lands is the machine's timing, not the schedule's.
+        cfg = HierConfig(**config)
+        in_flight = max(4 * costs.padded_numel(n, cfg) * (1 + 1 / cfg.grad_group_size)
+                        for n in numels)
+        assert peak - peaks[0] <= bound["prefetch"] + in_flight, (
+            f"depth {depth} holds {peak - peaks[0]} bytes more than depth 0, above its "
+            f"prefetch {bound['prefetch']} + one reduce in flight {in_flight:.0f}", peaks, bound)
         whole_model = sum(costs.padded_numel(n, HierConfig(**config)) for n in numels) * 4 * 2
         # Weights and gradients of 6 units: units are being freed as the passes move on.
         assert peak < whole_model * 0.75, (depth, peak, whole_model)

@@ -123,12 +123,17 @@ def _link_ops(ranks_per_node: int, sizes_mb, tiered: bool = False):
     Patterns: "world" (all ranks, across the uplinks), "peers" (rank i of every
     node; all such groups at once: the inter-node hop of lbp and hsdp), "node"
     (the ranks of one node on loopback, every node at once). All-gathers in
-    bf16, reduce-scatters in fp32 (as the schemes issue them); bytes are what
+    bf16, reduce-scatters in fp32 (as the schemes issue them, on gloo as the engine's
+    exchange: megatron_lbp.engine.comm.exchange_reduce_scatter); bytes are what
     the engine's ledger charges a rank: (n-1)/n of the full buffer.
     """
     import torch
     import torch.distributed as dist
 
+    from megatron_lbp.engine.comm import exchange_reduce_scatter, reduce_scatter_by_exchange
+
+    reduce_scatter = (reduce_scatter_by_exchange if exchange_reduce_scatter(dist.get_backend())
+                      else dist.reduce_scatter_tensor)
     rank, world = dist.get_rank(), dist.get_world_size()
     nodes = world // ranks_per_node
     node_groups = [dist.new_group(list(range(i * ranks_per_node, (i + 1) * ranks_per_node)))
@@ -151,8 +156,9 @@ def _link_ops(ranks_per_node: int, sizes_mb, tiered: bool = False):
             part = torch.empty(numel // n, dtype=torch.float32)
             ops.append((name, "all_gather", n, 2 * numel * (n - 1) / n, functools.partial(
                 dist.all_gather_into_tensor, gathered, shard, group=group)))
+            # Timed as the engine issues it: on gloo an exchange (engine/comm.py).
             ops.append((name, "reduce_scatter", n, 4 * numel * (n - 1) / n, functools.partial(
-                dist.reduce_scatter_tensor, part, full, group=group)))
+                reduce_scatter, part, full, group=group, async_op=False)))
     return ops
 
 
