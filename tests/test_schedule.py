@@ -239,7 +239,8 @@ def test_gathers_never_share_a_communicator_with_reductions(ranks):
 # --- the trace itself --------------------------------------------------------------------
 
 COLLECTIVE_FIELDS = {"phase", "unit", "micro_batch", "family", "comm", "link", "bytes", "async",
-                     "issued", "issued_seq", "wait", "wait_seq", "done", "done_seq"}
+                     "issued", "issued_seq", "wait", "wait_seq", "done", "done_seq",
+                     "id", "polled", "after"}
 
 
 def _second_hop(rec):
@@ -289,6 +290,7 @@ def test_trace_fields_and_bytes_equal_the_comm_report(ranks):
                     assert c["micro_batch"] in (None, 0) and c["unit"] in range(len(KINDS)), c
                 else:
                     assert c["micro_batch"] in (0, 1) and c["unit"] in range(len(KINDS)), c
+            seqs += [n["seq"] for n in rec["needs"]]
             passes = defaultdict(int)
             for i in rec["compute"]:
                 assert i["start"] <= i["end"] and i["start_seq"] < i["end_seq"], i
@@ -307,6 +309,67 @@ def test_trace_fields_and_bytes_equal_the_comm_report(ranks):
                     assert sent[ph][link] == pytest.approx(nbytes, abs=1e-6), (
                         f"rank {rank} step {rec['step']} {ph}/{link}: trace {sent[ph][link]} "
                         f"bytes, comm report {nbytes}")
+
+
+def test_trace_says_what_was_polled_what_issued_what_and_where_it_was_needed(ranks):
+    """The fields the replay needs to treat a poll as a poll (bench/replay.py): a collective
+    the engine took only after a poll found it done is ``polled``; each later stage of the
+    optimizer step's chains, and each unit's network reduction, names the collective
+    whose landing issued it (``after``); and a polled collective's data is needed exactly
+    once, later, where the engine would have blocked for it."""
+    trace_dir, _ = ranks
+    for rank in (0, 5):
+        records = _records(trace_dir, "recompute", rank)
+        seen, polled, needed = {}, {}, set()
+        for rec in records:
+            landed_at = {}
+            for c in rec["collectives"] + rec["carried"]:
+                assert isinstance(c["id"], int) and c["id"] > 0, c
+                if c in rec["carried"]:
+                    assert seen[c["id"]]["issued_seq"] == c["issued_seq"], c
+                else:
+                    assert c["id"] not in seen, f"rank {rank}: id {c['id']} twice"
+                seen[c["id"]] = c
+                if c["wait_seq"] is not None:
+                    landed_at[c["id"]] = c["wait_seq"]
+                if c["polled"]:
+                    assert c["async"] and c["wait_seq"] is not None, c
+                    polled[c["id"]] = c
+            for c in rec["collectives"]:
+                if c["after"] is None:
+                    assert not (c["phase"] == "step_reduce" or c["family"] == "grad_to_param"), c
+                    continue
+                trigger = seen.get(c["after"])
+                if trigger is None:
+                    # The first hop of an optimizer state load's refresh: in no record
+                    # (the load discards what the trace had; docs/schedule-trace.md).
+                    assert c["family"] == "grad_to_param" and c["after"] < c["id"], c
+                    continue
+                assert trigger["unit"] == c["unit"], (trigger, c)
+                pair = (trigger["phase"], trigger["family"], c["phase"], c["family"])
+                assert pair in {("grad_reduce", "grad", "step_reduce", "inter"),
+                                ("step_gather", "inter", "step_gather", "grad_to_param")}, pair
+                if trigger["id"] in landed_at:   # landed in this record: just before the issue
+                    assert landed_at[trigger["id"]] < c["issued_seq"], (trigger, c)
+            for n in rec["needs"]:
+                if n["id"] not in seen:   # an optimizer state load's first hop, as above
+                    assert n["id"] < min(c["id"] for c in rec["collectives"]), n
+                    continue
+                assert n["id"] in polled and n["id"] not in needed, (rank, n)
+                needed.add(n["id"])
+                c = polled[n["id"]]
+                if c in rec["collectives"] + rec["carried"]:
+                    assert c["wait_seq"] < n["seq"], (c, n)
+        kinds = {(c["phase"], c["family"]) for c in polled.values()}
+        assert {("grad_reduce", "grad"), ("step_gather", "inter")} <= kinds, kinds
+        # Every step reduction and every first-hop weight gather is needed (the optimizer
+        # step, the unit's next forward) but those of the last step, which nothing used.
+        last = records[-1]["step"]
+        for c in polled.values():
+            used = c["phase"] != "step_gather" or any(
+                c in r["carried"] for r in records)
+            if c["phase"] in ("step_reduce", "grad_reduce") and used:
+                assert c["id"] in needed, (rank, last, c)
 
 
 def test_bench_trace_summarises_the_files(ranks, capsys):
@@ -373,6 +436,42 @@ def test_trace_record_carries_collectives_still_in_flight(tmp_path):
     trace.issued("step_gather", 0, "inter", "inter_gather", "network", 8, False)
     trace.discard()
     assert trace.end_step(3)["collectives"] == [], "a discarded collective was written"
+
+
+def test_trace_needs_only_what_a_poll_took_once_and_links_by_id(tmp_path):
+    from megatron_lbp.engine.trace import link_after, need
+
+    trace = ScheduleTrace(str(tmp_path / "t.jsonl"), rank=0, clock=_Clock())
+    trace.start_micro_batch()
+    g = trace.issued("grad_reduce", 1, "grad", "grad_reduce", "node", 64, True)
+    s = trace.issued("step_reduce", 1, "inter", "inter_reduce", "network", 16, True)
+    b = trace.issued("backward_gather", 0, "param", "param_gather", "package", 8, True)
+    trace.waiting(g, polled=True)      # a poll found it done
+    trace.completed(g)
+    link_after(s, g)
+    trace.waiting(b)                   # blocking: its own need
+    trace.completed(b)
+    need(b)                            # nothing: blocked on already
+    need(s)                            # nothing: not taken yet (its wait will say)
+    need(g)
+    need(g)                            # only the first need counts
+    rec = trace.end_step(1)
+    by_unit = {c["phase"]: c for c in rec["collectives"]}
+    assert [c["id"] for c in rec["collectives"]] == [1, 2, 3]
+    assert by_unit["grad_reduce"]["polled"] and not by_unit["backward_gather"]["polled"]
+    assert by_unit["step_reduce"]["after"] == 1 and by_unit["grad_reduce"]["after"] is None
+    assert [n["id"] for n in rec["needs"]] == [1], rec["needs"]
+    assert rec["needs"][0]["seq"] > by_unit["grad_reduce"]["done_seq"]
+    # Ids go on across records; the need of a collective landed in an earlier record is
+    # written in the record where it came.
+    trace.start_micro_batch()
+    assert trace.issued("forward_gather", 0, "param", "param_gather", "package", 8,
+                        True).id == 4
+    trace.waiting(s, polled=True)
+    trace.completed(s)
+    assert trace.end_step(2)["needs"] == []
+    need(s)
+    assert [n["id"] for n in trace.end_step(3)["needs"]] == [2]
 
 
 def test_trace_path_rule_is_the_comm_reports():

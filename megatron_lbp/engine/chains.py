@@ -43,6 +43,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from megatron_lbp.engine.quantized import Pending
+from megatron_lbp.engine.trace import link_after, need, record_of
 
 # Issues one collective: ``stage(async_op)``. A later stage of a chain is a plain
 # all-gather or all-reduce and also takes their keywords ``charge`` and ``issue``
@@ -62,6 +63,8 @@ class Chain:
         self.async_op = True
         self._pending: Pending | None = None
         self.done = False
+        self.records: list = []     # the schedule trace's record of each stage issued
+        self._landed = None         # ... of the stage that landed last
 
     def _land(self, block: bool) -> bool:
         """Take the stage in flight if it is done (or, with ``block``, once it is)."""
@@ -70,6 +73,7 @@ class Chain:
         if not block and not self._pending.is_complete():
             return False
         pending, self._pending = self._pending, None
+        self._landed = record_of(pending)
         pending.wait()
         return True
 
@@ -82,7 +86,17 @@ class Chain:
         # The first stage charges as it issues (at the start); the later ones were charged then.
         self._pending = stage(self.async_op) if self.issued == 0 else \
             stage(self.async_op, charge=False)
+        record = record_of(self._pending)
+        if self.issued:
+            link_after(record, self._landed)
+        if record is not None:
+            self.records.append(record)
         self.issued += 1
+
+    def note_need(self) -> None:
+        """The engine requires this chain's data now (for the schedule trace)."""
+        for record in self.records:
+            need(record)
 
     def _finish_if_last(self) -> None:
         if self._pending is None and self.issued == len(self._stages) and not self.done:
@@ -142,8 +156,11 @@ class ChainQueue:
     def complete(self, chain: Chain | None = None) -> None:
         """Block until ``chain`` and every chain before it are done (None: all of them)."""
         if chain is not None and chain.done:
+            chain.note_need()
             return
         upto = self._chains.index(chain) + 1 if chain is not None else len(self._chains)
+        for c in self._chains[:upto]:
+            c.note_need()
         for c in self._chains[:upto]:
             while not c.done:
                 c._land(block=True)

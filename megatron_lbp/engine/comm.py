@@ -393,18 +393,30 @@ class _TrackedWork:
     """An issued collective that reports its own phase if waiting for it fails,
     and tells the counters (and the trace) when it was waited for."""
 
-    __slots__ = ("work", "activity", "_owner", "_record", "waited", "_counted")
+    __slots__ = ("work", "activity", "_owner", "_record", "waited", "_counted", "_polled")
 
     def __init__(self, work: Any, activity: faults.Activity, owner: Collectives,
                  record=None, counted: bool = True) -> None:
         self.work, self.activity = work, activity
         self._owner, self._record, self.waited = owner, record, False
         self._counted = counted   # one of the asynchronous collectives CommStats counts
+        self._polled = False      # the engine's poll found it complete before its wait
+
+    @property
+    def record(self):
+        """Its schedule trace record (None without a trace)."""
+        return self._record
+
+    def poll(self) -> bool:
+        """The engine's non-blocking check (the stall watch's thread calls is_completed)."""
+        done = bool(self.work.is_completed())
+        self._polled = self._polled or done
+        return done
 
     def wait(self) -> None:
         trace, record = self._owner.trace, self._record
         if record is not None and trace is not None:
-            trace.waiting(record)
+            trace.waiting(record, polled=self._polled)
         faults.TRACKER.enter(self.activity)
         try:
             self.work.wait()

@@ -54,8 +54,12 @@ class Pending:
         return self.work is not None or self._finish is not None
 
     def is_complete(self) -> bool:
-        """Whether :meth:`wait` would return at once (its collective, if any, has completed)."""
-        return self.work is None or self.work.is_completed()
+        """Whether :meth:`wait` would return at once (its collective, if any, has completed):
+        the engine's poll, which the schedule trace tells from a blocking wait."""
+        if self.work is None:
+            return True
+        poll = getattr(self.work, "poll", None)
+        return poll() if poll is not None else self.work.is_completed()
 
     def wait(self) -> None:
         work, finish = self.work, self._finish

@@ -72,6 +72,7 @@ from megatron_lbp.costs import MAX_PENDING_REDUCES
 from megatron_lbp.engine.buckets import ParamSlot
 from megatron_lbp.engine.comm import Collectives
 from megatron_lbp.engine.grouping import UnitMap
+from megatron_lbp.engine.trace import link_after, need, record_of
 from megatron_lbp.engine.unit import GatherUnit, ReduceInFlight, WeightState, unfused_gradient
 
 FORWARD, BACKWARD = "forward", "backward"
@@ -115,6 +116,9 @@ class UnitSchedule:
         self._open_compute: dict[int, list[Any]] = {}    # unit -> [interval, home modules left]
         self._open_backward: dict[int, Any] = {}         # unit -> its backward interval
         self._pending_reduces: list[ReduceInFlight] = []
+        # Trace records of reduce-scatters a poll took before the cap or the flush would have
+        # waited for them, oldest first: the trace notes that need when it comes.
+        self._polled_reduces: list[Any] = []
         self._backward_ran = False
         self.ctx = units[0].ctx if units else None
         self.last_micro_batch = False       # the next backward is the step's last
@@ -220,22 +224,31 @@ class UnitSchedule:
         self._pending_reduces.append(unit.start_reduce(
             async_op=self.overlap, last=self._backward_is_last and self.overlap))
         limit = MAX_PENDING_REDUCES if self.overlap else 0
-        while len(self._pending_reduces) > limit:
-            self._complete_oldest_reduce()
+        while len(self._pending_reduces) + len(self._polled_reduces) > limit:
+            if self._polled_reduces:   # older than any still pending: it would be waited for
+                need(self._polled_reduces.pop(0))
+            else:
+                self._complete_oldest_reduce()
         self._poll()
 
-    def _complete_oldest_reduce(self) -> None:
+    def _complete_oldest_reduce(self, polled: bool = False) -> None:
         reduce = self._pending_reduces.pop(0)
+        landed = record_of(reduce.pending)
         reduce.unit.finish_reduce(reduce)
+        if polled and landed is not None:
+            self._polled_reduces.append(landed)
         if reduce.last:
             # Its 1/G shard is final: the network reduction runs under the rest of the backward.
             reduce.unit.start_step_reduce(async_op=self.overlap)
+            chain = reduce.unit.step_reduce
+            if chain is not None and chain.records:
+                link_after(chain.records[0], landed)
 
     def _poll(self) -> None:
         """Without blocking: complete the reduce-scatters that are done (in issue order, so
         every rank starts the step's reductions in one order) and advance the step's chains."""
         while self._pending_reduces and self._pending_reduces[0].pending.is_complete():
-            self._complete_oldest_reduce()
+            self._complete_oldest_reduce(polled=True)
         if self.ctx is not None:
             self.ctx.poll()
 
@@ -247,6 +260,9 @@ class UnitSchedule:
                     self._reduce(u)
             self._backward_ran = False
             self._keep_order(BACKWARD)
+        for landed in self._polled_reduces:
+            need(landed)
+        self._polled_reduces = []
         while self._pending_reduces:
             self._complete_oldest_reduce()
         if self._backward_is_last:

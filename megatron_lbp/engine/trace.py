@@ -10,7 +10,15 @@ the schedule benchmarks):
   group family, communicator, link class, the bytes the ledger charged for it,
   whether it was asynchronous, and three points in time, ``issued`` (the engine
   called it), ``wait`` (the engine first blocked on it; equal to ``issued`` for
-  a synchronous call) and ``done`` (that wait returned);
+  a synchronous call) and ``done`` (that wait returned); an ``id`` unique in
+  the trace, ``polled`` when the engine took it only after a poll had found it
+  complete (it never blocked on it), and ``after``, the id of the collective
+  whose landing let the engine issue this one (a chain's previous stage, or the
+  unit's in-node reduce-scatter for its network reduction);
+- the *needs*: the points where the engine required the data of a collective
+  it had already taken by a poll, and would have blocked had it not been done
+  (the unit's next use of updated weights, the optimizer step's gradient, the
+  reduce-scatter cap); a blocking wait is its own need;
 - each unit's compute intervals per micro-batch and pass (forward,
   recompute, backward; "optimizer" for the host side of the step).
 
@@ -65,15 +73,21 @@ def append_json_line(path: str, record: dict[str, Any]) -> None:
 class CollectiveRecord:
     """One collective as the trace sees it; times are absolute perf_counter values."""
 
-    __slots__ = ("phase", "unit", "micro_batch", "family", "comm", "link", "nbytes",
-                 "async_op", "issued", "issued_seq", "wait", "wait_seq", "done", "done_seq")
+    __slots__ = ("id", "owner", "phase", "unit", "micro_batch", "family", "comm", "link",
+                 "nbytes", "async_op", "issued", "issued_seq", "wait", "wait_seq", "done",
+                 "done_seq", "polled", "after", "needed")
 
-    def __init__(self, phase, unit, micro_batch, family, comm, link, nbytes, async_op):
+    def __init__(self, phase, unit, micro_batch, family, comm, link, nbytes, async_op,
+                 id_=0, owner=None):
+        self.id, self.owner = id_, owner
         self.phase, self.unit, self.micro_batch = phase, unit, micro_batch
         self.family, self.comm, self.link = family, comm, link
         self.nbytes, self.async_op = nbytes, async_op
         self.issued = self.wait = self.done = None
         self.issued_seq = self.wait_seq = self.done_seq = None
+        self.polled = False      # taken after a poll found it complete: never blocked on
+        self.after: int | None = None    # id of the collective whose landing issued this one
+        self.needed = False      # its data was required (a blocking wait, or a need)
 
     def as_json(self, origin: float) -> dict[str, Any]:
         def rel(t):
@@ -84,7 +98,28 @@ class CollectiveRecord:
                 "bytes": self.nbytes, "async": self.async_op,
                 "issued": rel(self.issued), "issued_seq": self.issued_seq,
                 "wait": rel(self.wait), "wait_seq": self.wait_seq,
-                "done": rel(self.done), "done_seq": self.done_seq}
+                "done": rel(self.done), "done_seq": self.done_seq,
+                "id": self.id, "polled": self.polled, "after": self.after}
+
+
+def record_of(pending: Any) -> CollectiveRecord | None:
+    """The trace record of an issued collective's Pending (None: no trace, or ran synchronously).
+
+    Read it before the Pending is waited for (its ``work`` is dropped then).
+    """
+    return getattr(getattr(pending, "work", None), "record", None)
+
+
+def link_after(rec: CollectiveRecord | None, trigger: CollectiveRecord | None) -> None:
+    """``rec`` was issued because ``trigger`` landed (the replay issues it no earlier)."""
+    if rec is not None and trigger is not None:
+        rec.after = trigger.id
+
+
+def need(rec: CollectiveRecord | None) -> None:
+    """The engine requires ``rec``'s data now (it blocks here if it is not done)."""
+    if rec is not None and rec.owner is not None:
+        rec.owner.needed(rec)
 
 
 class ScheduleTrace:
@@ -98,6 +133,7 @@ class ScheduleTrace:
         self.prefetch_units = 0
         self.units: list[dict[str, Any]] = []  # the unit table, set by the engine
         self._carried: list[CollectiveRecord] = []
+        self._next_id = 0                      # collective ids, unique over the whole trace
         self._open()
 
     def _open(self) -> None:
@@ -107,6 +143,7 @@ class ScheduleTrace:
         self._opened = self._clock()
         self._collectives: list[CollectiveRecord] = []
         self._compute: list[dict[str, Any]] = []
+        self._needs: list[dict[str, Any]] = []
         self.micro_batch = None
 
     def _point(self) -> tuple[float, int]:
@@ -123,15 +160,29 @@ class ScheduleTrace:
 
     def issued(self, phase: str, unit: int | None, family: str, comm: str, link: str,
                nbytes, async_op: bool) -> CollectiveRecord:
+        self._next_id += 1
         rec = CollectiveRecord(phase, unit, self.micro_batch, family, comm, link,
-                               _number(nbytes), async_op)
+                               _number(nbytes), async_op, self._next_id, self)
         rec.issued, rec.issued_seq = self._point()
         self._collectives.append(rec)
         return rec
 
-    def waiting(self, rec: CollectiveRecord) -> None:
+    def waiting(self, rec: CollectiveRecord, polled: bool = False) -> None:
+        """The engine waits for ``rec``: blocking, or (``polled``) taking it after a poll
+        found it complete, in which case its need comes later (:meth:`needed`)."""
         if rec.wait is None:
             rec.wait, rec.wait_seq = self._point()
+            rec.polled = polled
+            rec.needed = not polled
+
+    def needed(self, rec: CollectiveRecord) -> None:
+        """The first point where the engine requires a polled collective's data (nothing for
+        one not yet waited for: its wait, if blocking, is its need)."""
+        if rec.needed or not rec.polled:
+            return
+        rec.needed = True
+        t, seq = self._point()
+        self._needs.append({"id": rec.id, "time": t, "seq": seq})
 
     def completed(self, rec: CollectiveRecord) -> None:
         rec.done, rec.done_seq = self._point()
@@ -163,6 +214,7 @@ class ScheduleTrace:
             "collectives": [c.as_json(origin) for c in self._collectives],
             "compute": [_interval_json(i, origin) for i in self._compute],
             "carried": [c.as_json(origin) for c in self._carried if c.done is not None],
+            "needs": [{**n, "time": n["time"] - origin} for n in self._needs],
         }
         self._carried = [c for c in self._carried + self._collectives if c.done is None]
         append_json_line(self.path, record)

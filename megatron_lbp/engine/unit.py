@@ -158,6 +158,7 @@ class GatherUnit:
         self._pending: Pending | None = None
         self.grads_left = len(bucket.slots)
         self.refresh: Chain | None = None        # the updated weights' gathers, until done
+        self._refresh_landed: Chain | None = None  # ... once landed, until their first use
         self.step_reduce: Chain | None = None    # the 1/G -> 1/O reduction, until taken
         self._step_grad: torch.Tensor | None = None
         self._step_grad_nbytes = 0
@@ -267,12 +268,16 @@ class GatherUnit:
         self.ctx.refreshes.start(self.refresh, async_op=async_op)
 
     def _refreshed(self) -> None:
-        self.refresh = None
+        self._refresh_landed, self.refresh = self.refresh, None
 
     def await_refresh(self) -> None:
         """Block until the primary slice holds the updated weights (and every refresh before)."""
         if self.refresh is not None:
             self.ctx.refreshes.complete(self.refresh)
+        if self._refresh_landed is not None:
+            # Done before this first use: the trace notes that the data was needed here.
+            self._refresh_landed.note_need()
+            self._refresh_landed = None
 
     # --- gradients -----------------------------------------------------------------------
     def grad_buffer(self, slot: ParamSlot) -> torch.Tensor:
