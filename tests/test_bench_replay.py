@@ -123,3 +123,104 @@ def test_a_phase_outside_the_ledgers_gets_its_own_row():
     assert step.step_s == pytest.approx(3.0)
     row = step.as_json()["phases"]["step_prefetch"]
     assert row["exposed_s"] == pytest.approx(2.0) and row["at_once_s"] == pytest.approx(2.0)
+
+
+# --- polls, triggers and needs (traces that say ``polled``, ``after`` and ``needs``) ----------
+
+def polled(c, id_, after=None):
+    return dict(c, id=id_, polled=True, after=after)
+
+
+def need(id_, seq):
+    return {"id": id_, "seq": seq}
+
+
+def test_a_polled_collective_never_blocks_where_it_was_polled_only_where_it_is_needed():
+    # r (3 s) issued at 0, polled at 0: not done, left in flight; compute 1 s -> 1 (a poll:
+    # still running); its need at 1 holds the clock until 3: 2 s exposed, run ahead of the
+    # compute; compute 1 s -> 4. Blocking at the poll instead (the trace without
+    # ``polled``) costs 3 s at once and ends at 5.
+    r = coll("grad_reduce", 1, "x", 1, 2, 3.0, family="grad")
+    compute = [comp("backward", 1, 3, 3, 1.0), comp("backward", 0, 5, 5, 1.0)]
+    (step,), _ = run(dict(record([polled(r, 1)], compute), needs=[need(1, 4)]))
+    assert step.step_s == pytest.approx(4.0)
+    gr = step.as_json()["phases"]["grad_reduce"]
+    assert (gr["exposed_s"], gr["ahead_s"], gr["at_once_s"]) == pytest.approx((2.0, 2.0, 0.0))
+    (blocking,), _ = run(record([r], compute))
+    assert blocking.step_s == pytest.approx(5.0)
+    assert blocking.as_json()["phases"]["grad_reduce"]["at_once_s"] == pytest.approx(3.0)
+
+
+def test_a_polled_collective_done_by_its_need_costs_nothing():
+    # r (1 s) polled at 0 (in flight), lands at the compute end at 2; its need at 2: nothing.
+    r = polled(coll("grad_reduce", 1, "x", 1, 2, 1.0, family="grad"), 1)
+    (step,), colls = run(dict(record([r], [comp("backward", 1, 3, 3, 2.0)]),
+                              needs=[need(1, 4)]))
+    assert step.step_s == pytest.approx(2.0)
+    assert step.as_json()["phases"]["grad_reduce"]["exposed_s"] == 0.0
+    assert colls[0].wait == pytest.approx(2.0)      # landed at the poll that found it done
+
+
+def test_a_collective_issued_by_anothers_landing_waits_for_that_landing():
+    # g (2 s) polled at 0; s (1 s, issued after g lands) is held; compute 1 s -> 1 (g still
+    # running); compute 3 s -> 4: the poll lands g and issues s, [4, 5]; s polled at 4: in
+    # flight; its need at 4 holds the clock to 5: 1 s exposed, its own link time.
+    g = polled(coll("grad_reduce", 1, "g", 1, 2, 2.0, family="grad"), 1)
+    s = polled(coll("step_reduce", 1, "inter", 3, 6, 1.0, family="inter"), 2, after=1)
+    rec = dict(record([g, s], [comp("backward", 0, 4, 4, 1.0), comp("backward", 0, 5, 5, 3.0)]),
+               needs=[need(2, 7)])
+    (step,), colls = run(rec)
+    assert step.step_s == pytest.approx(5.0)
+    rs = next(c for c in colls if c.c["id"] == 2)
+    assert (rs.issued, rs.start, rs.end) == pytest.approx((4.0, 4.0, 5.0))
+    assert rs.behind == "grad_reduce"
+    assert step.as_json()["phases"]["step_reduce"]["exposed_s"] == pytest.approx(1.0)
+
+
+def test_a_need_of_a_held_collective_waits_for_its_trigger_then_its_own_link_time():
+    # g (2 s) polled at 0; s held behind it, and polled (in flight); compute 0.5 s; s's need
+    # at 0.5: g lands at 2, s runs [2, 3]: 2.5 s exposed, 1.5 of it held behind grad_reduce.
+    g = polled(coll("grad_reduce", 1, "g", 1, 2, 2.0, family="grad"), 1)
+    s = polled(coll("step_reduce", 1, "inter", 3, 4, 1.0, family="inter"), 2, after=1)
+    rec = dict(record([g, s], [comp("backward", 0, 5, 5, 0.5)]), needs=[need(2, 6)])
+    (step,), _ = run(rec)
+    assert step.step_s == pytest.approx(3.0)
+    sr = step.as_json()["phases"]["step_reduce"]
+    assert sr["exposed_s"] == pytest.approx(2.5)
+    assert sr["queued_s"] == pytest.approx(1.5) and sr["behind"] == {"grad_reduce": 1.5}
+
+
+def test_what_follows_a_held_collective_on_its_communicator_waits_behind_it():
+    # s is held behind g (2 s); t (1 s, on s's communicator, issued after s) must not pass
+    # it: at t's blocking wait g lands at 2, s runs [2, 3], t [3, 4]: 4 s exposed, 3 of them
+    # queued behind step_reduce.
+    g = polled(coll("grad_reduce", 1, "g", 1, 2, 2.0, family="grad"), 1)
+    s = polled(coll("step_reduce", 1, "inter", 3, 8, 1.0, family="inter"), 2, after=1)
+    t = dict(coll("step_reduce", 0, "inter", 4, 5, 1.0, family="inter"), id=3)
+    (step,), colls = run(record([g, s, t], []))
+    assert step.step_s == pytest.approx(4.0)
+    rt = next(c for c in colls if c.c["id"] == 3)
+    assert (rt.start, rt.end, rt.behind) == (3.0, 4.0, "step_reduce")
+    assert step.as_json()["phases"]["step_reduce"]["queued_s"] == pytest.approx(3.0)
+
+
+def test_a_chain_carried_into_the_next_step_lands_by_poll_and_is_waited_for_where_needed():
+    # Step 1: optimizer 1 s; r (2 s, first hop) issued at 1, runs [1, 3]; the step ends at 1.
+    # Step 2: r polled at 1 (in flight); its second hop r2 (1 s) held behind it; forward
+    # 0.5 s -> 1.5; r2's need: r lands at 3, r2 runs [3, 4]: 2.5 s exposed; step 2 = 3 s.
+    r = dict(coll("step_gather", 0, "inter_gather", 2, None, 2.0, family="inter"), id=5,
+             polled=False, after=None)
+    first = record([r], [comp("optimizer", None, 1, 1, 1.0)], step=1)
+    r2 = polled(coll("step_gather", 0, "node_gather", 2, 5, 1.0, family="grad_to_param"), 6,
+                after=5)
+    second = dict(record([r2], [comp("forward", 0, 3, 3, 0.5)], step=2,
+                         carried=[dict(r, wait_seq=1, polled=True)]), needs=[need(6, 4)])
+    s1, s2 = run(first, second)[0]
+    assert s1.step_s == pytest.approx(1.0) and s2.step_s == pytest.approx(3.0)
+    sg = s2.as_json()["phases"]["step_gather"]
+    assert sg["count"] == 2 and sg["exposed_s"] == pytest.approx(2.5)
+
+
+def test_a_need_of_a_collective_outside_the_records_is_ignored():
+    (step,), _ = run(dict(record([], [comp("forward", 0, 1, 1, 1.0)]), needs=[need(99, 2)]))
+    assert step.step_s == pytest.approx(1.0)

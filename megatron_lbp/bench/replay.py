@@ -18,11 +18,28 @@ order given):
 - a wait (``wait_seq``; for a synchronous collective the issue itself) holds
   the host clock until the collective is done; what it holds is the
   collective's *exposed* time;
+- a collective the engine took after a poll had found it complete
+  (``polled``) was never blocked on: at its ``wait_seq`` it lands if it is
+  done by then, else it is left in flight and lands at the first later point
+  of the program (a compute end or a wait: where the engine's hooks poll
+  again) that finds it done. Where the engine then needed its data (the
+  record's ``needs``: a unit's first use of its updated weights, the optimizer
+  step's gradient, the reduce-scatter cap), a need not yet landed holds the
+  clock like a wait;
+- a collective issued because another landed (``after``: a chain's next
+  stage, a unit's network reduction after its in-node reduce-scatter) is held
+  until that one has landed, and so is everything issued after it on its
+  communicator (the engine issues each communicator's collectives in one
+  order on every rank); it is issued when its trigger lands: at a poll, or
+  at once while a wait holds the clock;
 - a collective issued in one step and waited for in a later one (the trace
   writes it with ``wait`` null, then under ``carried`` in the step it
   completed in) keeps its place in the issuing step; one carried into the
   first record given, whose issue is not in the replay, counts as issued at
   that record's start.
+
+Traces from before ``polled``/``after``/``needs`` replay with every wait
+blocking, as the engine's trace said then.
 
 Nothing else takes time: host work outside the recorded intervals (loss,
 data, Python) is free. Each exposed second is put down to one of three
@@ -30,7 +47,8 @@ causes, so that a report can say what a wait was behind:
 
 - ``queued``: the part of the exposed interval the collective spent waiting
   for its communicator, behind the collective named in ``behind`` (the phase
-  of the one queued last on it when this one was issued);
+  of the one queued last on it when this one was issued), or held behind the
+  collective whose landing issues it (``behind`` is then that one's phase);
 - ``at_once``: the rest, when no compute ended between its issue and its wait
   (a synchronous call, or a prefetch that had nothing to hide behind);
 - ``ahead``: the rest, when compute ran between issue and wait but was
@@ -60,15 +78,18 @@ class ReplayedCollective:
     record: int              # index of the step record that issued it (-1: before the replay)
     c: dict[str, Any]        # the trace's collective
     link_s: float
-    issued: float
-    start: float             # when its communicator was free
-    end: float
-    behind: str | None       # phase of the collective it queued behind, if any
+    issued: float | None     # when it was issued (None while held behind its trigger)
+    start: float | None      # when its communicator was free
+    end: float | None
+    behind: str | None       # phase of the collective it queued (or was held) behind, if any
     ends_at_issue: int       # compute intervals ended before its issue
     wait: float | None = None
     exposed_s: float = 0.0
     cause: str | None = None
     waited_in: int | None = None  # index of the record whose program waited for it
+    program_at: float = 0.0  # the clock where the trace issued it (issued, unless held)
+    trigger: "ReplayedCollective | None" = None   # held until this one has landed
+    landed: bool = False
 
 
 def _phase_row() -> dict[str, Any]:
@@ -108,51 +129,169 @@ def _key(c: dict[str, Any]) -> tuple:
     return (c["phase"], c["unit"], c["family"], c["comm"], c["issued_seq"])
 
 
-def replay(records: Sequence[dict[str, Any]],
-           collective_s: Callable[[dict[str, Any], dict[str, Any]], float],
-           compute_s: Callable[[dict[str, Any], dict[str, Any]], float],
-           ) -> tuple[list[StepReplay], list[ReplayedCollective]]:
-    """Replay consecutive step records of one rank; (per-step results, every collective).
+class _Program:
+    """One rank's program replayed event by event (the rules of the module docstring)."""
 
-    A step's time runs from the end of the previous step's program (0 for the
-    first record) to the end of its own: its last compute or wait, or a
-    synchronous collective's end.
-    """
-    if not records:
-        raise ReplayError("no step records to replay")
-    ranks = {r.get("rank") for r in records}
-    if len(ranks) > 1:
-        raise ReplayError(f"records of ranks {sorted(ranks)}: replay one rank's program")
-    clock = 0.0
-    free: dict[str, float] = {}      # communicator -> when it is free
-    last_on: dict[str, str] = {}     # communicator -> phase of the last collective on it
-    pending: dict[tuple, ReplayedCollective] = {}
-    steps: list[StepReplay] = []
-    done: list[ReplayedCollective] = []
-    ends = 0
+    def __init__(self, records: Sequence[dict[str, Any]],
+                 collective_s: Callable[[dict[str, Any], dict[str, Any]], float],
+                 compute_s: Callable[[dict[str, Any], dict[str, Any]], float]) -> None:
+        self.records, self.collective_s, self.compute_s = records, collective_s, compute_s
+        self.clock = 0.0
+        self.ends = 0                      # compute intervals ended so far
+        self.index = 0                     # the record being replayed
+        self.free: dict[str, float] = {}   # communicator -> when it is free
+        self.last_on: dict[str, str] = {}  # communicator -> phase of the last one started
+        self.by_id: dict[Any, ReplayedCollective] = {}
+        self.by_key: dict[tuple, ReplayedCollective] = {}   # issued, not yet waited (no id)
+        self.held: dict[str, list[ReplayedCollective]] = {}  # communicator -> held, in order
+        self.polled: list[ReplayedCollective] = []  # taken by a poll in the trace, in flight here
+        self.done: list[ReplayedCollective] = []
 
-    def issue(index: int, c: dict[str, Any], at: float) -> ReplayedCollective:
-        link = float(collective_s(records[index] if index >= 0 else records[0], c))
+    # --- issuing ---------------------------------------------------------------------------
+    def issue(self, index: int, c: dict[str, Any], record: dict[str, Any]) -> ReplayedCollective:
+        link = float(self.collective_s(record, c))
         if link < 0:
             raise ReplayError(f"negative link time {link} for {c['phase']} unit {c['unit']}")
-        comm = c["comm"]
-        start = max(at, free.get(comm, at))
-        behind = last_on.get(comm) if start > at else None
-        rc = ReplayedCollective(index, c, link, at, start, start + link, behind, ends)
-        free[comm], last_on[comm] = rc.end, c["phase"]
+        rc = ReplayedCollective(index, c, link, None, None, None, None, self.ends,
+                                program_at=self.clock)
+        if c.get("id") is not None:
+            self.by_id[c["id"]] = rc
+        trigger = self.by_id.get(c.get("after")) if c.get("after") is not None else None
+        if trigger is not None and not trigger.landed:
+            rc.trigger = trigger
+        if rc.trigger is not None or self.held.get(c["comm"]):
+            self.held.setdefault(c["comm"], []).append(rc)
+        else:
+            self._start(rc)
         return rc
 
-    def wait(rc: ReplayedCollective, index: int) -> None:
-        nonlocal clock
-        rc.wait, rc.waited_in = clock, index
-        rc.exposed_s = max(0.0, rc.end - clock)
-        rc.cause = "at_once" if rc.ends_at_issue == ends and rc.record == index else "ahead"
-        clock = max(clock, rc.end)
-        done.append(rc)
+    def _start(self, rc: ReplayedCollective) -> None:
+        comm, at = rc.c["comm"], self.clock
+        rc.issued = at
+        rc.start = max(at, self.free.get(comm, at))
+        rc.end = rc.start + rc.link_s
+        if rc.start > at:
+            rc.behind = self.last_on.get(comm)
+        elif at > rc.program_at and rc.trigger is not None:
+            rc.behind = rc.trigger.c["phase"]
+        self.free[comm], self.last_on[comm] = rc.end, rc.c["phase"]
 
-    for index, record in enumerate(records):
-        _need(record, ("collectives", "compute"), f"record {index}")
-        step = StepReplay(record.get("step", index), clock, clock)
+    def _release(self) -> None:
+        """Issue, at the clock, the held collectives whose trigger has landed, in order."""
+        for comm in list(self.held):
+            queue = self.held[comm]
+            while queue and (queue[0].trigger is None or queue[0].trigger.landed):
+                self._start(queue.pop(0))
+            if not queue:
+                del self.held[comm]
+
+    # --- landing ---------------------------------------------------------------------------
+    def _land(self, rc: ReplayedCollective) -> None:
+        rc.landed, rc.waited_in = True, self.index
+        if rc in self.polled:
+            self.polled.remove(rc)
+        self.done.append(rc)
+
+    def poll(self) -> None:
+        """A hook of the engine: land what a poll would find done, issue what that frees."""
+        while True:
+            ready = [rc for rc in self.polled if rc.issued is not None and rc.end <= self.clock]
+            for rc in ready:
+                rc.wait = self.clock
+                rc.cause = "ahead"
+                self._land(rc)
+            before = sum(len(q) for q in self.held.values())
+            self._release()
+            if not ready and sum(len(q) for q in self.held.values()) == before:
+                return
+
+    def taken_by_poll(self, rc: ReplayedCollective) -> None:
+        """The trace's engine took ``rc`` after a poll: here too only if it is done."""
+        if rc.landed:
+            return
+        self.polled.append(rc)
+        self.poll()
+
+    def wait(self, rc: ReplayedCollective) -> None:
+        """Hold the clock until ``rc`` has landed (a blocking wait, or a need)."""
+        if rc.landed:
+            return
+        t0, ends = self.clock, self.ends
+        while rc.issued is None:
+            self._advance_towards(rc)
+        self.clock = max(self.clock, rc.end)
+        rc.wait = t0
+        rc.exposed_s = self.clock - t0
+        rc.cause = "at_once" if rc.ends_at_issue == ends and rc.record == self.index else "ahead"
+        self._land(rc)
+        self.poll()
+
+    def _advance_towards(self, rc: ReplayedCollective) -> None:
+        """``rc`` is held: move the clock to the landing of what holds it, and issue."""
+        blocker = rc
+        while blocker.issued is None:
+            if blocker.trigger is not None and not blocker.trigger.landed:
+                blocker = blocker.trigger
+                continue
+            head = self.held[blocker.c["comm"]][0]
+            if head is blocker:     # its trigger has landed: it is issued at the release
+                self._release()
+                return
+            blocker = head
+        self.clock = max(self.clock, blocker.end)
+        blocker.wait = blocker.end
+        blocker.cause = "ahead"
+        self._land(blocker)
+        self._release()
+
+    # --- the program -----------------------------------------------------------------------
+    def run(self) -> list[StepReplay]:
+        steps: list[StepReplay] = []
+        for index, record in enumerate(self.records):
+            self.index = index
+            _need(record, ("collectives", "compute"), f"record {index}")
+            step = StepReplay(record.get("step", index), self.clock, self.clock)
+            issued: dict[int, ReplayedCollective] = {}
+            for _, _, kind, obj in self._events(index, record):
+                if kind == "issue":
+                    rc = self.issue(index, obj, record)
+                    if obj["wait_seq"] is None:
+                        self.by_key[_key(obj)] = rc
+                    else:
+                        issued[id(obj)] = rc
+                elif kind in ("wait", "carried"):
+                    if kind == "wait":
+                        rc = issued.pop(id(obj))
+                    else:
+                        rc = self.by_id.get(obj["id"]) if obj.get("id") is not None else None
+                        rc = rc or self.by_key.pop(_key(obj), None)
+                        if rc is None:   # issued before the first record given
+                            at, self.clock = self.clock, step.start
+                            rc = self.issue(-1, obj, self.records[0])
+                            self.clock = at
+                    if obj.get("polled"):
+                        self.taken_by_poll(rc)
+                    else:
+                        self.wait(rc)
+                elif kind == "need":
+                    rc = self.by_id.get(obj["id"])
+                    if rc is not None:
+                        self.wait(rc)
+                else:
+                    dt = float(self.compute_s(record, obj))
+                    if dt < 0:
+                        raise ReplayError(f"negative compute time {dt} for {obj['pass']} "
+                                          f"unit {obj.get('unit')}")
+                    self.clock += dt
+                    step.compute_s += dt
+                    self.ends += 1
+                    self.poll()
+            step.end = self.clock
+            steps.append(step)
+        return steps
+
+    @staticmethod
+    def _events(index: int, record: dict[str, Any]) -> list[tuple[int, int, str, Any]]:
         events: list[tuple[int, int, str, Any]] = []
         for c in record["collectives"]:
             _need(c, ("phase", "unit", "family", "comm", "issued_seq", "wait_seq"),
@@ -164,40 +303,39 @@ def replay(records: Sequence[dict[str, Any]],
             if c.get("wait_seq") is None:
                 continue
             events.append((c["wait_seq"], 1, "carried", c))
+        for n in record.get("needs", []):
+            _need(n, ("id", "seq"), f"a need of record {index}")
+            events.append((n["seq"], 1, "need", n))
         for interval in record["compute"]:
             _need(interval, ("pass", "start_seq", "end_seq"),
                   f"a compute interval of record {index}")
             if interval["end_seq"] is not None:
                 events.append((interval["end_seq"], 2, "end", interval))
         events.sort(key=lambda e: (e[0], e[1]))
-        issued: dict[int, ReplayedCollective] = {}
-        for _, _, kind, obj in events:
-            if kind == "issue":
-                rc = issue(index, obj, clock)
-                if obj["wait_seq"] is None:
-                    pending[_key(obj)] = rc
-                else:
-                    issued[id(obj)] = rc
-            elif kind == "wait":
-                wait(issued.pop(id(obj)), index)
-            elif kind == "carried":
-                rc = pending.pop(_key(obj), None)
-                if rc is None:   # issued before the first record given
-                    rc = issue(-1, obj, step.start)
-                wait(rc, index)
-            else:
-                dt = float(compute_s(record, obj))
-                if dt < 0:
-                    raise ReplayError(f"negative compute time {dt} for {obj['pass']} "
-                                      f"unit {obj.get('unit')}")
-                clock += dt
-                step.compute_s += dt
-                ends += 1
-        step.end = clock
-        steps.append(step)
-    for rc in done:
+        return events
+
+
+def replay(records: Sequence[dict[str, Any]],
+           collective_s: Callable[[dict[str, Any], dict[str, Any]], float],
+           compute_s: Callable[[dict[str, Any], dict[str, Any]], float],
+           ) -> tuple[list[StepReplay], list[ReplayedCollective]]:
+    """Replay consecutive step records of one rank; (per-step results, every collective
+    landed).
+
+    A step's time runs from the end of the previous step's program (0 for the
+    first record) to the end of its own: its last compute or wait, or a
+    synchronous collective's end.
+    """
+    if not records:
+        raise ReplayError("no step records to replay")
+    ranks = {r.get("rank") for r in records}
+    if len(ranks) > 1:
+        raise ReplayError(f"records of ranks {sorted(ranks)}: replay one rank's program")
+    program = _Program(records, collective_s, compute_s)
+    steps = program.run()
+    for rc in program.done:
         _book(steps[rc.waited_in], rc)
-    return steps, done
+    return steps, program.done
 
 
 def _book(step: StepReplay, rc: ReplayedCollective) -> None:
@@ -211,7 +349,8 @@ def _book(step: StepReplay, rc: ReplayedCollective) -> None:
     row["count"] += 1
     row["link_s"] += rc.link_s
     row["exposed_s"] += rc.exposed_s
-    queued = max(0.0, rc.start - max(rc.wait, rc.issued)) if rc.exposed_s > 0 else 0.0
+    queued = max(0.0, min(rc.start, rc.end) - max(rc.wait, rc.program_at)) \
+        if rc.exposed_s > 0 else 0.0
     if queued > 0:
         row["queued_s"] += queued
         row["behind"][rc.behind] = row["behind"].get(rc.behind, 0.0) + queued
