@@ -480,10 +480,16 @@ def headline(runs, goal_list) -> list[dict[str, Any]]:
                               f"{by_id['projection']['measured']}"})
     eff, ratio = by_id["replay_efficiency"], by_id["replay_lbp_over_zeropp"]
     if eff["value"] is not None and ratio["value"] is not None:
-        lines.append({"id": "replay", "values": [ratio["value"], eff["value"]],
-                      "text": f"Replayed projection (the engine's traced schedule), 20B at 384 "
-                              f"GCDs: lbp / zeropp {ratio['measured']}, lbp scaling efficiency "
-                              f"{eff['measured']}"})
+        text = (f"Replayed projection (the engine's traced schedule), 20B at 384 GCDs: lbp / "
+                f"zeropp {ratio['measured']}, lbp scaling efficiency {eff['measured']}")
+        rep, top, _ = replay_rows(result(runs, "project"))
+        lbp, zeropp = rep["results"]["20B"]["lbp"][top], rep["results"]["20B"].get(
+            "zeropp", {}).get(top)
+        text += f"; lbp's step {lbp['step_s']:.2f} s, {lbp['exposed_s']:.2f} s of it exposed"
+        if zeropp:
+            text += (f"; with none of it exposed lbp / zeropp would be "
+                     f"{zeropp['step_s'] / lbp['compute_s']:.3f}")
+        lines.append({"id": "replay", "values": [ratio["value"], eff["value"]], "text": text})
     return lines
 
 
