@@ -68,7 +68,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from megatron_lbp.bench import netns, network_shape
+from megatron_lbp.bench import cpu_share, netns, network_shape
 from megatron_lbp.bench.traffic import ENGINE_SCHEMES, GCDS_PER_PACKAGE, STOCK_SCHEMES
 
 SCHEMES = ("lbp", "zeropp", "zero3", "zero2", "hsdp") + STOCK_SCHEMES
@@ -374,6 +374,7 @@ def run(args) -> dict[str, Any]:
     from megatron_lbp.bench import network_exposure as nx
     from megatron_lbp.bench import network_shape
 
+    cpu_start = cpu_share.snapshot()
     spec, train = _specs(args)
     world = args.nodes * args.ranks_per_node
     adam_elements = _plans(args, ["lbp"])["lbp"]["padded_params"] / world
@@ -460,14 +461,11 @@ def run(args) -> dict[str, Any]:
         out["config"]["rate_derivation"]["achieved_ratio"] = \
             zero3["link_s"] / compute_meas["fwd_bwd_s"]
     out["config"]["loadavg_end"] = list(os.getloadavg())
-    busiest = max(out["config"]["loadavg_start"][0], out["config"]["loadavg_end"][0])
-    if busiest > world + 2 * out["config"]["cpus"]:
-        # Beyond this run's own ranks, other processes then want most of the
-        # cores: the times measure them as much as the schemes.
-        out["config"]["load_warning"] = (
-            f"1-minute load average reached {busiest:.1f} on {out['config']['cpus']} CPUs "
-            f"({world} of it this run's ranks): other processes shared the cores; compare "
-            f"ratios only across runs at similar load")
+    out["config"]["other_cpu"] = cpu_share.others_between(
+        cpu_start, cpu_share.snapshot(), out["config"]["cpus"])
+    warning = cpu_share.warning(out["config"]["other_cpu"])
+    if warning:
+        out["config"]["load_warning"] = warning
     return out
 
 
@@ -526,7 +524,8 @@ def render(out: dict[str, Any]) -> str:
         f"{m['recompute']}; micro-batch {c['micro_batch_size']} x {c['micro_batches']}; "
         f"{c['warmup_steps']} warm-up + {c['timed_steps']} timed steps per run, {c['runs']} "
         f"run(s); load average {c['loadavg_start'][0]:.1f} at start, "
-        f"{c['loadavg_end'][0]:.1f} at the end",
+        f"{c['loadavg_end'][0]:.1f} at the end"
+        + (f"; {cpu_share.describe(c['other_cpu'])}" if c.get("other_cpu") else ""),
         f"versions: {json.dumps(c['versions'])}; {c['cpus']} CPUs",
         *([f"WARNING: {c['load_warning']}"] if c.get("load_warning") else []),
         *(network_shape.derivation_lines(c["rate_derivation"])

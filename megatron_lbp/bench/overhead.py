@@ -52,6 +52,8 @@ import sys
 import time
 from typing import Any
 
+from megatron_lbp.bench import cpu_share
+
 WARMUP_STEPS = 2
 DEFAULT_BUCKET_SIZE = 70_000
 STOCK = "megatron-distopt"
@@ -157,6 +159,7 @@ def measure(ranks: int = 8, runs: int = 3, steps: int = 6, hidden: int = 128, la
     run_medians: dict[str, list[float]] = {s: [] for s in schemes}
     paired: dict[str, list[float]] = {}
     load_start = os.getloadavg()
+    cpu_start = cpu_share.snapshot()
     first = None
     for run in range(runs):
         rotated = schemes[run % len(schemes):] + schemes[:run % len(schemes)]
@@ -186,6 +189,7 @@ def measure(ranks: int = 8, runs: int = 3, steps: int = 6, hidden: int = 128, la
             "max_loss_difference": max(abs(x - y) for x, y in zip(la, lb)),
         }
     load_end = os.getloadavg()
+    cpu_end = cpu_share.snapshot()
     out = {
         "ranks": ranks, "runs": runs, "steps_timed_per_run": steps,
         "warmup_steps": WARMUP_STEPS, "micro_batches": micro_batches,
@@ -205,11 +209,10 @@ def measure(ranks: int = 8, runs: int = 3, steps: int = 6, hidden: int = 128, la
     }
     if "lbp" in medians and STOCK in medians:
         out["ratio_lbp_over_stock"] = medians["lbp"] / medians[STOCK]
-    busiest = max(load_start[0], load_end[0])
-    if busiest > ranks + 2 * out["machine"]["cpus"]:
-        out["load_warning"] = (
-            f"1-minute load average reached {busiest:.1f} on {out['machine']['cpus']} CPUs "
-            f"({ranks} of it this run's ranks): other processes shared the cores")
+    out["other_cpu"] = cpu_share.others_between(cpu_start, cpu_end, out["machine"]["cpus"])
+    warning = cpu_share.warning(out["other_cpu"])
+    if warning:
+        out["load_warning"] = warning
     if profile:
         # A run of its own: the profiler slows Python calls, so these steps are not timed.
         out["profiles"] = run_on_ranks(rank_bench, ranks, schemes, spec, train, ranks, True,
@@ -230,7 +233,8 @@ def render(result: dict) -> str:
              f"{result['runs']} run(s) x {result['steps_timed_per_run']} rounds, every scheme "
              f"stepped in turn; bucket size {result['bucket_size']:,}, "
              f"{result['micro_batches']} micro-batch(es) per step; load average "
-             f"{result['loadavg_start'][0]:.1f} at start, {result['loadavg_end'][0]:.1f} at the end",
+             f"{result['loadavg_start'][0]:.1f} at start, {result['loadavg_end'][0]:.1f} at the end"
+             + (f"; {cpu_share.describe(result['other_cpu'])}" if result.get("other_cpu") else ""),
              *([f"WARNING: {result['load_warning']}"] if result.get("load_warning") else []),
              f"  {'scheme':<18}{'median s/step':>14}{'buckets':>9}"]
     for s in result["schemes"]:

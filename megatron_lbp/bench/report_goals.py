@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from megatron_lbp.bench import cpu_share
+
 BYTES_VS_ZERO3 = 1 / 8
 FRONTIER_EXPOSED_SHARE = 0.25
 REPLAY_EFFICIENCY = 0.90
@@ -139,13 +141,8 @@ def network_reason(net, scheme: str, v: float) -> str:
                  f"uplinks, {scheme} {sent[scheme] / 1e6:.2f} MB")
     cfg = net.get("config") or {}
     if {"world_size", "cpus"} <= set(cfg):
-        load = " and".join(f" {cfg[k][0]:.0f} at the {k.split('_')[1]}"
-                           for k in ("loadavg_start", "loadavg_end") if cfg.get(k))
         text += (f". The model counts link time and compute timed alone; during this run "
-                 f"{cfg['world_size']} ranks shared {cfg['cpus']} cores"
-                 + (f", load average{load}" if load else ""))
-    if cfg.get("load_warning"):
-        text += f" (the command warns: {cfg['load_warning']})"
+                 f"{_load_text(cfg)}")
     return text
 
 
@@ -297,10 +294,14 @@ def projection_goal(runs) -> dict[str, Any]:
 
 
 def _load_text(cfg: Mapping[str, Any]) -> str:
-    load = " and".join(f" {cfg[k][0]:.0f} at the {k.split('_')[1]}"
-                       for k in ("loadavg_start", "loadavg_end") if cfg.get(k))
-    text = (f"{cfg.get('world_size', '?')} ranks shared {cfg.get('cpus', '?')} cores"
-            + (f", load average{load}" if load else ""))
+    text = f"{cfg.get('world_size', '?')} ranks shared {cfg.get('cpus', '?')} cores"
+    if cfg.get("other_cpu"):
+        # Measured (bench/cpu_share.py); results from before it have the load average only.
+        text += f"; {cpu_share.describe(cfg['other_cpu'])}"
+    else:
+        load = " and".join(f" {cfg[k][0]:.0f} at the {k.split('_')[1]}"
+                           for k in ("loadavg_start", "loadavg_end") if cfg.get(k))
+        text += f", load average{load}" if load else ""
     return text + (f" (the command warns: {cfg['load_warning']})" if cfg.get("load_warning")
                    else "")
 

@@ -1,0 +1,65 @@
+"""bench/cpu_share: other processes' CPU time told from this process tree's, on real processes."""
+import multiprocessing as mp
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatron_lbp.bench import cpu_share
+
+BUSY = "import time\nend = time.monotonic() + {s}\nwhile time.monotonic() < end: pass\n"
+
+
+def _spin(seconds: float) -> None:
+    exec(BUSY.format(s=seconds))
+
+
+def _share_while(start_busy, seconds: float = 1.5) -> dict:
+    before = cpu_share.snapshot()
+    start_busy()
+    time.sleep(seconds)
+    return cpu_share.others_between(before, cpu_share.snapshot(), cpus=1)
+
+
+pytestmark = pytest.mark.skipif(cpu_share.snapshot() is None, reason="needs Linux /proc")
+
+
+def test_a_process_outside_the_tree_is_counted_as_others():
+    # sh starts python in the background and exits: the busy process is no descendant of ours.
+    code = BUSY.format(s=1.4)
+    share = _share_while(lambda: subprocess.run(
+        ["sh", "-c", f"{sys.executable} -c '{code}' >/dev/null 2>&1 &"], check=True))
+    assert share["others_cpu_s"] > 0.8, (
+        f"a process outside this tree spun ~1.4 CPU-s, but others_cpu_s is "
+        f"{share['others_cpu_s']:.2f} (own {share['own_cpu_s']:.2f})")
+
+
+def test_forkserver_ranks_and_reaped_children_count_as_the_runs_own():
+    # Ranks come from a forkserver, which reaps them itself (megatron_lbp.testing.multirank).
+    ctx = mp.get_context("forkserver")
+    procs = []
+
+    def start():
+        procs.append(ctx.Process(target=_spin, args=(1.4,)))
+        procs[-1].start()
+        subprocess.run([sys.executable, "-c", BUSY.format(s=0.5)], check=True)  # reaped by us
+
+    share = _share_while(start)
+    for p in procs:
+        p.join()
+    assert share["own_cpu_s"] > 1.2, f"the run's own processes used only {share['own_cpu_s']:.2f} CPU-s"
+    assert share["others_cpu_s"] < 0.5, (
+        f"{share['others_cpu_s']:.2f} CPU-s of this tree's ~1.9 were put down to other processes "
+        f"(own {share['own_cpu_s']:.2f})")
+
+
+def test_warning_only_above_the_share_and_says_how_much():
+    quiet = {"others_cpu_s": 1.0, "own_cpu_s": 100.0, "wall_s": 100.0, "cpus": 2,
+             "others_share": 0.005}
+    assert cpu_share.warning(quiet) is None and cpu_share.warning(None) is None
+    busy = dict(quiet, others_cpu_s=60.0, others_share=0.30)
+    text = cpu_share.warning(busy)
+    assert "30% of the 2 CPUs" in text and "60 CPU-s in 100 s" in text
+    assert cpu_share.describe(busy) == "other processes used 30% of the 2 CPUs during the run"
+    assert cpu_share.others_between(None, cpu_share.snapshot(), 2) is None
