@@ -61,5 +61,11 @@ def test_warning_only_above_the_share_and_says_how_much():
     busy = dict(quiet, others_cpu_s=60.0, others_share=0.30)
     text = cpu_share.warning(busy)
     assert "30% of the 2 CPUs" in text and "60 CPU-s in 100 s" in text
-    assert cpu_share.describe(busy) == "other processes used 30% of the 2 CPUs during the run"
+    assert cpu_share.clause(busy) == "; other processes used 30% of the 2 CPUs during the run"
+    assert cpu_share.clause(None) == ""
     assert cpu_share.others_between(None, cpu_share.snapshot(), 2) is None
+    result = {}
+    cpu_share.record(result, cpu_share.snapshot(), 2)
+    # An instant's share is whatever ticked meanwhile: the warning follows it, either way.
+    assert result["other_cpu"]["cpus"] == 2, result
+    assert result.get("load_warning") == cpu_share.warning(result["other_cpu"]), result

@@ -95,6 +95,15 @@ def others_between(start: CpuSnapshot | None, end: CpuSnapshot | None,
             "cpus": cpus, "others_share": others / (wall * cpus) if wall > 0 else 0.0}
 
 
+def record(into: dict[str, Any], start: CpuSnapshot | None, cpus: int) -> None:
+    """Put what other processes used since ``start`` under ``other_cpu`` in a benchmark's
+    result, and, above WARN_SHARE, the warning under ``load_warning``."""
+    into["other_cpu"] = others_between(start, snapshot(), cpus)
+    text = warning(into["other_cpu"])
+    if text:
+        into["load_warning"] = text
+
+
 def warning(share: dict[str, Any] | None) -> str | None:
     """The line a benchmark prints when other processes took the cores from it, else None."""
     if not share or share["others_share"] <= WARN_SHARE:
@@ -105,9 +114,10 @@ def warning(share: dict[str, Any] | None) -> str | None:
             f"runs that had the cores to themselves")
 
 
-def describe(share: dict[str, Any] | None) -> str:
-    """'other processes used N% of the cores' for the reports; '' without a measurement."""
+def clause(share: dict[str, Any] | None) -> str:
+    """'; other processes used N% of the cores ...' to end a setup line; '' without a
+    measurement (results from before this module)."""
     if not share:
         return ""
-    return (f"other processes used {share['others_share']:.0%} of the {share['cpus']} "
+    return (f"; other processes used {share['others_share']:.0%} of the {share['cpus']} "
             f"CPUs during the run")

@@ -461,11 +461,7 @@ def run(args) -> dict[str, Any]:
         out["config"]["rate_derivation"]["achieved_ratio"] = \
             zero3["link_s"] / compute_meas["fwd_bwd_s"]
     out["config"]["loadavg_end"] = list(os.getloadavg())
-    out["config"]["other_cpu"] = cpu_share.others_between(
-        cpu_start, cpu_share.snapshot(), out["config"]["cpus"])
-    warning = cpu_share.warning(out["config"]["other_cpu"])
-    if warning:
-        out["config"]["load_warning"] = warning
+    cpu_share.record(out["config"], cpu_start, out["config"]["cpus"])
     return out
 
 
@@ -524,8 +520,7 @@ def render(out: dict[str, Any]) -> str:
         f"{m['recompute']}; micro-batch {c['micro_batch_size']} x {c['micro_batches']}; "
         f"{c['warmup_steps']} warm-up + {c['timed_steps']} timed steps per run, {c['runs']} "
         f"run(s); load average {c['loadavg_start'][0]:.1f} at start, "
-        f"{c['loadavg_end'][0]:.1f} at the end"
-        + (f"; {cpu_share.describe(c['other_cpu'])}" if c.get("other_cpu") else ""),
+        f"{c['loadavg_end'][0]:.1f} at the end{cpu_share.clause(c.get('other_cpu'))}",
         f"versions: {json.dumps(c['versions'])}; {c['cpus']} CPUs",
         *([f"WARNING: {c['load_warning']}"] if c.get("load_warning") else []),
         *(network_shape.derivation_lines(c["rate_derivation"])

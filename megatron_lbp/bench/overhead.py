@@ -189,7 +189,6 @@ def measure(ranks: int = 8, runs: int = 3, steps: int = 6, hidden: int = 128, la
             "max_loss_difference": max(abs(x - y) for x, y in zip(la, lb)),
         }
     load_end = os.getloadavg()
-    cpu_end = cpu_share.snapshot()
     out = {
         "ranks": ranks, "runs": runs, "steps_timed_per_run": steps,
         "warmup_steps": WARMUP_STEPS, "micro_batches": micro_batches,
@@ -209,10 +208,7 @@ def measure(ranks: int = 8, runs: int = 3, steps: int = 6, hidden: int = 128, la
     }
     if "lbp" in medians and STOCK in medians:
         out["ratio_lbp_over_stock"] = medians["lbp"] / medians[STOCK]
-    out["other_cpu"] = cpu_share.others_between(cpu_start, cpu_end, out["machine"]["cpus"])
-    warning = cpu_share.warning(out["other_cpu"])
-    if warning:
-        out["load_warning"] = warning
+    cpu_share.record(out, cpu_start, out["machine"]["cpus"])
     if profile:
         # A run of its own: the profiler slows Python calls, so these steps are not timed.
         out["profiles"] = run_on_ranks(rank_bench, ranks, schemes, spec, train, ranks, True,
@@ -234,7 +230,7 @@ def render(result: dict) -> str:
              f"stepped in turn; bucket size {result['bucket_size']:,}, "
              f"{result['micro_batches']} micro-batch(es) per step; load average "
              f"{result['loadavg_start'][0]:.1f} at start, {result['loadavg_end'][0]:.1f} at the end"
-             + (f"; {cpu_share.describe(result['other_cpu'])}" if result.get("other_cpu") else ""),
+             f"{cpu_share.clause(result.get('other_cpu'))}",
              *([f"WARNING: {result['load_warning']}"] if result.get("load_warning") else []),
              f"  {'scheme':<18}{'median s/step':>14}{'buckets':>9}"]
     for s in result["schemes"]:

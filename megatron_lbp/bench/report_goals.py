@@ -297,7 +297,7 @@ def _load_text(cfg: Mapping[str, Any]) -> str:
     text = f"{cfg.get('world_size', '?')} ranks shared {cfg.get('cpus', '?')} cores"
     if cfg.get("other_cpu"):
         # Measured (bench/cpu_share.py); results from before it have the load average only.
-        text += f"; {cpu_share.describe(cfg['other_cpu'])}"
+        text += cpu_share.clause(cfg["other_cpu"])
     else:
         load = " and".join(f" {cfg[k][0]:.0f} at the {k.split('_')[1]}"
                            for k in ("loadavg_start", "loadavg_end") if cfg.get(k))

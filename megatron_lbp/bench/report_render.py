@@ -163,8 +163,7 @@ def frontier_section(report, out: Path, plots: Path) -> list[str]:
               f"micro-batches of {c['micro_batch_size']}; {c['nodes']} nodes x "
               f"{c['ranks_per_node']} ranks, uplink {c['uplink_rate_mbit']:.1f} Mbit/s; load "
               f"average {c['loadavg_start'][0]:.1f} at the start, {c['loadavg_end'][0]:.1f} at "
-              f"the end" + (f"; {cpu_share.describe(c['other_cpu'])}" if c.get("other_cpu")
-                            else "") + ".", ""]
+              f"the end{cpu_share.clause(c.get('other_cpu'))}.", ""]
     if c.get("rate_derivation"):
         d = c["rate_derivation"]
         lines += ["```", *derivation_lines(d),
@@ -218,7 +217,7 @@ def overhead_section(report) -> list[str]:
                  f"{ov['micro_batches']} micro-batch(es) per step" if "bucket_size" in ov else "")
               + (f"; load average {ov['loadavg_start'][0]:.1f} at the start, "
                  f"{ov['loadavg_end'][0]:.1f} at the end" if "loadavg_start" in ov else "")
-              + (f"; {cpu_share.describe(ov['other_cpu'])}" if ov.get("other_cpu") else "")
+              + cpu_share.clause(ov.get("other_cpu"))
               + "; medians.", "",
               *([f"WARNING: {ov['load_warning']}", ""] if ov.get("load_warning") else []),
               "| scheme | median step (s) | run medians (s) | buckets |", "|---|---:|---|---:|"]
