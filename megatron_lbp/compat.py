@@ -127,6 +127,10 @@ Two independent parts, both applied by :func:`enable` (idempotent):
    keep a CUDA context out of the child; without an accelerator there is none, so
    on the CPU runtime the Manager is forked instead. With an accelerator the
    spawn path is untouched.
+
+6. A megatron-core 0.19.2 bug, on every device (``xavier_init_flag``, applied by
+   :func:`enable_training`): ``--init-method-xavier-uniform`` passes a
+   TransformerConfig field that no longer exists and kills every run that uses it.
 """
 from __future__ import annotations
 
@@ -415,10 +419,41 @@ def _drop_rng_fork_warning(record: logging.LogRecord) -> bool:
     return record.getMessage() != "CPU RNG state changed within GPU RNG context"
 
 
+def xavier_init_flag() -> None:
+    """``--init-method-xavier-uniform`` builds a TransformerConfig (megatron-core 0.19.2 bug).
+
+    ``core_transformer_config_from_args`` answers the flag with
+    ``kw_args['scaled_init_method'] = xavier_uniform_``, a field TransformerConfig
+    no longer has (it is ``output_layer_init_method``), so every run with the
+    flag, stock or not, dies in ``TransformerConfig(**kw_args)`` with "unexpected
+    keyword argument 'scaled_init_method'". The flag is handed over as what it
+    means: ``init_method`` and ``output_layer_init_method`` both xavier-uniform
+    (the embedding then follows ``init_method``, as TransformerConfig decides).
+    Applies on every device; a config class without those fields is left alone.
+    """
+    import argparse
+
+    import torch
+    from megatron.training import argument_utils
+
+    def make(orig):
+        def core_transformer_config_from_args(args, config_class=None):
+            if getattr(args, "init_method_xavier_uniform", False):
+                args = argparse.Namespace(**{
+                    **vars(args), "init_method_xavier_uniform": False,
+                    "init_method": torch.nn.init.xavier_uniform_,
+                    "output_layer_init_method": torch.nn.init.xavier_uniform_})
+            return orig(args, config_class)
+        return core_transformer_config_from_args
+
+    _replace_once(argument_utils, "core_transformer_config_from_args", make)
+
+
 def enable_training() -> None:
     """The megatron.training spots of part 3 of the module docstring (idempotent)."""
     _skip_helper_build_if_prebuilt()
     memoize_argument_help()
+    xavier_init_flag()
     if not _cpu_runtime_active:
         return
     import functools

@@ -201,7 +201,12 @@ def wrap_model(model: list, args: Any) -> list:
     from megatron_lbp.engine import materialize
 
     options = engine_options_from_args(args)
-    sharded = any(materialize.construction_of(m) is not None for m in model)
+    constructions = [c for c in map(materialize.construction_of, model) if c is not None]
+    sharded = bool(constructions)
+    if hier.location.rank == 0:
+        # constructors that touched a weight after attaching its module (engine/materialize.py)
+        for late in (lp for c in constructions for lp in c.late):
+            print(f"[megatron-lbp] sharded initialization: {late.describe()}", flush=True)
     wrapped = [megatron_adapter.wrap_model(get_model_config(m), m, hier, options) for m in model]
     if sharded and hier.location.rank == 0:
         held = sum(m.memory_bytes()["primary"] for m in wrapped)

@@ -135,7 +135,7 @@ def through_get_model(extra_argv):
                  vp_stage=None):
         return GPTModel(config=core_transformer_config_from_args(args),
                         transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=128,
-                        max_sequence_length=32, position_embedding_type="rope",
+                        max_sequence_length=32, position_embedding_type=args.position_embedding_type,
                         share_embeddings_and_output_weights=True, pre_process=pre_process,
                         post_process=post_process, pg_collection=pg_collection)
 
@@ -145,16 +145,24 @@ def through_get_model(extra_argv):
     with _counting_materializations() as runs:
         (ddp,) = training.get_model(provider, ModelType.encoder_or_decoder)
     mismatches, checked = _primary_mismatches(ddp, stock)
-    return {"wrapper": f"{type(ddp).__name__}({type(ddp.module).__name__})",
+    config = core_transformer_config_from_args(args)
+    return {"init_methods": [getattr(f, "__name__", repr(f)) for f in
+                             (config.init_method, config.output_layer_init_method)],
+            "wrapper": f"{type(ddp).__name__}({type(ddp.module).__name__})",
             "mismatches": mismatches, "checked": checked, "materialized": len(runs)}
 
 
 def test_megatron_get_model_builds_sharded_with_stock_weights():
+    """Megatron's default learned absolute positions (initialised after their module is attached,
+    issue 25) and --init-method-xavier-uniform (compat.xavier_init_flag), through get_model."""
     ranks = run_on_ranks(through_get_model, 4, ["--use-cpu-initialization", "--hier-partition",
-                                                "--hier-gpus-per-node", "4"],
+                                                "--hier-gpus-per-node", "4",
+                                                "--position-embedding-type", "learned_absolute",
+                                                "--init-method-xavier-uniform"],
                          rank_env=rank_location_env(4))
     for r, res in enumerate(ranks):
         assert res["wrapper"] == "HierDataParallel(Float16Module)", res["wrapper"]
+        assert res["init_methods"] == ["xavier_uniform_"] * 2, res["init_methods"]
         assert res["materialized"] == 1, f"rank {r}: get_model did not build the model sharded"
         assert res["checked"] and not res["mismatches"], (
             f"rank {r}: weights after get_model differ from the provider's: {res['mismatches'][:3]}")

@@ -14,7 +14,8 @@ step runs, and its loss is printed beside stock Megatron's (DDP + distributed
 optimizer, built the plain way).
 
     python -m megatron_lbp.bench construction [--ranks 8] [--preset zero3]
-        [--init device|cpu] [--bucket-size 20000] [--layers 8] [--hidden 64] [--json]
+        [--init device|cpu] [--bucket-size 20000] [--layers 8] [--hidden 64]
+        [--architecture test-gpt|megatron-defaults|llama|...] [--json]
 
 The engine's buckets are its gather units (one per transformer layer, the
 embedding, the rest); --bucket-size only cuts parameters outside them.
@@ -64,23 +65,24 @@ def measure_rank(spec, train, hier_argv) -> dict[str, Any]:
 
 
 def measure(ranks: int, preset: str, cpu_init: bool, bucket_size: int, layers: int,
-            hidden: int) -> dict[str, Any]:
+            hidden: int, arch: str = "test-gpt") -> dict[str, Any]:
     from megatron_lbp.testing.multirank import rank_location_env, run_on_ranks
-    from megatron_lbp.testing.tiny_gpt import TinyGPTSpec, TrainSpec, train_stock_megatron
+    from megatron_lbp.testing.tiny_gpt import TrainSpec, architecture, train_stock_megatron
 
-    spec = TinyGPTSpec(num_layers=layers, hidden_size=hidden, use_cpu_initialization=cpu_init)
+    spec = architecture(arch, num_layers=layers, hidden_size=hidden,
+                        use_cpu_initialization=cpu_init)
     train = TrainSpec(steps=1, micro_batches=2, bucket_size=bucket_size)
     per_rank = run_on_ranks(measure_rank, ranks, spec, train, ["--hier-preset", preset],
                             rank_env=rank_location_env(min(ranks, 4)))
     stock = run_on_ranks(train_stock_megatron, ranks, spec, train)[0]
-    return {"ranks": per_rank, "stock_losses": stock.losses, "preset": preset,
+    return {"ranks": per_rank, "stock_losses": stock.losses, "preset": preset, "architecture": arch,
             "init": "cpu" if cpu_init else "device", "bucket_size": bucket_size}
 
 
 def render(result: dict[str, Any]) -> str:
     largest = result["ranks"][0]["sharded"]["largest_bucket_bytes"]
     lines = [f"construction peak per rank, preset {result['preset']}, "
-             f"{result['init']}-init path, largest gather unit {largest:,} bytes "
+             f"{result['init']}-init path, {result['architecture']}, largest gather unit {largest:,} bytes "
              f"(bytes; bound = primary + secondary + master + optimizer + 2 x largest unit)",
              f"  {'rank':>4} {'sharded':>10} {'bound':>10} {'plan':>10} {'whole':>10} "
              f"{'model':>10}  first loss sharded / whole / stock"]
@@ -93,6 +95,8 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main(argv=None) -> int:
+    from megatron_lbp.testing.tiny_gpt import ARCHITECTURES
+
     p = argparse.ArgumentParser(prog="python -m megatron_lbp.bench construction",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -104,12 +108,15 @@ def main(argv=None) -> int:
     p.add_argument("--bucket-size", type=int, default=20000)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--architecture", default="test-gpt", choices=list(ARCHITECTURES),
+                   help="a named architecture of megatron_lbp.testing.tiny_gpt (default test-gpt; "
+                        "megatron-defaults: learned absolute positions, initialised after attach)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.ranks < 1 or args.bucket_size < 1:
         p.error("--ranks and --bucket-size must be >= 1")
     result = measure(args.ranks, args.preset, args.init == "cpu", args.bucket_size,
-                     args.layers, args.hidden)
+                     args.layers, args.hidden, args.architecture)
     print(json.dumps(result) if args.json else render(result))
     return 0
 

@@ -1,42 +1,78 @@
 """Sharded initialization: build a model without ever holding all of its weights.
 
 The model's own constructor runs, unchanged, twice; each parameter is
-generated in full only while the module that registered it is being built,
-so at most one module's weights are ever resident (on top of this rank's
-slices), and every initializer draws from the generators exactly as in a plain
-build, which is what makes the values equal the stock path's for the same seed.
+generated in full only while the constructors that can touch it run, so at
+most a few modules' weights are ever resident (on top of this rank's slices),
+and every initializer draws from the generators exactly as in a plain build,
+which is what makes the values equal the stock path's for the same seed.
 
 1. Build time (:func:`build_sharded`): the constructor runs for real. As soon
-   as a module is attached to its parent, the parameters it registered lose
-   their values: ``param.data`` becomes a *placeholder*, one element broadcast
-   to the parameter's shape, already in the dtype and on the device the
-   model's wrappers will give it (``.cuda()`` and a cast to the same dtype
+   as a module is attached to its parent, the parameters it registered are
+   *released*: ``param.data`` becomes a placeholder, one element of its own
+   broadcast to the parameter's shape, already in the dtype and on the device
+   the model's wrappers will give it (``.cuda()`` and a cast to the same dtype
    return it unchanged and allocate nothing). Buffers and every other
    attribute are the real ones, so the model is the stock model minus weights.
    Parameters stay the same objects (their Megatron attributes included).
 2. Wrap time (:meth:`ShardedConstruction.materialize`): when the engine has
    laid out its buckets, the constructor runs again from the generator state
-   the first run started from; each parameter, once its module is attached,
-   is handed to ``write`` (the engine copies this rank's slices of it, see
+   the first run started from; each parameter, once released, is handed to
+   ``write`` (the engine copies this rank's slices of it, see
    :meth:`HierDataParallel.write_weights`) and dropped. That second model is
    discarded and the generators are put back where they were.
 
+Constructors that touch a parameter after attaching its module. Releasing at
+attach is a guess about when a parameter's values are final, and a
+constructor may prove it wrong: megatron-core's ``LanguageModelEmbedding``
+attaches ``torch.nn.Embedding`` (whose own init draws N(0, 1)) and then
+re-initialises its weight with ``embedding_init_method``. Every aten operation
+while a constructor runs passes a dispatch watch (:class:`_Watch`), so such a
+touch is seen, whatever the constructor:
+
+- in the first run, the touched parameter gets real memory again (zeros, in
+  its original dtype and device) and the operation runs on it; the parameter
+  is *late*, and is released again only when the constructor that touched it
+  returns (its module is attached, or the build ends). Its memory is named in
+  :attr:`ShardedConstruction.late`. A first operation that overwrites the whole
+  tensor (an initializer: ``normal_``, ``uniform_``, ``fill_``, ``zero_``,
+  ``copy_``, an ``out=`` variant) needs none of the dropped values and draws
+  the generators as the plain build does; anything else (a read, a view, a
+  partial write) would have seen the dropped values, so the first run is
+  repeated from its starting generator state with every late parameter held
+  from registration until its release, which makes it exact.
+- in the second run, late parameters are held the same way (they are handed
+  to ``write`` at their release point, with their final values); touching a
+  released parameter there means the two runs differ and raises
+  :class:`ShardedInitError`. A parameter whose ``.data`` a constructor
+  replaces after release is treated as late too.
+
+Why not the meta device (PyTorch FSDP2/torchtitan, megatron-core's
+``--init-model-with-meta-device``): those build on ``meta`` and then call each
+module's ``reset_parameters``/``init_weights``. megatron-core's local layers
+have none (Megatron-FSDP refuses such modules) and ``torch.nn.Embedding``'s
+draws N(0, 1), not Megatron's ``embedding_init_method``, so the values and
+the generator states would not be a plain build's. Rerunning the constructor
+itself keeps both, for any constructor.
+
 The two runs are matched parameter by parameter in registration order (name,
-shape and dtype checked). A constructor that reads a parameter's values after
-its module was attached would read the placeholder: the stock-equality tests
-(tests/test_sharded_init.py) guard the constructors the project supports.
+shape and dtype checked).
 """
 from __future__ import annotations
 
 import gc
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 ATTRIBUTE = "_lbp_sharded_construction"
+END = -1             # release point of a late parameter: when the whole build returns
+MAX_FIRST_RUNS = 3   # a first run repeated with late parameters held, at most this often
 
 
 class ShardedInitError(RuntimeError):
@@ -44,40 +80,136 @@ class ShardedInitError(RuntimeError):
 
 
 # --- placeholders ------------------------------------------------------------------------
-_PLACEHOLDERS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+class _PlaceholderPool:
+    """One zero element per placeholder, carved from a few chunks per (dtype, device).
+
+    Each placeholder has its own element (so an operation on it names its
+    parameter by ``data_ptr``) and all of them share a handful of storages (so
+    ``is_placeholder`` is a set lookup and a build allocates almost nothing).
+    Elements are never handed out twice: a placeholder's address stays its own.
+    """
+
+    CHUNK = 4096
+
+    def __init__(self) -> None:
+        self._chunks: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, int]] = {}
+        self.storages: set[int] = set()
+        self._keep: list[torch.Tensor] = []
+
+    def take(self, shape, dtype: torch.dtype, device) -> torch.Tensor:
+        key = (dtype, torch.device(device))
+        chunk, used = self._chunks.get(key, (None, self.CHUNK))
+        if used == self.CHUNK:
+            chunk, used = torch.zeros(self.CHUNK, dtype=dtype, device=key[1]), 0
+            self._keep.append(chunk)
+            self.storages.add(chunk.untyped_storage().data_ptr())
+        self._chunks[key] = (chunk, used + 1)
+        return chunk[used].expand(tuple(shape))
+
+
+_POOL = _PlaceholderPool()
 
 
 def placeholder(shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """A storage-free stand-in of ``shape``: one shared element broadcast (stride 0)."""
-    device = torch.device(device)
-    key = (dtype, device)
-    if key not in _PLACEHOLDERS:
-        _PLACEHOLDERS[key] = torch.zeros((), dtype=dtype, device=device)
-    return _PLACEHOLDERS[key].expand(tuple(shape))
+    """A storage-free stand-in of ``shape``: one element of its own broadcast (stride 0)."""
+    return _POOL.take(shape, dtype, device)
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):   # sparse, nested, tensors without storage
+        return None
 
 
 def is_placeholder(t: torch.Tensor) -> bool:
-    base = _PLACEHOLDERS.get((t.dtype, t.device))
-    return (base is not None and t.data_ptr() == base.data_ptr()
-            and all(s == 0 for s in t.stride()))
+    return _storage_ptr(t) in _POOL.storages and all(s == 0 for s in t.stride())
+
+
+# --- what counts as overwriting a tensor -------------------------------------------------
+# In-place operations that write every element without reading any: initializers.
+_OVERWRITES = frozenset({
+    "normal_", "uniform_", "fill_", "zero_", "copy_", "random_", "bernoulli_",
+    "exponential_", "log_normal_", "cauchy_", "geometric_",
+})
+
+
+def _overwritten(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors ``func`` overwrites whole without reading them (args[0] of an initializer,
+    the ``out=`` of an out variant)."""
+    out = []
+    if func.overloadpacket.__name__ in _OVERWRITES and args and isinstance(args[0], torch.Tensor):
+        out.append(args[0])
+    for arg in func._schema.arguments:
+        if arg.kwarg_only and arg.alias_info is not None and arg.alias_info.is_write:
+            value = kwargs.get(arg.name)
+            if isinstance(value, torch.Tensor):
+                out.append(value)
+    return out
+
+
+def _toucher() -> Any:
+    """The innermost module whose constructor is running (None: the builder's own code)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "__init__":
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, torch.nn.Module):
+                return owner
+        frame = frame.f_back
+    return None
 
 
 # --- watching a constructor --------------------------------------------------------------
-class _ParameterStream:
-    """While open, calls ``ready(index, param)`` once per parameter when its module is attached.
+@dataclass
+class LateParameter:
+    """A parameter a constructor touched after its module was attached (held whole until released)."""
 
-    ``index`` counts parameter registrations (torch's global registration hooks)
-    in order; ``finish(root)`` hands over what is left (the root's own
-    parameters and any registered after their module was attached).
+    index: int
+    name: str
+    nbytes: int
+    toucher: str          # "LanguageModelEmbedding.__init__", or "the model builder"
+    release: int          # attach event that releases it, or END
+
+    def describe(self) -> str:
+        until = ("the build returns" if self.toucher == "the model builder"
+                 else "that constructor returns")
+        return (f"{self.name} ({self.nbytes / 2**20:.2f} MiB) is touched by {self.toucher} after "
+                f"its module was attached: held whole until {until}")
+
+
+class _Watch(TorchDispatchMode):
+    """One run of the constructor: registrations, attach events, and every touch of a released
+    parameter (see the module docstring).
+
+    ``release(index, param)`` is called when a parameter is released (at its
+    module's attach, or at its hold's release point, or at ``finish``); the
+    caller turns it into a placeholder. ``hold`` maps indices to the attach
+    event that releases them (``END``: ``finish``). ``second``: touching a
+    released parameter is an error instead of a late materialization.
     """
 
-    def __init__(self, ready: Callable[[int, torch.nn.Parameter], None]) -> None:
-        self._ready = ready
+    def __init__(self, release: Callable[[int, torch.nn.Parameter], None], *,
+                 hold: dict[int, int], second: bool) -> None:
+        super().__init__()
+        self._release = release
+        self._hold = hold
+        self._second = second
         self._index = WeakIdKeyDictionary()
-        self._handed = WeakIdKeyDictionary()
+        self._released = WeakIdKeyDictionary()          # param -> its placeholder's element address
+        self._by_address: dict[int, weakref.ref] = {}   # element address -> param
         self.registered: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+        self.origin: list[tuple[torch.dtype, torch.device]] = []
+        self.events = 0
+        self._waiting: dict[int, list[weakref.ref]] = {}   # attach event -> held params
+        # first run only
+        self.touched_by: dict[int, Any] = {}    # index -> weakref of the touching module, or None
+        self.release_at: dict[int, int] = {}    # index -> attach event that released it again
+        self.inexact: set[int] = set()          # late parameters whose dropped values were needed
+        self._toucher_of: WeakIdKeyDictionary = WeakIdKeyDictionary()   # module -> [param refs]
         self._handles: list[Any] = []
 
+    # registration hooks
     def __enter__(self):
         from torch.nn.modules import module as nn_module
 
@@ -85,31 +217,145 @@ class _ParameterStream:
             nn_module.register_module_parameter_registration_hook(self._on_parameter),
             nn_module.register_module_module_registration_hook(self._on_module),
         ]
-        return self
+        return super().__enter__()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc):
         for h in self._handles:
             h.remove()
         self._handles = []
+        return super().__exit__(*exc)
 
     def _on_parameter(self, module, name, param):
         if param is not None and param not in self._index:
             self._index[param] = len(self.registered)
             self.registered.append((name, tuple(param.shape), param.dtype))
+            self.origin.append((param.dtype, param.device))
 
     def _on_module(self, parent, name, child):
-        if child is not None:
-            for p in child.parameters(recurse=False):
-                self._hand_over(p)
+        if child is None:
+            return
+        self.events += 1
+        for p in child.parameters(recurse=False):
+            self._offer(p)
+        for ref in self._toucher_of.pop(child, []):      # first run: its constructor returned
+            p = ref()
+            if p is not None and p in self._index:
+                self.release_at[self._index[p]] = self.events
+                self._do_release(p)
+        for ref in self._waiting.pop(self.events, []):  # held parameters released here
+            p = ref()
+            if p is not None:
+                self._do_release(p)
 
     def finish(self, root: torch.nn.Module) -> None:
+        for refs in self._waiting.values():
+            for ref in refs:
+                p = ref()
+                if p is not None:
+                    self._do_release(p)
+        self._waiting.clear()
+        for refs in self._toucher_of.values():
+            for ref in refs:
+                p = ref()
+                if p is not None and p in self._index:
+                    self.release_at[self._index[p]] = END
+                    self._do_release(p)
         for p in root.parameters():
-            self._hand_over(p)
+            self._offer(p)
+            if p in self._released and not is_placeholder(p) and not self._second:
+                # .data replaced after release, without an operation the watch could see
+                index = self._index[p]
+                self.touched_by[index] = None
+                self.release_at[index] = END
+                self.inexact.add(index)
+                self._do_release(p)
 
-    def _hand_over(self, p: torch.nn.Parameter) -> None:
-        if p in self._index and p not in self._handed:
-            self._handed[p] = True
-            self._ready(self._index[p], p)
+    def _offer(self, p: torch.nn.Parameter) -> None:
+        """``p``'s module was attached: release it now, or hold it until its release point."""
+        if p not in self._index or p in self._released:
+            return
+        index = self._index[p]
+        if index in self._hold:
+            at = self._hold.pop(index)
+            if at != END and at <= self.events:
+                self._do_release(p)
+            else:
+                self._waiting.setdefault(at, []).append(weakref.ref(p))
+            return
+        self._do_release(p)
+
+    def _do_release(self, p: torch.nn.Parameter) -> None:
+        self._release(self._index[p], p)
+        self._released[p] = p.data_ptr()
+        self._by_address[p.data_ptr()] = weakref.ref(p)
+
+    # the dispatch watch
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        touched = []
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor) and is_placeholder(t):
+                ref = self._by_address.get(t.data_ptr())
+                p = ref() if ref is not None else None
+                if p is not None and self._released.get(p) == t.data_ptr():
+                    touched.append((t, p))
+        if touched:
+            overwritten = {id(t) for t in _overwritten(func, args, kwargs)}
+            for t, p in touched:
+                self._late(t, p, whole=id(t) in overwritten and tuple(t.shape) == tuple(p.shape),
+                           func=func)
+        return func(*args, **kwargs)
+
+    def _late(self, t: torch.Tensor, p: torch.nn.Parameter, *, whole: bool, func) -> None:
+        index = self._index[p]
+        name = self.registered[index][0]
+        if self._second:
+            raise ShardedInitError(
+                f"sharded initialization: the second construction touched parameter #{index} "
+                f"({name}, by {func}) after releasing it, which the first did not: the "
+                "constructor differs between runs; build with --no-hier-sharded-init")
+        dtype, device = self.origin[index]
+        with torch.no_grad():
+            p.data = torch.zeros(p.shape, dtype=dtype, device=device)
+            if t is not p:
+                t.data = p.data          # the alias the operation holds now sees the memory too
+        del self._released[p]
+        self._by_address.pop(t.data_ptr(), None)
+        if not whole:
+            self.inexact.add(index)
+        toucher = _toucher()
+        self.touched_by[index] = weakref.ref(toucher) if toucher is not None else None
+        if toucher is not None:
+            self._toucher_of.setdefault(toucher, []).append(weakref.ref(p))
+        else:
+            self.release_at[index] = END
+            self._waiting.setdefault(END, []).append(weakref.ref(p))
+
+
+def _run(builder, release, *, hold: dict[int, int], second: bool):
+    with _Watch(release, hold=dict(hold), second=second) as watch:
+        model = builder()
+        watch.finish(model)
+    return model, watch
+
+
+def _late_parameters(model: torch.nn.Module, watch: _Watch, hold: dict[int, int],
+                     touchers: dict[int, str]) -> list[LateParameter]:
+    names = {}
+    for name, p in model.named_parameters():
+        index = watch._index.get(p)
+        if index is not None:
+            names[index] = name
+    out = []
+    for index, at in sorted(hold.items()):
+        shape, (dtype, _) = watch.registered[index][1], watch.origin[index]
+        numel = 1
+        for s in shape:
+            numel *= s
+        out.append(LateParameter(index=index, name=names.get(index, watch.registered[index][0]),
+                                 nbytes=numel * torch.empty((), dtype=dtype).element_size(),
+                                 toucher=touchers[index], release=at))
+    return out
 
 
 # --- the two runs ------------------------------------------------------------------------
@@ -123,6 +369,12 @@ class ShardedConstruction:
     cast_dtype: torch.dtype | None            # what the mixed-precision wrapper will cast to
     registered: list[tuple[str, tuple[int, ...], torch.dtype]] = field(default_factory=list)
     params: list[weakref.ref] = field(default_factory=list)
+    late: list[LateParameter] = field(default_factory=list)
+    first_runs: int = 1                       # 2+: the first run was repeated with late holds
+
+    @property
+    def hold(self) -> dict[int, int]:
+        return {lp.index: lp.release for lp in self.late}
 
     def check_untouched(self, model: torch.nn.Module) -> None:
         """Every weight must still be its placeholder: something in between allocated or changed it."""
@@ -141,10 +393,11 @@ class ShardedConstruction:
         """
         now = self.rng_snapshot()
         seen: list[int] = []
+        registered: list = []
 
-        def ready(index: int, p: torch.nn.Parameter) -> None:
-            if index >= len(self.registered) or stream.registered[index] != self.registered[index]:
-                got = stream.registered[index] if index < len(stream.registered) else None
+        def release(index: int, p: torch.nn.Parameter) -> None:
+            if index >= len(self.registered) or registered[index] != self.registered[index]:
+                got = registered[index] if index < len(registered) else None
                 want = self.registered[index] if index < len(self.registered) else None
                 raise ShardedInitError(
                     f"sharded initialization: the second construction differs at parameter "
@@ -165,9 +418,11 @@ class ShardedConstruction:
         # every object of torch and Megatron (about 0.2 s of CPU per rank).
         gc.freeze()
         try:
-            with _ParameterStream(ready) as stream:
+            watch = _Watch(release, hold=self.hold, second=True)
+            registered = watch.registered
+            with watch:
                 model = self.rebuild()
-                stream.finish(model)
+                watch.finish(model)
             del model
             gc.collect()  # the second model's buffers, now, not when a cycle collection runs
         finally:
@@ -189,20 +444,42 @@ def build_sharded(builder: Callable[[], torch.nn.Module], *, cast_dtype: torch.d
     parameters to (None: none will); ``device``: where the model will live.
     """
     start = rng_snapshot()
+    hold: dict[int, int] = {}
+    touchers: dict[int, str] = {}
+    for attempt in range(1, MAX_FIRST_RUNS + 1):
+        slots: dict[int, weakref.ref] = {}
+
+        def release(index: int, p: torch.nn.Parameter) -> None:
+            dtype = cast_dtype if cast_dtype is not None and p.is_floating_point() else p.dtype
+            slots[index] = weakref.ref(p)
+            p.data = placeholder(p.shape, dtype, device)
+
+        model, watch = _run(builder, release, hold=hold, second=False)
+        for index, ref in watch.touched_by.items():
+            module = ref() if ref is not None else None
+            touchers[index] = (f"{type(module).__name__}.__init__" if module is not None
+                               else "the model builder")
+        new_hold = {**hold, **watch.release_at}
+        if not watch.inexact:
+            break
+        # A late parameter's dropped values were needed: run again from the start with
+        # every late parameter held until its release point, so nothing reads a zero.
+        if attempt == MAX_FIRST_RUNS or new_hold == hold:
+            first = sorted(watch.inexact)[0]
+            raise ShardedInitError(
+                f"sharded initialization: parameter #{first} ({watch.registered[first][0]}) is "
+                f"still read after its release in run {attempt} with late parameters held; "
+                "build with --no-hier-sharded-init")
+        hold = new_hold
+        del model, watch
+        start.restore()
+    hold = new_hold
     construction = ShardedConstruction(rebuild=builder, rng_at_start=start,
-                                       rng_snapshot=rng_snapshot, cast_dtype=cast_dtype)
-    slots: dict[int, weakref.ref] = {}
-
-    def ready(index: int, p: torch.nn.Parameter) -> None:
-        dtype = cast_dtype if cast_dtype is not None and p.is_floating_point() else p.dtype
-        slots[index] = weakref.ref(p)
-        p.data = placeholder(p.shape, dtype, device)
-
-    with _ParameterStream(ready) as stream:
-        model = builder()
-        stream.finish(model)
-    construction.registered = list(stream.registered)
-    construction.params = [slots.get(i, _dead) for i in range(len(stream.registered))]
+                                       rng_snapshot=rng_snapshot, cast_dtype=cast_dtype,
+                                       first_runs=attempt)
+    construction.registered = list(watch.registered)
+    construction.params = [slots.get(i, _dead) for i in range(len(watch.registered))]
+    construction.late = _late_parameters(model, watch, hold, touchers)
     setattr(model, ATTRIBUTE, construction)
     return model
 

@@ -40,6 +40,18 @@ class TinyGPTSpec:
     # Megatron's --gradient-accumulation-fusion: the linear layers' weight
     # gradients go through fused_weight_gradient_mlp_cuda into param.main_grad.
     gradient_accumulation_fusion: bool = False
+    # The architecture, as Megatron's flags describe it. The defaults are the
+    # project's test GPT (RoPE, tied output layer); ARCHITECTURES names others,
+    # Megatron's own defaults among them.
+    position_embedding_type: str = "rope"        # --position-embedding-type: rope|learned_absolute|none
+    tied_output: bool = True                     # not --untie-embeddings-and-output-weights
+    normalization: str = "LayerNorm"             # --normalization: LayerNorm|RMSNorm
+    swiglu: bool = False                         # --swiglu (gated SiLU MLP)
+    num_query_groups: int | None = None          # --group-query-attention --num-query-groups
+    add_bias_linear: bool = True                 # not --disable-bias-linear
+    ffn_hidden_size: int | None = None           # --ffn-hidden-size (None: 4 x hidden)
+    init_method_std: float = 0.02                # --init-method-std
+    xavier_init: bool = False                    # --init-method-xavier-uniform
 
 
 @dataclass(frozen=True)
@@ -83,9 +95,42 @@ def init_megatron_state(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+# Architectures Megatron's flags describe, by name (fields of TinyGPTSpec). The
+# equivalence and sharded-init tests run over them, so the suite exercises
+# Megatron's defaults and the Llama-style models users bring, not only the
+# project's own test GPT.
+ARCHITECTURES: dict[str, dict] = {
+    "test-gpt": {},                                               # RoPE, tied, LayerNorm, GeLU
+    "megatron-defaults": dict(position_embedding_type="learned_absolute"),
+    "gpt2-untied-xavier": dict(position_embedding_type="learned_absolute", tied_output=False,
+                               xavier_init=True),
+    "llama": dict(normalization="RMSNorm", swiglu=True, num_query_groups=2,
+                  add_bias_linear=False, tied_output=False, ffn_hidden_size=96),
+    # No linear biases here: the key part of a QKV bias gets an analytically zero
+    # gradient (softmax ignores a shift shared by every key), so Adam turns its
+    # rounding noise into whole updates and the fp32 weight bound would measure noise.
+    "nope-rmsnorm-std": dict(position_embedding_type="none", normalization="RMSNorm",
+                             init_method_std=0.05, add_bias_linear=False),
+    "gqa-swiglu-bias-learned": dict(position_embedding_type="learned_absolute", swiglu=True,
+                                    num_query_groups=1),
+}
+
+
 def tiny_gpt_config(spec: TinyGPTSpec = TinyGPTSpec()):
+    import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
+    arch = {}
+    if spec.swiglu:
+        arch.update(gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False)
+    if spec.num_query_groups is not None:
+        arch["num_query_groups"] = spec.num_query_groups
+    if spec.ffn_hidden_size is not None:
+        arch["ffn_hidden_size"] = spec.ffn_hidden_size
+    if spec.xavier_init:
+        # what megatron.training's --init-method-xavier-uniform means (compat.xavier_init_flag)
+        arch.update(init_method=torch.nn.init.xavier_uniform_,
+                    output_layer_init_method=torch.nn.init.xavier_uniform_)
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -96,7 +141,10 @@ def tiny_gpt_config(spec: TinyGPTSpec = TinyGPTSpec()):
         bf16=spec.params_dtype == torch.bfloat16,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        init_method_std=0.02,
+        init_method_std=spec.init_method_std,
+        normalization=spec.normalization,
+        add_bias_linear=spec.add_bias_linear,
+        **arch,
         **(dict(recompute_granularity="full", recompute_method="uniform",
                 recompute_num_layers=1) if spec.recompute else {}),
     )
@@ -111,11 +159,11 @@ def tiny_gpt_provider(spec: TinyGPTSpec, config):
         torch.manual_seed(spec.seed)
         return GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
+            transformer_layer_spec=get_gpt_layer_local_spec(normalization=spec.normalization),
             vocab_size=spec.vocab_size,
             max_sequence_length=spec.seq_length,
-            position_embedding_type="rope",
-            share_embeddings_and_output_weights=True,
+            position_embedding_type=spec.position_embedding_type,
+            share_embeddings_and_output_weights=spec.tied_output,
         )
 
     return provide
@@ -477,3 +525,10 @@ def _optimizer_config(spec: TinyGPTSpec, train: TrainSpec, distributed: bool):
         use_distributed_optimizer=distributed,
     )
 
+
+
+def architecture(name: str, **overrides) -> TinyGPTSpec:
+    """The TinyGPTSpec of a named architecture (ARCHITECTURES), with field overrides."""
+    if name not in ARCHITECTURES:
+        raise KeyError(f"unknown architecture {name!r}; known: {', '.join(ARCHITECTURES)}")
+    return dataclasses.replace(TinyGPTSpec(), **{**ARCHITECTURES[name], **overrides})
