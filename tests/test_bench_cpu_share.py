@@ -48,10 +48,12 @@ def test_forkserver_ranks_and_reaped_children_count_as_the_runs_own():
     share = _share_while(start)
     for p in procs:
         p.join()
-    assert share["own_cpu_s"] > 1.2, f"the run's own processes used only {share['own_cpu_s']:.2f} CPU-s"
-    assert share["others_cpu_s"] < 0.5, (
-        f"{share['others_cpu_s']:.2f} CPU-s of this tree's ~1.9 were put down to other processes "
-        f"(own {share['own_cpu_s']:.2f})")
+    # Only the run's own share is asserted: others_cpu_s is whatever the rest of the machine
+    # did meanwhile (a test must not need an idle machine), and without the descendant walk
+    # the ~1.9 CPU-s spun here would land there and own_cpu_s would stay near 0.
+    assert share["own_cpu_s"] > 1.2, (
+        f"the run's own processes used only {share['own_cpu_s']:.2f} CPU-s of the ~1.9 its "
+        f"forkserver rank and reaped child spun (others {share['others_cpu_s']:.2f})")
 
 
 def test_warning_only_above_the_share_and_says_how_much():

@@ -18,6 +18,7 @@ import pytest
 from megatron_lbp import capabilities as caps
 from megatron_lbp.capabilities import BIAS_FUSIONS, CapabilityError, resolve_training_argv
 from tests.standins import STANDINS, TOP_LEVEL, write_standins
+from megatron_lbp.megatron_adapter import CONFLICTING_FLAGS, check_megatron_args
 
 REPO = Path(__file__).resolve().parents[1]
 ARGS = ["--num-layers", "2", "--position-embedding-type", "rope", "--bf16"]
@@ -229,12 +230,20 @@ def test_flags_the_engine_cannot_serve_are_refused(argv, needle):
     assert argv[0] in options, f"{argv[0]} is not a megatron-core 0.19.2 flag"
 
 
-def test_gradient_accumulation_fusion_is_served_by_the_engine():
-    # The engine gives every parameter a main_grad view (tests/test_fused_wgrad.py trains with it).
+@pytest.mark.parametrize("attr,flag", [*CONFLICTING_FLAGS,
+                                       ("init_model_with_meta_device", "--init-model-with-meta-device"),
+                                       ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+                                       ("num_experts", "--num-experts")])
+def test_megatron_args_the_engine_cannot_serve_are_refused_by_name(attr, flag):
+    """check_megatron_args on parsed arguments (the form that reaches Megatron another way than
+    the command line); gradient-accumulation fusion is served (tests/test_fused_wgrad.py trains
+    with it) and so is not refused beside any of them."""
     import argparse
 
-    from megatron_lbp.megatron_adapter import check_megatron_args
-
+    value = 2 if attr.endswith("_size") or attr == "num_experts" else True
+    with pytest.raises(ValueError) as err:
+        check_megatron_args(argparse.Namespace(**{attr: value}))
+    assert flag in str(err.value), str(err.value)
     check_megatron_args(argparse.Namespace(gradient_accumulation_fusion=True))
 
 
