@@ -19,6 +19,10 @@ def main(argv=None) -> int:
         print(f"python -m megatron_lbp.bench: error: command {given} is not one of "
               f"{', '.join(COMMANDS)}", file=sys.stderr)
         return 2
+    if "--json" in argv[1:]:
+        from megatron_lbp.bench import json_out
+
+        json_out.reserve_stdout()
     return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
 
 

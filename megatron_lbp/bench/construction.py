@@ -21,10 +21,10 @@ The engine's buckets are its gather units (one per transformer layer, the
 embedding, the rest); --bucket-size only cuts parameters outside them.
 """
 from __future__ import annotations
+from megatron_lbp.bench import json_out
 
 import argparse
 import gc
-import json
 import sys
 from typing import Any
 
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
         p.error("--ranks and --bucket-size must be >= 1")
     result = measure(args.ranks, args.preset, args.init == "cpu", args.bucket_size,
                      args.layers, args.hidden, args.architecture)
-    print(json.dumps(result) if args.json else render(result))
+    json_out.emit(result) if args.json else print(render(result))
     return 0
 
 

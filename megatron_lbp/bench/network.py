@@ -52,6 +52,7 @@ exit, on errors, on Ctrl-C and on SIGTERM; a run that was SIGKILLed leaves
 namespaces that the next run (or ``--sweep``) removes.
 """
 from __future__ import annotations
+from megatron_lbp.bench import json_out
 
 import argparse
 import functools
@@ -699,7 +700,7 @@ def main(argv=None) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    print(json.dumps(out) if args.json else render(out))
+    json_out.emit(out) if args.json else print(render(out))
     return 0
 
 

@@ -42,9 +42,9 @@ torch Python), each side's top functions and the engine's functions by
 cumulative time (megatron_lbp.bench.overhead_profile).
 """
 from __future__ import annotations
+from megatron_lbp.bench import json_out
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -286,7 +286,7 @@ def main(argv=None) -> int:
     schemes = [s for s in SCHEMES if s in schemes]
     result = measure(args.ranks, args.runs, args.steps, args.hidden, args.layers, args.seq,
                      args.bucket_size, args.micro_batches, schemes, args.profile)
-    print(json.dumps(result) if args.json else render(result))
+    json_out.emit(result) if args.json else print(render(result))
     return 0
 
 

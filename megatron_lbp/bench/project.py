@@ -45,6 +45,7 @@ uplink on the same rule; the projection keeps ``network="per_rank"``.
     python -m megatron_lbp.bench project [--json] [--mfu 0.35] [--micro-batches 1] ...
 """
 from __future__ import annotations
+from megatron_lbp.bench import json_out
 
 import argparse
 import json
@@ -589,7 +590,7 @@ def main(argv=None) -> int:
             print(f"python -m megatron_lbp.bench project: error: {e}", file=sys.stderr)
             return 2
     if args.json:
-        print(json.dumps(out))
+        json_out.emit(out)
     else:
         print(render(out) + ("\n" + "\n".join(pr.render(out["replay"], out["paper"], out))
                              if "replay" in out else ""))
@@ -642,8 +643,10 @@ def _record(p, args, models, schemes) -> int:
                                  log=lambda line: print(line, file=sys.stderr, flush=True))
     except pr.ReplayError as e:
         p.error(str(e))
-    print(json.dumps(index) if args.json else
-          "\n".join(f"{e['file']}: {e['scheme']}, {e['layers']} layers" for e in index["traces"]))
+    if args.json:
+        json_out.emit(index)
+    else:
+        print("\n".join(f"{e['file']}: {e['scheme']}, {e['layers']} layers" for e in index["traces"]))
     return 0
 
 

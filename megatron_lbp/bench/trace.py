@@ -44,6 +44,7 @@ with S as above.
 Format of the trace: docs/schedule-trace.md.
 """
 from __future__ import annotations
+from megatron_lbp.bench import json_out
 
 import argparse
 import glob
@@ -336,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
     if args.json:
-        print(json.dumps(_json_summary(summary)))
+        json_out.emit(_json_summary(summary))
     else:
         first = records[0]
         print(render(summary, first.get("units"), first.get("prefetch_units")))
@@ -363,9 +364,9 @@ def _main_record(args) -> int:
                  micro_batches=args.micro_batches, recompute=not args.no_recompute,
                  prefetch_units=args.prefetch_units)
     if args.json:
-        print(json.dumps({"overlap-on": _json_summary(out["overlap-on"]),
-                          "overlap-off": _json_summary(out["overlap-off"]),
-                          "step_s": out["step_s"]}))
+        json_out.emit({"overlap-on": _json_summary(out["overlap-on"]),
+                       "overlap-off": _json_summary(out["overlap-off"]),
+                       "step_s": out["step_s"]})
     else:
         print(render_recorded(out))
     return 0

@@ -26,9 +26,9 @@ for K micro-batches (default 1). Without it, K=1 and K=4 are both run and a
 table with the ratios lbp/zero3 and lbp/zeropp on the network is printed.
 """
 from __future__ import annotations
+from megatron_lbp.bench import json_out
 
 import argparse
-import json
 import sys
 from typing import Any
 
@@ -280,7 +280,7 @@ def main(argv=None) -> int:
     ks = [args.micro_batches or 1] if (args.json or args.micro_batches) else [1, 4]
     results = {k: measure(schemes, k, args.ranks, args.bucket_size, gpn) for k in ks}
     if args.json:
-        print(json.dumps(as_json(results[ks[0]])))
+        json_out.emit(as_json(results[ks[0]]))
     else:
         print(render(results, args.ranks, gpn))
     return 0
