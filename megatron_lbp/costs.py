@@ -1,6 +1,6 @@
 """Memory and traffic per rank of one hierarchy configuration (pure arithmetic, no torch).
 
-This is the planning side of DESIGN.md §2: given the group sizes (P, S, G, O and
+This is the planning side of docs/design.md §2: given the group sizes (P, S, G, O and
 R = W/O replicas), the bucket sizes and the dtypes, it says how many bytes of each
 kind of state a rank holds and how many bytes it sends per optimizer step over
 each link class. The engine's byte counters are meant to equal these figures

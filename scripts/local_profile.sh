@@ -11,7 +11,7 @@
 # (scripts/launch/lbp_launch.sh) as scripts/frontier_gpt20b.sh and
 # scripts/frontier_gpt10b.sh, with a tiny GPT (2 layers, hidden 128) on CPU
 # ranks (gloo), 2 nodes x 4 tasks, on the shipped tokenizer and demo data.
-# For a one-machine Slurm (../shared/reference/local-slurm/) and for tests:
+# For a one-machine Slurm (docs/local-slurm.md) and for tests:
 #
 #   mkdir -p logs && sbatch scripts/local_profile.sh [--chain N]
 #   bash scripts/local_profile.sh --dry-run

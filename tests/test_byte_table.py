@@ -1,4 +1,4 @@
-"""One byte table written by hand: the engine's ledger against DESIGN.md §2's formula, no shared code.
+"""One byte table written by hand: the engine's ledger against docs/design.md §2's formula, no shared code.
 
 Preset lbp with P=2, G=4, O=8 (R=1, S unset) on W=8 ranks placed as 2 nodes x 2
 packages x 2 GCDs; the tiny GPT of megatron_lbp.testing.tiny_gpt in fp32
@@ -17,12 +17,12 @@ Parameters (hidden h=64, 4 heads, vocabulary 128, tied output layer, LayerNorms 
                                                                                49984
   final LayerNorm   64 + 64                                                  =   128
   total             8192 + 2*49984 + 128                                     = 108288
-Padding (DESIGN.md §2: every level divides a bucket, alignment 128): each unit is
+Padding (docs/design.md §2: every level divides a bucket, alignment 128): each unit is
 one bucket padded to a multiple of O*128 = 1024 elements:
   8192 -> 8192 (8*1024), 49984 -> 50176 (49*1024), 128 -> 1024
   N = 8192 + 2*50176 + 1024 = 109568 elements
 
-Bytes each rank sends per optimizer step (DESIGN.md §2, w = g = 4 bytes, S unset):
+Bytes each rank sends per optimizer step (docs/design.md §2, w = g = 4 bytes, S unset):
   package  forward_gather   k*w*N*(P-1)/P  = 2*4*109568*1/2           = 438272
            backward_gather  the same (S unset: bf16/fp32 primary regather) = 438272
   node     grad_reduce      k*g*N*(G-1)/G  = 2*4*109568*3/4           = 657408

@@ -27,7 +27,7 @@ def sizes(cfg: HierConfig) -> tuple[int, int, int, int]:
 
 
 def expected_preset(preset: str, w: int, gpn: int, pkg: int = 2) -> tuple[int, int, int, int]:
-    """(P, S, G, O) straight from DESIGN.md §3, written out independently of the code."""
+    """(P, S, G, O) straight from docs/design.md §3, written out independently of the code."""
     node, pack = min(gpn, w), min(pkg, w)
     return {
         "lbp": (pack, 0, node, w),

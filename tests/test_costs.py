@@ -2,7 +2,7 @@
 
 Configs are small stand-in objects (only the attributes costs.py reads), so these
 tests do not depend on megatron_lbp.config or megatron_lbp.topology. The
-end-to-end comparison against DESIGN.md §2 lives in tests/test_plan.py.
+end-to-end comparison against docs/design.md §2 lives in tests/test_plan.py.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 10 steps with 2 micro-batches each. fp32: losses, reported gradient norms and
 final weights agree to 1e-5 relative (the only differences are summation orders
 of the reductions). The gradient norm is compared because Adam plus clipping at
-1.0 hides a constant gradient-scale error from the losses (test-audit.md: x2 or
+1.0 hides a constant gradient-scale error from the losses (tests/broken_engine.py gradient_scale: x2 or
 x8 moves the loss by ~1e-4); the norm shows it in full. Each test's trainings
 run one after another in the same 8 ranks (stock first), and each new check is
 run once on a deliberately broken engine (tests/broken_engine.py) and must fail.
@@ -172,7 +172,7 @@ def async_by_phase(trace_path):
 def assert_overlaps(ranks, trace_path, label):
     """Gathers and reductions issued asynchronously, and some in flight while units compute.
 
-    From the engine's own counters (CONTRACTS §2): Collectives.stats and
+    From the engine's own counters (docs/design.md §6): Collectives.stats and
     HierDataParallel.overlap_samples (the in-flight count at each unit's compute
     start), on every rank; the per-phase split from rank 0's schedule trace.
     """

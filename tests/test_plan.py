@@ -1,4 +1,4 @@
-"""`python -m megatron_lbp.plan` against an independent reading of DESIGN.md §2.
+"""`python -m megatron_lbp.plan` against an independent reading of docs/design.md §2.
 
 The expectations below are written out again from the design text (memory per
 rank; bytes each rank sends per optimizer step), with the link class of each
@@ -26,7 +26,7 @@ from megatron_lbp import plan
 REPO = Path(__file__).resolve().parents[1]
 CLASSES = ("package", "node", "network")
 PHASES = ("forward_gather", "backward_gather", "grad_reduce", "step_reduce", "step_gather")
-PRESET_SIZES = {  # DESIGN.md §3: preset -> (P, S, G, O) as functions of (W, node, package)
+PRESET_SIZES = {  # docs/design.md §3: preset -> (P, S, G, O) as functions of (W, node, package)
     "lbp": lambda W, n, p, S=0: (p, S, n, W),
     "zero3": lambda W, n, p, S=0: (W, 0, W, W),
     "zeropp": lambda W, n, p, S=0: (W, n, W, W),
@@ -74,7 +74,7 @@ def design_classes(W, P, S, G, O, gpn, gpp):
 
 def design(M, W, P, S, G, O, *, gpn=8, gpp=2, k=1, wbytes=2, gbytes=4, sdt="int8", block=256,
            qwz=False):
-    """Memory and traffic per rank from DESIGN.md §2 (exact Fractions of M).
+    """Memory and traffic per rank from docs/design.md §2 (exact Fractions of M).
 
     ``qwz``: §3's zeropp "+ int8 forward all-gather": each rank sends its 1/P
     slice as int8 + scales to the P-1 others (also the backward regather when S = 0).

@@ -22,7 +22,7 @@ all-reduces on its "reduce" one, so a weight gather never waits behind a
 gradient reduction over the same ranks.
 
 Two observers see every collective: :class:`CommStats` (counts of synchronous
-and asynchronous calls and of those in flight, CONTRACTS §2) and, with
+and asynchronous calls and of those in flight, docs/design.md §6) and, with
 ``--hier-trace``, the schedule trace (megatron_lbp.engine.trace), which records
 when each was issued, first waited for and done.
 
@@ -88,7 +88,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 @dataclass
 class CommStats:
-    """Collectives this rank issued, and how many of them run under compute (CONTRACTS §2).
+    """Collectives this rank issued, and how many of them run under compute (docs/design.md §6).
 
     ``async_issued``: issued with async_op=True (really in flight: gloo and NCCL
     return work to wait for); ``sync_issued``: issued and completed in the call;

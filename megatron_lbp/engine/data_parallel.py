@@ -5,7 +5,7 @@ and :class:`~megatron_lbp.engine.optimizer.HierDistributedOptimizer` use it
 (it subclasses megatron-core's ``_BaseDataParallel``, the template class for
 data-parallel implementations).
 
-This module only wires things together (see DESIGN.md §2 for the data flow):
+This module only wires things together (see docs/design.md §2.3 for the data flow):
 
 - the model is cut into gather units (megatron_lbp.engine.grouping; for a GPT
   the embedding, each transformer layer and the output layer, declared by the
@@ -158,7 +158,7 @@ class HierDataParallel(_megatron_base()):
     @property
     def overlap_samples(self) -> list[int]:
         """``comm.stats.in_flight`` at the start of each unit's compute since the last
-        zero_grad_buffer (CONTRACTS §2); :meth:`take_overlap_samples` reads and clears."""
+        zero_grad_buffer (docs/design.md §6); :meth:`take_overlap_samples` reads and clears."""
         return self.schedule.overlap_samples
 
     def take_overlap_samples(self) -> list[int]:

@@ -315,7 +315,7 @@ class Trainer:
                 loss.backward()
                 local_loss += loss.detach()
                 if hasattr(self.model, "take_overlap_samples"):
-                    # the engine's in-flight count at each unit's compute start (CONTRACTS §2)
+                    # the engine's in-flight count at each unit's compute start (docs/design.md §6)
                     result.extra.setdefault("overlap_samples", []).extend(
                         self.model.take_overlap_samples())
                 if probe is not None:

@@ -388,7 +388,7 @@ lbp_build_train_args() {
 
 # The training command as the entry will run it: python -m megatron_lbp.capabilities adds
 # the flags this environment needs (what imports: Transformer Engine, Apex, Megatron's fused
-# kernels; CONTRACTS.md 1), resolved for the device the profile runs on (LBP_DEVICE=gpu for
+# kernels; docs/design.md §4.1), resolved for the device the profile runs on (LBP_DEVICE=gpu for
 # a GPU profile, so that a login node without GPUs resolves for the compute nodes), and
 # refuses (one line) a flag that cannot work here.
 lbp_resolve_capabilities() {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A real two-node Slurm on one machine, for testing the launchers under sbatch
 # (tests/test_launchers.py::test_local_slurm_job, marked slow). Debian 12 /
-# Slurm 22.05, root, no systemd. Recipe: ../shared/reference/local-slurm/.
+# Slurm 22.05, root, no systemd. What it sets up and why: docs/local-slurm.md.
 #
 #   bash scripts/launch/local_slurm.sh install        apt-get the Debian packages (idempotent)
 #   bash scripts/launch/local_slurm.sh start DIR      config under DIR, start munged (if not
