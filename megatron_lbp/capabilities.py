@@ -312,6 +312,7 @@ def resolve_training_argv(argv: Sequence[str], *, device: str | None = None,
     _bias_fusions(argv, env, add)
     _attention(argv, env, impl)
     _cpu_only(argv, env, add)
+    _eval_interval(argv, add)
 
     flags = [f for fs, _ in added for f in fs]
     reasons = [f"[megatron-lbp] adding {' '.join(fs)}: {why}" for fs, why in added]
@@ -333,6 +334,21 @@ def _transformer_impl(argv, env: Environment, add) -> str:
             f"built ({env.te})")
         return "local"
     return impl or "transformer_engine"
+
+
+def _eval_interval(argv, add) -> None:
+    """megatron-core 0.19.2 has no default --eval-interval, yet with --train-iters it divides by
+    it while sizing the validation set (training.get_train_valid_test_num_samples) and dies
+    with "unsupported operand type(s) for //: 'int' and 'NoneType'", stock or not. Its
+    training loop reads None as no periodic evaluation; one past the last iteration says the
+    same to both places (the evaluation after training, if any, still runs)."""
+    iters = flag_value(argv, "--train-iters")
+    if iters is None or given(argv, "--eval-interval") or not iters.isdigit():
+        return
+    add(["--eval-interval", str(int(iters) + 1)],
+        "megatron-core 0.19.2 has no default for it and divides by it when --train-iters is "
+        "given; one past the last iteration means no evaluation during training, as its "
+        "training loop reads the missing value")
 
 
 def _uses_rope(argv) -> bool:

@@ -276,3 +276,14 @@ def test_cli_refusal_is_one_line_exit_2(tmp_path):
     assert r.stderr.startswith("python -m megatron_lbp.capabilities: error: --hier-partition "
                                "cannot run CUDA graphs (--external-cuda-graph)"), r.stderr
     assert len(r.stderr.splitlines()) == 1, r.stderr
+
+
+def test_train_iters_without_eval_interval_gets_one_past_the_last_iteration(present):
+    """megatron-core 0.19.2 has no --eval-interval default and divides by it with --train-iters
+    (the first Megatron-defaults run of issue 25 died there, stock or not)."""
+    present(*EVERYTHING)
+    flags, reasons = added(["--train-iters", "3"], "gpu")
+    assert flags == ["--eval-interval", "4"], flags
+    assert len(reasons) == 1 and "no default" in reasons[0], reasons
+    assert added(["--train-iters", "3", "--eval-interval", "2"], "gpu") == ([], [])
+    assert added(["--train-samples", "48"], "gpu") == ([], [])
