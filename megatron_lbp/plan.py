@@ -122,8 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("training step")
     s.add_argument("--params-dtype", choices=tuple(costs.WEIGHT_BYTES), default="bf16",
                    help="weight dtype (default bf16)")
-    s.add_argument("--grad-dtype", choices=tuple(costs.GRAD_BYTES), default="fp32",
-                   help="gradient shard / reduction dtype (default fp32)")
+    s.add_argument("--grad-dtype", choices=tuple(costs.GRAD_BYTES), default=None,
+                   help="gradient shard / reduction dtype (default fp32); same as "
+                        "--hier-grad-reduce-dtype")
     s.add_argument("--micro-batches", metavar="K", default="1",
                    help="micro-batches per optimizer step (default 1)")
     s.add_argument("--bucket-size", metavar="ELEMS", default=None,
@@ -135,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "same as --hier-quant-block-size")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_hier_arguments(p)
+    # One setting, two spellings: "not given" must be told from the default (_pick_alias).
+    p.set_defaults(hier_grad_reduce_dtype=None)
     return p
 
 
@@ -211,6 +214,7 @@ def plan_from_args(args: argparse.Namespace) -> dict[str, Any]:
     gpp = _pick_alias(args, "--gcds-per-package", "--hier-gcds-per-package", 2)
     preset = _pick_alias(args, "--preset", "--hier-preset", None)
     k = _number("--micro-batches", args.micro_batches)
+    args.grad_dtype = _pick_alias(args, "--grad-dtype", "--hier-grad-reduce-dtype", "fp32")
     block = _pick_alias(args, "--quant-block-size", "--hier-quant-block-size",
                         costs.DEFAULT_QUANT_BLOCK)
     bucket = _int_or_none("--bucket-size", args.bucket_size)
@@ -245,9 +249,9 @@ def plan_from_args(args: argparse.Namespace) -> dict[str, Any]:
         depth = prefetch_units_from_args(args)
         transient = costs.transient_bytes(
             cfg, numels, param_dtype=args.params_dtype, grad_dtype=args.grad_dtype,
-            prefetch_units=depth if args.hier_overlap else 0,
+            prefetch_units=depth if args.hier_overlap else 0, overlap=args.hier_overlap,
             tied_embedding=units[0][0] == "embedding" and not args.untie_embeddings_and_output_weights,
-            quantized_grad_families=qgz)
+            quantized_grad_families=qgz, micro_batches=k)
     except (HierConfigError, TopologyError, LayoutError) as exc:
         msg = str(exc)
         # Speak the spelling the user typed.
@@ -260,6 +264,8 @@ def plan_from_args(args: argparse.Namespace) -> dict[str, Any]:
         msg = msg.replace("train in bf16 (--bf16)", "plan bf16 weights (--params-dtype bf16)")
         if args.quant_block_size is not None:
             msg = msg.replace("--hier-quant-block-size", "--quant-block-size")
+        if getattr(args, "hier_grad_reduce_dtype", None) is None:
+            msg = msg.replace("--hier-grad-reduce-dtype", "--grad-dtype")
         raise UsageError(msg.replace("--hier-world-size", "--world-size")) from None
 
     return {
