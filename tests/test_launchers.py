@@ -446,6 +446,21 @@ def test_the_three_profiles_share_one_launcher():
 # tests/test_bad_input_matrix.py. Refusals of inputs that are well-formed but do not fit stay here.
 
 
+def test_a_preset_implies_its_defaults_and_the_grad_dtype_is_one_setting(site):
+    # zero3 has no secondary copy: the preset says so, without HIER_SECONDARY_GROUP_SIZE=0
+    r = run(SCRIPTS["10b"], site, "--dry-run", NNODES=48, HIER_PRESET="zero3",
+            HIER_GRAD_REDUCE_DTYPE="bf16")
+    assert r.returncode == 0, r.stderr + r.stdout
+    cmd = training_line(r.stdout)
+    assert flag(cmd, "--hier-preset") == "zero3" and flag(cmd, "--hier-secondary-group-size") == "0"
+    assert "--hier-secondary-dtype" not in cmd
+    assert "W=384 ranks, P=384 G=384 O=384 S=0 (no secondary)" in r.stdout, r.stdout
+    # bf16 gradient reductions: in the training flags and in the plan the estimate asked
+    assert flag(cmd, "--hier-grad-reduce-dtype") == "bf16"
+    argv = re.search(r"plan: python -m megatron_lbp.plan (.*)", r.stdout).group(1).split()
+    assert flag(argv, "--hier-grad-reduce-dtype") == "bf16"
+
+
 def test_refuses_when_memory_exceeds_the_gcd(site):
     r = run(SCRIPTS["20b"], site, NNODES=1, SLURM_JOB_ID=1, SLURM_JOB_NUM_NODES=1)
     assert r.returncode == 3, r.stdout + r.stderr
