@@ -387,8 +387,10 @@ UNIT_KINDS = ("embedding", "layer", "output", "other")
 
 def gpt_units(num_layers: int, hidden_size: int, vocab_size: int,
               seq_length: int | None = None, ffn_hidden_size: int | None = None,
-              tied: bool = True, *, position_embedding_type: str | None = None
-              ) -> list[tuple[str, int]]:
+              tied: bool = True, *, position_embedding_type: str | None = None,
+              swiglu: bool = False, num_attention_heads: int | None = None,
+              num_query_groups: int | None = None, normalization: str = "LayerNorm",
+              add_bias_linear: bool = True) -> list[tuple[str, int]]:
     """The engine's gather units of a megatron-core ``GPTModel``: (kind, numel), forward order.
 
     One unit is what one all-gather brings in (megatron_lbp.megatron_adapter's
@@ -412,6 +414,17 @@ def gpt_units(num_layers: int, hidden_size: int, vocab_size: int,
     With tied embeddings the output layer computes with the embedding unit's
     weight, so the output unit holds the final LayerNorm only.
 
+    Megatron's other architecture flags change the layer as follows (n heads of
+    d = h/n channels, g query groups; ``normalization`` "RMSNorm" has a weight and
+    no bias, so each norm is h; ``add_bias_linear=False`` (--disable-bias-linear)
+    drops every linear bias; ``swiglu`` (--swiglu) gates the MLP: linear_fc1 has
+    2f outputs; ``num_query_groups`` (--group-query-attention --num-query-groups g)
+    shrinks linear_qkv to h + 2*g*d outputs and needs ``num_attention_heads``)::
+
+        layer = 2*norm + h*(h + 2gd) [+ h + 2gd] + h*h [+ h] + h*f*m [+ f*m] + f*h [+ h]
+
+    with m = 2 for SwiGLU, else 1, and the bracketed terms only with linear biases.
+
     ``position_embedding_type``: None means "learned_absolute" when
     ``seq_length`` is given and "rope" (no position table) otherwise;
     "rope"/"none" never count a table; "learned_absolute" needs ``seq_length``.
@@ -432,18 +445,37 @@ def gpt_units(num_layers: int, hidden_size: int, vocab_size: int,
         if int(seq_length) <= 0:
             raise ValueError(f"seq_length={seq_length}: must be > 0")
         embedding += int(seq_length) * h
-    per_layer = 4 * h * h + 2 * h * f + 9 * h + f
-    output = 2 * h + (0 if tied else V * h)
+    if normalization not in ("LayerNorm", "RMSNorm"):
+        raise ValueError(f"normalization={normalization!r}: must be LayerNorm or RMSNorm")
+    norm = 2 * h if normalization == "LayerNorm" else h
+    qkv_out = 3 * h
+    if num_query_groups is not None:
+        if not num_attention_heads or h % int(num_attention_heads):
+            raise ValueError(f"num_query_groups={num_query_groups} needs num_attention_heads "
+                             f"dividing hidden_size={h}")
+        n, g = int(num_attention_heads), int(num_query_groups)
+        if g <= 0 or n % g:
+            raise ValueError(f"num_query_groups={g}: must divide num_attention_heads={n}")
+        qkv_out = h + 2 * g * (h // n)
+    m = 2 if swiglu else 1
+    bias = 1 if add_bias_linear else 0
+    per_layer = (2 * norm + h * qkv_out + h * h + h * f * m + f * h
+                 + bias * (qkv_out + h + f * m + h))
+    output = norm + (0 if tied else V * h)
     return [("embedding", embedding)] + [("layer", per_layer)] * L + [("output", output)]
 
 
 def gpt_param_count(num_layers: int, hidden_size: int, vocab_size: int,
                     seq_length: int | None = None, ffn_hidden_size: int | None = None,
-                    tied: bool = True, *, position_embedding_type: str | None = None) -> int:
-    """Parameters of a megatron-core ``GPTModel``: the sum of :func:`gpt_units` (see there)."""
+                    tied: bool = True, *, position_embedding_type: str | None = None,
+                    **architecture) -> int:
+    """Parameters of a megatron-core ``GPTModel``: the sum of :func:`gpt_units` (see there;
+    ``architecture``: its swiglu, num_attention_heads, num_query_groups, normalization,
+    add_bias_linear)."""
     return sum(n for _, n in gpt_units(num_layers, hidden_size, vocab_size, seq_length,
                                        ffn_hidden_size, tied,
-                                       position_embedding_type=position_embedding_type))
+                                       position_embedding_type=position_embedding_type,
+                                       **architecture))
 
 
 # --- transient memory --------------------------------------------------------------------

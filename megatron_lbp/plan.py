@@ -13,8 +13,9 @@ Example (the paper's 20B model on 384 GCDs, int8 secondary copy per node)::
 
 The model size is either ``--params M`` or a GPT shape
 (``--num-layers --hidden-size --vocab-size`` [``--ffn-hidden-size``
-``--seq-length --position-embedding-type --untie-embeddings-and-output-weights``],
-counted by ``costs.gpt_param_count``). ``--gpus-per-node``/``--gcds-per-package``
+``--seq-length --position-embedding-type --untie-embeddings-and-output-weights``
+``--swiglu --num-attention-heads --num-query-groups --normalization --disable-bias-linear``,
+Megatron's spellings], counted by ``costs.gpt_param_count``). ``--gpus-per-node``/``--gcds-per-package``
 and ``--preset`` are short spellings of ``--hier-gpus-per-node``,
 ``--hier-gcds-per-package`` and ``--hier-preset``; giving both spellings with
 different values is an error.
@@ -119,6 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
                    default="rope", help="default rope (no position table)")
     m.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="separate output layer (V*h more parameters)")
+    m.add_argument("--swiglu", action="store_true", help="gated MLP (linear_fc1 has 2*F outputs)")
+    m.add_argument("--num-attention-heads", metavar="N", default=None,
+                   help="attention heads (needed with --num-query-groups)")
+    m.add_argument("--num-query-groups", metavar="G", default=None,
+                   help="grouped-query attention: key/value heads")
+    m.add_argument("--group-query-attention", action="store_true",
+                   help="accepted as Megatron spells it; --num-query-groups sets the groups")
+    m.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    m.add_argument("--disable-bias-linear", action="store_true", help="no linear biases")
     s = p.add_argument_group("training step")
     s.add_argument("--params-dtype", choices=tuple(costs.WEIGHT_BYTES), default="bf16",
                    help="weight dtype (default bf16)")
@@ -189,10 +199,18 @@ def _model_units(args, bucket: int | None) -> list[tuple[str, int]]:
     if pe == "learned_absolute" and seq is None:
         raise UsageError("--position-embedding-type=learned_absolute needs --seq-length "
                          "(the position table has seq-length rows)")
-    return costs.gpt_units(num["--num-layers"], num["--hidden-size"], num["--vocab-size"],
-                           seq_length=seq, ffn_hidden_size=ffn,
-                           tied=not args.untie_embeddings_and_output_weights,
-                           position_embedding_type=pe)
+    heads = _int_or_none("--num-attention-heads", args.num_attention_heads)
+    groups = _int_or_none("--num-query-groups", args.num_query_groups)
+    try:
+        return costs.gpt_units(num["--num-layers"], num["--hidden-size"], num["--vocab-size"],
+                               seq_length=seq, ffn_hidden_size=ffn,
+                               tied=not args.untie_embeddings_and_output_weights,
+                               position_embedding_type=pe, swiglu=args.swiglu,
+                               num_attention_heads=heads, num_query_groups=groups,
+                               normalization=args.normalization,
+                               add_bias_linear=not args.disable_bias_linear)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _int_or_none(flag: str, value) -> int | None:
