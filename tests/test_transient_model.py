@@ -45,6 +45,8 @@ def _check(runs, floor):
                 f"{name} rank {rank}: peak transient {ledger} bytes above the plan's {plan}")
         job = max(res[name][0] for res in out)
         ratios[name] = job / plan["peak"]
+    for name, r in ratios.items():   # shown with pytest -s
+        print(f"job peak / plan transient: {name}: {r:.3f}")
     low = {n: round(r, 3) for n, r in ratios.items() if r < floor}
     assert not low, f"the job's peak transient is under {floor:.0%} of the plan's: {low}"
     return ratios
