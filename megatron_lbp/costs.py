@@ -387,8 +387,10 @@ UNIT_KINDS = ("embedding", "layer", "output", "other")
 
 def gpt_units(num_layers: int, hidden_size: int, vocab_size: int,
               seq_length: int | None = None, ffn_hidden_size: int | None = None,
-              tied: bool = True, *, position_embedding_type: str | None = None
-              ) -> list[tuple[str, int]]:
+              tied: bool = True, *, position_embedding_type: str | None = None,
+              swiglu: bool = False, num_attention_heads: int | None = None,
+              num_query_groups: int | None = None, normalization: str = "LayerNorm",
+              add_bias_linear: bool = True) -> list[tuple[str, int]]:
     """The engine's gather units of a megatron-core ``GPTModel``: (kind, numel), forward order.
 
     One unit is what one all-gather brings in (megatron_lbp.megatron_adapter's
@@ -412,6 +414,17 @@ def gpt_units(num_layers: int, hidden_size: int, vocab_size: int,
     With tied embeddings the output layer computes with the embedding unit's
     weight, so the output unit holds the final LayerNorm only.
 
+    Megatron's other architecture flags change the layer as follows (n heads of
+    d = h/n channels, g query groups; ``normalization`` "RMSNorm" has a weight and
+    no bias, so each norm is h; ``add_bias_linear=False`` (--disable-bias-linear)
+    drops every linear bias; ``swiglu`` (--swiglu) gates the MLP: linear_fc1 has
+    2f outputs; ``num_query_groups`` (--group-query-attention --num-query-groups g)
+    shrinks linear_qkv to h + 2*g*d outputs and needs ``num_attention_heads``)::
+
+        layer = 2*norm + h*(h + 2gd) [+ h + 2gd] + h*h [+ h] + h*f*m [+ f*m] + f*h [+ h]
+
+    with m = 2 for SwiGLU, else 1, and the bracketed terms only with linear biases.
+
     ``position_embedding_type``: None means "learned_absolute" when
     ``seq_length`` is given and "rope" (no position table) otherwise;
     "rope"/"none" never count a table; "learned_absolute" needs ``seq_length``.
@@ -432,18 +445,37 @@ def gpt_units(num_layers: int, hidden_size: int, vocab_size: int,
         if int(seq_length) <= 0:
             raise ValueError(f"seq_length={seq_length}: must be > 0")
         embedding += int(seq_length) * h
-    per_layer = 4 * h * h + 2 * h * f + 9 * h + f
-    output = 2 * h + (0 if tied else V * h)
+    if normalization not in ("LayerNorm", "RMSNorm"):
+        raise ValueError(f"normalization={normalization!r}: must be LayerNorm or RMSNorm")
+    norm = 2 * h if normalization == "LayerNorm" else h
+    qkv_out = 3 * h
+    if num_query_groups is not None:
+        if not num_attention_heads or h % int(num_attention_heads):
+            raise ValueError(f"num_query_groups={num_query_groups} needs num_attention_heads "
+                             f"dividing hidden_size={h}")
+        n, g = int(num_attention_heads), int(num_query_groups)
+        if g <= 0 or n % g:
+            raise ValueError(f"num_query_groups={g}: must divide num_attention_heads={n}")
+        qkv_out = h + 2 * g * (h // n)
+    m = 2 if swiglu else 1
+    bias = 1 if add_bias_linear else 0
+    per_layer = (2 * norm + h * qkv_out + h * h + h * f * m + f * h
+                 + bias * (qkv_out + h + f * m + h))
+    output = norm + (0 if tied else V * h)
     return [("embedding", embedding)] + [("layer", per_layer)] * L + [("output", output)]
 
 
 def gpt_param_count(num_layers: int, hidden_size: int, vocab_size: int,
                     seq_length: int | None = None, ffn_hidden_size: int | None = None,
-                    tied: bool = True, *, position_embedding_type: str | None = None) -> int:
-    """Parameters of a megatron-core ``GPTModel``: the sum of :func:`gpt_units` (see there)."""
+                    tied: bool = True, *, position_embedding_type: str | None = None,
+                    **architecture) -> int:
+    """Parameters of a megatron-core ``GPTModel``: the sum of :func:`gpt_units` (see there;
+    ``architecture``: its swiglu, num_attention_heads, num_query_groups, normalization,
+    add_bias_linear)."""
     return sum(n for _, n in gpt_units(num_layers, hidden_size, vocab_size, seq_length,
                                        ffn_hidden_size, tied,
-                                       position_embedding_type=position_embedding_type))
+                                       position_embedding_type=position_embedding_type,
+                                       **architecture))
 
 
 # --- transient memory --------------------------------------------------------------------
@@ -456,75 +488,174 @@ MAX_PENDING_REDUCES = 2
 def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16",
                     grad_dtype: str = "fp32", prefetch_units: int = 1,
                     tied_embedding: bool = False, quantized_grad_families: Sequence[str] = (),
-                    quant_block_size: int | None = None,
+                    quant_block_size: int | None = None, micro_batches: int = 1,
+                    overlap: bool = True, grad_chunk_ordered: bool = True,
                     align: int = DEFAULT_ALIGN) -> dict[str, int]:
-    """Upper bounds of the engine's transient buffers per rank (bytes), per part of the step.
+    """The engine's peak transient bytes per rank, by part of the step: its schedule replayed.
 
-    Counted as the engine's transient ledger counts them (full weight units,
-    their gather buffers, full gradient units, reduce-scatter buffers, the
-    step's 1/O gradients), assuming a module uses one unit at a time, as a
-    GPT's do, plus the tied embedding, which stays gathered from the
-    embedding to the output layer and through the whole backward
-    (``quantized_grad_families``: what :func:`quantized_grad_families` returns):
+    Counted as the engine's transient ledger counts them (full weight units and
+    their gather buffers, full gradient units and their reduce-scatter buffers,
+    the step's 1/O gradients), by walking megatron_lbp.engine.schedule's order
+    over the units (forward order; ``tied_embedding``: unit 0 is the embedding,
+    which the last unit's output layer computes with, so it stays gathered
+    from the embedding to the output layer and from the output layer's
+    backward to the end):
 
-    - ``unit_gather``: the largest unit while gathered (weights + gather buffers,
-      forward or backward, whichever is larger);
-    - ``prefetch``: what ``prefetch_units`` = d gathers running ahead add, d of those;
-    - ``forward``:  tied embedding + (1 + d) gathered units;
-    - ``backward``: tied embedding + (1 + d) gathered units + (1 + MAX_PENDING_REDUCES)
-      full gradient units with their reduce-scatter buffers, + what ``step`` holds:
-      the last micro-batch's backward already reduces each finished unit to its
-      1/O slice (megatron_lbp.engine.schedule);
-    - ``step``: the optimizer step's fp32 1/O gradient of every unit + one network
-      reduce-scatter's buffers;
-    - ``peak``: the largest of the three.
+    - forward: a module needs its units (gathered, or waited for when
+      prefetched), issues the gathers of the next ``prefetch_units`` = d units
+      (each in flight with its receive buffers until its own need), computes,
+      and frees its units after their last user;
+    - backward (with or without activation recomputation, which needs the units
+      the same way): as forward in reverse order, gathering from the secondary
+      copy when S > 0; a unit's full gradient exists from its first gradient on;
+      at its last one its weights are freed, its reduce-scatter issued (a
+      separate send/receive buffer where the reduction needs one: the 1/G
+      result on every micro-batch but the step's first, the transposed copy
+      where the G-group's communicator is not in chunk order, qgZ's int8
+      buffers), and the oldest reduction is completed when more than
+      MAX_PENDING_REDUCES are in flight. A completed reduction frees the full
+      gradient; on the step's last micro-batch it then issues the unit's
+      network reduction, whose 1/O result stays until the optimizer step.
 
-    The engine's measured ``peak_transient`` never exceeds ``peak``
-    (tests/test_engine_accounting.py).
+    Reductions are assumed to complete only when the schedule must wait for
+    them: the engine also completes those already done at each hook, which
+    only frees memory sooner, so the real peak is at most this one and equals
+    it when the collectives are slower than a unit's compute. Memory that is
+    not the engine's (activations, the tied embedding's output-layer gradient
+    autograd holds until the embedding's backward) is not counted here.
+
+    Keys: ``unit_gather`` (the largest unit with its gather buffers, forward or
+    backward), ``prefetch`` (d of those), ``forward``, ``backward`` (the peak of
+    the step's last micro-batch: every earlier one holds less), ``step`` (the
+    optimizer step: every unit's 1/O gradient, widened to fp32 when reduced in
+    bf16, plus one network qgZ reduction's buffers) and ``peak`` (the largest).
+    ``overlap`` (the engine's --hier-overlap, on by default): off, nothing is prefetched and
+    every reduction completes at once; on, ``prefetch_units`` may still be 0.
     """
     W, P, G, O, S, R = _sizes(cfg)
     wb, gb = _dtype_bytes(param_dtype, grad_dtype)
     if prefetch_units < 0:
         raise ValueError(f"prefetch_units={prefetch_units}: must be >= 0")
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches}: must be >= 1")
+    d = int(prefetch_units) if overlap else 0
     B = _block(cfg, quant_block_size)
     qwz = bool(getattr(cfg, "quantize_weight_gather", False))
     sdt = _secondary_dtype(cfg)
-    padded = [padded_numel(n, cfg, align) for n in unit_numels]
-
-    def weight_gather(N: int) -> int:
-        return wb * N + ((P + 1) * int8_payload_bytes(N // P, B) if qwz and P > 1 else 0)
-
-    def backward_gather(N: int) -> int:
-        if not S:
-            return weight_gather(N)
-        if sdt == "int8":
-            return wb * N + (S * int8_payload_bytes(N // S, B) if S > 1 else 0)
-        return wb * N + (2 * N if wb != 2 else 0)  # bf16 copy of wider weights: widened on arrival
-
-    def reduce(N: int, families: set[str]) -> int:
-        transpose = gb * N if 1 < P < G else 0
-        out = gb * N // G
-        # The transposed copy exists only where torch.distributed sorted the G-group
-        # (no new_group(sort_ranks=False), megatron_lbp/layout.py): kept in the bound
-        # so that it holds on any torch.
-        quantized = ("grad" in families and G > 1) and \
-            (2 * G * int8_payload_bytes(N // G, B) + 2 * 4 * (N // G))
-        return gb * N + transpose + out + (quantized or 0)
-
     families = set(quantized_grad_families)
-    gather = max((max(weight_gather(N), backward_gather(N)) for N in padded), default=0)
-    tied = weight_gather(padded[0]) if tied_embedding and padded else 0
-    d = int(prefetch_units)
-    forward = tied + (1 + d) * max((weight_gather(N) for N in padded), default=0)
+    padded = [padded_numel(n, cfg, align) for n in unit_numels]
+    n_units = len(padded)
     n_inter = O // G
-    step_network = max(((2 * n_inter * int8_payload_bytes(N // O, B) + 2 * 4 * (N // O))
-                        if "inter" in families and n_inter > 1 else 0 for N in padded),
-                       default=0)
-    step = sum(4 * N // O for N in padded) + step_network
-    backward = (tied + (1 + d) * max((backward_gather(N) for N in padded), default=0)
-                + (1 + MAX_PENDING_REDUCES) * max((reduce(N, families) for N in padded),
-                                                  default=0)
-                + step)
-    return {"prefetch_units": d, "unit_gather": gather, "prefetch": d * gather,
+    tied = bool(tied_embedding) and n_units >= 2
+
+    def in_flight(N: int, backward: bool) -> int:
+        """Receive (and send) buffers of a gather, alive until the unit's need waits for it."""
+        if backward and S:
+            if sdt == "int8":
+                return S * int8_payload_bytes(N // S, B) if S > 1 else 0
+            return 2 * N if wb != 2 else 0    # bf16 copy of wider weights: widened on arrival
+        return (P + 1) * int8_payload_bytes(N // P, B) if qwz and P > 1 else 0
+
+    def reduce_extra(N: int, fresh: bool) -> int:
+        transpose = gb * N if (not grad_chunk_ordered and 1 < P < G) else 0
+        out = 0 if fresh else gb * N // G
+        qgz = 2 * G * int8_payload_bytes(N // G, B) if ("grad" in families and G > 1) else 0
+        return transpose + out + qgz
+
+    def finish_extra(N: int) -> int:   # qgZ's fp32 sum and part, while a reduction lands
+        return 2 * 4 * (N // G) if ("grad" in families and G > 1) else 0
+
+    def step_network(N: int) -> int:
+        return (2 * n_inter * int8_payload_bytes(N // O, B) + 2 * 4 * (N // O)
+                if "inter" in families and n_inter > 1 else 0)
+
+    def step_grad(N: int) -> int:   # the 1/O result of the network hop (the shard itself if O == G)
+        return gb * N // O if n_inter > 1 else 0
+
+    class Ledger:
+        def __init__(self) -> None:
+            self.current = self.peak = 0
+
+        def alloc(self, n: int) -> None:
+            self.current += n
+            self.peak = max(self.peak, self.current)
+
+        def free(self, n: int) -> None:
+            self.current -= n
+
+    def walk(backward: bool, fresh: bool, last: bool) -> int:
+        led = Ledger()
+        order = list(reversed(range(n_units))) if backward else list(range(n_units))
+        gathered: dict[int, int] = {}    # unit -> bytes of its in-flight buffers (0: landed)
+        used: set[int] = set()
+        done: set[int] = set()           # freed after its last user (forward) or reduced
+        pending: list[int] = []
+        lives_on = {0} if tied else set()
+
+        def gather(u: int) -> None:
+            if u not in gathered:
+                extra = in_flight(padded[u], backward)
+                led.alloc(wb * padded[u] + extra)
+                gathered[u] = extra
+
+        def wait(u: int) -> None:
+            led.free(gathered[u])
+            gathered[u] = 0
+
+        def free_weights(u: int) -> None:
+            led.free(wb * padded[u] + gathered.pop(u))
+
+        def complete_oldest() -> None:
+            u = pending.pop(0)
+            N = padded[u]
+            led.alloc(finish_extra(N))
+            led.free(finish_extra(N) + gb * N + reduce_extra(N, fresh))
+            if last:
+                led.alloc(step_grad(N) + step_network(N))
+
+        for pos, u in enumerate(order):
+            needs = [u] + ([0] if tied and u == n_units - 1 else [])
+            for v in needs:
+                used.add(v)
+                gather(v)
+            ahead = 0
+            for v in order[pos + 1:]:
+                if ahead >= d:
+                    break
+                if v in used or v in done:
+                    continue
+                gather(v)
+                ahead += 1
+            for v in needs:
+                wait(v)
+            if not backward:
+                if u not in lives_on:
+                    free_weights(u)
+                    done.add(u)
+                if tied and u == n_units - 1:
+                    free_weights(0)
+                    done.add(0)
+                continue
+            led.alloc(gb * padded[u])         # the unit's full gradient, from its first one
+            free_weights(u)
+            led.alloc(reduce_extra(padded[u], fresh))
+            done.add(u)
+            pending.append(u)
+            limit = MAX_PENDING_REDUCES if overlap else 0
+            while len(pending) > limit:
+                complete_oldest()
+        while pending:
+            complete_oldest()
+        return led.peak
+
+    forward = walk(False, True, False) if n_units else 0
+    last_is_fresh = micro_batches == 1
+    backward = walk(True, last_is_fresh, overlap) if n_units else 0
+    widen = sum(4 * N // O for N in padded) if (gb != 4) else 0
+    step = (sum(step_grad(N) for N in padded) + widen
+            + max((step_network(N) for N in padded), default=0))
+    gather_max = max((wb * N + max(in_flight(N, False), in_flight(N, True)) for N in padded),
+                     default=0)
+    return {"prefetch_units": d, "unit_gather": gather_max, "prefetch": d * gather_max,
             "forward": forward, "backward": backward, "step": step,
             "peak": max(forward, backward, step)}

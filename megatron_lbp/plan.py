@@ -13,8 +13,9 @@ Example (the paper's 20B model on 384 GCDs, int8 secondary copy per node)::
 
 The model size is either ``--params M`` or a GPT shape
 (``--num-layers --hidden-size --vocab-size`` [``--ffn-hidden-size``
-``--seq-length --position-embedding-type --untie-embeddings-and-output-weights``],
-counted by ``costs.gpt_param_count``). ``--gpus-per-node``/``--gcds-per-package``
+``--seq-length --position-embedding-type --untie-embeddings-and-output-weights``
+``--swiglu --num-attention-heads --num-query-groups --normalization --disable-bias-linear``,
+Megatron's spellings], counted by ``costs.gpt_param_count``). ``--gpus-per-node``/``--gcds-per-package``
 and ``--preset`` are short spellings of ``--hier-gpus-per-node``,
 ``--hier-gcds-per-package`` and ``--hier-preset``; giving both spellings with
 different values is an error.
@@ -119,11 +120,21 @@ def build_parser() -> argparse.ArgumentParser:
                    default="rope", help="default rope (no position table)")
     m.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="separate output layer (V*h more parameters)")
+    m.add_argument("--swiglu", action="store_true", help="gated MLP (linear_fc1 has 2*F outputs)")
+    m.add_argument("--num-attention-heads", metavar="N", default=None,
+                   help="attention heads (needed with --num-query-groups)")
+    m.add_argument("--num-query-groups", metavar="G", default=None,
+                   help="grouped-query attention: key/value heads")
+    m.add_argument("--group-query-attention", action="store_true",
+                   help="accepted as Megatron spells it; --num-query-groups sets the groups")
+    m.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    m.add_argument("--disable-bias-linear", action="store_true", help="no linear biases")
     s = p.add_argument_group("training step")
     s.add_argument("--params-dtype", choices=tuple(costs.WEIGHT_BYTES), default="bf16",
                    help="weight dtype (default bf16)")
-    s.add_argument("--grad-dtype", choices=tuple(costs.GRAD_BYTES), default="fp32",
-                   help="gradient shard / reduction dtype (default fp32)")
+    s.add_argument("--grad-dtype", choices=tuple(costs.GRAD_BYTES), default=None,
+                   help="gradient shard / reduction dtype (default fp32); same as "
+                        "--hier-grad-reduce-dtype")
     s.add_argument("--micro-batches", metavar="K", default="1",
                    help="micro-batches per optimizer step (default 1)")
     s.add_argument("--bucket-size", metavar="ELEMS", default=None,
@@ -135,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "same as --hier-quant-block-size")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_hier_arguments(p)
+    # One setting, two spellings: "not given" must be told from the default (_pick_alias).
+    p.set_defaults(hier_grad_reduce_dtype=None)
     return p
 
 
@@ -186,10 +199,18 @@ def _model_units(args, bucket: int | None) -> list[tuple[str, int]]:
     if pe == "learned_absolute" and seq is None:
         raise UsageError("--position-embedding-type=learned_absolute needs --seq-length "
                          "(the position table has seq-length rows)")
-    return costs.gpt_units(num["--num-layers"], num["--hidden-size"], num["--vocab-size"],
-                           seq_length=seq, ffn_hidden_size=ffn,
-                           tied=not args.untie_embeddings_and_output_weights,
-                           position_embedding_type=pe)
+    heads = _int_or_none("--num-attention-heads", args.num_attention_heads)
+    groups = _int_or_none("--num-query-groups", args.num_query_groups)
+    try:
+        return costs.gpt_units(num["--num-layers"], num["--hidden-size"], num["--vocab-size"],
+                               seq_length=seq, ffn_hidden_size=ffn,
+                               tied=not args.untie_embeddings_and_output_weights,
+                               position_embedding_type=pe, swiglu=args.swiglu,
+                               num_attention_heads=heads, num_query_groups=groups,
+                               normalization=args.normalization,
+                               add_bias_linear=not args.disable_bias_linear)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _int_or_none(flag: str, value) -> int | None:
@@ -211,6 +232,7 @@ def plan_from_args(args: argparse.Namespace) -> dict[str, Any]:
     gpp = _pick_alias(args, "--gcds-per-package", "--hier-gcds-per-package", 2)
     preset = _pick_alias(args, "--preset", "--hier-preset", None)
     k = _number("--micro-batches", args.micro_batches)
+    args.grad_dtype = _pick_alias(args, "--grad-dtype", "--hier-grad-reduce-dtype", "fp32")
     block = _pick_alias(args, "--quant-block-size", "--hier-quant-block-size",
                         costs.DEFAULT_QUANT_BLOCK)
     bucket = _int_or_none("--bucket-size", args.bucket_size)
@@ -245,9 +267,9 @@ def plan_from_args(args: argparse.Namespace) -> dict[str, Any]:
         depth = prefetch_units_from_args(args)
         transient = costs.transient_bytes(
             cfg, numels, param_dtype=args.params_dtype, grad_dtype=args.grad_dtype,
-            prefetch_units=depth if args.hier_overlap else 0,
+            prefetch_units=depth if args.hier_overlap else 0, overlap=args.hier_overlap,
             tied_embedding=units[0][0] == "embedding" and not args.untie_embeddings_and_output_weights,
-            quantized_grad_families=qgz)
+            quantized_grad_families=qgz, micro_batches=k)
     except (HierConfigError, TopologyError, LayoutError) as exc:
         msg = str(exc)
         # Speak the spelling the user typed.
@@ -260,6 +282,8 @@ def plan_from_args(args: argparse.Namespace) -> dict[str, Any]:
         msg = msg.replace("train in bf16 (--bf16)", "plan bf16 weights (--params-dtype bf16)")
         if args.quant_block_size is not None:
             msg = msg.replace("--hier-quant-block-size", "--quant-block-size")
+        if getattr(args, "hier_grad_reduce_dtype", None) is None:
+            msg = msg.replace("--hier-grad-reduce-dtype", "--grad-dtype")
         raise UsageError(msg.replace("--hier-world-size", "--world-size")) from None
 
     return {

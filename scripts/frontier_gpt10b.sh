@@ -116,12 +116,18 @@
 #     LBP_HEALTH_CHECK [1; 0: device checks only] LBP_HEALTH_MIN_FRACTION [0.25]
 #     LBP_HEALTH_EXPECT_GBPS [package=200,node=50,network=12.5: the cost model's]
 #     LBP_HEALTH_MB [64] GCD_MEMORY_GB [64] LBP_MEMORY_RESERVE_GB [4]
-#   Hierarchy (--hier-partition --hier-preset lbp: P = 2 (package), G = 8 (node), O = all)
-#     HIER_SECONDARY_GROUP_SIZE [TASKS_PER_NODE = 8: the node]  HIER_SECONDARY_DTYPE [int8]
+#   Hierarchy (--hier-partition --hier-preset HIER_PRESET)
+#     HIER_PRESET [lbp: P = 2 (package), G = 8 (node), O = all; zeropp: P = G = O = all with
+#                 the node's secondary copy (hpZ) and int8 weight gathers (qwZ); zero3, zero2,
+#                 hsdp: no secondary copy]. Each preset implies its own defaults below.
+#     HIER_SECONDARY_GROUP_SIZE [lbp, zeropp: TASKS_PER_NODE = 8, the node; zero3, zero2,
+#                 hsdp: 0]  HIER_SECONDARY_DTYPE [int8]
 #   LBP_DRY_RUN=1 or --dry-run: print the srun and training commands, the parameter
 #     count, the per-GCD memory of each recomputation/micro-batch choice, the step time,
 #     save interval, checkpoint size, exit time for the #SBATCH -t (LBP_WALLTIME), the
-#     retention and the free space, launch nothing.
+#     retention and the free space, launch nothing. LBP_COMPARE_SCHEMES=1 adds the
+#     ranking of lbp, zeropp, zero3 and zero2 configurations at GLOBAL_BATCH_SIZE by
+#     projected step time (the explicit HIER_PRESET and MICRO_BATCH_SIZE still win).
 #
 # Why the int8 secondary copy over S = 8 (the node), as for 20B: from
 # python -m megatron_lbp.plan for this model (GB per GCD, weights + int8
@@ -129,7 +135,9 @@
 #                 2 nodes (W=16)   8 nodes (W=64)   48 nodes (W=384)
 #   S = 2             28.48            22.67             21.06
 #   S = 8             24.54            18.74             17.12
-# Both fit (activations and buffers add ~3.2 GB); S = 8 keeps 4 GB more free
+# Both fit on 2 nodes with the plan's transient peak (8.4 GB there), the activations
+# (full recomputation, micro-batch 1: 3.4 GB) and the 4 GB margin (44.3 and 40.3 GB);
+# S = 8 keeps 4 GB more free
 # per GCD for a larger MICRO_BATCH_SIZE, keeps the backward gather inside the
 # node, and sends less on the package link per step (10.3 vs 15.6 GB) for more
 # on the node links (53 vs 44 GB).
@@ -154,8 +162,13 @@ export LBP_REPO
 : "${NUM_LAYERS:=32}" "${HIDDEN_SIZE:=5120}" "${NUM_ATTENTION_HEADS:=40}" "${SEQ_LENGTH:=2048}"
 : "${VOCAB_SIZE_PADDED:=50304}" "${GLOBAL_BATCH_SIZE:=1536}"
 : "${TRAIN_ITERS:=150000}" "${LR:=1.2e-4}" "${MIN_LR:=1.2e-5}" "${LR_WARMUP_ITERS:=1500}"
-# The int8 secondary copy spans the node, whatever the node holds (8 GCDs on Frontier)
-: "${HIER_SECONDARY_GROUP_SIZE:=${TASKS_PER_NODE:-8}}" "${HIER_SECONDARY_DTYPE:=int8}"
+# The int8 secondary copy spans the node, whatever the node holds (8 GCDs on Frontier);
+# a preset without one (zero3, zero2, hsdp) implies none: its own default, not this one.
+case "${HIER_PRESET:-lbp}" in
+  lbp|zeropp) : "${HIER_SECONDARY_GROUP_SIZE:=${TASKS_PER_NODE:-8}}" ;;
+  *) : "${HIER_SECONDARY_GROUP_SIZE:=0}" ;;
+esac
+: "${HIER_SECONDARY_DTYPE:=int8}"
 
 # shellcheck source-path=SCRIPTDIR source=launch/lbp_launch.sh
 . "$LBP_REPO/scripts/launch/lbp_launch.sh"

@@ -114,12 +114,18 @@
 #     LBP_HEALTH_CHECK [1; 0: device checks only] LBP_HEALTH_MIN_FRACTION [0.25]
 #     LBP_HEALTH_EXPECT_GBPS [package=200,node=50,network=12.5: the cost model's]
 #     LBP_HEALTH_MB [64] GCD_MEMORY_GB [64] LBP_MEMORY_RESERVE_GB [4]
-#   Hierarchy (--hier-partition --hier-preset lbp: P = 2 (package), G = 8 (node), O = all)
-#     HIER_SECONDARY_GROUP_SIZE [TASKS_PER_NODE = 8: the node]  HIER_SECONDARY_DTYPE [int8]
+#   Hierarchy (--hier-partition --hier-preset HIER_PRESET)
+#     HIER_PRESET [lbp: P = 2 (package), G = 8 (node), O = all; zeropp: P = G = O = all with
+#                 the node's secondary copy (hpZ) and int8 weight gathers (qwZ); zero3, zero2,
+#                 hsdp: no secondary copy]. Each preset implies its own defaults below.
+#     HIER_SECONDARY_GROUP_SIZE [lbp, zeropp: TASKS_PER_NODE = 8, the node; zero3, zero2,
+#                 hsdp: 0]  HIER_SECONDARY_DTYPE [int8]
 #   LBP_DRY_RUN=1 or --dry-run: print the srun and training commands, the parameter
 #     count, the per-GCD memory of each recomputation/micro-batch choice, the step time,
 #     save interval, checkpoint size, exit time for the #SBATCH -t (LBP_WALLTIME), the
-#     retention and the free space, launch nothing.
+#     retention and the free space, launch nothing. LBP_COMPARE_SCHEMES=1 adds the
+#     ranking of lbp, zeropp, zero3 and zero2 configurations at GLOBAL_BATCH_SIZE by
+#     projected step time (the explicit HIER_PRESET and MICRO_BATCH_SIZE still win).
 #
 # Why the int8 secondary copy over S = 8 (the node) and not S = 2 (the package),
 # from python -m megatron_lbp.plan for this model (GB per GCD, weights + int8
@@ -128,11 +134,14 @@
 #   S = 2             55.83            44.44             41.28
 #   S = 8             48.12            36.73             33.57
 # The package-sized copy holds half of the bf16 weights again (10.3 GB); the
-# node-sized one 1/8 in int8 (2.6 GB). With ~4.2 GB of activations and buffers
-# (full recomputation, micro-batch 1) S = 2 leaves under 4 GB of the 64 GB on 2
-# nodes, S = 8 about 11.6 GB. Both keep the backward gather inside the node (Infinity
-# Fabric); S = 8 sends less per step on the package link (20.2 vs 30.5 GB) and
-# more on the node links (104 vs 86 GB), the paper's trade for the memory.
+# node-sized one 1/8 in int8 (2.6 GB). The dry run adds the plan's transient peak
+# (the engine's gathered units, gradient units and reductions in flight: 8.5 GB on
+# 48 nodes, 11.8 GB on 3, where the step's 1/O gradients are larger), the
+# activations (full recomputation, micro-batch 1: 4.5 GB) and the 4 GB allocator
+# margin: with S = 8 the smallest job is 3 nodes (63.4 GB), with S = 2 about 21.
+# Both keep the backward gather inside the node (Infinity Fabric); S = 8 sends less
+# per step on the package link (20.2 vs 30.5 GB) and more on the node links (104 vs
+# 86 GB), the paper's trade for the memory.
 set -euo pipefail
 
 if [ -z "${LBP_REPO:-}" ]; then
@@ -154,8 +163,13 @@ export LBP_REPO
 : "${NUM_LAYERS:=44}" "${HIDDEN_SIZE:=6144}" "${NUM_ATTENTION_HEADS:=64}" "${SEQ_LENGTH:=2048}"
 : "${VOCAB_SIZE_PADDED:=50304}" "${GLOBAL_BATCH_SIZE:=1536}"
 : "${TRAIN_ITERS:=150000}" "${LR:=9.7e-5}" "${MIN_LR:=9.7e-6}" "${LR_WARMUP_ITERS:=1500}"
-# The int8 secondary copy spans the node, whatever the node holds (8 GCDs on Frontier)
-: "${HIER_SECONDARY_GROUP_SIZE:=${TASKS_PER_NODE:-8}}" "${HIER_SECONDARY_DTYPE:=int8}"
+# The int8 secondary copy spans the node, whatever the node holds (8 GCDs on Frontier);
+# a preset without one (zero3, zero2, hsdp) implies none: its own default, not this one.
+case "${HIER_PRESET:-lbp}" in
+  lbp|zeropp) : "${HIER_SECONDARY_GROUP_SIZE:=${TASKS_PER_NODE:-8}}" ;;
+  *) : "${HIER_SECONDARY_GROUP_SIZE:=0}" ;;
+esac
+: "${HIER_SECONDARY_DTYPE:=int8}"
 
 # shellcheck source-path=SCRIPTDIR source=launch/lbp_launch.sh
 . "$LBP_REPO/scripts/launch/lbp_launch.sh"

@@ -4,12 +4,15 @@
         --hidden-size H --num-attention-heads A --seq-length S --vocab-size V \\
         --global-batch-size B [--micro-batch-size auto|b] [--recompute auto|full|selective|none]
 
-Memory: the plan tool's construction peak (``construction_peak_bytes``: what a rank holds
-while the model is built sharded) and its persistent state per GCD (``megatron_lbp.plan``: primary,
-secondary, gradient and optimizer shards, buckets padded as the engine pads them) plus
-:func:`activation_bytes` for each recomputation choice and micro-batch size, plus a
-runtime reserve (HIP/RCCL buffers and fragmentation, ``--reserve-gb``). A choice fits
-when that total is at most the GCD's memory.
+Memory, one model (the plan's): per GCD, the plan's persistent state (``megatron_lbp.plan``:
+primary, secondary, gradient and optimizer shards, buckets padded as the engine pads them)
++ the plan's transient peak for the choice's micro-batches per step (``transient_bytes``:
+the engine's schedule replayed over the model's gather units; the backward's, where the
+activations also peak) + :func:`activation_bytes` for the recomputation choice and
+micro-batch size + the allocator margin (``--reserve-gb``, :data:`MARGIN_TEXT`). This
+module keeps no model of the engine's buffers of its own. A choice fits when that total,
+and the plan's construction peak (``construction_peak_bytes``: what a rank holds while
+the model is built sharded) plus the margin, are at most the GCD's memory.
 
 Choice (``auto``): the least recomputation that fits (none, then selective, then full),
 and with it the largest micro-batch that fits and divides the global batch over the
@@ -49,6 +52,16 @@ RECOMPUTE_ORDER = ("none", "selective", "full")   # least recomputation first
 MICRO_BATCH_CANDIDATES = (1, 2, 4, 8, 16)
 
 
+# What --reserve-gb (LBP_MEMORY_RESERVE_GB; 4 GB on GPUs) is kept for: memory the plan and
+# the activation formula cannot see. The caching allocator rounds blocks up and fragments
+# (PyTorch's documented behaviour: reserved exceeds allocated), RCCL/NCCL allocate
+# buffers per communicator and channel (NCCL_BUFFSIZE, 4 MiB by default, times channels
+# and peers, for each of the engine's group families), and hipBLAS/rocBLAS keep a
+# workspace per stream; none of it is a tensor the engine allocates.
+MARGIN_TEXT = ("allocator margin for fragmentation, RCCL/NCCL communicator buffers and "
+               "BLAS workspaces (LBP_MEMORY_RESERVE_GB)")
+
+
 class EstimateError(ValueError):
     """Bad input; the message is one line."""
 
@@ -63,6 +76,9 @@ class Choice:
     total_bytes: int
     fits: bool
     step_s: float
+    transient_bytes: int = 0      # the plan's transient peak at this many micro-batches
+    margin_bytes: int = 0         # the allocator margin (--reserve-gb)
+    construction_bytes: int = 0   # the plan's construction peak + the margin
 
 
 def gb(x: float) -> str:
@@ -76,17 +92,20 @@ def plan_argv(a, world_size: int, micro_batches: int = 1) -> list[str]:
             "--vocab-size", str(a.vocab_size), "--seq-length", str(a.seq_length),
             "--position-embedding-type", a.position_embedding_type,
             "--params-dtype", a.params_dtype, "--bucket-size", str(a.bucket_size),
+            "--hier-grad-reduce-dtype", a.hier_grad_reduce_dtype,
             "--micro-batches", str(micro_batches),
             "--hier-secondary-group-size", str(a.hier_secondary_group_size)]
     if a.hier_secondary_group_size:
         argv += ["--hier-secondary-dtype", a.hier_secondary_dtype]
     if a.ffn_hidden_size:
         argv += ["--ffn-hidden-size", str(a.ffn_hidden_size)]
+    if a.untie_embeddings_and_output_weights:
+        argv += ["--untie-embeddings-and-output-weights"]
     return argv
 
 
 def activation_bytes(a, recompute: str, micro_batch_size: int) -> int:
-    """Activations and transient buffers the plan does not count (estimate, bytes per GCD).
+    """Activations per GCD (estimate, bytes): what the backward holds besides the engine's buffers.
 
     Korthikanti et al. (2022), 16-bit activations, no tensor parallelism, micro-batch b,
     sequence s, hidden h, heads n, layers L (unfused attention, as Megatron's local layers):
@@ -95,9 +114,11 @@ def activation_bytes(a, recompute: str, micro_batch_size: int) -> int:
       selective: 34sbh per layer (the core attention is recomputed) + one layer's
                  attention scores 5ns^2b while it is rebuilt;
       none:      (34sbh + 5ns^2b) per layer.
-    Plus the logits (16-bit) and their fp32 softmax/gradient (~10 bytes * s*b*V), and two
-    gathered weight buckets in flight (2 x bucket x 2 bytes) with one full fp32 gradient
-    bucket (4 x bucket).
+    Plus the logits (16-bit) and their fp32 softmax/gradient (~10 bytes * s*b*V), and, with
+    tied embeddings, the output layer's gradient of the shared weight (V*h in the weight
+    dtype), which autograd holds until the embedding's backward adds its own to it. The
+    engine's gathered weights and gradient buffers are the plan's transient figure, not
+    counted here.
     """
     s, b, h, n, L, V = (a.seq_length, micro_batch_size, a.hidden_size,
                         a.num_attention_heads, a.num_layers, a.vocab_size)
@@ -106,8 +127,9 @@ def activation_bytes(a, recompute: str, micro_batch_size: int) -> int:
             "selective": linear * L + scores,
             "none": (linear + scores) * L}[recompute]
     logits = 10 * s * b * V
-    bucket = a.bucket_size
-    return acts + logits + 2 * bucket * 2 + 4 * bucket
+    tied = 0 if a.untie_embeddings_and_output_weights else \
+        V * h * {"bf16": 2, "fp16": 2, "fp32": 4}[a.params_dtype]
+    return acts + logits + tied
 
 
 def checkpoint_bytes(params: int, params_dtype: str) -> int:
@@ -168,20 +190,24 @@ def choices(a) -> tuple[list[Choice], dict]:
     limit = a.gcd_memory_gb * GB
     reserve = a.reserve_gb * GB
     state = base["memory_bytes"]["total"]
+    construction = base["construction_peak_bytes"] + int(reserve)
     out = []
-    plans = {1: base}   # per micro-batch count: the traffic (and so the step time) depends on it
+    # Per micro-batch count: the traffic (so the step time) and the transient depend on it.
+    plans = {1: base}
     for rc in RECOMPUTE_ORDER:
         for b in _micro_batch_sizes(a, world):
             k = a.global_batch_size // (b * world)
             if k < 1:
                 continue
-            act = activation_bytes(a, rc, b)
-            total = state + act + int(reserve)
             if k not in plans:
                 plans[k] = plan.make_plan(plan_argv(a, world, k))
             p = plans[k]
-            out.append(Choice(rc, b, k, state, act, total, total <= limit,
-                              step_seconds(a, p, rc, b)))
+            act = activation_bytes(a, rc, b)
+            transient = p["transient_bytes"]["peak"]
+            total = state + transient + act + int(reserve)
+            out.append(Choice(rc, b, k, state, act, total,
+                              total <= limit and construction <= limit,
+                              step_seconds(a, p, rc, b), transient, int(reserve), construction))
     return out, base
 
 
@@ -194,27 +220,103 @@ def pick(options: list[Choice], recompute: str = "auto") -> Choice | None:
     return min(fitting, key=lambda c: (RECOMPUTE_ORDER.index(c.recompute), -c.micro_batch_size))
 
 
+# The largest job the node-count hint considers (planning a much larger one takes seconds).
+MOST_RANKS = 1024
+
+
 def smallest_fitting_nodes(a, choice: Choice, base: dict) -> int | None:
-    """Smallest node count at which ``choice`` fits, when only the optimizer shard shrinks with more
-    nodes (O = all ranks, one replica, as lbp): the rest is fixed per GCD. None if none fits."""
+    """Smallest node count at which ``choice``'s micro-batch fits, when the optimizer shard and the
+    step's 1/O gradients shrink with more nodes (O = all ranks, one replica, as lbp) and the rest
+    is fixed per GCD. None if none fits (up to :data:`MOST_RANKS` ranks, or this job's)."""
     g = base["group_sizes"]
     if g["optim"] != base["world_size"] or g["replicas"] != 1:
         return None
     limit = a.gcd_memory_gb * GB
     opt = base["memory_bytes"]["optimizer"]
-    fixed = choice.total_bytes - opt
+    fixed = choice.state_bytes - opt + choice.activation_bytes + choice.margin_bytes
     if fixed >= limit:
         return None
+    # The transient shrinks with more ranks (the step's 1/O gradients) and fewer micro-batches:
+    # its value at the largest job with one micro-batch is a floor.
+    most = max(MOST_RANKS // a.tasks_per_node, a.nodes)
+    floor = plan.make_plan(plan_argv(a, most * a.tasks_per_node, 1))["transient_bytes"]["peak"]
+    if fixed + floor > limit:
+        return None
     n = a.nodes + 1
-    while fixed + opt * a.nodes / n > limit:
+    while fixed + floor + opt * a.nodes / n > limit:   # a lower bound
         n += 1
-    # Confirm with the plan itself (padding rounds per bucket) for moderate sizes.
-    while n * a.tasks_per_node <= 4096:
-        state = plan.make_plan(plan_argv(a, n * a.tasks_per_node, 1))["memory_bytes"]["total"]
-        if state + choice.activation_bytes + a.reserve_gb * GB <= limit:
-            break
-        n += 1
-    return n
+    # Confirm with the plan itself (padding, the transient at that node count's micro-batches).
+    for n in range(n, min(most, n + 64) + 1):
+        world = n * a.tasks_per_node
+        k = max(1, a.global_batch_size // (choice.micro_batch_size * world))
+        p = plan.make_plan(plan_argv(a, world, k))
+        total = (p["memory_bytes"]["total"] + p["transient_bytes"]["peak"]
+                 + choice.activation_bytes + choice.margin_bytes)
+        if total <= limit and p["construction_peak_bytes"] + choice.margin_bytes <= limit:
+            return n
+    return None
+
+
+# The schemes the comparison ranks: (label, preset, secondary group size: "node", "package" or 0).
+SCHEMES = (("lbp S=node", "lbp", "node"), ("lbp S=package", "lbp", "package"),
+           ("lbp S=0", "lbp", 0), ("zeropp", "zeropp", "node"), ("zero3", "zero3", 0),
+           ("zero2", "zero2", 0))
+
+
+@dataclass(frozen=True)
+class SchemeRow:
+    scheme: str
+    preset: str
+    secondary: int
+    choice: Choice
+
+
+def scheme_rows(a) -> list[SchemeRow]:
+    """Every scheme x recomputation x micro-batch size at the user's global batch that fits, by
+    projected step time (fastest first; the idealised cost model of megatron_lbp.bench.project)."""
+    from argparse import Namespace
+
+    rows = []
+    for label, preset, sec in SCHEMES:
+        s = {"node": a.tasks_per_node, "package": a.gcds_per_package, 0: 0}[sec]
+        b = Namespace(**{**vars(a), "preset": preset, "hier_secondary_group_size": s,
+                         "recompute": "auto", "micro_batch_size": "auto"})
+        try:
+            options, _ = choices(b)
+        except plan.UsageError:
+            continue   # the scheme cannot be built on this machine shape
+        rows += [SchemeRow(label, preset, s, c) for c in options if c.fits]
+    return sorted(rows, key=lambda r: r.choice.step_s)
+
+
+def comparison_lines(a, chosen: Choice, top: int = 5) -> list[str]:
+    """The ranking's top rows, the best zeropp and zero3 rows at the same global batch with their
+    ratios to the chosen configuration, and one line when another scheme is projected faster."""
+    rows = scheme_rows(a)
+    label = {"lbp": "lbp S=" + ("node" if a.hier_secondary_group_size == a.tasks_per_node else
+                                "package" if a.hier_secondary_group_size == a.gcds_per_package
+                                else "0" if not a.hier_secondary_group_size else
+                                str(a.hier_secondary_group_size))}.get(a.preset, a.preset)
+
+    def row_text(r: SchemeRow) -> str:
+        c = r.choice
+        return (f"  {r.scheme:<14} RECOMPUTE={c.recompute:<9} MICRO_BATCH_SIZE={c.micro_batch_size:<2}"
+                f" ({c.micro_batches} per step): step {c.step_s:.3g} s, "
+                f"{c.step_s / chosen.step_s:.3f}x the chosen's, total {gb(c.total_bytes)}")
+
+    lines = [f"schemes at GLOBAL_BATCH_SIZE={a.global_batch_size} by projected step time "
+             f"(idealised cost model, MFU {a.mfu:g}; only rows that fit):"]
+    lines += [row_text(r) for r in rows[:top]]
+    for name in ("zeropp", "zero3"):
+        best = next((r for r in rows if r.scheme == name), None)
+        lines.append(f"best {name}: " + (row_text(best).strip() if best else "none fits"))
+    if rows and rows[0].choice.step_s < chosen.step_s and rows[0].scheme != label:
+        r = rows[0]
+        lines.append(f"projected faster: HIER_PRESET={r.preset} HIER_SECONDARY_GROUP_SIZE="
+                     f"{r.secondary} RECOMPUTE={r.choice.recompute} MICRO_BATCH_SIZE="
+                     f"{r.choice.micro_batch_size}, {r.choice.step_s:.3g} s per step against "
+                     f"{chosen.step_s:.3g} s for the chosen {label}")
+    return lines
 
 
 RC_TEXT = {"full": "full recomputation", "selective": "selective recomputation",
@@ -226,7 +328,8 @@ def report(a) -> tuple[list[str], dict, str | None]:
     params = costs.gpt_param_count(a.num_layers, a.hidden_size, a.vocab_size,
                                    seq_length=a.seq_length,
                                    ffn_hidden_size=a.ffn_hidden_size or None,
-                                   position_embedding_type=a.position_embedding_type)
+                                   position_embedding_type=a.position_embedding_type,
+                                   tied=not a.untie_embeddings_and_output_weights)
     options, base = choices(a)
     if not options:
         raise EstimateError(
@@ -244,16 +347,19 @@ def report(a) -> tuple[list[str], dict, str | None]:
         f"memory per GCD (plan): primary {gb(m['primary'])}, secondary {gb(m['secondary'])}, "
         f"grad {gb(m['grad'])}, optimizer {gb(m['optimizer'])} = {gb(m['total'])}",
         f"construction peak per GCD (plan: the model built module by module into its slices, "
-        f"--hier-sharded-init): {gb(base['construction_peak_bytes'])}",
-        f"memory per GCD by choice (plan + activations and buffers estimate + "
-        f"{a.reserve_gb:g} GB runtime reserve; step time: "
+        f"--hier-sharded-init): {gb(base['construction_peak_bytes'])} + margin "
+        f"{a.reserve_gb:g} GB = {gb(base['construction_peak_bytes'] + a.reserve_gb * GB)}",
+        f"margin per GCD: {a.reserve_gb:g} GB, {MARGIN_TEXT}",
+        f"memory per GCD by choice (plan state + plan transient at its micro-batches per step + "
+        f"activations estimate + margin; step time: "
         + ("--step-seconds" if a.step_seconds else f"cost model, MFU {a.mfu:g}") + "):",
     ]
     chosen = pick(options, a.recompute)
     for c in options:
         mark = "  <- chosen" if c is chosen else ""
         lines.append(f"  RECOMPUTE={c.recompute:<9} MICRO_BATCH_SIZE={c.micro_batch_size:<2} "
-                     f"({c.micro_batches} per step): activations {gb(c.activation_bytes)}, "
+                     f"({c.micro_batches} per step): transient {gb(c.transient_bytes)}, "
+                     f"activations {gb(c.activation_bytes)}, "
                      f"total {gb(c.total_bytes)}, step {c.step_s:.3g} s "
                      f"{'fits' if c.fits else 'DOES NOT FIT'}{mark}")
     explicit = a.recompute != "auto" and a.micro_batch_size != "auto"
@@ -268,8 +374,11 @@ def report(a) -> tuple[list[str], dict, str | None]:
     lines += [
         f"choice: RECOMPUTE={shown.recompute} MICRO_BATCH_SIZE={shown.micro_batch_size} ({how})",
         f"memory per GCD (activations, {RC_TEXT[shown.recompute]}, micro-batch "
-        f"{shown.micro_batch_size}, + buffers, estimate): {gb(shown.activation_bytes)}",
-        f"memory per GCD total: {gb(shown.total_bytes)} of {a.gcd_memory_gb:g} GB "
+        f"{shown.micro_batch_size}, estimate): {gb(shown.activation_bytes)}",
+        f"memory per GCD total: state {gb(shown.state_bytes)} + transient "
+        f"{gb(shown.transient_bytes)} ({shown.micro_batches} micro-batch(es) per step) + "
+        f"activations {gb(shown.activation_bytes)} + margin {gb(shown.margin_bytes)} = "
+        f"{gb(shown.total_bytes)} of {a.gcd_memory_gb:g} GB "
         f"({'fits' if shown.fits else 'DOES NOT FIT'})",
     ]
     for w in base.get("warnings", []):
@@ -277,7 +386,8 @@ def report(a) -> tuple[list[str], dict, str | None]:
     if chosen is None:
         need = smallest_fitting_nodes(a, shown, base)
         hint = (f"use at least NNODES={need} (sbatch -N {need})" if need else
-                "no node count fits these settings")
+                f"no node count up to {max(MOST_RANKS // a.tasks_per_node, a.nodes)} fits "
+                "these settings")
         if shown.micro_batch_size > 1:
             hint += f", or lower MICRO_BATCH_SIZE={shown.micro_batch_size}"
         if a.hier_secondary_group_size and a.hier_secondary_group_size < a.tasks_per_node:
@@ -285,7 +395,8 @@ def report(a) -> tuple[list[str], dict, str | None]:
                      "secondary copy)")
         if shown.recompute != "full":
             hint += ", or set RECOMPUTE=full"
-        refusal = (f"{PROG}: error: refusing to launch: {shown.total_bytes / GB:.2f} GB per GCD "
+        worst = max(shown.total_bytes, shown.construction_bytes)
+        refusal = (f"{PROG}: error: refusing to launch: {worst / GB:.2f} GB per GCD "
                    f"exceeds the GCD's {a.gcd_memory_gb:g} GB on {a.nodes} node(s) "
                    f"(GCD_MEMORY_GB, RECOMPUTE={shown.recompute}, MICRO_BATCH_SIZE="
                    f"{shown.micro_batch_size}); {hint}")
@@ -310,6 +421,8 @@ def report(a) -> tuple[list[str], dict, str | None]:
         f"(2 x bytes at {a.write_gbps_per_node:g} GB/s per node x {a.nodes} node(s) + "
         f"{a.save_fixed_s:g} s)",
     ]
+    if a.compare:
+        lines += comparison_lines(a, chosen)
     resolved = {"MICRO_BATCH_SIZE": chosen.micro_batch_size, "RECOMPUTE": chosen.recompute,
                 "SAVE_INTERVAL": interval, "LBP_STEP_S": f"{step:.6g}",
                 "LBP_CKPT_BYTES": ckpt, "LBP_SAVE_S": f"{save_s:.6g}", "LBP_PARAMS": params}
@@ -349,7 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hier-secondary-group-size", type=int, default=0)
     ap.add_argument("--hier-secondary-dtype", default="int8")
     ap.add_argument("--position-embedding-type", default="rope")
+    ap.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     ap.add_argument("--params-dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    ap.add_argument("--hier-grad-reduce-dtype", default="fp32", choices=("fp32", "bf16"))
     ap.add_argument("--bucket-size", type=int, default=DEFAULT_BUCKET_SIZE)
     ap.add_argument("--gcd-memory-gb", type=float, default=64.0)
     ap.add_argument("--reserve-gb", type=float, default=0.0)
@@ -361,6 +476,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mfu", type=float, default=0.35)
     ap.add_argument("--write-gbps-per-node", type=float, default=1.0)
     ap.add_argument("--save-fixed-s", type=float, default=60.0)
+    ap.add_argument("--compare", action="store_true",
+                    help="rank every scheme (lbp with each secondary copy, zeropp, zero3, zero2) "
+                         "x recomputation x micro-batch size at this global batch by projected "
+                         "step time, and say when another is projected faster")
     ap.add_argument("--resolved", default=None, help="write KEY=VALUE lines here")
     return ap
 

@@ -84,9 +84,16 @@
 #   LBP_HEALTH_EXPECT_GBPS  "package=200,node=50,network=12.5" (GB/s per GCD) [the cost model's]
 #   LBP_HEALTH_MIN_FRACTION [0.25]  LBP_HEALTH_MB [64]  LBP_GCD_BUS_IDS [Frontier's]
 #   PRECISION           bf16 (default) or fp32
-#   HIER_PRESET HIER_SECONDARY_GROUP_SIZE HIER_SECONDARY_DTYPE  the hierarchy
+#   HIER_PRESET HIER_SECONDARY_GROUP_SIZE HIER_SECONDARY_DTYPE  the hierarchy (a preset implies
+#                       its secondary group size: the node for lbp and zeropp, 0 otherwise)
+#   HIER_GRAD_REDUCE_DTYPE  fp32 (default) or bf16: the gradient shard and its reductions, in
+#                       training (--hier-grad-reduce-dtype) and in the memory estimate alike
 #   GCD_MEMORY_GB       device memory for the fit check (Frontier GCD: 64)
 #   LBP_MEMORY_RESERVE_GB  of it kept for HIP/RCCL buffers and fragmentation [4 on GPUs]
+#   LBP_COMPARE_SCHEMES [0]; 1: the estimate also ranks lbp (S = node, package, 0), zeropp,
+#                       zero3 and zero2 x recomputation x micro-batch at GLOBAL_BATCH_SIZE by
+#                       projected step time, prints the best zeropp and zero3 rows with their
+#                       ratio to the chosen one, and says when another is projected faster
 #   EXTRA_ARGS          more training flags (word-split)
 
 # shellcheck source-path=SCRIPTDIR source=lbp_site.sh
@@ -276,6 +283,7 @@ lbp_estimate() {
               --micro-batch-size "$MICRO_BATCH_SIZE" --recompute "$RECOMPUTE"
               --hier-secondary-group-size "$HIER_SECONDARY_GROUP_SIZE"
               --hier-secondary-dtype "$HIER_SECONDARY_DTYPE" --params-dtype "$PRECISION"
+              --hier-grad-reduce-dtype "$HIER_GRAD_REDUCE_DTYPE"
               --gcd-memory-gb "$GCD_MEMORY_GB" --reserve-gb "$LBP_MEMORY_RESERVE_GB"
               --train-iters "$TRAIN_ITERS" --save-interval "$SAVE_INTERVAL"
               --save-minutes "$LBP_SAVE_MINUTES" --milestone-every "$LBP_MILESTONE_EVERY"
@@ -283,6 +291,7 @@ lbp_estimate() {
               --resolved "$LBP_TMP/estimate")
   [ -n "$FFN_HIDDEN_SIZE" ] && args+=(--ffn-hidden-size "$FFN_HIDDEN_SIZE")
   [ -n "${LBP_STEP_SECONDS:-}" ] && args+=(--step-seconds "$LBP_STEP_SECONDS")
+  [ "${LBP_COMPARE_SCHEMES:-0}" = 1 ] && args+=(--compare)
   lbp_py estimate "${args[@]}" | sed 's/^/[lbp] /'
   local status=${PIPESTATUS[0]}
   [ "$status" = 0 ] || return "$status"
@@ -370,6 +379,7 @@ lbp_build_train_args() {
     --hier-secondary-group-size "$HIER_SECONDARY_GROUP_SIZE"
   )
   [ "$HIER_SECONDARY_GROUP_SIZE" -gt 0 ] && TRAIN_ARGS+=(--hier-secondary-dtype "$HIER_SECONDARY_DTYPE")
+  [ "$HIER_GRAD_REDUCE_DTYPE" != fp32 ] && TRAIN_ARGS+=(--hier-grad-reduce-dtype "$HIER_GRAD_REDUCE_DTYPE")
   [ "$PRECISION" = bf16 ] && TRAIN_ARGS+=(--bf16)
   case "$RECOMPUTE" in
     full) TRAIN_ARGS+=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 1) ;;
@@ -447,8 +457,13 @@ lbp_defaults() {
   : "${INIT_METHOD_STD:=0.01}" "${SAVE_INTERVAL:=auto}" "${LOG_INTERVAL:=10}"
   : "${EVAL_INTERVAL:=1000}" "${EVAL_ITERS:=10}" "${DIST_TIMEOUT_MINS:=30}"
   : "${EXIT_DURATION_MINS:=auto}" "${RECOMPUTE:=full}" "${PRECISION:=bf16}"
-  : "${HIER_PRESET:=lbp}" "${HIER_SECONDARY_GROUP_SIZE:=$TASKS_PER_NODE}"
-  : "${HIER_SECONDARY_DTYPE:=int8}" "${GCD_MEMORY_GB:=64}"
+  : "${HIER_PRESET:=lbp}"
+  # A preset implies its own secondary copy: the node's for lbp and zeropp, none otherwise.
+  case "$HIER_PRESET" in
+    lbp|zeropp) : "${HIER_SECONDARY_GROUP_SIZE:=$TASKS_PER_NODE}" ;;
+    *) : "${HIER_SECONDARY_GROUP_SIZE:=0}" ;;
+  esac
+  : "${HIER_SECONDARY_DTYPE:=int8}" "${GCD_MEMORY_GB:=64}" "${HIER_GRAD_REDUCE_DTYPE:=fp32}"
   : "${LBP_SAVE_MINUTES:=45}" "${LBP_WRITE_GBPS:=1}" "${LBP_SAVE_FIXED_S:=60}"
   : "${LBP_EXIT_SLACK_S:=120}" "${LBP_KEEP_LAST:=2}" "${LBP_MILESTONE_EVERY:=10000}"
   : "${LBP_PRUNE_EVERY_S:=600}" "${LBP_HEALTH_CHECK:=1}" "${LBP_HEALTH_MIN_FRACTION:=0.25}"
