@@ -25,15 +25,23 @@ def extensions_dir() -> str:
 def prepare(ranks_per_node: int | None = None) -> None:
     """Set DeepSpeed's environment in this process; call before ``import deepspeed``.
 
+    LOCAL_SIZE and TORCH_EXTENSIONS_DIR are read when used, so a DeepSpeed imported
+    earlier still sees them; the accelerator is chosen on import and is checked.
+
     ``ranks_per_node``: the (emulated) node size; defaults to LOCAL_WORLD_SIZE (torchrun).
     Variables the user set are kept.
     """
     import torch
 
-    if "deepspeed" in sys.modules and not torch.cuda.is_available() \
-            and os.environ.get("DS_ACCELERATOR") != "cpu":
-        raise RuntimeError("deepspeed was imported before benchmarks.deepspeed.environment."
-                           "prepare(): it has already chosen its accelerator")
+    if not torch.cuda.is_available() and "deepspeed.accelerator.real_accelerator" in sys.modules:
+        # Imported already (megatron-core probes for it): its choice is made; without a GPU
+        # and without DS_ACCELERATOR it detected its CPU accelerator, which is what we need.
+        from deepspeed.accelerator import get_accelerator
+
+        if get_accelerator()._name != "cpu":
+            raise RuntimeError(f"DeepSpeed chose its {get_accelerator()._name!r} accelerator "
+                               f"before benchmarks.deepspeed.environment.prepare() ran; this "
+                               f"machine has no GPU: set DS_ACCELERATOR=cpu")
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         if ranks_per_node:

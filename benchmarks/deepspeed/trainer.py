@@ -103,11 +103,16 @@ class DeepSpeedTrainer:
 
 
 def setup_deepspeed(spec: TinyGPTSpec, train: TrainSpec, scheme: str, *, ranks_per_node: int,
-                    build_model=None) -> DeepSpeedTrainer:
-    """The tiny GPT (or ``build_model(spec)``'s) under ``deepspeed.initialize`` with ``scheme``."""
+                    build_model=None, zero_overrides: dict | None = None) -> DeepSpeedTrainer:
+    """The tiny GPT (or ``build_model(spec)``'s) under ``deepspeed.initialize`` with ``scheme``.
+
+    ``zero_overrides``: entries replacing the scheme's ``zero_optimization`` ones (a test
+    separating qwZ from qgZ switches one of them off this way).
+    """
     want = features(scheme)
     deepspeed = import_deepspeed(ranks_per_node)
-    if want["qwz"] or want["qgz"]:
+    if want["qwz"] or want["qgz"] or any((zero_overrides or {}).get(k) for k in (
+            "zero_quantized_weights", "zero_quantized_gradients")):
         from benchmarks.deepspeed import cpu_quantizer
 
         if cpu_quantizer.needed():
@@ -120,6 +125,7 @@ def setup_deepspeed(spec: TinyGPTSpec, train: TrainSpec, scheme: str, *, ranks_p
                        ranks_per_node=ranks_per_node, clip_grad=train.clip_grad,
                        bf16=spec.params_dtype == torch.bfloat16,
                        reduce_bucket_size=train.bucket_size)
+    config["zero_optimization"].update(zero_overrides or {})
     optimizer = torch.optim.AdamW(megatron_param_groups(model, train.weight_decay), lr=train.lr,
                                   betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps)
     tie_output_to_embedding(deepspeed, model)
@@ -129,8 +135,9 @@ def setup_deepspeed(spec: TinyGPTSpec, train: TrainSpec, scheme: str, *, ranks_p
 
 
 def train_deepspeed(spec: TinyGPTSpec, train: TrainSpec, scheme: str, *,
-                    ranks_per_node: int) -> TrainResult:
-    trainer = setup_deepspeed(spec, train, scheme, ranks_per_node=ranks_per_node)
+                    ranks_per_node: int, zero_overrides: dict | None = None) -> TrainResult:
+    trainer = setup_deepspeed(spec, train, scheme, ranks_per_node=ranks_per_node,
+                              zero_overrides=zero_overrides)
     result = trainer.run(range(train.steps))
     result.params = trainer.final_params()
     result.extra["config"] = trainer.config
