@@ -1,7 +1,7 @@
 """``python -m benchmarks.deepspeed.pretrain``: Megatron's flags and indexed dataset under DeepSpeed.
 
-Fast: the flag checks (one line, exit 2, before any rank starts work) and the
-config it prints. Slow: the runner with ds-zero3 and ``python -m
+Fast: the flag checks (one line, exit 2, before any rank starts work). Slow: the
+config it prints for a job shape (a fresh interpreter parsing Megatron's flags); the runner with ds-zero3 and ``python -m
 megatron_lbp.pretrain_gpt`` (stock Megatron) on the same flags and the shipped
 demo dataset, 4 ranks by torchrun, fp32 at a constant learning rate: the same
 gradient norm at every iteration (the log's 3 decimals) and the same first and
@@ -47,6 +47,7 @@ def test_runner_refuses_bad_flags_in_one_line(args, message):
     assert len(errors) == 1, out.stderr[-2000:]
 
 
+@pytest.mark.slow  # a fresh interpreter importing megatron.training: ~28 s on the loaded CI machine
 def test_runner_prints_the_deepspeed_config_of_its_job_shape():
     out = _run(["--ds-scheme", "ds-zeropp", "--ds-print-config", "--train-iters", "2",
                 "--mock-data", *MODEL],
