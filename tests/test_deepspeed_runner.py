@@ -4,8 +4,9 @@ Fast: the flag checks (one line, exit 2, before any rank starts work). Slow: the
 config it prints for a job shape (a fresh interpreter parsing Megatron's flags); the runner with ds-zero3 and ``python -m
 megatron_lbp.pretrain_gpt`` (stock Megatron) on the same flags and the shipped
 demo dataset, 4 ranks by torchrun, fp32 at a constant learning rate: the same
-gradient norm at every iteration (the log's 3 decimals) and the same first and
-last logged loss.
+gradient norm at every iteration (the log's 3 decimals) and the same loss at every
+iteration (stock's log line at iteration 2 averages iterations 1 and 2; the test
+undoes that).
 """
 from __future__ import annotations
 
@@ -87,6 +88,12 @@ def test_runner_trains_like_stock_pretrain_gpt_on_the_demo_data(tmp_path):
     norms = [grad_norms(log) for log in (stock, ds)]
     assert sorted(norms[0]) == sorted(norms[1]) == list(range(1, ITERS + 1)), norms
     assert norms[1] == norms[0], f"grad norms differ: ds-zero3 {norms[1]} stock {norms[0]}"
-    for it in (1, ITERS):
-        assert abs(losses[1][it] - losses[0][it]) <= 1e-5 * losses[0][it], (
-            f"iteration {it}: ds-zero3 lm loss {losses[1][it]} stock {losses[0][it]}")
+    stock_loss, ds_loss = losses
+    # Stock Megatron's log line at iteration 2 carries the mean of iterations 1 and 2
+    # (measured: 8.274067 = (8.303322 + 8.244812) / 2); every other line is its own iteration.
+    want = dict(stock_loss)
+    want[2] = 2 * stock_loss[2] - stock_loss[1]
+    for it in range(1, ITERS + 1):
+        assert abs(ds_loss[it] - want[it]) <= 1e-5 * want[it], (
+            f"iteration {it}: ds-zero3 lm loss {ds_loss[it]}, stock {want[it]} (logged: "
+            f"{stock_loss})")
