@@ -24,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import traceback
 
+import importlib.util
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -34,7 +36,10 @@ from tests.test_engine_equivalence import (FP32_REL, assert_ranks_hold_the_same_
                                            assert_same_grad_norms, assert_same_training)
 from tests.test_quant_training import MIN_GAP, REL, WARMUP
 
-pytest.importorskip("deepspeed", reason="DeepSpeed is a test dependency: scripts/install.sh --test")
+# find_spec, not importorskip: importing deepspeed here (the ranks import this module too)
+# would let it pick its accelerator before benchmarks.deepspeed.environment sets it up.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                reason="DeepSpeed is a test dependency: scripts/install.sh --test")
 
 TIMEOUT = 900
 

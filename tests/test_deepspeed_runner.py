@@ -10,6 +10,7 @@ undoes that).
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -19,7 +20,10 @@ import pytest
 
 from tests.pretrain_runner import REPO, demo_data, grad_norms
 
-pytest.importorskip("deepspeed", reason="DeepSpeed is a test dependency: scripts/install.sh --test")
+# find_spec, not importorskip: importing deepspeed here (the ranks import this module too)
+# would let it pick its accelerator before benchmarks.deepspeed.environment sets it up.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                reason="DeepSpeed is a test dependency: scripts/install.sh --test")
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
          "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
