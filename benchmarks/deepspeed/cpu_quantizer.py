@@ -11,11 +11,12 @@ zero, int4 packing, qgZ's swizzled layout), for its NPU backend
 plain torch and runs on CPU tensors; :func:`install` makes
 ``deepspeed.ops.op_builder.QuantizerBuilder`` hand that class out.
 
-One change: ``quantize`` returns its scales as [groups, 1]; qwZ all-gathers the
-scales with ``all_gather_into_tensor``, which gloo only implements for
-same-shaped contiguous 1-D-compatible buffers, so the scales are returned flat.
-Every consumer (``dequantize``, qgZ's ``quantized_reduction``) reads them
-through ``.view(-1)`` or ``.numel()``, so nothing else sees the difference.
+One change: ``quantize`` returns its scales flat instead of [groups, 1]. qwZ
+all-gathers the scales into a flat buffer (``all_gather_into_tensor``); NCCL
+checks only element counts, gloo checks shapes and fails ("ProcessGroupGloo::
+allgather: invalid tensor size at index 0 (expected (1, 1), got (1))", seen with
+the [groups, 1] scales on 4 ranks). Every consumer (``dequantize``, qgZ's
+``quantized_reduction``) reads the scales through ``.view(-1)`` or ``.numel()``.
 
 Used only when DeepSpeed's accelerator is ``cpu``: on a GPU the real kernel is
 built and this module refuses to install (:func:`install` raises).
