@@ -1,0 +1,51 @@
+"""What DeepSpeed needs in the environment before it is first imported, on CPU ranks or GPUs.
+
+- ``DS_ACCELERATOR=cpu`` only where torch sees no GPU: DeepSpeed then takes its
+  CPU accelerator, which without oneCCL bindings runs torch.distributed's gloo.
+  On a GPU machine nothing is set and DeepSpeed detects CUDA/ROCm itself.
+- ``LOCAL_SIZE``: the CPU accelerator's ``device_count()`` reads it. qgZ takes its
+  hierarchical (intra-node, then inter-node) path only when world size /
+  device_count() > 1, so it must be the ranks per (emulated) node.
+- ``TORCH_EXTENSIONS_DIR``: DeepSpeed JIT-builds an op the first time a process
+  needs it (on CPU its shared-memory communication op, ~25 s on a 2-core machine).
+  The default puts the builds under the virtual environment, so one build serves
+  every later test and benchmark run of that environment.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def extensions_dir() -> str:
+    """Where JIT-built DeepSpeed ops are cached unless TORCH_EXTENSIONS_DIR says otherwise."""
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(sys.prefix, "torch-extensions")
+
+
+def prepare(ranks_per_node: int | None = None) -> None:
+    """Set DeepSpeed's environment in this process; call before ``import deepspeed``.
+
+    LOCAL_SIZE and TORCH_EXTENSIONS_DIR are read when used, so a DeepSpeed imported
+    earlier still sees them; the accelerator is chosen on import and is checked.
+
+    ``ranks_per_node``: the (emulated) node size; defaults to LOCAL_WORLD_SIZE (torchrun).
+    Variables the user set are kept.
+    """
+    import torch
+
+    if not torch.cuda.is_available() and "deepspeed.accelerator.real_accelerator" in sys.modules:
+        # Imported already (megatron-core probes for it): its choice is made; without a GPU
+        # and without DS_ACCELERATOR it detected its CPU accelerator, which is what we need.
+        from deepspeed.accelerator import get_accelerator
+
+        if get_accelerator()._name != "cpu":
+            raise RuntimeError(f"DeepSpeed chose its {get_accelerator()._name!r} accelerator "
+                               f"before benchmarks.deepspeed.environment.prepare() ran; this "
+                               f"machine has no GPU: set DS_ACCELERATOR=cpu")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        if ranks_per_node:
+            os.environ["LOCAL_SIZE"] = str(ranks_per_node)
+        elif os.environ.get("LOCAL_WORLD_SIZE"):
+            os.environ.setdefault("LOCAL_SIZE", os.environ["LOCAL_WORLD_SIZE"])
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())

@@ -1,0 +1,212 @@
+"""``python -m benchmarks.deepspeed.pretrain --ds-scheme ds-zeropp <pretrain_gpt flags>``: the DeepSpeed baseline.
+
+Takes Megatron-LM's ``pretrain_gpt.py`` flags, exactly what
+``python -m megatron_lbp.pretrain_gpt`` takes without ``--hier-*``, and:
+
+- resolves them as that entry does (megatron_lbp.training_hooks.resolve_flags:
+  local layers without Transformer Engine, gloo on CPU ranks) and lets
+  megatron.training parse and validate them and initialize distributed state;
+- builds the model with megatron.training's own GPT builder from those flags
+  (``GPTModelBuilder.build_distributed_models`` without the DDP wrapper: same
+  layers, same seed, so the same initial weights as the stock run);
+- reads the data through megatron.training's iterators over
+  ``megatron_lbp.pretrain_gpt.train_valid_test_datasets_provider`` (same
+  indexed dataset, split, shuffling and order) and computes each micro-batch's
+  loss with that entry's ``forward_step`` / ``loss_func``;
+- trains under ``deepspeed.initialize`` with the named scheme (see
+  benchmarks.deepspeed.schemes), AdamW from torch with Megatron's parameter
+  groups, and Megatron's learning-rate scheduler (``--lr``, warm-up, decay style);
+- prints Megatron's iteration line (``iteration N/ M | ... | lm loss: ... | grad
+  norm: ... |``) so the same log readers work on both.
+
+Own flags: ``--ds-scheme`` (required), ``--ds-ranks-per-node`` (hpZ's partition
+and qgZ's node; default LOCAL_WORLD_SIZE), ``--ds-print-config`` (print the
+DeepSpeed config and exit before training, after the flags are checked).
+Not served: tensor/pipeline/context parallelism, checkpoints, evaluation.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from benchmarks.deepspeed.schemes import SCHEMES, ds_config, features
+
+PROG = "python -m benchmarks.deepspeed.pretrain"
+
+
+def _own_args(argv: list[str]):
+    parser = argparse.ArgumentParser(prog=PROG, add_help=False)
+    parser.add_argument("--ds-scheme", choices=SCHEMES)
+    parser.add_argument("--ds-ranks-per-node", type=int, default=None)
+    parser.add_argument("--ds-print-config", action="store_true")
+    return parser.parse_known_args(argv)
+
+
+def _usage_error(message: str) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _check_megatron_args(args) -> None:
+    for name, flag in (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+                       ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+                       ("context_parallel_size", "--context-parallel-size")):
+        if getattr(args, name, 1) != 1:
+            _usage_error(f"{flag} must be 1: DeepSpeed ZeRO partitions over data parallelism only here")
+    if args.train_iters is None:
+        _usage_error("--train-iters is required (sample-based schedules are not served)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, rest = _own_args(argv)
+    if own.ds_scheme is None:
+        _usage_error(f"--ds-scheme is required: one of {', '.join(SCHEMES)}")
+    if any(a.startswith("--hier-") for a in rest):
+        _usage_error("--hier-* flags belong to python -m megatron_lbp.pretrain_gpt; the DeepSpeed "
+                     "baseline partitions with DeepSpeed (--ds-scheme)")
+    sys.argv = [sys.argv[0]] + rest
+
+    from megatron_lbp import capabilities, compat, pretrain_gpt, training_hooks
+
+    pretrain_gpt._env_rank_from_slurm()
+    try:
+        training_hooks.resolve_flags()
+    except capabilities.CapabilityError as err:
+        _usage_error(str(err))
+    compat.enable()
+    compat.enable_training()
+
+    from megatron.training.arguments import parse_and_validate_args
+
+    try:
+        args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    except AssertionError as err:
+        _usage_error(str(err).strip().splitlines()[0] if str(err).strip()
+                     else "Megatron's argument checks failed without a message")
+    _check_megatron_args(args)
+    node = own.ds_ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    dp_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        config = ds_config(own.ds_scheme, micro_batch_size=args.micro_batch_size,
+                           micro_batches=args.global_batch_size // (args.micro_batch_size * dp_size),
+                           dp_size=dp_size, ranks_per_node=node, clip_grad=args.clip_grad,
+                           bf16=bool(args.bf16))
+    except ValueError as err:
+        _usage_error(str(err))
+    if args.fp16:
+        _usage_error("--fp16 is not served by the DeepSpeed baseline (use --bf16 or fp32)")
+    if own.ds_print_config:
+        if os.environ.get("RANK", "0") == "0":
+            print(json.dumps({"scheme": own.ds_scheme, "deepspeed_config": config}, indent=1))
+        return
+    train(args, own.ds_scheme, config, node)
+
+
+def _config_container(args):
+    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+
+    return pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+
+
+def _model(cfg):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    builder = cfg.model.get_builder_cls()(cfg.model)
+    (model,) = builder.build_distributed_models(
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(), ddp_config=cfg.ddp,
+        wrap_with_ddp=False, data_parallel_random_init=cfg.rng.data_parallel_random_init)
+    return model
+
+
+def _param_groups(model, weight_decay: float) -> list[dict]:
+    """Megatron's rule (no decay on biases and 1-D parameters) with its scheduler's multipliers."""
+    from benchmarks.deepspeed.trainer import megatron_param_groups
+
+    decay, no_decay = megatron_param_groups(model, weight_decay)
+    return [dict(decay, wd_mult=1.0, lr_mult=1.0), dict(no_decay, wd_mult=0.0, lr_mult=1.0)]
+
+
+def train(args, scheme: str, config: dict, node: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.deepspeed.trainer import import_deepspeed, tie_output_to_embedding
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.training import get_args
+    from megatron.training.initialize import initialize_megatron
+    from megatron.training.training import (build_train_valid_test_data_iterators,
+                                            get_optimizer_param_scheduler)
+    from megatron_lbp import pretrain_gpt
+
+    deepspeed = import_deepspeed(node)
+    if features(scheme)["qwz"] or features(scheme)["qgz"]:
+        from benchmarks.deepspeed import cpu_quantizer
+
+        if cpu_quantizer.needed():
+            cpu_quantizer.install()
+    # Built before initialize_megatron, as megatron_lbp.pretrain_gpt builds it (the initial
+    # weights depend on it: built afterwards they differ).
+    cfg = _config_container(args)
+    initialize_megatron()
+    args = get_args()
+    # No set_jit_fusion_options: its warm-up draws random numbers, and with it here the
+    # initial weights differ from megatron_lbp.pretrain_gpt's (measured: their sum 314.65
+    # against 347.67 on the tiny GPT); the fusions it warms up are off on CPU anyway.
+    model = _model(cfg)
+    optimizer = torch.optim.AdamW(_param_groups(model, args.weight_decay), lr=args.lr,
+                                  betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+    tie_output_to_embedding(deepspeed, model)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                           dist_init_required=False)
+    scheduler = get_optimizer_param_scheduler(optimizer)
+    args.iteration, args.consumed_train_samples = 0, 0
+    setattr(pretrain_gpt.train_valid_test_datasets_provider, "is_distributed", True)
+    train_iter, _, _ = build_train_valid_test_data_iterators(
+        pretrain_gpt.train_valid_test_datasets_provider)
+    rank0 = dist.get_rank() == 0
+    micro_batches = get_num_microbatches()
+    if micro_batches != config["gradient_accumulation_steps"]:
+        raise RuntimeError(f"Megatron counts {micro_batches} micro-batches per step, the DeepSpeed "
+                           f"config {config['gradient_accumulation_steps']}")
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    rerun = get_rerun_state_machine()
+    engine.train()
+    for iteration in range(1, args.train_iters + 1):
+        start = time.perf_counter()
+        totals = torch.zeros(2, dtype=torch.float64)   # summed token losses, tokens
+        # The loss function validates its result through Megatron's rerun state machine,
+        # which accepts that only inside its forward-backward window (as train_step opens it).
+        while rerun.should_run_forward_backward(train_iter):
+            for _ in range(micro_batches):
+                output, loss_fn = pretrain_gpt.forward_step(train_iter, engine)
+                loss_sum, tokens, _ = loss_fn(output)
+                # Megatron's default (not per-token) reduction: this micro-batch's mean token
+                # loss, averaged over micro-batches (engine.backward's 1/K) and ranks.
+                engine.backward(loss_sum / tokens.clamp(min=1))
+                engine.step()
+                totals += torch.stack([loss_sum.detach().double(), tokens.detach().double()])
+        if not engine.was_step_applied():
+            raise RuntimeError(f"iteration {iteration}: DeepSpeed did not apply the optimizer step")
+        scheduler.step(increment=args.global_batch_size)
+        dist.all_reduce(totals)
+        grad_norm = float(engine.get_global_grad_norm())
+        elapsed_ms = (time.perf_counter() - start) * 1000.0
+        if rank0 and iteration % args.log_interval == 0:
+            lr = optimizer.param_groups[0]["lr"]
+            print(f" [{scheme}] iteration {iteration:8d}/{args.train_iters:8d} | elapsed time per "
+                  f"iteration (ms): {elapsed_ms:.1f} | learning rate: {lr:.6E} | global batch size: "
+                  f"{args.global_batch_size:5d} | lm loss: {(totals[0] / totals[1]).item():.6E} | "
+                  f"grad norm: {grad_norm:.3f} |", flush=True)
+    dist.barrier()
+    if rank0:
+        print(f"[{scheme}] training done: {args.train_iters} iterations", flush=True)
+
+
+if __name__ == "__main__":
+    main()

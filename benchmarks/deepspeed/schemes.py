@@ -1,0 +1,90 @@
+"""The DeepSpeed schemes the project compares lbp with, as DeepSpeed config dicts.
+
+- ``ds-zero3``: ZeRO stage 3: weights, gradients and optimizer state partitioned
+  over every data-parallel rank; weights gathered from all of them for forward
+  and again for backward.
+- ``ds-hpz``: ZeRO-3 plus hpZ: a secondary copy of the weights partitioned
+  inside each node (``zero_hpz_partition_size`` = ranks per node), from which
+  backward regathers.
+- ``ds-zeropp``: ZeRO++ as its paper configures it: hpZ (node-sized secondary
+  partition) + qwZ (int8 weight all-gather, ``zero_quantized_weights``) + qgZ
+  (int4 hierarchical all-to-all gradient reduce, ``zero_quantized_gradients``).
+
+Three settings differ from DeepSpeed's defaults, on purpose, for every scheme:
+``stage3_param_persistence_threshold`` 0 (the default keeps each tensor under
+1e5 elements replicated and never gathered, which on the tiny test models is
+every tensor: nothing would be partitioned), ``stage3_prefetch_bucket_size`` 0
+and ``stage3_max_reuse_distance`` 0 (the defaults, 5e7 and 1e9 elements, are
+sized for billion-parameter models; on a model of 1e5 elements they keep the
+whole model gathered from forward through backward, so backward would never
+regather, which no 10B+ run can afford). With these a small model sends what a
+large one sends per element.
+"""
+from __future__ import annotations
+
+SCHEMES = ("ds-zero3", "ds-hpz", "ds-zeropp")
+
+# What each scheme switches on beyond plain ZeRO-3.
+_FEATURES = {
+    "ds-zero3": dict(hpz=False, qwz=False, qgz=False),
+    "ds-hpz": dict(hpz=True, qwz=False, qgz=False),
+    "ds-zeropp": dict(hpz=True, qwz=True, qgz=True),
+}
+
+# Elements per gradient-reduce bucket when the caller gives none (DeepSpeed's default).
+DEFAULT_REDUCE_BUCKET = 500_000_000
+
+
+def features(scheme: str) -> dict[str, bool]:
+    """{"hpz", "qwz", "qgz"} -> on/off for ``scheme``; a clear error for an unknown name."""
+    if scheme not in _FEATURES:
+        raise ValueError(f"unknown DeepSpeed scheme {scheme!r}: must be one of {', '.join(SCHEMES)}")
+    return dict(_FEATURES[scheme])
+
+
+def ds_config(scheme: str, *, micro_batch_size: int, micro_batches: int, dp_size: int,
+              ranks_per_node: int, clip_grad: float, bf16: bool = False,
+              reduce_bucket_size: int | None = None) -> dict:
+    """The DeepSpeed config of ``scheme`` for this job shape (fp32 unless ``bf16``).
+
+    ``ranks_per_node`` sizes hpZ's secondary partition (the ZeRO++ paper's choice:
+    one node) and must divide ``dp_size``.
+    """
+    want = features(scheme)
+    for name, value in (("micro_batch_size", micro_batch_size), ("micro_batches", micro_batches),
+                        ("dp_size", dp_size), ("ranks_per_node", ranks_per_node)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if dp_size % ranks_per_node:
+        raise ValueError(f"ranks_per_node {ranks_per_node} does not divide the data-parallel "
+                         f"size {dp_size}")
+    if want["hpz"] and ranks_per_node == dp_size:
+        raise ValueError(f"{scheme} needs more than one node: hpZ's node-sized secondary "
+                         f"partition ({ranks_per_node} ranks) would be the whole job")
+    zero = {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,
+        "stage3_prefetch_bucket_size": 0,
+        "stage3_max_reuse_distance": 0,
+        "reduce_bucket_size": reduce_bucket_size or DEFAULT_REDUCE_BUCKET,
+    }
+    if want["hpz"]:
+        zero["zero_hpz_partition_size"] = ranks_per_node
+    if want["qwz"]:
+        zero["zero_quantized_weights"] = True
+    if want["qgz"]:
+        zero["zero_quantized_gradients"] = True
+    config = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": micro_batches,
+        "train_batch_size": micro_batch_size * micro_batches * dp_size,
+        "gradient_clipping": clip_grad,
+        "zero_optimization": zero,
+        # The client optimizer (torch.optim.AdamW) is ours: no DeepSpeed CPU-Adam build.
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    return config

@@ -1,0 +1,144 @@
+"""A megatron-core GPT trained under ``deepspeed.initialize``, step for step like the stock yardstick.
+
+Same model (megatron_lbp.testing.tiny_gpt's GPTModel, same seed, so the same
+initial weights), same batches (``tiny_gpt.global_batch``: each rank takes its
+rows of the global micro-batch), same optimizer maths as stock Megatron's
+``DistributedOptimizer`` under its constant-LR scheduler: AdamW with weight
+decay on every weight but biases and 1-D parameters, global gradient-norm
+clipping. DeepSpeed owns everything in between: partitioning, gathers,
+gradient reduction, accumulation (``gradient_accumulation_steps`` = the
+micro-batches per step; ``engine.backward`` scales each loss by 1/K).
+
+The optimizer is ``torch.optim.AdamW`` passed in as DeepSpeed's client
+optimizer: the maths Megatron runs on CPU, and no DeepSpeed CPU-Adam build.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.deepspeed import environment
+from benchmarks.deepspeed.schemes import ds_config, features
+from megatron_lbp.testing import tiny_gpt
+from megatron_lbp.testing.tiny_gpt import TinyGPTSpec, TrainResult, TrainSpec
+
+
+def import_deepspeed(ranks_per_node: int | None = None):
+    """``deepspeed``, imported after its environment is set (and the CPU quantizer if needed)."""
+    environment.prepare(ranks_per_node)
+    import deepspeed
+
+    return deepspeed
+
+
+def megatron_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Megatron's standard rule: no weight decay on biases and 1-D parameters (norms)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if name.endswith(".bias") or p.dim() == 1 else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def tie_output_to_embedding(deepspeed, model: torch.nn.Module) -> None:
+    """Tell ZeRO-3 that the output layer uses the embedding's weight (tied embeddings).
+
+    Megatron passes ``embedding.word_embeddings.weight`` into ``output_layer``'s
+    forward as an argument; ZeRO-3 gathers a module's own parameters only, so
+    without this the output layer would see the weight released after the
+    embedding's forward.
+    """
+    gpt = tiny_gpt._gpt_of(model)
+    if getattr(gpt, "share_embeddings_and_output_weights", False):
+        deepspeed.zero.register_external_parameter(gpt.output_layer,
+                                                   gpt.embedding.word_embeddings.weight)
+
+
+@dataclass
+class DeepSpeedTrainer:
+    spec: TinyGPTSpec
+    train: TrainSpec
+    scheme: str
+    engine: object                    # deepspeed.DeepSpeedEngine
+    inner: torch.nn.Module            # the GPT model it wraps
+    dp_rank: int
+    dp_size: int
+    config: dict
+
+    def micro_batch(self, step: int, micro: int) -> torch.Tensor:
+        """Forward, backward and (at the last micro-batch) the optimizer step; this rank's loss / K."""
+        train = self.train
+        tokens = tiny_gpt.global_batch(step, micro, self.spec, train, self.dp_size)
+        lo = self.dp_rank * train.micro_batch_size
+        loss = tiny_gpt.forward_loss(self.engine, tokens[lo:lo + train.micro_batch_size])
+        self.engine.backward(loss)          # scales by 1/gradient_accumulation_steps
+        self.engine.step()                  # updates only at the accumulation boundary
+        return loss.detach() / train.micro_batches
+
+    def run(self, steps, result: TrainResult | None = None) -> TrainResult:
+        result = result or TrainResult()
+        for step in steps:
+            local_loss = torch.zeros(())
+            for micro in range(self.train.micro_batches):
+                local_loss += self.micro_batch(step, micro)
+            if not self.engine.was_step_applied():
+                raise RuntimeError(f"step {step}: DeepSpeed did not apply the optimizer step")
+            dist.all_reduce(local_loss)
+            result.losses.append(local_loss.item() / self.dp_size)
+            result.grad_norms.append(float(self.engine.get_global_grad_norm()))
+        return result
+
+    def final_params(self) -> dict[str, torch.Tensor]:
+        """Every parameter by the GPT's own names, gathered from its partitions, in fp32."""
+        import deepspeed
+
+        gpt = tiny_gpt._gpt_of(self.inner)
+        named = list(gpt.named_parameters())
+        with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
+            return {name: p.detach().float().clone() for name, p in named}
+
+
+def setup_deepspeed(spec: TinyGPTSpec, train: TrainSpec, scheme: str, *, ranks_per_node: int,
+                    build_model=None, zero_overrides: dict | None = None) -> DeepSpeedTrainer:
+    """The tiny GPT (or ``build_model(spec)``'s) under ``deepspeed.initialize`` with ``scheme``.
+
+    ``zero_overrides``: entries replacing the scheme's ``zero_optimization`` ones (a test
+    separating qwZ from qgZ switches one of them off this way).
+    """
+    want = features(scheme)
+    deepspeed = import_deepspeed(ranks_per_node)
+    if want["qwz"] or want["qgz"] or any((zero_overrides or {}).get(k) for k in (
+            "zero_quantized_weights", "zero_quantized_gradients")):
+        from benchmarks.deepspeed import cpu_quantizer
+
+        if cpu_quantizer.needed():
+            cpu_quantizer.install()
+    tiny_gpt.init_megatron_state(seed=spec.seed)
+    model, _ = (build_model or tiny_gpt.build_tiny_gpt)(spec)
+    dp_size = dist.get_world_size()
+    config = ds_config(scheme, micro_batch_size=train.micro_batch_size,
+                       micro_batches=train.micro_batches, dp_size=dp_size,
+                       ranks_per_node=ranks_per_node, clip_grad=train.clip_grad,
+                       bf16=spec.params_dtype == torch.bfloat16,
+                       reduce_bucket_size=train.bucket_size)
+    config["zero_optimization"].update(zero_overrides or {})
+    optimizer = torch.optim.AdamW(megatron_param_groups(model, train.weight_decay), lr=train.lr,
+                                  betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps)
+    tie_output_to_embedding(deepspeed, model)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                           dist_init_required=False)
+    return DeepSpeedTrainer(spec, train, scheme, engine, model, dist.get_rank(), dp_size, config)
+
+
+def train_deepspeed(spec: TinyGPTSpec, train: TrainSpec, scheme: str, *,
+                    ranks_per_node: int, zero_overrides: dict | None = None) -> TrainResult:
+    trainer = setup_deepspeed(spec, train, scheme, ranks_per_node=ranks_per_node,
+                              zero_overrides=zero_overrides)
+    result = trainer.run(range(train.steps))
+    result.params = trainer.final_params()
+    result.extra["config"] = trainer.config
+    return result
