@@ -10,7 +10,7 @@ import torch
 from megatron_lbp.hf.arch import UnsupportedModel, arch_from_config, megatron_flags
 from megatron_lbp.hf.dcp_read import CheckpointReader
 from megatron_lbp.hf.exporter import export_model
-from megatron_lbp.hf.importer import ARGS_FILE, import_model
+from megatron_lbp.hf.importer import ARGS_FILE, TOKENIZER_ARGS_FILE, import_model
 from megatron_lbp.testing.hf_models import checkpoint_logits_many
 from megatron_lbp.testing.multirank import run_single
 from tests import hf_models
@@ -39,6 +39,8 @@ def test_import_matches_transformers_logits_and_export_is_bit_identical(tmp_path
         report = import_model(str(tmp_path / kind / "hf"), str(tmp_path / kind / "mg"))
         with open(tmp_path / kind / "mg" / ARGS_FILE) as f:
             assert f.read().split() == report.flags
+        tok = (tmp_path / kind / "mg" / TOKENIZER_ARGS_FILE).read_text().split()
+        assert tok[0] == "--tokenizer-type" and report.flags[-len(tok):] == tok
         # streaming: the most tensor bytes alive at once is one output tensor and its inputs
         assert report.peak_tensor_bytes < report.total_bytes / 2, (kind, report)
         jobs.append((report.flags, str(tmp_path / kind / "mg" / "release")))

@@ -82,11 +82,15 @@ def write_torch_dist(ckpt_dir: str, chunks: list[Chunk], common: dict, objects: 
                      on_written: Callable[[Chunk, torch.Tensor], None] = lambda c, t: None) -> None:
     """Write ``chunks``, ``common`` and ``objects`` (megatron-core ShardedObjects by unique key,
     e.g. the linear layers' ``_extra_state``) as a torch_dist checkpoint in ``ckpt_dir``."""
+    import json
+
     import torch.distributed.checkpoint as dcp
-    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 
     os.makedirs(ckpt_dir, exist_ok=True)
     writer = dcp.FileSystemWriter(ckpt_dir, single_file_per_rank=False, thread_count=1)
     dcp.save({}, storage_writer=writer, planner=_LazyPlanner(chunks, {COMMON_KEY: common, **objects}, on_written), no_dist=True)
     # Written last: megatron-core treats a directory with metadata.json as a complete checkpoint.
-    save_config(CheckpointingConfig("torch_dist", 1), ckpt_dir)
+    # Its content is megatron-core's CheckpointingConfig of the torch_dist strategy (written here
+    # without importing megatron.core: the import takes seconds and no Megatron code runs here).
+    with open(os.path.join(ckpt_dir, "metadata.json"), "w") as f:
+        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)

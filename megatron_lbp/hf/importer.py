@@ -5,8 +5,8 @@ only, loaded at iteration 0 with no optimizer or RNG state, by ``--load``,
 ``--pretrained-checkpoint`` or ``--finetune`` alike, under any ``--hier-*``
 preset and world size (the tensors are whole, in global coordinates). Next to
 it: ``megatron_args.txt``, the flags that build the model (architecture and
-tokenizer), and ``hf/``, the source's config and tokenizer files, which the
-export copies back.
+tokenizer), ``tokenizer_args.txt`` (the tokenizer's alone), and ``hf/``, the
+source's config and tokenizer files, which the export copies back.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from megatron_lbp.hf.dcp_write import Chunk, write_torch_dist
 from megatron_lbp.hf.reader import HFWeights
 
 ARGS_FILE = "megatron_args.txt"
+TOKENIZER_ARGS_FILE = "tokenizer_args.txt"      # the tokenizer part alone, for scripts/preprocess_data.py
 HF_FILES_DIR = "hf"
 RELEASE = "release"
 # Everything of a model directory but its weights: config, generation config, tokenizer files.
@@ -137,5 +138,23 @@ def import_model(src: str, dst: str, dtype: torch.dtype | None = None) -> Import
         f.write(RELEASE)
     with open(os.path.join(dst, ARGS_FILE), "w") as f:
         f.write(" ".join(flags) + "\n")
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return ImportReport(arch, flags, len(chunks), peak[0], total, rss, time.perf_counter() - t0)
+    with open(os.path.join(dst, TOKENIZER_ARGS_FILE), "w") as f:
+        f.write(" ".join(tok) + "\n")
+    return ImportReport(arch, flags, len(chunks), peak[0], total, peak_rss_bytes(), time.perf_counter() - t0)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory since it started (exec'd).
+
+    Linux's VmHWM belongs to the address space, which exec replaces; ru_maxrss
+    starts a child at its parent's resident size at fork, so a small import
+    run from a big process would report the parent's size.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
