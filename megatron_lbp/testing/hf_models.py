@@ -64,9 +64,9 @@ def load_into(model, ckpt_dir: str) -> None:
     from megatron.core import dist_checkpointing
 
     state = dist_checkpointing.load(model.sharded_state_dict(), ckpt_dir)
-    for common in ("args", "checkpoint_version", "iteration"):   # the checkpoint's common state
-        state.pop(common, None)
-    model.load_state_dict(state, strict=True)
+    # the checkpoint's common state (args, iteration, scheduler, ...) comes back merged in
+    keys = set(model.state_dict())
+    model.load_state_dict({k: v for k, v in state.items() if k in keys}, strict=True)
 
 
 def logits(model, tokens: torch.Tensor) -> torch.Tensor:
