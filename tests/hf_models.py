@@ -23,6 +23,10 @@ def make(kind: str, out_dir: str, seed: int = 0, vocab: int = VOCAB, **save_kwar
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
                              tie_word_embeddings=False, rope_theta=10000.0)
         model = tf.LlamaForCausalLM(cfg)
+    elif kind == "gpt2_demo":               # GPT-2 family at the shipped corpus's vocabulary
+        cfg = tf.GPT2Config(vocab_size=4096, n_embd=64, n_layer=2, n_head=4, n_positions=SEQ,
+                            resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0)
+        model = tf.GPT2LMHeadModel(cfg)
     elif kind == "llama_demo":              # the shipped corpus's vocabulary (tokenizer/lbp_bpe.model)
         cfg = tf.LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
