@@ -7,6 +7,7 @@ sharded safetensors, then runs the import in a child process and reports its wal
 peak resident memory and the import's own count of the most tensor
 bytes alive at once, next to the model's size. The child's peak resident memory is its
 VmHWM (the parent's size does not count: see megatron_lbp.hf.importer.peak_rss_bytes).
+Then the export back, with shards of --export-shard-gb (it assembles one shard at a time).
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--export-shard-gb", type=float, default=0.1,
+                   help="then export the import back with shards of this size (the export holds one)")
     a = p.parse_args()
     import torch
 
@@ -57,6 +60,14 @@ def main() -> None:
               f"({len([f for f in os.listdir(src) if f.endswith('.safetensors')])} shards)")
         print(f"import (python -m megatron_lbp.hf import, a child process): {wall:.1f} s wall")
         print(next(line for line in out.stderr.splitlines() if line.startswith("imported")))
+        t0 = time.perf_counter()
+        out = subprocess.run([sys.executable, "-m", "megatron_lbp.hf", "export", os.path.join(tmp, "mg"),
+                              os.path.join(tmp, "back"), "--hf-files", os.path.join(tmp, "mg", "hf"),
+                              "--max-shard-gb", str(a.export_shard_gb)], capture_output=True, text=True, cwd=REPO)
+        if out.returncode:
+            sys.exit(out.stderr)
+        print(f"export: {time.perf_counter() - t0:.1f} s wall; "
+              + next(line for line in out.stderr.splitlines() if line.startswith("exported")))
 
 
 if __name__ == "__main__":

@@ -49,8 +49,11 @@ def main(argv: list[str] | None = None) -> int:
             load = checkpoint_dir(args.load, args.iteration) if args.iteration is not None else args.load
             r = export_model(load, args.hf_files, args.out_dir, dtype=dtype,
                              max_shard_bytes=int(args.max_shard_gb * 2**30))
+            from megatron_lbp.hf.importer import peak_rss_bytes
+
             print(f"exported {r.iteration_dir}: {r.tensors} tensors, {r.total_bytes / 2**20:.1f} MiB "
-                  f"in {r.shards} shard(s) -> {args.out_dir}", file=sys.stderr)
+                  f"in {r.shards} shard(s) -> {args.out_dir}; peak RSS {peak_rss_bytes() / 2**20:.0f} MiB",
+                  file=sys.stderr)
     except (UnsupportedModel, FileNotFoundError, FileExistsError, KeyError) as err:
         msg = str(err).strip("'\"")
         print(f"python -m megatron_lbp.hf {args.command}: error: {msg}", file=sys.stderr)
