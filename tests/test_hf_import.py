@@ -126,3 +126,18 @@ def test_flags_describe_the_config():
     assert pairs["--kv-channels"] == "32" and pairs["--rotary-base"] == "500000"
     assert pairs["--make-vocab-size-divisible-by"] == "100"     # padded vocabulary = the model's rows
     assert "--untie-embeddings-and-output-weights" in flags and "--swiglu" in flags
+
+
+def test_cli_refuses_in_one_line_before_writing(tmp_path):
+    import subprocess
+    import sys
+
+    src = tmp_path / "mistral"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": "mistral", "sliding_window": 4096,
+                                                 "hidden_size": 64, "num_attention_heads": 4}))
+    out = subprocess.run([sys.executable, "-m", "megatron_lbp.hf", "import", str(src), str(tmp_path / "mg")],
+                         capture_output=True, text=True, timeout=120)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and len(lines) == 1 and "sliding_window" in lines[0], out.stderr
+    assert not (tmp_path / "mg").exists()
