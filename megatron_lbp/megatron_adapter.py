@@ -291,3 +291,24 @@ def install_gpt2_bpe_from_files() -> None:
 
     megatron_library.__lbp_gpt2_bpe__ = True
     libraries.MegatronHFTokenizer = megatron_library
+
+
+def gpt_model_config(args):
+    """megatron.training's GPTModelConfig for ``args``, with ``--openai-gelu`` applied.
+
+    megatron-core 0.19.2 parses ``--openai-gelu`` and never reads it: the MLP
+    computes the erf GELU (``F.gelu``) unfused, and the tanh approximation
+    only when ``--bias-gelu-fusion`` is on (``bias_gelu_impl``), so the same
+    flags compute different functions on different devices. GPT-2's weights were trained
+    with the tanh form; the flag now selects it, unfused, everywhere
+    (megatron-core's own ``openai_gelu``; the fused kernel accepts only ``F.gelu``).
+    """
+    from megatron.training.argument_utils import gpt_config_from_args
+
+    cfg = gpt_config_from_args(args)
+    if getattr(args, "openai_gelu", False) and not getattr(args, "swiglu", False):
+        from megatron.core.transformer.utils import openai_gelu
+
+        cfg.transformer.activation_func = openai_gelu
+        cfg.transformer.bias_activation_fusion = False
+    return cfg

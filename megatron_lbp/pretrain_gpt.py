@@ -148,8 +148,10 @@ def main(argv: list[str] | None = None) -> None:
 
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
-    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
+
+    from megatron_lbp.megatron_adapter import gpt_model_config
 
     setattr(train_valid_test_datasets_provider, "is_distributed", True)
     training_hooks._state["preflight"] = True
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         # Megatron's own argument checks are asserts; like ours, one line, not a traceback.
         _usage_error(str(err).strip().splitlines()[0] if str(err).strip()
                      else "Megatron's argument checks failed without a message")
-    full_config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+    full_config = pretrain_cfg_container_from_args(args, gpt_model_config(args))
     pretrain(full_config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
              forward_step)
 

@@ -107,13 +107,13 @@ def _need_model(kind: str, model: str | None, what: str) -> str:
     return model
 
 
-def _need_package(kind: str, package: str, model: str | None = None) -> None:
+def _need_package(kind: str, package: str, model: str | None = None, install: str | None = None) -> None:
     import importlib.util
 
     if importlib.util.find_spec(package) is None:
         given = f" (--tokenizer-model {model})" if model else ""
         raise TokenizerInputError(f"--tokenizer-type {kind}{given} needs the '{package}' package, which is "
-                                  f"not installed here: pip install {package}")
+                                  f"not installed here: {install or 'pip install ' + package}")
 
 
 def _sentencepiece(kind: str, model: str) -> int:
@@ -139,7 +139,8 @@ def _huggingface(args, model: str | None) -> None:
     if not os.path.isdir(model):
         raise TokenizerInputError(f"--tokenizer-model {model} is a file: {kind} takes the directory "
                                   "written by save_pretrained (tokenizer.json, tokenizer_config.json)")
-    _need_package(kind, "transformers", model)
+    _need_package(kind, "transformers", model,
+                  install="pip install '.[hf]' in megatron-lbp (its Hugging Face extra)")
     kwargs = {k: v for k, v in (("vocab_file", getattr(args, "vocab_file", None)),
                                 ("merges_file", getattr(args, "merge_file", None))) if v}
     try:

@@ -74,6 +74,14 @@ fi
 echo "[install] requirements"
 "${pip[@]}" install -c "$constraints" -r "$reqs"
 
+if [ "$want_test" = 1 ]; then
+  # The Hugging Face tests build their models with transformers, kept out of the venv's
+  # site-packages: megatron-core imports it whenever it builds a tokenizer, ~3 s of CPU per
+  # training process (megatron_lbp/testing/hf_env.py). Only those tests put this on sys.path.
+  echo "[install] transformers into .venv/hf-test (tests only)"
+  "${pip[@]}" install -c "$constraints" --upgrade --target "$venv/hf-test" "transformers>=5,<6" "safetensors>=0.4"
+fi
+
 if ! "$py" -c 'import triton' 2>/dev/null; then
   echo "[install] triton (megatron-core imports it unconditionally)"
   "${pip[@]}" install -c "$constraints" "triton==3.7.1"

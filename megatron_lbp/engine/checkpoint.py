@@ -87,13 +87,15 @@ def model_sharded_state_dict(ddp, prefix: str = "", sharded_offsets=(), metadata
     keys = {}
 
     def convert(tree):
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
         out = {}
         for name, value in tree.items():
             if isinstance(value, dict):
                 out[name] = convert(value)
                 continue
+            if isinstance(value, ShardedTensorFactory) and id(value.data) in slot_of:
+                value = _whole_tensor_of_factory(value)
             if isinstance(value, ShardedTensor) and id(value.data) in slot_of:
                 lead = value.prepend_axis_num
                 if tuple(value.global_shape[lead:]) != tuple(value.local_shape):
@@ -117,6 +119,39 @@ def model_sharded_state_dict(ddp, prefix: str = "", sharded_offsets=(), metadata
     converted = convert(base)
     ddp._checkpoint_keys = keys
     return converted
+
+
+def _whole_tensor_of_factory(factory):
+    """The ShardedTensor of the whole parameter behind a factory that splits it in global coordinates.
+
+    megatron-core saves SwiGLU's fused ``linear_fc1`` through a factory that
+    cuts the [gate; up] weight in two along its first axis. Without tensor
+    parallelism the halves lie next to each other, so together they are the
+    parameter itself at the same global place, and the engine's pieces of
+    the parameter can be addressed like any other weight's (the factory
+    itself would slice a parameter that the engine keeps only in its buckets).
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    param = factory.data
+    parts = factory.build_fn(factory.key, torch.empty(param.shape, dtype=param.dtype, device="meta"),
+                             factory.replica_id, None)
+    parts = parts if isinstance(parts, (list, tuple)) else [parts]
+    lead = parts[0].prepend_axis_num
+    rows = [p.global_offset[lead] for p in parts]
+    whole = (len({p.key for p in parts}) == 1 and parts[0].key == factory.key
+             and rows == sorted(rows) and rows[0] == 0
+             and sum(p.local_shape[0] for p in parts) == param.shape[0]
+             and tuple(parts[0].global_shape[lead:]) == tuple(param.shape))
+    if not whole:
+        raise ValueError(f"{factory.key}: its checkpoint factory splits the parameter across ranks "
+                         "(tensor parallelism?), which --hier-partition checkpoints do not support")
+    first = parts[0]
+    return ShardedTensor(
+        key=first.key, data=param, dtype=param.dtype, local_shape=tuple(param.shape),
+        global_shape=tuple(first.global_shape), global_offset=tuple(first.global_offset[:lead])
+        + (0,) * param.dim(), axis_fragmentations=None, replica_id=first.replica_id,
+        prepend_axis_num=lead)
 
 
 def load_model_pieces(ddp, state_dict: dict) -> dict:

@@ -61,6 +61,13 @@
 #                       all built offline (megatron_lbp/tokenizer_check.py says what each needs)
 #   VOCAB_SIZE_PADDED   Megatron's padded vocabulary (for the parameter count and memory)
 #   CHECKPOINT_DIR      --save and --load (resume from the latest checkpoint there)
+#   START_FROM          a directory made by `python -m megatron_lbp.hf import <HF dir> DIR`:
+#                       the run starts from its weights (--pretrained-checkpoint DIR: Megatron
+#                       loads them, weights only, at iteration 0 with a fresh optimizer, only
+#                       while CHECKPOINT_DIR holds no checkpoint, so later jobs resume there);
+#                       DIR/megatron_args.txt (architecture, tokenizer) follows the profile's
+#                       flags, and NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS FFN_HIDDEN_SIZE
+#                       VOCAB_SIZE_PADDED and the TOKENIZER_* variables are taken from it
 #   NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS SEQ_LENGTH FFN_HIDDEN_SIZE
 #   MICRO_BATCH_SIZE    an integer, or auto: the largest that fits
 #   RECOMPUTE           full | selective | none | auto (the least that fits)
@@ -251,6 +258,35 @@ lbp_check_paths() {
   : "${DATA_CACHE_PATH=$CHECKPOINT_DIR/data_cache}" "${TENSORBOARD_DIR=$CHECKPOINT_DIR/tensorboard}"
 }
 
+# START_FROM: the imported model's flags, and the model variables the estimate reads from them.
+lbp_start_from() {
+  LBP_START_FLAGS=()
+  [ -n "${START_FROM:-}" ] || return 0
+  local file="$START_FROM/megatron_args.txt"
+  if [ ! -f "$file" ] || [ ! -f "$START_FROM/latest_checkpointed_iteration.txt" ]; then
+    lbp_die 2 "START_FROM=$START_FROM is not an imported model (no megatron_args.txt or" \
+      "checkpoint tracker): make it with python -m megatron_lbp.hf import <HF model dir> $START_FROM"
+    return
+  fi
+  read -r -a LBP_START_FLAGS < "$file"
+  local i f v
+  for ((i = 0; i < ${#LBP_START_FLAGS[@]}; i++)); do
+    f=${LBP_START_FLAGS[i]} v=${LBP_START_FLAGS[i + 1]:-}
+    case "$f" in
+      --num-layers) NUM_LAYERS=$v ;;
+      --hidden-size) HIDDEN_SIZE=$v ;;
+      --num-attention-heads) NUM_ATTENTION_HEADS=$v ;;
+      --ffn-hidden-size) FFN_HIDDEN_SIZE=$v ;;
+      --make-vocab-size-divisible-by) VOCAB_SIZE_PADDED=$v ;;  # the import pads to exactly this
+      --tokenizer-type) TOKENIZER_TYPE=$v ;;
+      --tokenizer-model) TOKENIZER_MODEL=$v ;;
+      --vocab-file) VOCAB_FILE=$v ;;
+      --merge-file) MERGE_FILE=$v ;;
+    esac
+  done
+  lbp_log "start: the weights of $START_FROM (--pretrained-checkpoint; flags from $file)"
+}
+
 # Training entry: megatron_lbp (default) or a patched Megatron-LM tree.
 lbp_resolve_entry() {
   if [ -z "${MEGATRON_LM_DIR:-}" ]; then
@@ -389,6 +425,7 @@ lbp_build_train_args() {
   [ -n "$TENSORBOARD_DIR" ] && TRAIN_ARGS+=(--tensorboard-dir "$TENSORBOARD_DIR")
   [ "$LBP_RETAIN_BY" = megatron ] && TRAIN_ARGS+=(--save-retain-interval "$LBP_MILESTONE_EVERY")
   [ "$EXIT_DURATION_MINS" != 0 ] && TRAIN_ARGS+=(--exit-duration-in-mins "$EXIT_DURATION_MINS")
+  [ -n "${START_FROM:-}" ] && TRAIN_ARGS+=(--pretrained-checkpoint "$START_FROM" "${LBP_START_FLAGS[@]}")
   if [ -n "${EXTRA_ARGS:-}" ]; then
     # shellcheck disable=SC2206  # a list of flags
     TRAIN_ARGS+=($EXTRA_ARGS)
@@ -560,6 +597,7 @@ lbp_main() {
     shift
   done
   lbp_defaults || return
+  lbp_start_from || return
   lbp_resolve_nodes || return
   lbp_check_hierarchy || return
   lbp_check_paths || return

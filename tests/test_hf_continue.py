@@ -1,0 +1,112 @@
+"""Continued pretraining: an imported Llama-style model trained with lbp on 8 ranks, resumed, exported.
+
+The start is the import's release checkpoint through Megatron's own
+``--pretrained-checkpoint`` (weights only, iteration 0, fresh optimizer),
+``--save``/``--load`` a separate run directory. lbp gives stock Megatron's
+losses from the same start; the exported model's transformers logits equal
+Megatron's on the trained checkpoint; a run stopped at iteration 5 and resumed
+gives the losses of one run of 10.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_lbp.hf.exporter import export_model
+from megatron_lbp.hf.importer import import_model
+from megatron_lbp.testing.hf_models import checkpoint_logits
+from megatron_lbp.testing.multirank import run_single
+from tests import hf_models
+from tests.pretrain_runner import REPO, TINY, run_pretrain, why
+
+LBP8 = ["--hier-partition", "--hier-gpus-per-node", "4"]
+SHIPPED_TOKENIZER = ["--tokenizer-type", "SentencePieceTokenizer",
+                     "--tokenizer-model", str(REPO / "tokenizer" / "lbp_bpe.model")]
+PRINT_REL = 2e-6     # Megatron prints losses with 7 significant digits
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf-continue")
+    hf_models.make("llama_demo", str(root / "hf"))
+    return import_model(str(root / "hf"), str(root / "imported")), root
+
+
+def _run(imported, demo_dataset, run_dir, *extra, save=True):
+    report, root = imported
+    # The import's flags after the tiny run's: the model's shape wins; the corpus keeps its tokenizer.
+    args = (TINY + report.flags + SHIPPED_TOKENIZER
+            + ["--data-path", demo_dataset, "--train-iters", "10", "--global-batch-size", "16",
+               "--ckpt-format", "torch_dist", "--pretrained-checkpoint", str(root / "imported"),
+               *(["--save", str(run_dir)] if save else []), "--load", str(run_dir), *extra])
+    code, log, losses = run_pretrain(8, args)
+    assert code == 0, why(log)
+    return log, losses
+
+
+@pytest.fixture(scope="module")
+def straight(imported, demo_dataset):
+    run_dir = imported[1] / "lbp"
+    log, losses = _run(imported, demo_dataset, run_dir, *LBP8, "--save-interval", "10")
+    return log, losses, run_dir
+
+
+def _differ(a: dict, b: dict) -> dict:
+    return {i: (a.get(i), b.get(i)) for i in sorted(set(a) | set(b))
+            if i not in a or i not in b or abs(a[i] - b[i]) > PRINT_REL * abs(b[i])}
+
+
+@pytest.mark.slow
+def test_continue_with_lbp_equals_stock_and_the_export_equals_megatron(imported, straight, demo_dataset):
+    report, root = imported
+    log, losses, run_dir = straight
+    assert f"attempting to finetune with checkpoint in {root / 'imported'}" in log, why(log)
+    assert sorted(losses) == list(range(1, 11)), losses
+    # no --save: stock's DistributedOptimizer.state_dict asserts on these CPU ranks (len(steps) == 1)
+    _, stock = _run(imported, demo_dataset, root / "stock", "--use-distributed-optimizer", save=False)
+    assert not _differ(losses, stock), f"lbp vs stock Megatron (iteration: lbp, stock): {_differ(losses, stock)}"
+
+    out = root / "exported"
+    export_model(str(run_dir), str(root / "imported" / "hf"), str(out))
+    tokens = torch.randint(0, 4096, (2, 32), generator=torch.Generator().manual_seed(3))
+    mg = run_single(checkpoint_logits, report.flags, str(run_dir / "iter_0000010"), tokens, 4096, timeout=600)
+    tf = hf_models.hf_env.transformers()
+    model = tf.AutoModelForCausalLM.from_pretrained(str(out)).float().eval()
+    diff = (hf_models.hf_logits(model, tokens) - mg).abs().max().item()
+    assert diff <= 1e-5, f"exported model's transformers logits differ from Megatron's by {diff:.3g}"
+    start = tf.AutoModelForCausalLM.from_pretrained(str(root / "hf")).float().eval()
+    assert (hf_models.hf_logits(start, tokens) - mg).abs().max().item() > 1e-3, \
+        "10 iterations did not change the model"
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="a run stopped with --exit-interval 5 and resumed logs another "
+                   "loss at iteration 7 only (same grad norm, same losses after); the same happens "
+                   "with the plain tiny GPT under --hier-partition, without any import")
+def test_resume_in_between_changes_nothing(imported, straight, demo_dataset):
+    _, losses, _ = straight
+    run_dir = imported[1] / "resumed"
+    _, first = _run(imported, demo_dataset, run_dir, *LBP8, "--save-interval", "5", "--exit-interval", "5")
+    log, resumed = _run(imported, demo_dataset, run_dir, *LBP8, "--save-interval", "5")
+    assert "attempting to finetune" not in log, "the resume restarted from the import"
+    both = {**first, **resumed}
+    assert not _differ(both, losses), \
+        f"stopped at 5 and resumed vs straight 10 (iteration: resumed, straight): {_differ(both, losses)}"
+
+
+@pytest.mark.slow
+def test_imported_gpt2_trains_with_lbp_like_stock(tmp_path, demo_dataset):
+    """GPT-2 family: learned positions, LayerNorm, biases, the tanh GELU (--openai-gelu, applied by the entry).
+
+    --no-hier-sharded-init: learned absolute position embeddings do not build with the sharded
+    initialisation yet (issue 25); drop the flag here once that is fixed.
+    """
+    hf_models.make("gpt2_demo", str(tmp_path / "hf"))
+    imported = (import_model(str(tmp_path / "hf"), str(tmp_path / "imported")), tmp_path)
+    assert "--openai-gelu" in imported[0].flags
+    _, lbp = _run(imported, demo_dataset, tmp_path / "lbp", *LBP8, "--no-hier-sharded-init",
+                  "--train-iters", "3", save=False)
+    _, stock = _run(imported, demo_dataset, tmp_path / "stock", "--use-distributed-optimizer",
+                    "--train-iters", "3", save=False)
+    assert sorted(lbp) == [1, 2, 3] and not _differ(lbp, stock), \
+        f"lbp vs stock Megatron (iteration: lbp, stock): {_differ(lbp, stock)}"
