@@ -80,32 +80,31 @@ def test_continue_with_lbp_equals_stock_and_the_export_equals_megatron(imported,
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="a run stopped with --exit-interval 5 and resumed logs another "
-                   "loss at iteration 7 only (same grad norm, same losses after); the same happens "
-                   "with the plain tiny GPT under --hier-partition, without any import")
 def test_resume_in_between_changes_nothing(imported, straight, demo_dataset):
     _, losses, _ = straight
     run_dir = imported[1] / "resumed"
     _, first = _run(imported, demo_dataset, run_dir, *LBP8, "--save-interval", "5", "--exit-interval", "5")
     log, resumed = _run(imported, demo_dataset, run_dir, *LBP8, "--save-interval", "5")
     assert "attempting to finetune" not in log, "the resume restarted from the import"
+    assert sorted(first) == [1, 2, 3, 4, 5] and sorted(resumed) == [6, 7, 8, 9, 10], (first, resumed)
+    # Megatron does not reset its loss accumulator after the first iteration of a launch, so
+    # the resumed launch's second line (7) logs the mean of 6 and 7 (as tests/test_pretrain_e2e.py
+    # checks for the hierarchy's own resume); every other line is that iteration's own loss.
+    want = {**losses, 7: (losses[6] + losses[7]) / 2}
     both = {**first, **resumed}
-    assert not _differ(both, losses), \
-        f"stopped at 5 and resumed vs straight 10 (iteration: resumed, straight): {_differ(both, losses)}"
+    assert not _differ(both, want), \
+        f"stopped at 5 and resumed vs straight 10 (iteration: resumed, straight): {_differ(both, want)}"
 
 
 @pytest.mark.slow
 def test_imported_gpt2_trains_with_lbp_like_stock(tmp_path, demo_dataset):
-    """GPT-2 family: learned positions, LayerNorm, biases, the tanh GELU (--openai-gelu, applied by the entry).
-
-    --no-hier-sharded-init: learned absolute position embeddings do not build with the sharded
-    initialisation yet (issue 25); drop the flag here once that is fixed.
-    """
+    """GPT-2 family: learned positions (built by the sharded initialisation, which holds the
+    position table until LanguageModelEmbedding's constructor returns), LayerNorm, biases, the
+    tanh GELU (--openai-gelu, applied by the entry)."""
     hf_models.make("gpt2_demo", str(tmp_path / "hf"))
     imported = (import_model(str(tmp_path / "hf"), str(tmp_path / "imported")), tmp_path)
     assert "--openai-gelu" in imported[0].flags
-    _, lbp = _run(imported, demo_dataset, tmp_path / "lbp", *LBP8, "--no-hier-sharded-init",
-                  "--train-iters", "3", save=False)
+    _, lbp = _run(imported, demo_dataset, tmp_path / "lbp", *LBP8, "--train-iters", "3", save=False)
     _, stock = _run(imported, demo_dataset, tmp_path / "stock", "--use-distributed-optimizer",
                     "--train-iters", "3", save=False)
     assert sorted(lbp) == [1, 2, 3] and not _differ(lbp, stock), \
