@@ -195,7 +195,7 @@ def finish(args: Any) -> None:
         mem = [float(torch.cuda.max_memory_allocated()), float(torch.cuda.max_memory_reserved())]
     else:
         mem = [float(_rec["ledger_mem"]), 0.0]
-    counters1, why = (read_interface_counters(_rec["ifaces"]) if _node_leader()
+    counters1, _ = (read_interface_counters(_rec["ifaces"]) if _node_leader()
                       else (None, "not a node leader"))
     c0 = _rec["counters0"]
     have = 1.0 if (c0 is not None and counters1 is not None) else 0.0
@@ -233,10 +233,11 @@ def finish(args: Any) -> None:
                       "read when the loop started and ended, summed over nodes",
             "tx_bytes": int(sums[0]), "rx_bytes": int(sums[1]),
             "tx_bytes_per_step": sums[0] / iterations, "rx_bytes_per_step": sums[1] / iterations}
+    elif not _rec["ifaces"]:
+        result["interface_bytes"] = {"source": "not measured: no interfaces named (set LBP_NET_IFACES)"}
     else:
-        reason = _rec["counters_why"] if _rec["counters0"] is None else why
-        result["interface_bytes"] = {"source": reason if reason.startswith("not measured")
-                                     else "not measured: a node could not read its counters"}
+        result["interface_bytes"] = {"source": f"not measured: a node could not read "
+                                     f"/sys/class/net/{{{','.join(_rec['ifaces'])}}}/statistics"}
     flops = _flops_per_step(args)
     tokens = args.global_batch_size * args.seq_length
     med = step["median_s"]
