@@ -52,6 +52,9 @@ PY=${LBP_PYTHON:-python}
 
 study_settings() {  # the profile's resolved values, without launching anything
   local out
+  P_NUM_LAYERS="" P_HIDDEN_SIZE="" P_NUM_ATTENTION_HEADS="" P_SEQ_LENGTH="" P_VOCAB_SIZE_PADDED=""
+  P_GLOBAL_BATCH_SIZE="" P_MICRO_BATCH_SIZE="" P_TASKS_PER_NODE="" P_GCDS_PER_PACKAGE=""
+  P_HIER_SECONDARY_GROUP_SIZE="" P_LBP_PROFILE=""
   out=$(mktemp)
   LBP_SETTINGS_OUT=$out bash "$PROFILE" >/dev/null || study_die "$PROFILE could not resolve its settings"
   while IFS='=' read -r key value; do
@@ -129,7 +132,7 @@ fi
 
 # shellcheck disable=SC2206  # a list of sbatch options
 SBATCH=(sbatch -N "$alloc" -t "$walltime" -J lbp-study -o "$STUDY_DIR/study-%j.out"
-        --export=ALL,STUDY_IN_JOB=1,STUDY_DIR=$STUDY_DIR,LBP_REPO=$LBP_REPO ${STUDY_SBATCH_ARGS:-}
+        "--export=ALL,STUDY_IN_JOB=1,STUDY_DIR=$STUDY_DIR,LBP_REPO=$LBP_REPO" ${STUDY_SBATCH_ARGS:-}
         "$LBP_REPO/scripts/launch/lbp_study.sh" "$PROFILE")
 echo "[study] sbatch command: ${SBATCH[*]}"
 if [ "$DRY" = 1 ]; then
