@@ -68,6 +68,12 @@ def _gib(v) -> str:
     return "—" if v is None else f"{v / 2**30:.3f}"
 
 
+def _warm(its) -> str:
+    if not its:
+        return "no warm-up excluded"
+    return f"its {its[0]}-{its[-1]} excluded" if its == list(range(its[0], its[-1] + 1)) else f"its {its} excluded"
+
+
 def loss_mean(r: dict, window: float = LOSS_WINDOW) -> float | None:
     """Mean loss over the last ``window`` of the run's iterations."""
     loss = {int(k): v for k, v in (r.get("loss") or {}).items()}
@@ -170,7 +176,7 @@ def render(summary: dict, proj: dict | None, mode: str | None) -> str:
     lines = ["# Adoption study report", ""]
     if mode:
         lines += [f"Scaling: **{mode}**.", ""]
-    lines += ["| scheme | nodes | GCDs | runs | step median s (spread; warm-up excluded) | tokens/s | "
+    lines += ["| scheme | nodes | GCDs | runs | step median s (max-min; warm-up iterations excluded) | tokens/s | "
               "TFLOPS/GCD | ratio to lbp | scaling eff. | peak mem/GCD GiB (alloc / reserved) | "
               "network bytes/step (ledger) | interface tx bytes/step | loss (last half) | gap to lbp |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -179,7 +185,7 @@ def render(summary: dict, proj: dict | None, mode: str | None) -> str:
         warm = r["warmup"]
         lines.append(
             f"| {r['scheme']} | {r['nodes']} | {r['gcds']} | {r['runs']} | {_fmt(r['step_median_s'])} "
-            f"({_fmt(r['step_spread_s'])}; its {warm}) | {_fmt(r['tokens_per_s'], '{:.1f}')} | "
+            f"({_fmt(r['step_spread_s'])}; {_warm(warm)}) | {_fmt(r['tokens_per_s'], '{:.1f}')} | "
             f"{_fmt(r['tflops_per_gcd'], '{:.4g}')} | {_fmt(r['ratio_to_lbp'], '{:.3f}')} | "
             f"{_fmt(r['efficiency'], '{:.3f}')} | {_gib(r['mem_alloc'])} / {_gib(r['mem_reserved'])} | "
             f"{_fmt(r['ledger_network'], '{:.4g}')} | "
