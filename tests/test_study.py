@@ -300,3 +300,23 @@ def test_local_slurm_study(tmp_path):
                 assert im.size[0] > 200 and im.convert("L").getextrema()[0] < 255, png
     finally:
         subprocess.run(["bash", str(LOCAL_SLURM), "stop", str(cluster)], env=env)
+
+
+def test_projection_uses_the_links_the_health_check_measured(tmp_path):
+    """The launcher's health check prints one median per link class into each run's log; the
+    report's projection takes those (median over runs) instead of the model's defaults."""
+    for name in ("n2-lbp-s1234", "n4-lbp-s1234"):
+        run = tmp_path / "runs" / name
+        run.mkdir(parents=True)
+        shutil.copy(DATA / f"{name}.json", run / "result.json")
+    line = "[lbp_health] {}: 4 pairs: median {} GB/s, slowest 0.1 GB/s on node1; expected 50 GB/s per GCD\n"
+    (tmp_path / "runs" / "n2-lbp-s1234" / "log").write_text(line.format("node", 0.5) + line.format("network", 0.2))
+    (tmp_path / "runs" / "n4-lbp-s1234" / "log").write_text(line.format("network", 0.4))
+    assert report.measured_links(str(tmp_path)) == {"node": 0.5, "network": pytest.approx(0.3)}
+    text, _ = report.report(str(tmp_path))
+    assert "the links the launcher's health check measured (network, node; median over runs)" in text, text
+    assert "package 200, node 0.5, network 0.3" in text, text
+    (tmp_path / "plain").mkdir()
+    shutil.copy(DATA / "n4-lbp-s1234.json", tmp_path / "plain")
+    default, _ = report.report(str(tmp_path / "plain"))   # no logs: the model's own links
+    assert "with its default links" in default and "network 12.5" in default, default

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 from collections import defaultdict
 from typing import Any
@@ -134,10 +135,29 @@ def summarize(results: list[dict]) -> dict:
     return {"rows": rows, "failed": failed, "noise_floor": max(spreads) if spreads else None}
 
 
-def projections(rows: dict) -> dict:
-    """(scheme, gcds) -> the cost model's TFLOPS/GCD at the run's settings, or a reason it has none."""
+HEALTH_LINE = re.compile(r"\b(package|node|network): [^\n]*?median ([0-9.eE+-]+) GB/s, slowest")
+
+
+def measured_links(directory: str) -> dict[str, float]:
+    """GB/s per GCD of each link class the launcher's health check measured (megatron_lbp/launch/
+    health.py's ``median`` lines in the runs' ``log`` files under DIR), the median over runs."""
+    found: dict[str, list[float]] = defaultdict(list)
+    for root, dirs, files in os.walk(directory):
+        dirs[:] = [d for d in dirs if d != "checkpoint"]
+        if "log" in files:
+            with open(os.path.join(root, "log"), errors="replace") as f:
+                for cls, gbps in HEALTH_LINE.findall(f.read()):
+                    found[cls].append(float(gbps))
+    return {cls: statistics.median(v) for cls, v in found.items()}
+
+
+def projections(rows: dict, links_gbps: dict[str, float] | None = None) -> dict:
+    """(scheme, gcds) -> the cost model's TFLOPS/GCD at the run's settings, or a reason it has none;
+    ``links_gbps``: measured GB/s per GCD replacing the model's default for those classes."""
     from megatron_lbp.bench import project
 
+    links = (project.LinkModel.from_measured({c: v * 1e9 for c, v in links_gbps.items()})
+             if links_gbps else project.LinkModel())
     out = {}
     for (scheme, gcds), row in rows.items():
         r = row["runs_detail"][0]
@@ -153,25 +173,31 @@ def projections(rows: dict) -> dict:
             plan = project.plan_for(model, gcds, scheme, r.get("micro_batches") or 1,
                                     gpus_per_node=per_node, gcds_per_package=2 if per_node % 2 == 0 else 1)
             compute = project.ComputeModel(seq_length=r["seq_length"], micro_batch_size=r["micro_batch_size"])
-            out[(scheme, gcds)] = project.step_time(plan, model, project.LinkModel(), compute)["tflops_per_gcd"]
+            out[(scheme, gcds)] = project.step_time(plan, model, links, compute)["tflops_per_gcd"]
         except Exception as err:  # a size the plan tool refuses: say it, keep the report
             out[(scheme, gcds)] = f"no projection: {' '.join(str(err).split())[:200]}"
     return out
 
 
-def _projection_note() -> str:
+def _projection_note(links_gbps: dict[str, float] | None = None) -> str:
     from megatron_lbp.bench import project
 
-    c, links = project.ComputeModel(), project.LinkModel()
+    c = project.ComputeModel()
+    gbps = {k: v / 1e9 for k, v in project.LinkModel().bandwidth.items()}
+    measured = sorted(links_gbps or {})
+    gbps.update(links_gbps or {})
+    where = (f"the links the launcher's health check measured ({', '.join(measured)}; median over runs) "
+             f"and the model's defaults for the rest" if measured else "its default links")
     return (f"The projection is `bench project`'s step model (megatron_lbp/bench/project.py) at each run's "
-            f"model, GCD count, node shape, micro-batch size and count, with its default links "
-            f"(GB/s per GCD: " + ", ".join(f"{k} {v / 1e9:g}" for k, v in links.bandwidth.items())
+            f"model, GCD count, node shape, micro-batch size and count, with {where} "
+            f"(GB/s per GCD: " + ", ".join(f"{k} {v:.3g}" for k, v in gbps.items())
             + f") and compute (peak {c.peak_flops / 1e12:g} TFLOPS per GCD, MFU {c.mfu:g}: an MI250X GCD). "
             "On CPU ranks or the emulated network those assumptions do not hold, so a disagreement "
             "there measures the assumptions, not the schemes.")
 
 
-def render(summary: dict, proj: dict | None, mode: str | None) -> str:
+def render(summary: dict, proj: dict | None, mode: str | None,
+           links_gbps: dict[str, float] | None = None) -> str:
     rows = summary["rows"]
     lines = ["# Adoption study report", ""]
     if mode:
@@ -208,7 +234,7 @@ def render(summary: dict, proj: dict | None, mode: str | None) -> str:
               "scaling efficiency: TFLOPS/GCD over the same scheme's smallest run; ratio to lbp: "
               "TFLOPS/GCD over lbp's at the same GCD count.", ""]
     if proj is not None:
-        lines += ["## Measurement against the cost model's projection", "", _projection_note(), "",
+        lines += ["## Measurement against the cost model's projection", "", _projection_note(links_gbps), "",
                   "| scheme | GCDs | measured TFLOPS/GCD | projected | measured/projected | |",
                   "|---|---|---|---|---|---|"]
         for key in sorted(rows, key=lambda k: (k[0] != BASE, k[0], k[1])):
@@ -299,8 +325,9 @@ def report(directory: str, project_too: bool = True, mode: str | None = None) ->
     if mode is None:
         modes = {r.get("scaling") for r in results if r.get("scaling")}
         mode = ", ".join(sorted(modes)) or None
-    proj = projections(summary["rows"]) if project_too else None
-    text = render(summary, proj, mode)
+    links = measured_links(directory) if project_too else None
+    proj = projections(summary["rows"], links) if project_too else None
+    text = render(summary, proj, mode, links)
     pngs = plot(summary, directory)
     with open(os.path.join(directory, "report.md"), "w") as f:
         f.write(text + "\n")
