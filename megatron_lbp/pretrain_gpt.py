@@ -161,9 +161,18 @@ def main(argv: list[str] | None = None) -> None:
         # Megatron's own argument checks are asserts; like ours, one line, not a traceback.
         _usage_error(str(err).strip().splitlines()[0] if str(err).strip()
                      else "Megatron's argument checks failed without a message")
-    full_config = pretrain_cfg_container_from_args(args, gpt_model_config(args))
-    pretrain(full_config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
-             forward_step)
+    from megatron_lbp.study import result
+
+    try:
+        full_config = pretrain_cfg_container_from_args(args, gpt_model_config(args))
+        pretrain(full_config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder,
+                 forward_step)
+    except BaseException as err:
+        # LBP_RESULT_FILE: a run that dies in its setup leaves a failed result too (the train
+        # loop records its own failures first; fail() keeps the first reason).
+        if not (isinstance(err, SystemExit) and err.code in (0, None)):
+            result.fail(args, err)
+        raise
 
 
 if __name__ == "__main__":

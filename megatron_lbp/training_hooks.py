@@ -251,6 +251,10 @@ def after_training_log(iteration: int, args: Any, loss_dict: dict | None = None)
 
     faults.TRACKER.iteration = iteration + 1  # fault messages count as Megatron does
     _record_losses(iteration, loss_dict)
+    from megatron_lbp.study import result
+
+    report = _state["optimizers"][-1].last_step_report if _state["optimizers"] else None
+    result.on_iteration(iteration, loss_dict, report)  # LBP_RESULT_FILE: the run's result file
     if not enabled(args) or iteration % max(args.log_interval, 1):
         return
     import torch.distributed as dist
@@ -422,13 +426,29 @@ def hook_training_module(ns: dict) -> None:
 
     @functools.wraps(orig_train)
     def train(forward_step_func, model, *a, **k):
-        out = orig_train(forward_step_func, model, *a, **k)
-        if enabled(_current_args()):
-            # The last step's weight gathers run under a next forward that never comes:
-            # wait for them before evaluation, the final save or the exit.
-            for chunk in model:
-                if hasattr(chunk, "settle"):
-                    chunk.settle()
+        from megatron_lbp.study import result
+
+        args = _current_args()
+        result.start(args)
+        try:
+            out = orig_train(forward_step_func, model, *a, **k)
+            if enabled(args):
+                # The last step's weight gathers run under a next forward that never comes:
+                # wait for them before evaluation, the final save or the exit.
+                for chunk in model:
+                    if hasattr(chunk, "settle"):
+                        chunk.settle()
+        except SystemExit as err:
+            # --exit-interval / --exit-duration-in-mins stop every rank with sys.exit(0) here.
+            if err.code in (0, None):
+                result.finish(args)
+            else:
+                result.fail(args, err)
+            raise
+        except BaseException as err:
+            result.fail(args, err)
+            raise
+        result.finish(args)
         return out
 
     ns["train"] = train

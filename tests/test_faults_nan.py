@@ -55,8 +55,10 @@ def test_training_entry_stops_every_rank_naming_the_poisoned_rank(tmp_path, demo
     gradient at iteration 3 (LBP_FAULT_INJECT action=nan); every rank stops non-zero, naming it."""
     argv = TINY + ["--data-path", demo_dataset, "--train-iters", "6", "--global-batch-size", "8",
                    "--hier-partition", "--hier-gpus-per-node", "2"]
+    result_file = tmp_path / "result.json"
     runs = launch_pretrain(argv, 4, tmp_path,
-                           env={faults.INJECT_ENV: "rank=3,phase=grad_reduce,iteration=3,action=nan"},
+                           env={faults.INJECT_ENV: "rank=3,phase=grad_reduce,iteration=3,action=nan",
+                                "LBP_RESULT_FILE": str(result_file)},
                            rank_env=rank_location_env(2), deadline_s=300)
     assert " iteration        2/" in runs[3].output, runs[3].output[-3000:]
     assert "writes a nan into its gradient" in runs[3].output, runs[3].output[-3000:]
@@ -65,3 +67,9 @@ def test_training_entry_stops_every_rank_naming_the_poisoned_rank(tmp_path, demo
         assert "iteration 3: inf/nan gradient produced by rank(s) [3]" in r.output, (
             f"rank {r.rank} does not name rank 3 at iteration 3:\n{r.output[-3000:]}")
         assert " iteration        3/" not in r.output, f"rank {r.rank} logged iteration 3"
+    # The study's result file (megatron_lbp/study/result.py) records the failed run and why.
+    from megatron_lbp.study.result import load
+
+    r = load(str(result_file))
+    assert r["status"] == "failed" and "inf/nan gradient produced by rank(s) [3]" in r["reason"], r
+    assert sorted(r["loss"]) == ["1", "2"] and r["scheme"] == "lbp" and r["gcds"] == 4, r

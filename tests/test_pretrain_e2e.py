@@ -30,16 +30,24 @@ def close(a, b):
 
 
 @pytest.fixture(scope="module")
-def stock(demo_dataset):
-    return run_pretrain(8, _args(demo_dataset, "--use-distributed-optimizer"))
+def results(tmp_path_factory):
+    """Where both runs write their study result files (LBP_RESULT_FILE, megatron_lbp/study)."""
+    return tmp_path_factory.mktemp("results")
 
 
 @pytest.fixture(scope="module")
-def lbp(demo_dataset, tmp_path_factory):
+def stock(demo_dataset, results):
+    return run_pretrain(8, _args(demo_dataset, "--use-distributed-optimizer"),
+                        env={"LBP_RESULT_FILE": str(results / "distopt.json")})
+
+
+@pytest.fixture(scope="module")
+def lbp(demo_dataset, tmp_path_factory, results):
     """(exit status, log, losses, checkpoint directory) of lbp on 8 ranks, saving every 10 iterations."""
     ckpt = str(tmp_path_factory.mktemp("ckpt"))
     return (*run_pretrain(8, _args(demo_dataset, *LBP8, "--save", ckpt,
-                                   "--save-interval", str(SAVED_AT))), ckpt)
+                                   "--save-interval", str(SAVED_AT)),
+                          env={"LBP_RESULT_FILE": str(results / "lbp.json")}), ckpt)
 
 
 def test_hierarchy_equals_stock_distributed_optimizer_for_20_iterations(stock, lbp):
@@ -102,3 +110,40 @@ def test_resume_and_reshard_through_megatrons_checkpointing(demo_dataset, lbp, t
                                     checkpoint_optimizer_state(f"{ckpt_resumed}/iter_{last:07d}"),
                                     AFTER_RESHARD_REL)
     assert not differences, "\n".join(differences)
+
+
+def test_each_run_leaves_a_result_file_that_matches_its_log(stock, lbp, results):
+    """The study's result files (megatron_lbp/study/result.py) of the two runs above: what they
+    describe, and the loss curve equal to Megatron's log line by line (7 significant digits)."""
+    from megatron_lbp.study.result import load
+
+    for name, (code, log, losses, *_) in (("distopt", stock), ("lbp", lbp)):
+        assert code == 0, why(log)
+        r = load(str(results / f"{name}.json"))
+        assert r["status"] == "ok" and r["reason"] is None, r
+        assert r["scheme"] == name, (name, r["scheme"])
+        assert (r["gcds"], r["nodes"], r["global_batch"], r["micro_batch_size"], r["micro_batches"]) == (
+            8, 2 if name == "lbp" else 1, 16, 2, 1), r
+        loss = {int(k): v for k, v in r["loss"].items()}
+        assert sorted(loss) == sorted(losses) == list(range(1, ITERS + 1)), (sorted(loss), sorted(losses))
+        # Megatron's line at iteration 2 prints the mean of iterations 1 and 2 (its interval sum
+        # is not reset after the first log); the file keeps each iteration's own value.
+        logged = {**{i: loss[i] for i in loss}, 2: (loss[1] + loss[2]) / 2}
+        bad = [(i, logged[i], losses[i]) for i in losses if not close(logged[i], losses[i])]
+        assert not bad, f"{name}: result-file losses differing from the log (file, log): {bad}"
+        st = r["step_time"]
+        assert st["warmup_iterations_excluded"] == [1, 2] and st["iterations_measured"] == ITERS - 2, st
+        assert 0 < st["min_s"] <= st["median_s"] <= st["max_s"], st
+        tp = r["throughput"]
+        assert tp["tokens_per_s"] == pytest.approx(16 * 32 / st["median_s"]), tp
+        assert tp["tflops_per_gcd"] == pytest.approx(tp["flops_per_step"] / st["median_s"] / 8 / 1e12), tp
+        assert r["interface_bytes"]["source"].startswith("not measured"), r["interface_bytes"]
+    lbp_r, stock_r = load(str(results / "lbp.json")), load(str(results / "distopt.json"))
+    # Same model and batch: Megatron's formula gives both runs the same FLOPs per step.
+    assert lbp_r["throughput"]["flops_per_step"] == stock_r["throughput"]["flops_per_step"] > 0
+    assert lbp_r["group_sizes"]["param_group_size"] == 2 and lbp_r["group_sizes"]["grad_group_size"] == 4, lbp_r
+    assert lbp_r["peak_memory_per_gcd"]["source"].startswith("engine ledger"), lbp_r["peak_memory_per_gcd"]
+    assert lbp_r["peak_memory_per_gcd"]["allocated_bytes"] > 0
+    assert lbp_r["ledger_bytes_per_step"]["network"] > 0, lbp_r["ledger_bytes_per_step"]
+    assert stock_r["peak_memory_per_gcd"]["allocated_bytes"] is None, stock_r["peak_memory_per_gcd"]
+    assert stock_r["ledger_bytes_per_step"]["source"].startswith("not measured"), stock_r

@@ -92,9 +92,12 @@
 #   LBP_HEALTH_MIN_FRACTION [0.25]  LBP_HEALTH_MB [64]  LBP_GCD_BUS_IDS [Frontier's]
 #   PRECISION           bf16 (default) or fp32
 #   HIER_PRESET HIER_SECONDARY_GROUP_SIZE HIER_SECONDARY_DTYPE  the hierarchy (a preset implies
-#                       its secondary group size: the node for lbp and zeropp, 0 otherwise)
+#                       its secondary group size: the node for lbp and zeropp, 0 otherwise;
+#                       HIER_PRESET=distopt: stock Megatron's --use-distributed-optimizer instead,
+#                       the study's baseline)
 #   HIER_GRAD_REDUCE_DTYPE  fp32 (default) or bf16: the gradient shard and its reductions, in
 #                       training (--hier-grad-reduce-dtype) and in the memory estimate alike
+#   LBP_SETTINGS_OUT    a file: write the resolved settings there and stop (scripts/launch/lbp_study.sh)
 #   GCD_MEMORY_GB       device memory for the fit check (Frontier GCD: 64)
 #   LBP_MEMORY_RESERVE_GB  of it kept for HIP/RCCL buffers and fragmentation [4 on GPUs]
 #   LBP_COMPARE_SCHEMES [0]; 1: the estimate also ranks lbp (S = node, package, 0), zeropp,
@@ -312,7 +315,7 @@ lbp_resolve_entry() {
 # Memory per choice, the choice, step time, save interval, checkpoint bytes (estimate.py).
 lbp_estimate() {
   local args=(--nodes "$NNODES_RESOLVED" --tasks-per-node "$TASKS_PER_NODE"
-              --gcds-per-package "$GCDS_PER_PACKAGE" --preset "$HIER_PRESET"
+              --gcds-per-package "$GCDS_PER_PACKAGE" --preset "${HIER_PRESET/#distopt/zero2}"
               --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN_SIZE"
               --num-attention-heads "$NUM_ATTENTION_HEADS" --seq-length "$SEQ_LENGTH"
               --vocab-size "$VOCAB_SIZE_PADDED" --global-batch-size "$GLOBAL_BATCH_SIZE"
@@ -410,12 +413,17 @@ lbp_build_train_args() {
     --log-interval "$LOG_INTERVAL" --log-throughput
     --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS"
     --distributed-timeout-minutes "$DIST_TIMEOUT_MINS"
-    --hier-partition --hier-preset "$HIER_PRESET"
-    --hier-gpus-per-node "$TASKS_PER_NODE" --hier-gcds-per-package "$GCDS_PER_PACKAGE"
-    --hier-secondary-group-size "$HIER_SECONDARY_GROUP_SIZE"
   )
-  [ "$HIER_SECONDARY_GROUP_SIZE" -gt 0 ] && TRAIN_ARGS+=(--hier-secondary-dtype "$HIER_SECONDARY_DTYPE")
-  [ "$HIER_GRAD_REDUCE_DTYPE" != fp32 ] && TRAIN_ARGS+=(--hier-grad-reduce-dtype "$HIER_GRAD_REDUCE_DTYPE")
+  if [ "$HIER_PRESET" = distopt ]; then
+    # Stock Megatron's distributed optimizer, the study's baseline (the estimate sized it as zero2).
+    TRAIN_ARGS+=(--use-distributed-optimizer)
+  else
+    TRAIN_ARGS+=(--hier-partition --hier-preset "$HIER_PRESET"
+      --hier-gpus-per-node "$TASKS_PER_NODE" --hier-gcds-per-package "$GCDS_PER_PACKAGE"
+      --hier-secondary-group-size "$HIER_SECONDARY_GROUP_SIZE")
+    [ "$HIER_SECONDARY_GROUP_SIZE" -gt 0 ] && TRAIN_ARGS+=(--hier-secondary-dtype "$HIER_SECONDARY_DTYPE")
+    [ "$HIER_GRAD_REDUCE_DTYPE" != fp32 ] && TRAIN_ARGS+=(--hier-grad-reduce-dtype "$HIER_GRAD_REDUCE_DTYPE")
+  fi
   [ "$PRECISION" = bf16 ] && TRAIN_ARGS+=(--bf16)
   case "$RECOMPUTE" in
     full) TRAIN_ARGS+=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 1) ;;
@@ -575,6 +583,15 @@ lbp_master_addr() {
   export MASTER_ADDR MASTER_PORT
 }
 
+# The profile's resolved settings as KEY=VALUE lines (LBP_SETTINGS_OUT=FILE: nothing else runs).
+lbp_write_settings() {  # lbp_write_settings FILE
+  local v
+  for v in NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS SEQ_LENGTH VOCAB_SIZE_PADDED GLOBAL_BATCH_SIZE \
+           MICRO_BATCH_SIZE TASKS_PER_NODE GCDS_PER_PACKAGE HIER_SECONDARY_GROUP_SIZE LBP_PROFILE; do
+    printf '%s=%s\n' "$v" "${!v:-}"
+  done >"$1"
+}
+
 # lbp_main [--dry-run] [--chain N] [--] [extra training flags...]
 lbp_main() {
   # What the chain's next job is submitted with: this job's arguments and environment.
@@ -598,6 +615,10 @@ lbp_main() {
   done
   lbp_defaults || return
   lbp_start_from || return
+  if [ -n "${LBP_SETTINGS_OUT:-}" ]; then  # the study (scripts/launch/lbp_study.sh) reads the profile's values
+    lbp_write_settings "$LBP_SETTINGS_OUT"
+    return
+  fi
   lbp_resolve_nodes || return
   lbp_check_hierarchy || return
   lbp_check_paths || return
