@@ -109,3 +109,29 @@ def test_imported_gpt2_trains_with_lbp_like_stock(tmp_path, demo_dataset):
                     "--train-iters", "3", save=False)
     assert sorted(lbp) == [1, 2, 3] and not _differ(lbp, stock), \
         f"lbp vs stock Megatron (iteration: lbp, stock): {_differ(lbp, stock)}"
+
+
+# Every preset starts from the import (issue 30 item 3). zeropp keeps its secondary copy in bf16
+# (int8 of fp32 weights is refused) and its int8 weight gathers (qwZ), so its losses are held to
+# the int8 bound of tests/test_quant_training.py; every other preset gives stock's losses.
+PRESETS_FROM_IMPORT = {"zero3": [], "zero2": [], "hsdp": [],
+                       "zeropp": ["--hier-secondary-dtype", "bf16"]}
+INT8_REL = 5e-3
+
+
+@pytest.mark.slow
+def test_every_preset_starts_from_the_import(imported, demo_dataset, tmp_path):
+    _, stock = _run(imported, demo_dataset, tmp_path / "stock", "--use-distributed-optimizer",
+                    "--train-iters", "3", save=False)
+    failures = []
+    for preset, extra in PRESETS_FROM_IMPORT.items():
+        log, got = _run(imported, demo_dataset, tmp_path / preset, *LBP8, "--hier-preset", preset,
+                        *extra, "--train-iters", "3", save=False)
+        assert f"attempting to finetune with checkpoint in {imported[1] / 'imported'}" in log, why(log)
+        if preset == "zeropp":
+            worst = max(abs(got[i] - stock[i]) / abs(stock[i]) for i in stock)
+            if sorted(got) != [1, 2, 3] or worst > INT8_REL:
+                failures.append(f"zeropp: {got} vs stock {stock} (worst {worst:.3g} > {INT8_REL})")
+        elif sorted(got) != [1, 2, 3] or _differ(got, stock):
+            failures.append(f"{preset} vs stock (iteration: {preset}, stock): {_differ(got, stock)}")
+    assert not failures, "\n".join(failures)

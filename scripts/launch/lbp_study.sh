@@ -22,6 +22,9 @@
 #                        (fixed global batch: STUDY_GLOBAL_BATCH [the profile's GLOBAL_BATCH_SIZE])
 #   STUDY_MICRO_BATCH_SIZE  [the profile's MICRO_BATCH_SIZE; 1 where that is auto]
 #   STUDY_ITERS          iterations per run [30]; STUDY_SEEDS [1234]: all at the smallest node count
+#   STUDY_WARMUP_ITERS   learning-rate warm-up of every run [STUDY_ITERS / 10]: the profile's
+#                        (1500 for 20B) is longer than a study run, and Megatron's scheduler
+#                        refuses a warm-up that is not shorter than the decay
 #   STUDY_STARTUP_S      assumed seconds per run before its first step, for the cost [300]
 #   STUDY_STEP_SECONDS   replaces the cost model's step time in the cost
 #   STUDY_DIR            where runs/, runs.tsv and report.md go [$PWD/study-<date>]
@@ -46,6 +49,7 @@ done
 export LBP_REPO
 : "${STUDY_NODES:=1,2,4,8,16,32,48}" "${STUDY_SCHEMES:=lbp,zeropp,zero3,distopt}"
 : "${STUDY_SCALING:=weak}" "${STUDY_ITERS:=30}" "${STUDY_SEEDS:=1234}" "${STUDY_STARTUP_S:=300}"
+: "${STUDY_WARMUP_ITERS:=$((STUDY_ITERS / 10))}"
 : "${STUDY_DIR:=$PWD/study-$(date +%Y%m%d-%H%M%S)}"
 PY=${LBP_PYTHON:-python}
 [ -z "${LBP_PYTHON:-}" ] && [ -x "$LBP_REPO/.venv/bin/python" ] && PY=$LBP_REPO/.venv/bin/python
@@ -95,7 +99,7 @@ study_run_one() {  # study_run_one NAME NODES SCHEME GLOBAL_BATCH SEED
   esac
   echo "[study] $(date -u +%H:%M:%S) run $name: $nodes node(s), $scheme, global batch $gbs, seed $seed"
   ( export NNODES=$nodes HIER_PRESET=$scheme HIER_SECONDARY_GROUP_SIZE=$sec GLOBAL_BATCH_SIZE=$gbs \
-      MICRO_BATCH_SIZE=$STUDY_MBS TRAIN_ITERS=$STUDY_ITERS LBP_CHAIN=1 CHECKPOINT_DIR=$dir/checkpoint \
+      MICRO_BATCH_SIZE=$STUDY_MBS TRAIN_ITERS=$STUDY_ITERS LR_WARMUP_ITERS=$STUDY_WARMUP_ITERS LBP_CHAIN=1 CHECKPOINT_DIR=$dir/checkpoint \
       LBP_RESULT_FILE=$dir/result.json LBP_STUDY_SCALING=$STUDY_SCALING LBP_STUDY_RUN=$name \
       EXTRA_ARGS="${EXTRA_ARGS:-} --seed $seed"
     bash "$PROFILE" ) >"$dir/log" 2>&1 || status=$?
