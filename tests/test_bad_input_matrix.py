@@ -237,11 +237,13 @@ def launch(name, script, args, env, needles, code=-1, build=None):
     return Case("launcher " + name, "launcher", argv, needles, env=env, code=code)
 
 
-IN_JOB = {"SLURM_JOB_ID": "1", "SLURM_JOB_NUM_NODES": "2", "NNODES": "2"}
+# 4 nodes: the 20B profile's honest per-GCD total (plan state + transient + activations +
+# margin) needs at least 3, so a smaller base would be refused for memory before the input.
+IN_JOB = {"SLURM_JOB_ID": "1", "SLURM_JOB_NUM_NODES": "4", "NNODES": "4"}
 # A job with two hours left (Slurm >= 23.02 sets SLURM_JOB_END_TIME) on this CPU-only machine.
 IN_A_JOB = {**IN_JOB, "SLURM_JOB_END_TIME": str(int(time.time()) + 10 ** 6), "LBP_REQUIRE_GPU": "none"}
 SMALL = {"NUM_LAYERS": "2", "HIDDEN_SIZE": "256", "NUM_ATTENTION_HEADS": "4", "SEQ_LENGTH": "256"}
-DRY = {"NNODES": "2"}
+DRY = {"NNODES": "4"}
 LAUNCHER = [
     *[launch(f"{var} unset", SCRIPTS["20b"], [], {**IN_JOB, var: None}, f"{var} is not set")
       for var in ("DATA_PATH", "VOCAB_FILE", "MERGE_FILE", "CHECKPOINT_DIR")],
