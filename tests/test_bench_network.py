@@ -109,6 +109,7 @@ def _gone_within(pids, seconds=10.0) -> list[int]:
     return _alive(pids)
 
 
+@pytest.mark.slow  # ~40 s emulated run; CI keeps the cleanup-after-signal/crash/kill cases
 @needs_root
 def test_reduced_run_json_shaping_and_cleanup(launch):
     """The frontier-shaped form reduced: its uplink derived from a probe, then the run."""

@@ -268,6 +268,7 @@ def independent_headline(rec):
 # --------------------------------------------------------------------------- tests
 
 
+@pytest.mark.slow  # ~50 s of every benchmark section at quick size; CI keeps each section's own tests
 def test_quick_report_renders_every_section_from_its_json(quick):
     md_path, results_path = quick
     md, rec = check_report(md_path, results_path)
@@ -275,6 +276,7 @@ def test_quick_report_renders_every_section_from_its_json(quick):
     assert "not run: skipped (--skip)" in section(md, "## Emulated network")
 
 
+@pytest.mark.slow  # ~50 s of every benchmark section at quick size; CI keeps each section's own tests
 def test_reuse_keeps_the_figures_and_their_provenance(quick, tmp_path):
     _, first_path = quick
     first = json.loads(first_path.read_text())

@@ -368,7 +368,7 @@ def test_frontier_profiles_default_tokenizer_takes_this_path(files, site):  # no
     """scripts/frontier_gpt20b.sh as shipped (TOKENIZER_TYPE=GPT2BPETokenizer from VOCAB_FILE/MERGE_FILE)."""
     from tests.test_launchers import SCRIPTS, run, training_line
 
-    r = run(SCRIPTS["20b"], site, "--dry-run", NNODES=2, VOCAB_FILE=files[0], MERGE_FILE=files[1])
+    r = run(SCRIPTS["20b"], site, "--dry-run", NNODES=4, VOCAB_FILE=files[0], MERGE_FILE=files[1])
     assert r.returncode == 0, r.stderr + r.stdout
     argv = training_line(r.stdout)[4:]  # after "python -u -m megatron_lbp.pretrain_gpt"
     assert argv[argv.index("--tokenizer-type") + 1] == "GPT2BPETokenizer"

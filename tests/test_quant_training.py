@@ -111,11 +111,13 @@ def int8_runs():
                         FAULTS, rank_env=TOPOLOGY, timeout=600)
 
 
+@pytest.mark.slow  # ~50 s of 25 int8 steps; CI keeps int8 bytes and exactness (test_quant_engine)
 def test_int8_secondary_and_qwz_stay_within_half_a_percent_for_25_steps(int8_runs):
     assert_ranks_hold_the_same_weights(int8_runs)
     check_gaps(int8_runs[0], list(QUANTIZED))
 
 
+@pytest.mark.slow  # ~50 s of 25 int8 steps; CI keeps int8 bytes and exactness (test_quant_engine)
 def test_minimum_gap_fails_when_nothing_is_quantized(int8_runs):
     """The test of the test: the int8 flags given, the engine quantizing nothing."""
     with pytest.raises(AssertionError, match="nothing was quantized"):
