@@ -107,16 +107,8 @@ def measure(schemes=SCHEMES, micro_batches: int = 1, ranks: int = 8, gpus_per_no
         failed = [r for r in results if isinstance(r, str)]
         if failed:
             raise RuntimeError(failed[0])
-        key = "wrapper" if scheme in DS_SCHEMES else "ledger"
-        rows = [r[key] for r in results]
-        entry = {"bytes": rows[0], "source": "stock_accounting wrapper" if key == "wrapper"
-                 else "engine ledger",
-                 "uniform_across_ranks": all(r == rows[0] for r in rows),
-                 "max_over_ranks": {c: max(r[c] for r in rows) for c in LINK_CLASS_ORDER},
-                 "calls": results[0]["calls"], "losses": results[0]["losses"]}
-        if key == "ledger":
-            entry["wrapper_agrees"] = all(r["wrapper"] == r["ledger"] for r in results)
-        out[scheme] = entry
+        out[scheme] = engine_traffic.scheme_row(
+            results, "wrapper" if scheme in DS_SCHEMES else "ledger")
     return out
 
 

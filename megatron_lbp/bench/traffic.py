@@ -158,6 +158,22 @@ def _call_summary(calls) -> dict[str, dict[str, float]]:
     return out
 
 
+def scheme_row(per_rank: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """One scheme's row from every rank's counts: rank 0's bytes by link class (``key``:
+    "ledger", the engine's own, or "wrapper", the torch.distributed wrapper of
+    stock_accounting), whether every rank sent the same, the most any rank sent, rank 0's
+    losses and calls, and for the ledger whether the wrapper counted the same."""
+    rows = [r[key] for r in per_rank]
+    entry = {"bytes": rows[0], "source": "engine ledger" if key == "ledger"
+             else "stock_accounting wrapper",
+             "uniform_across_ranks": all(r == rows[0] for r in rows),
+             "max_over_ranks": {c: max(r[c] for r in rows) for c in LINK_CLASS_ORDER},
+             "losses": per_rank[0]["losses"], "calls": per_rank[0]["calls"]}
+    if key == "ledger":
+        entry["wrapper_agrees"] = all(r["wrapper"] == r["ledger"] for r in per_rank)
+    return entry
+
+
 def measure(schemes=SCHEMES, micro_batches: int = 1, ranks: int = 16,
             bucket_size: int | None = None, gpus_per_node: int = GPUS_PER_NODE,
             timeout: float = 900.0) -> dict[str, Any]:
@@ -180,15 +196,8 @@ def measure(schemes=SCHEMES, micro_batches: int = 1, ranks: int = 16,
                 raise
             out[scheme] = {"unavailable": _first_error_line(str(e))}
             continue
-        key = "ledger" if scheme in ENGINE_SCHEMES else "wrapper"
-        rows = [r[key] for r in per_rank]
-        entry = {"bytes": rows[0], "source": "engine ledger" if key == "ledger"
-                 else "stock_accounting wrapper",
-                 "uniform_across_ranks": all(r == rows[0] for r in rows),
-                 "max_over_ranks": {c: max(r[c] for r in rows) for c in LINK_CLASS_ORDER},
-                 "losses": per_rank[0]["losses"], "calls": per_rank[0]["calls"]}
-        if key == "ledger":
-            entry["wrapper_agrees"] = all(r["wrapper"] == r["ledger"] for r in per_rank)
+        entry = scheme_row(per_rank, "ledger" if scheme in ENGINE_SCHEMES else "wrapper")
+        if scheme in ENGINE_SCHEMES:
             for field in ("by_phase", "bucket_numels", "config", "links"):
                 entry[field] = per_rank[0][field]
         out[scheme] = entry
