@@ -148,10 +148,7 @@ def main(argv=None) -> int:
     p.add_argument("--calls", action="store_true", help="also print each scheme's counted calls")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    schemes = [s for s in args.schemes.split(",") if s]
-    bad = [s for s in schemes if s not in SCHEMES]
-    if bad or not schemes:
-        p.error(f"--schemes: {','.join(bad) or '(empty)'} not in {','.join(SCHEMES)}")
+    schemes = engine_traffic.schemes_from(p, args.schemes, SCHEMES)
     if args.gpus_per_node < 2 or args.gpus_per_node % 2 or args.ranks % args.gpus_per_node \
             or args.ranks // args.gpus_per_node < 2:
         p.error(f"--ranks={args.ranks} must be at least two nodes of --gpus-per-node="

@@ -158,6 +158,15 @@ def _call_summary(calls) -> dict[str, dict[str, float]]:
     return out
 
 
+def schemes_from(parser, text: str, known) -> list[str]:
+    """The comma-separated ``--schemes`` value as a list; a name not in ``known`` is a usage error."""
+    schemes = [s for s in text.split(",") if s]
+    bad = [s for s in schemes if s not in known]
+    if bad or not schemes:
+        parser.error(f"--schemes: {','.join(bad) or '(empty)'} not in {','.join(known)}")
+    return schemes
+
+
 def scheme_row(per_rank: list[dict[str, Any]], key: str) -> dict[str, Any]:
     """One scheme's row from every rank's counts: rank 0's bytes by link class (``key``:
     "ledger", the engine's own, or "wrapper", the torch.distributed wrapper of
@@ -273,10 +282,7 @@ def main(argv=None) -> int:
                    help="bucket size in elements for every scheme (default: Megatron's 40M)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    schemes = [s for s in args.schemes.split(",") if s]
-    bad = [s for s in schemes if s not in SCHEMES]
-    if bad or not schemes:
-        p.error(f"--schemes: {','.join(bad) or '(empty)'} not in {','.join(SCHEMES)}")
+    schemes = schemes_from(p, args.schemes, SCHEMES)
     gpn = args.gpus_per_node
     if gpn < GCDS_PER_PACKAGE or gpn % GCDS_PER_PACKAGE:
         p.error(f"--gpus-per-node={gpn} must be a positive multiple of {GCDS_PER_PACKAGE}")
