@@ -279,10 +279,11 @@ def fail(args: Any, err: BaseException) -> None:
     write(result)
 
 
-def write(result: dict) -> None:
+def write(result: dict, target: str | None = None) -> None:
+    """``result`` as JSON, atomically, at ``target`` (default: LBP_RESULT_FILE)."""
     from megatron_lbp.engine.checkpoint import atomic_write_text
 
-    target = path()
+    target = target or path()
     result = {**result, "written_at": time.time()}
     os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
     atomic_write_text(target, json.dumps(result, indent=1, sort_keys=True) + "\n")
@@ -301,5 +302,4 @@ def record_failure(target: str, reason: str, fields: dict[str, str]) -> None:
     out: dict[str, Any] = {"schema": SCHEMA, "status": "failed", "reason": " ".join(reason.split())}
     for k, v in fields.items():
         out[k] = int(v) if v.isdigit() else v
-    os.environ[ENV] = target
-    write(out)
+    write(out, target)
