@@ -22,7 +22,7 @@ import torch.distributed as dist
 from benchmarks.deepspeed import environment
 from benchmarks.deepspeed.schemes import ds_config, features
 from megatron_lbp.testing import tiny_gpt
-from megatron_lbp.testing.tiny_gpt import TinyGPTSpec, TrainResult, TrainSpec
+from megatron_lbp.testing.tiny_gpt import TinyGPTSpec, TrainResult, TrainSpec, megatron_param_groups
 
 
 def import_deepspeed(ranks_per_node: int | None = None):
@@ -31,17 +31,6 @@ def import_deepspeed(ranks_per_node: int | None = None):
     import deepspeed
 
     return deepspeed
-
-
-def megatron_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Megatron's standard rule: no weight decay on biases and 1-D parameters (norms)."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if name.endswith(".bias") or p.dim() == 1 else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
 
 
 def tie_output_to_embedding(deepspeed, model: torch.nn.Module) -> None:

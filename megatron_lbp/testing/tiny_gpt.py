@@ -460,17 +460,24 @@ def trained(result, name: str):
     return value
 
 
+def megatron_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """torch optimizer groups by Megatron's standard rule: no weight decay on biases and 1-D
+    parameters (norms); parameters that need no gradient are left out."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if name.endswith(".bias") or p.dim() == 1 else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
 def train_reference(spec: TinyGPTSpec, train: TrainSpec, dp_size: int) -> TrainResult:
     """The same training in one process: full global batch, torch AdamW, clip_grad_norm_."""
     init_megatron_state(seed=spec.seed)
     model, _ = build_tiny_gpt(spec)
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        # Megatron's standard rule: no weight decay on biases and 1-D parameters.
-        (no_decay if name.endswith(".bias") or p.dim() == 1 else decay).append(p)
     optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": train.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
+        megatron_param_groups(model, train.weight_decay),
         lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps,
     )
     result = TrainResult()
