@@ -58,6 +58,6 @@ class CheckpointReader:
         else:
             offset, size = (index,) + (0,) * (len(shape) - 1), (1,) + shape[1:]
         buf = torch.empty(size, dtype=self.dtype(key))
-        dcp.load({}, storage_reader=dcp.FileSystemReader(self.dir),
+        dcp.load({}, storage_reader=self._reader,
                  planner=_RegionPlanner(key, offset, buf), no_dist=True)
         return buf if index is None else buf[0]
