@@ -65,6 +65,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from megatron_lbp.argv import flag_value, given  # noqa: F401 - callers read them here too
+
 DEVICE_ENV = "LBP_DEVICE"
 PROG = "python -m megatron_lbp.capabilities"
 SOFTMAX_KERNELS = ("scaled_upper_triang_masked_softmax_cuda", "scaled_masked_softmax_cuda",
@@ -182,22 +184,6 @@ def check_device_matches(actual: str) -> None:
 
 
 # --- the user's argument list ---------------------------------------------------------------
-def flag_value(argv: Sequence[str], flag: str) -> str | None:
-    """The value of the last ``flag VALUE`` / ``flag=VALUE`` in argv (Megatron parses with
-    allow_abbrev=False, so the spelling is exact), or None."""
-    value = None
-    for i, tok in enumerate(argv):
-        if tok == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif tok.startswith(flag + "="):
-            value = tok[len(flag) + 1:]
-    return value
-
-
-def given(argv: Sequence[str], flag: str) -> bool:
-    return any(tok == flag or tok.startswith(flag + "=") for tok in argv)
-
-
 def _options(argv: Sequence[str]) -> list[tuple[str, str | None]]:
     """(option, its value or None) for every ``--option`` in argv."""
     out = []

@@ -1,99 +1,34 @@
-"""Everything megatron-lbp does to run stock megatron-core 0.19.2 where it was not built to run.
+"""What megatron-lbp changes in stock megatron-core 0.19.2 on every device, and the entry points.
 
-Two independent parts, both applied by :func:`enable` (idempotent):
+:func:`enable` (idempotent) applies what this machine needs: the Python 3.11
+shim here and, only without an accelerator, megatron_lbp.cpu_runtime (CPU ranks
+with gloo). :func:`enable_training` adds the megatron.training patches. Each
+patch is declared in megatron_lbp.patching's registry (owner, target, when, why)
+and applied through ``patching.apply``; this module holds the ones that also run
+on a GPU:
 
-1. Python 3.11 (``_install_python_shims``), applied on import of ``megatron_lbp``.
-   megatron-core 0.19.2 declares Python >= 3.12 but ships cp311 wheels
-   (scripts/install.sh installs them without the metadata check). The only
-   3.12-only construct that is reached is ``from typing import override`` in
-   ``megatron/training/models/{gpt,hybrid}.py``; ``typing.override`` is set to
-   ``typing_extensions.override`` (identical semantics: it only marks a method).
-   Nothing is changed on Python >= 3.12.
+1. Python 3.11 (``python 3.11 typing.override``, applied on import of
+   ``megatron_lbp``). megatron-core 0.19.2 declares Python >= 3.12 but ships
+   cp311 wheels (scripts/install.sh installs them without the metadata check).
+   The only 3.12-only construct that is reached is ``from typing import
+   override`` in ``megatron/training/models/{gpt,hybrid}.py``; ``typing.override``
+   is set to ``typing_extensions.override`` (identical semantics: it only marks
+   a method). Nothing is changed on Python >= 3.12.
 
-2. CPU ranks with gloo (``_activate_cpu_runtime``), only when
-   ``torch.cuda.is_available()`` is False (ROCm builds report through
-   ``torch.cuda`` too), logged once when it switches on. The rule for every patch
-   below: on a machine without an accelerator the patched call can only raise
-   ("Torch not compiled with CUDA enabled" / "no CUDA GPUs"); the patch turns that
-   failure into the CPU equivalent. Nothing that works without the patch behaves
-   differently with it, and on a GPU machine none of it is installed.
+2. Argument parsing (``memoize_argument_help``, by :func:`enable_training`):
+   Megatron's argument parser reads the field docstrings of each config
+   dataclass (TransformerConfig and its bases) from the class's source with
+   ``inspect.getsource`` and ``ast`` on every parse, the largest single cost of a
+   rank's argument parsing; they are kept per class (they are a pure function of
+   the installed source). The test harness's forkserver fills that memo once, so
+   its forked ranks skip the work (megatron_lbp/testing/_preload.py).
 
-   Patched spots (megatron-core 0.19.2 call sites that need them):
-
-   - ``torch.cuda.current_device`` -> 0, ``device_count`` -> 1, ``set_device`` no-op:
-     buffers and modules pass ``torch.cuda.current_device()`` as a device
-     (distributed/param_and_grad_buffer.py, transformer/module.py,
-     models/common/embeddings/rotary_pos_embedding.py, transformer/*attention*.py,
-     core/utils.py global memory buffer, training/training.py).
-   - device arguments of the tensor factories (``torch.tensor``, ``zeros``, ``ones``,
-     ``empty``, ``full``, ``arange``, ``rand``, ``randn``, ``randint``, ``*_like``,
-     ``Tensor.new_*``) and of ``Tensor.to``: a CUDA device ("cuda", "cuda:N",
-     ``torch.device('cuda', N)`` or a bare int) becomes CPU. Call sites with a literal
-     ``device='cuda'``: optimizer/optimizer.py (found_inf, dummy overflow buf,
-     scale one, _get_param_groups' flag), optimizer/clip_grads.py (norm tensors),
-     optimizer/grad_scaler.py, transformer/utils.py (causal mask),
-     tensor_parallel/data.py, core/utils.py (param hashes, l2 norms),
-     dist_checkpointing/strategies/state_dict_saver.py and exchange_utils.py,
-     rerun_state_machine.py.
-   - ``Tensor.cuda`` -> the tensor itself (so ``nn.Module.cuda`` too):
-     optimizer/grad_scaler.py load_state_dict, optimizer/optimizer.py state
-     reload, models/common/embeddings/rope_utils.py, core/utils.py,
-     dist_checkpointing/exchange_utils.py, training/training.py (get_batch, get_model).
-   - device RNG: ``torch.cuda.manual_seed``/``get_rng_state``/
-     ``set_rng_state`` and tensor_parallel/random.py's ``_get_cuda_rng_state`` /
-     ``_set_cuda_rng_state`` act on the CPU generator, so Megatron's
-     ``CudaRNGStatesTracker`` (model-parallel, data-parallel and expert RNG
-     streams, ``model_parallel_cuda_manual_seed``) forks and restores the generator
-     that CPU dropout and init actually use.
-   - ``Tensor.type()`` without arguments, *only when called from
-     megatron.core.optimizer*: answers ``torch.cuda.<X>Tensor`` for a CPU tensor.
-     optimizer/optimizer.py (Float16OptimizerWithFloat16Params),
-     optimizer/distrib_optimizer.py (_build_model_and_main_param_groups and the
-     param-group copy) and optimizer/clip_grads.py (fp32 grad assertion) select
-     their branch by that string and raise for "torch.FloatTensor".
-   - CUDA streams and events (``torch.cuda.Stream``, ``Event``, ``stream``,
-     ``current_stream``, ``default_stream``, ``synchronize``): CPU work is
-     synchronous, so they become no-op objects; events report 0 ms elapsed.
-     Used by distributed/param_and_grad_buffer.py (communication stream),
-     core/utils.py timers and straggler detector, training/training.py.
-   - memory statistics (``memory_allocated``, ``max_memory_allocated``,
-     ``memory_reserved``, ``max_memory_reserved``, ``reset_peak_memory_stats``,
-     ``empty_cache``, ``memory_stats``): report 0 / empty, since Megatron prints
-     them in its iteration log; megatron-lbp reports its own per-state bytes.
-   - ``torch.cuda.nvtx`` range push/pop: no-ops (core/utils.py nvtx decorators).
-   - ``torch.compile`` of a plain function defers its Dynamo/Inductor set-up to
-     the first call (``_defer_torch_compile``): megatron-core's fusion kernels
-     are decorated at import, which otherwise imports Inductor in every rank
-     for kernels a CPU run never calls.
-   - tensor_parallel/random.py's ``fork`` warns "CPU RNG state changed within GPU
-     RNG context" whenever the forked (device) generator draws: with the device
-     generator mapped onto the CPU one that is every device-path weight init, so
-     that one message of that logger is filtered out.
-
-3. megatron.training (``enable_training``, called by the training entry point
-   after ``enable``):
-
-   - any machine: Megatron's argument parser reads the field docstrings of each
-     config dataclass (TransformerConfig and its bases) from the class's source
-     with ``inspect.getsource`` and ``ast`` on every parse, the largest single
-     cost of a rank's argument parsing; ``memoize_argument_help`` keeps them per
-     class (they are a pure function of the installed source). The test harness's
-     forkserver fills that memo once, so its forked ranks skip the work
-     (megatron_lbp/testing/_preload.py).
-
-   - any machine, only when the wheel's layout calls for it: training/initialize.py
-     runs ``make -C megatron/core/datasets`` to build the dataset index helpers,
-     but the megatron-core wheel ships them prebuilt (``helpers_cpp``) and without
-     the Makefile, so the build fails and the job exits; when ``helpers_cpp``
-     imports and no Makefile is there, ``datasets.utils.compile_helpers`` is
-     skipped.
-   - CPU runtime only: training/initialize.py ``initialize_megatron`` asserts CUDA unless
-     ``allow_no_cuda=True`` (its own documented switch "for cpu only"); the
-     reference that training/training.py's ``pretrain`` calls passes it.
-   - CPU runtime only: ``pretrain``'s JIT warm-up (``set_jit_fusion_options``)
-     compiles bias+gelu and bias+dropout+add with Inductor in every rank even when
-     the flags turn those fusions off; it is skipped when the model calls none
-     of the warmed kernels (``_skip_unused_jit_warmup``).
+3. Dataset helpers (``_skip_helper_build_if_prebuilt``, by :func:`enable_training`,
+   only when the wheel's layout calls for it): training/initialize.py runs
+   ``make -C megatron/core/datasets`` to build the dataset index helpers, but the
+   megatron-core wheel ships them prebuilt (``helpers_cpp``) and without the
+   Makefile, so the build fails and the job exits; when ``helpers_cpp`` imports
+   and no Makefile is there, ``datasets.utils.compile_helpers`` is skipped.
 
 4. Megatron-FSDP on gloo (``megatron_fsdp_on_gloo``, called where the benchmarks
    build their Megatron-FSDP baseline; the hierarchy itself refuses
@@ -116,45 +51,58 @@ Two independent parts, both applied by :func:`enable` (idempotent):
    NCCL/RCCL runs are untouched. Cost: the CPU benchmarks' Megatron-FSDP no
    longer overlaps its gathers with compute.
 
-5. CPU runtime only, Megatron's torch_dist checkpoint writer
-   (``_fork_checkpoint_result_queue``): the queue its writer threads report into
-   lives in a ``multiprocessing`` Manager that megatron-core starts with the
-   *spawn* method (dist_checkpointing/strategies/filesystem_async.py,
-   ``get_write_results_queue``), a fresh interpreter that imports torch to
-   unpickle the first write result. On a 2-core machine that made each rank's
-   first save wait ~5 s and its exit ~3 s more (py-spy of a 4-rank, 3-iteration
-   run: 6.1 s save, 3.2 s from the end of training to exit). Spawn is there to
-   keep a CUDA context out of the child; without an accelerator there is none, so
-   on the CPU runtime the Manager is forked instead. With an accelerator the
-   spawn path is untouched.
+5. A megatron-core 0.19.2 bug (``xavier_init_flag``, by :func:`enable_training`):
+   ``--init-method-xavier-uniform`` passes a TransformerConfig field that no
+   longer exists and kills every run that uses it.
 
-6. A megatron-core 0.19.2 bug, on every device (``xavier_init_flag``, applied by
-   :func:`enable_training`): ``--init-method-xavier-uniform`` passes a
-   TransformerConfig field that no longer exists and kills every run that uses it.
+Elsewhere, each declared in the same registry: the megatron.training hooks
+(training_hooks.py), the offline GPT-2 BPE tokenizer (megatron_adapter.py), the
+lost-peer excepthook (engine/faults.py) and a test-only seam loaded only when its
+variable is set (testing/save_stall.py).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import logging
 import sys
 import typing
 
-log = logging.getLogger("megatron_lbp.compat")
+from megatron_lbp import patching
+from megatron_lbp.patching import EVERY_DEVICE
 
-_python_shims_done = False
-_cpu_runtime_active = False
+PYTHON_311 = patching.declare(
+    __name__, "python 3.11 typing.override", "typing:override", "Python < 3.12",
+    "megatron/training/models/{gpt,hybrid}.py import typing.override (3.12); "
+    "typing_extensions.override is the same marker", missing_ok=True)
+ARGUMENT_HELP = patching.declare(
+    __name__, "argument help memo", "megatron.training.argument_utils:ArgumentGroupFactory._get_field_docstrings",
+    EVERY_DEVICE, "each config class's field docstrings parsed from its source once per process")
+HELPER_BUILD = patching.declare(
+    __name__, "prebuilt dataset helpers", "megatron.core.datasets.utils:compile_helpers",
+    "the wheel ships helpers_cpp and no Makefile", "make -C megatron/core/datasets fails without "
+    "its Makefile; the helpers are prebuilt")
+FSDP_ON_GLOO = patching.declare(
+    __name__, "megatron-fsdp synchronous gathers on gloo",
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer:AllGatherPipeline.all_gather_params",
+    "the benchmarks' Megatron-FSDP baseline, default group on gloo",
+    "asynchronous coalesced gloo gathers in flight beside others corrupt the heap now and then")
+XAVIER = patching.declare(
+    __name__, "xavier init flag", "megatron.training.argument_utils:core_transformer_config_from_args",
+    EVERY_DEVICE, "--init-method-xavier-uniform passes a TransformerConfig field that no longer exists")
 
 
 def _install_python_shims() -> None:
-    global _python_shims_done
-    if _python_shims_done:
+    if sys.version_info >= (3, 12) or hasattr(typing, "override"):
         return
-    _python_shims_done = True
-    if sys.version_info < (3, 12) and not hasattr(typing, "override"):
+
+    def make(_absent):
         import typing_extensions
 
-        typing.override = typing_extensions.override
+        @functools.wraps(typing_extensions.override)
+        def override(method):
+            return typing_extensions.override(method)
+        return override
+
+    patching.apply(PYTHON_311, make)
 
 
 def accelerator_present() -> bool:
@@ -164,259 +112,30 @@ def accelerator_present() -> bool:
 
 
 def cpu_runtime_active() -> bool:
-    return _cpu_runtime_active
+    from megatron_lbp import cpu_runtime
+
+    return cpu_runtime.active()
 
 
 def enable() -> bool:
     """Apply every compatibility step this machine needs; returns True when the CPU runtime is on."""
     _install_python_shims()
     if not accelerator_present():
-        _activate_cpu_runtime()
-    return _cpu_runtime_active
+        from megatron_lbp import cpu_runtime
+
+        cpu_runtime.activate()
+    return cpu_runtime_active()
 
 
-# --- CPU runtime -------------------------------------------------------------------------
+def enable_training() -> None:
+    """The megatron.training patches: parts 2, 3 and 5 here, and the CPU runtime's (idempotent)."""
+    _skip_helper_build_if_prebuilt()
+    memoize_argument_help()
+    xavier_init_flag()
+    if cpu_runtime_active():
+        from megatron_lbp import cpu_runtime
 
-_FACTORIES = (
-    "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn",
-    "randint", "randperm", "linspace", "eye", "zeros_like", "ones_like", "empty_like",
-    "full_like", "rand_like", "randn_like", "empty_strided",
-)
-_TENSOR_NEW = ("new_tensor", "new_zeros", "new_ones", "new_empty", "new_full")
-
-
-def _cpu_device(device):
-    """Map a CUDA device spec to CPU; anything else passes through untouched."""
-    import torch
-
-    if device is None:
-        return None
-    if isinstance(device, bool):
-        return device
-    if isinstance(device, int):
-        return torch.device("cpu")
-    if isinstance(device, str):
-        return torch.device("cpu") if device.startswith("cuda") else device
-    if isinstance(device, torch.device) and device.type == "cuda":
-        return torch.device("cpu")
-    return device
-
-
-def _wrap_device_kwarg(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        if "device" in kwargs:
-            kwargs["device"] = _cpu_device(kwargs["device"])
-        return fn(*args, **kwargs)
-
-    wrapper.__lbp_wrapped__ = fn
-    return wrapper
-
-
-def _tensor_to(orig):
-    import torch
-
-    @functools.wraps(orig)
-    def to(self, *args, **kwargs):
-        if "device" in kwargs:
-            kwargs["device"] = _cpu_device(kwargs["device"])
-        if args and not isinstance(args[0], (torch.dtype, torch.Tensor)):
-            args = (_cpu_device(args[0]),) + args[1:]
-        return orig(self, *args, **kwargs)
-
-    to.__lbp_wrapped__ = orig
-    return to
-
-
-def _tensor_type(orig):
-    import torch
-
-    cuda_names = {
-        torch.float32: "torch.cuda.FloatTensor",
-        torch.float16: "torch.cuda.HalfTensor",
-        torch.bfloat16: "torch.cuda.BFloat16Tensor",
-    }
-
-    @functools.wraps(orig)
-    def type_(self, *args, **kwargs):
-        if not args and not kwargs and self.device.type == "cpu":
-            caller = sys._getframe(1).f_globals.get("__name__", "")
-            if caller.startswith("megatron.core.optimizer") and self.dtype in cuda_names:
-                return cuda_names[self.dtype]
-        return orig(self, *args, **kwargs)
-
-    type_.__lbp_wrapped__ = orig
-    return type_
-
-
-class _NoopStream:
-    """Stands in for torch.cuda.Stream: CPU kernels run synchronously in program order."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def wait_stream(self, other):
-        pass
-
-    def wait_event(self, event):
-        pass
-
-    def record_event(self, event=None):
-        return event or _NoopEvent()
-
-    def synchronize(self):
-        pass
-
-    def query(self):
-        return True
-
-
-class _NoopEvent:
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def record(self, stream=None):
-        pass
-
-    def wait(self, stream=None):
-        pass
-
-    def synchronize(self):
-        pass
-
-    def query(self):
-        return True
-
-    def elapsed_time(self, other):
-        return 0.0
-
-
-def _activate_cpu_runtime() -> None:
-    global _cpu_runtime_active
-    if _cpu_runtime_active:
-        return
-    import torch
-
-    for name in _FACTORIES:
-        fn = getattr(torch, name, None)
-        if fn is not None and not hasattr(fn, "__lbp_wrapped__"):
-            setattr(torch, name, _wrap_device_kwarg(fn))
-    for name in _TENSOR_NEW:
-        setattr(torch.Tensor, name, _wrap_device_kwarg(getattr(torch.Tensor, name)))
-    torch.Tensor.to = _tensor_to(torch.Tensor.to)
-    torch.Tensor.type = _tensor_type(torch.Tensor.type)
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
-
-    cuda = torch.cuda
-    cuda.current_device = lambda: 0
-    cuda.device_count = lambda: 1
-    cuda.set_device = lambda device: None
-    cuda.synchronize = lambda device=None: None
-    cuda.Stream = _NoopStream
-    cuda.Event = _NoopEvent
-    cuda.current_stream = lambda device=None: _NoopStream()
-    cuda.default_stream = lambda device=None: _NoopStream()
-    cuda.stream = lambda stream=None: contextlib.nullcontext()
-    for stat in ("memory_allocated", "max_memory_allocated", "memory_reserved",
-                 "max_memory_reserved"):
-        setattr(cuda, stat, lambda device=None: 0)
-    cuda.memory_stats = lambda device=None: {}
-    cuda.reset_peak_memory_stats = lambda device=None: None
-    cuda.reset_max_memory_allocated = lambda device=None: None
-    cuda.empty_cache = lambda: None
-    cuda.nvtx.range_push = lambda msg: 0
-    cuda.nvtx.range_pop = lambda: 0
-
-    # torch.manual_seed itself calls cuda.manual_seed_all (a queued no-op here), so
-    # only the single-device call is redirected, straight to the CPU generator.
-    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
-    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
-    cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
-    cuda.random.get_rng_state = cuda.get_rng_state
-    cuda.random.set_rng_state = cuda.set_rng_state
-
-    _defer_torch_compile(torch)
-    _fork_checkpoint_result_queue()
-    from megatron.core.tensor_parallel import random as mcore_random
-
-    mcore_random._get_cuda_rng_state = (
-        lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
-    )
-    mcore_random._set_cuda_rng_state = (
-        lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
-    )
-
-    logging.getLogger(mcore_random.__name__).addFilter(_drop_rng_fork_warning)
-    _cpu_runtime_active = True
-    log.warning(
-        "megatron-lbp: no accelerator found; CPU runtime for megatron-core is active "
-        "(CUDA device/RNG/stream calls mapped to CPU, see megatron_lbp/compat.py)"
-    )
-
-
-def _replace_once(owner: typing.Any, name: str,
-                  make: typing.Callable[[typing.Callable], typing.Callable]) -> None:
-    """``owner.name = make(original)``, marked so that applying it again changes nothing."""
-    orig = getattr(owner, name)
-    if getattr(orig, "__lbp_wrapped__", False):
-        return
-    new = functools.wraps(orig)(make(orig))
-    new.__lbp_wrapped__ = True
-    setattr(owner, name, new)
-
-
-def _fork_checkpoint_result_queue() -> None:
-    """Part 5 of the module docstring: the torch_dist writer's result queue in a forked Manager."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    def make(orig):
-        def get_write_results_queue(mp_mode: str = "spawn"):
-            return orig("fork" if mp_mode == "spawn" else mp_mode)
-        return get_write_results_queue
-
-    _replace_once(filesystem_async, "get_write_results_queue", make)
-
-
-def _defer_torch_compile(torch) -> None:
-    """``torch.compile(fn)`` on a function sets up Dynamo and Inductor when first called, not before.
-
-    megatron-core decorates its fusion kernels with ``torch.compile`` at import
-    (core/jit.py ``jit_fuser``: fusions/fused_bias_geglu.py, fused_bias_gelu.py,
-    ...), and that call alone imports torch._dynamo and torch._inductor: 1.3 s of
-    CPU per process, x8 ranks per launch, for kernels that a CPU run never calls
-    (its flags turn the fusions off). Deferring it changes nothing else: the real
-    ``torch.compile`` runs, with the same arguments, on the first call. Modules
-    and anything that is not a plain function are compiled at once as before.
-    """
-    import functools
-    import types
-
-    real = torch.compile
-    if getattr(real, "__lbp_wrapped__", False):
-        return
-
-    def compile_when_called(model=None, **kwargs):
-        if model is None:  # used as @torch.compile(mode=...)
-            return lambda fn: compile_when_called(fn, **kwargs)
-        if not isinstance(model, types.FunctionType):
-            return real(model, **kwargs)
-        compiled = None
-
-        @functools.wraps(model)
-        def call(*args, **kw):
-            nonlocal compiled
-            if compiled is None:
-                compiled = real(model, **kwargs)
-            return compiled(*args, **kw)
-
-        return call
-
-    compile_when_called.__lbp_wrapped__ = True
-    torch.compile = compile_when_called
-
-
-def _drop_rng_fork_warning(record: logging.LogRecord) -> bool:
-    return record.getMessage() != "CPU RNG state changed within GPU RNG context"
+        cpu_runtime.activate_training()
 
 
 def xavier_init_flag() -> None:
@@ -434,9 +153,9 @@ def xavier_init_flag() -> None:
     import argparse
 
     import torch
-    from megatron.training import argument_utils
 
     def make(orig):
+        @functools.wraps(orig)
         def core_transformer_config_from_args(args, config_class=None):
             if getattr(args, "init_method_xavier_uniform", False):
                 args = argparse.Namespace(**{
@@ -446,84 +165,28 @@ def xavier_init_flag() -> None:
             return orig(args, config_class)
         return core_transformer_config_from_args
 
-    _replace_once(argument_utils, "core_transformer_config_from_args", make)
-
-
-def enable_training() -> None:
-    """The megatron.training spots of part 3 of the module docstring (idempotent)."""
-    _skip_helper_build_if_prebuilt()
-    memoize_argument_help()
-    xavier_init_flag()
-    if not _cpu_runtime_active:
-        return
-    import functools
-
-    from megatron.training import initialize, training
-
-    if getattr(training.initialize_megatron, "__lbp_wrapped__", False):
-        return
-    orig = training.initialize_megatron
-
-    @functools.wraps(orig)
-    def initialize_megatron(*args, **kwargs):
-        kwargs["allow_no_cuda"] = True
-        return orig(*args, **kwargs)
-
-    initialize_megatron.__lbp_wrapped__ = True
-    training.initialize_megatron = initialize_megatron
-    initialize.initialize_megatron = initialize_megatron
-    training.set_jit_fusion_options = _skip_unused_jit_warmup(training.set_jit_fusion_options)
-
-
-def _skip_unused_jit_warmup(orig):
-    """``pretrain``'s JIT warm-up, skipped when the model will call none of the warmed kernels.
-
-    ``set_jit_fusion_options`` runs bias+gelu (or bias+swiglu) and bias+dropout+add
-    five times each so that torch.compile has compiled them before step 1. On
-    CPU that is Dynamo and Inductor compiling two kernels in every rank (~4 s of
-    CPU per rank per launch, measured with cProfile), and a CPU run turns both
-    fusions off (megatron_lbp.capabilities adds ``--no-bias-*-fusion``), so the
-    compiled kernels are never called. With any of those fusions on, the warm-up
-    runs as before.
-    """
-    import functools
-
-    @functools.wraps(orig)
-    def set_jit_fusion_options(*args, **kwargs):
-        from megatron.training import get_args
-
-        a = get_args()
-        # The kernels it warms up, each with the flag under which the model calls it.
-        used = ((a.swiglu and a.bias_swiglu_fusion) or (not a.swiglu and a.bias_gelu_fusion)
-                or a.bias_dropout_fusion)
-        if used:
-            return orig(*args, **kwargs)
-        return None
-
-    return set_jit_fusion_options
+    patching.apply(XAVIER, make)
 
 
 def memoize_argument_help() -> None:
-    """Part 3: each config class's field docstrings parsed from its source once per process."""
-    from megatron.training import argument_utils
-
+    """Part 2: each config class's field docstrings parsed from its source once per process."""
     memo: dict[type, dict[str, str]] = {}
 
     def make(orig):
+        @functools.wraps(orig)
         def _get_field_docstrings(self, src_cfg_class):
             if src_cfg_class not in memo:
                 memo[src_cfg_class] = orig(self, src_cfg_class)  # recurses through this memo
             return dict(memo[src_cfg_class])
         return _get_field_docstrings
 
-    _replace_once(argument_utils.ArgumentGroupFactory, "_get_field_docstrings", make)
+    patching.apply(ARGUMENT_HELP, make)
 
 
 def megatron_fsdp_on_gloo() -> None:
     """Part 4 of the module docstring: Megatron-FSDP's parameter all-gathers synchronous on gloo."""
-    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer
-
     def make(orig):
+        @functools.wraps(orig)
         def all_gather_params(self, *args, **kwargs):
             import torch.distributed as dist
 
@@ -532,10 +195,12 @@ def megatron_fsdp_on_gloo() -> None:
             return orig(self, *args, **kwargs)
         return all_gather_params
 
-    _replace_once(param_and_grad_buffer.AllGatherPipeline, "all_gather_params", make)
+    patching.apply(FSDP_ON_GLOO, make)
+
 
 
 def _skip_helper_build_if_prebuilt() -> None:
+    """Part 3 of the module docstring."""
     import importlib.util
     import os
 
@@ -544,4 +209,4 @@ def _skip_helper_build_if_prebuilt() -> None:
     here = os.path.dirname(dataset_utils.__file__)
     prebuilt = importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None
     if prebuilt and not os.path.exists(os.path.join(here, "Makefile")):
-        dataset_utils.compile_helpers = lambda: None
+        patching.apply(HELPER_BUILD, lambda _orig: lambda: None)

@@ -9,6 +9,7 @@ from typing import Any, Iterable
 
 import torch
 
+from megatron_lbp import patching
 from megatron_lbp.capabilities import META_DEVICE_MESSAGE, conflicting_flag_message
 from megatron_lbp.config import EngineOptions
 
@@ -255,6 +256,12 @@ def data_parallel_group():
     return None
 
 
+GPT2_BPE = patching.declare(
+    __name__, "gpt2 bpe from files", "megatron.core.tokenizers.text.libraries:MegatronHFTokenizer",
+    "every training start (arguments.py is imported)",
+    "GPT2BPETokenizer from --vocab-file/--merge-file without the network megatron-core's path needs")
+
+
 def install_gpt2_bpe_from_files() -> None:
     """``--tokenizer-type GPT2BPETokenizer`` built from ``--vocab-file``/``--merge-file`` alone (idempotent).
 
@@ -274,23 +281,18 @@ def install_gpt2_bpe_from_files() -> None:
     pretrain_gpt.py (ours and Megatron-LM's) and scripts/preprocess_data.py.
     The BERT word-piece types, which share the class, keep megatron-core's.
     """
-    from megatron.core.tokenizers.text import libraries
+    def make(original):
+        def megatron_library(tokenizer_path, vocab_file=None, merges_file=None, **kwargs):
+            if tokenizer_path == "GPT2BPETokenizer" and vocab_file and merges_file:
+                from megatron_lbp.gpt2_bpe import GPT2BPE
 
-    original = libraries.MegatronHFTokenizer
-    if getattr(original, "__lbp_gpt2_bpe__", False):
-        return
+                return GPT2BPE(vocab_file, merges_file,
+                               additional_special_tokens=kwargs.get("additional_special_tokens") or (),
+                               include_special_tokens=kwargs.get("include_special_tokens", True))
+            return original(tokenizer_path, vocab_file, merges_file, **kwargs)
+        return megatron_library
 
-    def megatron_library(tokenizer_path, vocab_file=None, merges_file=None, **kwargs):
-        if tokenizer_path == "GPT2BPETokenizer" and vocab_file and merges_file:
-            from megatron_lbp.gpt2_bpe import GPT2BPE
-
-            return GPT2BPE(vocab_file, merges_file,
-                           additional_special_tokens=kwargs.get("additional_special_tokens") or (),
-                           include_special_tokens=kwargs.get("include_special_tokens", True))
-        return original(tokenizer_path, vocab_file, merges_file, **kwargs)
-
-    megatron_library.__lbp_gpt2_bpe__ = True
-    libraries.MegatronHFTokenizer = megatron_library
+    patching.apply(GPT2_BPE, make)
 
 
 def gpt_model_config(args):

@@ -123,7 +123,9 @@ def _refuse_unpatched_megatron() -> None:
     """LBP_RUNTIME_HOOKS=0 trusts the megatron on the path to carry the hooks; say so if it does not."""
     from megatron.training import arguments
 
-    if not vars(arguments).get("_lbp_hooked"):
+    from megatron_lbp import patching
+
+    if not patching.is_applied(training_hooks.HOOKS["parse_args"], where=vars(arguments)):
         tree = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(arguments.__file__))))
         _usage_error(f"LBP_RUNTIME_HOOKS=0 but the Megatron-LM tree {tree} is not patched: run "
                      f"scripts/apply_patches.sh {tree}, or unset LBP_RUNTIME_HOOKS")

@@ -34,7 +34,7 @@ import functools
 import os
 from typing import Any
 
-from megatron_lbp import compat
+from megatron_lbp import compat, patching
 
 _state: dict[str, Any] = {"hier": None, "optimizers": [], "preflight": False}
 
@@ -290,6 +290,41 @@ def _gb(nbytes) -> str:
 
 
 # --- installation: the same wrappers, applied at run time or by patches/ ---------------
+# Each replaced name of megatron.training is a patch in megatron_lbp.patching's registry.
+def _hook(target: str, why: str, when: str = "every run (each hook hands back without --hier-partition)"):
+    module, _, name = target.partition(":")
+    return patching.declare(__name__, f"{module.rsplit('.', 1)[-1]}.{name}", target, when, why)
+
+
+HOOKS = {
+    "add_megatron_arguments": _hook("megatron.training.arguments:add_megatron_arguments",
+                                    "the --hier-* flags next to Megatron's own"),
+    "parse_args": _hook("megatron.training.arguments:parse_args",
+                        "the capability-resolved flags go into sys.argv before Megatron parses"),
+    "validate_args": _hook("megatron.training.arguments:validate_args",
+                           "our one-line checks after Megatron's own"),
+    "build_virtual_pipeline_stages": _hook(
+        "megatron.training.models.dist_utils:build_virtual_pipeline_stages",
+        "the config-container builder's model built sharded (--hier-sharded-init)"),
+    "_ddp_wrap": _hook("megatron.training.models.dist_utils:_ddp_wrap",
+                       "HierDataParallel where the config-container builder wraps DDP"),
+    "get_model": _hook("megatron.training.training:get_model",
+                       "get_model's model built sharded (--hier-sharded-init)"),
+    "wrap_model_chunks_with_ddp": _hook("megatron.training.training:wrap_model_chunks_with_ddp",
+                                        "HierDataParallel where get_model wraps DDP"),
+    "get_megatron_optimizer": _hook("megatron.training.training:get_megatron_optimizer",
+                                    "HierDistributedOptimizer where Megatron builds its optimizer"),
+    "training_log": _hook("megatron.training.training:training_log",
+                          "the per-interval bytes line, the loss log and the result file"),
+    "save_checkpoint": _hook("megatron.training.training:save_checkpoint",
+                             "a resubmitted finished job does not rewrite the checkpoint it loaded"),
+    "train": _hook("megatron.training.training:train",
+                   "the result file's start and end; the last step's gathers settled"),
+    "maybe_msc": _hook("megatron.training.checkpointing:maybe_msc",
+                       "the tracker file written atomically (a kill cannot leave it empty)"),
+}
+
+
 def _current_args():
     from megatron.training import get_args
 
@@ -298,42 +333,42 @@ def _current_args():
 
 def hook_arguments_module(ns: dict) -> None:
     """megatron/training/arguments.py: our flags next to Megatron's; our checks after its own."""
-    if ns.get("_lbp_hooked"):
-        return
-    ns["_lbp_hooked"] = True
     from megatron_lbp import megatron_adapter
 
     # Every way of starting training imports arguments.py: GPT-2 BPE from its two files from here on.
     megatron_adapter.install_gpt2_bpe_from_files()
-    orig_add, orig_validate, orig_parse = (ns["add_megatron_arguments"], ns["validate_args"],
-                                           ns["parse_args"])
-    ns["add_megatron_arguments"] = lambda parser: add_arguments(orig_add(parser))
+    patching.apply(HOOKS["add_megatron_arguments"],
+                   lambda orig: functools.wraps(orig)(lambda parser: add_arguments(orig(parser))),
+                   where=ns)
 
-    @functools.wraps(orig_parse)
-    def parse_args(*a, **k):
-        # Megatron's parser reads sys.argv: the capability-resolved flags go in first
-        # (how a patched Megatron-LM tree's own pretrain_gpt.py gets them).
-        import sys
+    def parse_args_hook(orig_parse):
+        @functools.wraps(orig_parse)
+        def parse_args(*a, **k):
+            # Megatron's parser reads sys.argv: the capability-resolved flags go in first
+            # (how a patched Megatron-LM tree's own pretrain_gpt.py gets them).
+            import sys
 
-        from megatron_lbp.capabilities import CapabilityError
+            from megatron_lbp.capabilities import CapabilityError
 
-        try:
-            resolve_flags()
-        except CapabilityError as err:
-            _exit_one_line(os.path.basename(sys.argv[0]), str(err))
-        return orig_parse(*a, **k)
+            try:
+                resolve_flags()
+            except CapabilityError as err:
+                _exit_one_line(os.path.basename(sys.argv[0]), str(err))
+            return orig_parse(*a, **k)
+        return parse_args
 
-    ns["parse_args"] = parse_args
+    def validate_hook(orig_validate):
+        @functools.wraps(orig_validate)
+        def validate(args, defaults={}):
+            # After Megatron's own checks: they derive values (query groups, data sizes) ours read.
+            out = orig_validate(args, defaults)
+            validate_args(args)
+            start_clock_at_launch()
+            return out
+        return validate
 
-    @functools.wraps(orig_validate)
-    def validate(args, defaults={}):
-        # After Megatron's own checks: they derive values (query groups, data sizes) ours read.
-        out = orig_validate(args, defaults)
-        validate_args(args)
-        start_clock_at_launch()
-        return out
-
-    ns["validate_args"] = validate
+    patching.apply(HOOKS["parse_args"], parse_args_hook, where=ns)
+    patching.apply(HOOKS["validate_args"], validate_hook, where=ns)
 
 
 def start_clock_at_launch() -> None:
@@ -372,58 +407,68 @@ def _building_sharded(orig):
 def hook_dist_utils_module(ns: dict) -> None:
     """megatron/training/models/dist_utils.py: the config-container builder's model
     construction (``build_virtual_pipeline_stages``) and DDP wrapping."""
-    if ns.get("_lbp_hooked"):
-        return
-    ns["_lbp_hooked"] = True
-    orig = ns["_ddp_wrap"]
-    ns["build_virtual_pipeline_stages"] = _building_sharded(ns["build_virtual_pipeline_stages"])
+    def ddp_wrap_hook(orig):
+        @functools.wraps(orig)
+        def ddp_wrap(model, *a, **k):
+            args = _current_args()
+            return wrap_model(model, args) if enabled(args) else orig(model, *a, **k)
+        return ddp_wrap
 
-    @functools.wraps(orig)
-    def ddp_wrap(model, *a, **k):
-        args = _current_args()
-        return wrap_model(model, args) if enabled(args) else orig(model, *a, **k)
-
-    ns["_ddp_wrap"] = ddp_wrap
+    patching.apply(HOOKS["build_virtual_pipeline_stages"], _building_sharded, where=ns)
+    patching.apply(HOOKS["_ddp_wrap"], ddp_wrap_hook, where=ns)
 
 
 def hook_training_module(ns: dict) -> None:
     """megatron/training/training.py: get_model's model construction and DDP wrapping, the
-    optimizer, the log line."""
-    if ns.get("_lbp_hooked"):
-        return
-    ns["_lbp_hooked"] = True
-    orig_wrap, orig_opt, orig_log = (ns["wrap_model_chunks_with_ddp"], ns["get_megatron_optimizer"],
-                                     ns["training_log"])
+    optimizer, the log line, the end-of-training save and train itself."""
+    def wrap_chunks_hook(orig_wrap):
+        @functools.wraps(orig_wrap)
+        def wrap_chunks(model, *a, **k):
+            args = _current_args()
+            return wrap_model(model, args) if enabled(args) else orig_wrap(model, *a, **k)
+        return wrap_chunks
 
-    @functools.wraps(orig_wrap)
-    def wrap_chunks(model, *a, **k):
-        args = _current_args()
-        return wrap_model(model, args) if enabled(args) else orig_wrap(model, *a, **k)
+    def optimizer_hook(orig_opt):
+        @functools.wraps(orig_opt)
+        def get_optimizer(config, model_chunks, *a, **k):
+            args = _current_args()
+            if enabled(args):
+                return build_optimizer(config, model_chunks, args)
+            return orig_opt(config, model_chunks, *a, **k)
+        return get_optimizer
 
-    @functools.wraps(orig_opt)
-    def get_optimizer(config, model_chunks, *a, **k):
-        args = _current_args()
-        if enabled(args):
-            return build_optimizer(config, model_chunks, args)
-        return orig_opt(config, model_chunks, *a, **k)
+    def log_hook(orig_log):
+        @functools.wraps(orig_log)
+        def training_log(loss_dict, total_loss_dict, learning_rate, iteration, *a, **k):
+            out = orig_log(loss_dict, total_loss_dict, learning_rate, iteration, *a, **k)
+            after_training_log(iteration, _current_args(), loss_dict)
+            return out
+        return training_log
 
-    @functools.wraps(orig_log)
-    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, *a, **k):
-        out = orig_log(loss_dict, total_loss_dict, learning_rate, iteration, *a, **k)
-        after_training_log(iteration, _current_args(), loss_dict)
-        return out
+    def save_hook(orig_save):
+        @functools.wraps(orig_save)
+        def save_checkpoint(iteration, *a, **k):
+            from megatron_lbp import checkpoint_guard
 
-    orig_save = ns["save_checkpoint"]
+            if not k.get("non_persistent_ckpt") and checkpoint_guard.resaves_loaded_checkpoint(
+                    iteration, _current_args()):
+                return None
+            return orig_save(iteration, *a, **k)
+        return save_checkpoint
 
-    @functools.wraps(orig_save)
-    def save_checkpoint(iteration, *a, **k):
-        if not k.get("non_persistent_ckpt") and _resaves_loaded_checkpoint(iteration):
-            return None
-        return orig_save(iteration, *a, **k)
+    patching.apply(HOOKS["get_model"], _building_sharded, where=ns)
+    patching.apply(HOOKS["train"], _train_hook, where=ns)
+    patching.apply(HOOKS["wrap_model_chunks_with_ddp"], wrap_chunks_hook, where=ns)
+    patching.apply(HOOKS["get_megatron_optimizer"], optimizer_hook, where=ns)
+    patching.apply(HOOKS["training_log"], log_hook, where=ns)
+    patching.apply(HOOKS["save_checkpoint"], save_hook, where=ns)
+    # training.py saves through checkpointing.py; hooking it from here also covers patched trees.
+    from megatron.training import checkpointing
 
-    ns["get_model"] = _building_sharded(ns["get_model"])
-    orig_train = ns["train"]
+    hook_checkpointing_module(vars(checkpointing))
 
+
+def _train_hook(orig_train):
     @functools.wraps(orig_train)
     def train(forward_step_func, model, *a, **k):
         from megatron_lbp.study import result
@@ -451,140 +496,18 @@ def hook_training_module(ns: dict) -> None:
         result.finish(args)
         return out
 
-    ns["train"] = train
-    ns["wrap_model_chunks_with_ddp"] = wrap_chunks
-    ns["get_megatron_optimizer"] = get_optimizer
-    ns["training_log"] = training_log
-    ns["save_checkpoint"] = save_checkpoint
-    # training.py saves through checkpointing.py; hooking it from here also covers patched trees.
-    from megatron.training import checkpointing
-
-    hook_checkpointing_module(vars(checkpointing))
-
-
-TRACKER = "latest_checkpointed_iteration.txt"
-
-
-def _resaves_loaded_checkpoint(iteration: int) -> bool:
-    """Whether this save would rewrite, in place, the complete checkpoint the tracker names and this run loaded.
-
-    A job resubmitted after it finished loads its last checkpoint, trains
-    nothing, and Megatron's end-of-training save writes the same iteration
-    into the same iter_ directory again: a kill during that rewrite would tear
-    the only checkpoint the tracker names. The state is the loaded one, so skip it.
-    """
-    from megatron.training import checkpointing
-
-    args = _current_args()
-    save, load = getattr(args, "save", None), getattr(args, "load", None)
-    if not save or not load or os.path.realpath(save) != os.path.realpath(load):
-        return False
-    if checkpointing.get_loaded_iteration() != iteration:
-        return False
-    tracker = os.path.join(save, TRACKER)
-    try:
-        with open(tracker) as f:
-            named = f.read().strip()
-    except OSError:
-        return False
-    if named != str(iteration) or not os.path.isfile(
-            os.path.join(save, f"iter_{iteration:07d}", "metadata.json")):
-        return False
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"[megatron-lbp] not saving iteration {iteration} again: {save} already holds it "
-              "complete (this run loaded it), and rewriting it in place could tear it", flush=True)
-    return True
-
-
-class _AtomicTrackerFile:
-    """What checkpointing.py's ``open(tracker, 'w')`` gets: the text lands atomically on close.
-
-    Megatron truncates the tracker and then writes it, so a kill in between
-    leaves an empty file, and the next start exits on it ("Invalid metadata
-    file") with every checkpoint intact. Megatron only writes the tracker after
-    the barrier that follows the last rank's shard write, so the checkpoint it
-    names is complete; its metadata.json and directory are fsynced before the
-    swap so that this also holds after a node crash (the shards are fsynced by
-    the writer).
-    """
-
-    def __init__(self, path: str):
-        self.path, self.parts = path, []
-
-    def write(self, text: str) -> int:
-        self.parts.append(text)
-        return len(text)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, *_):
-        if exc_type is not None:
-            return False  # the old tracker stays
-        from megatron_lbp.engine.checkpoint import atomic_write_text
-
-        text = "".join(self.parts)
-        name = "release" if text.strip() == "release" else f"iter_{int(text):07d}"
-        ckpt = os.path.join(os.path.dirname(self.path), name)
-        atomic_write_text(self.path, text,
-                          also_sync=(os.path.join(ckpt, "metadata.json"),
-                                     os.path.join(ckpt, "common.pt"), ckpt),
-                          before_replace=lambda: _test_stall("tracker", text.strip()))
-        return False
-
-
-class _AtomicTrackerStorage:
-    """checkpointing.py's ``maybe_msc`` with the tracker write made atomic on local file systems."""
-
-    def __init__(self, inner):
-        self._inner = inner
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def open(self, path, mode="r", *a, **k):
-        from megatron.core.msc_utils import MultiStorageClientFeature
-
-        if ("w" in mode and os.path.basename(str(path)) == TRACKER
-                and not MultiStorageClientFeature.is_enabled()):
-            return _AtomicTrackerFile(str(path))
-        return self._inner.open(path, mode, *a, **k)
+    return train
 
 
 def hook_checkpointing_module(ns: dict) -> None:
     """megatron/training/checkpointing.py: an atomic tracker write (every run, not only --hier-partition)."""
-    if ns.get("_lbp_hooked"):
-        return
-    ns["_lbp_hooked"] = True
-    ns["maybe_msc"] = _AtomicTrackerStorage(ns["maybe_msc"])
+    from megatron_lbp import checkpoint_guard
+
+    patching.apply(HOOKS["maybe_msc"], checkpoint_guard.AtomicTrackerStorage, where=ns)
     if os.environ.get("LBP_TEST_STALL_SAVE"):
-        from megatron.core.dist_checkpointing import serialization
+        from megatron_lbp.testing import save_stall  # test-only seam: loaded only when asked for
 
-        orig_save_config = serialization.save_config
-
-        def save_config(config, checkpoint_dir):
-            # The shards and DCP's .metadata are on disk; metadata.json is not yet.
-            _test_stall("shards", os.path.basename(str(checkpoint_dir)).removeprefix("iter_").lstrip("0"))
-            return orig_save_config(config, checkpoint_dir)
-
-        vars(serialization)["save_config"] = save_config
-
-
-def _test_stall(point: str, iteration: str) -> None:
-    """Test-only (LBP_TEST_STALL_SAVE=ITERATION:POINT): hold the save at POINT so a test can kill the job there.
-
-    POINT ``shards``: every shard written, the checkpoint's metadata.json not;
-    ``tracker``: the checkpoint complete, the new tracker fsynced as a
-    temporary file but not swapped in. Prints one line, then sleeps until killed.
-    """
-    want = os.environ.get("LBP_TEST_STALL_SAVE", "")
-    if want != f"{iteration}:{point}":
-        return
-    import time
-
-    print(f"[megatron-lbp] test stall: {point} of iteration {iteration}", flush=True)
-    while True:
-        time.sleep(60)
+        save_stall.install()
 
 
 def install() -> None:

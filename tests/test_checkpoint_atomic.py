@@ -6,7 +6,7 @@ rewrite latest_checkpointed_iteration.txt, the tracker a restart loads from.
 A checkpoint is only ever found through the tracker, so a torn iter_ dir is
 harmless as long as the tracker write itself cannot tear: stock Megatron
 truncates and rewrites it in place; megatron-lbp's hook (training_hooks,
-``_AtomicTrackerFile``) writes a temporary file, fsyncs it and the checkpoint's
+``checkpoint_guard.AtomicTrackerFile``) writes a temporary file, fsyncs it and the checkpoint's
 metadata, and renames it over the old one.
 
 The test-only hook LBP_TEST_STALL_SAVE=ITER:POINT holds rank 0 inside the save

@@ -120,7 +120,7 @@ def test_nothing_is_patched_when_an_accelerator_is_present():
         "assert torch.zeros is orig_zeros and torch.Tensor.to is orig_to\n"
         "assert torch.cuda.current_device is orig_cur\n"
         "from megatron.core.dist_checkpointing.strategies import filesystem_async as fa\n"
-        "assert not hasattr(fa.get_write_results_queue, '__lbp_wrapped__')  # spawn kept\n"
+        "assert not hasattr(fa.get_write_results_queue, '__lbp_patch__')  # spawn kept\n"
         "print('untouched')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -171,11 +171,11 @@ def test_jit_warmup_runs_only_for_kernels_the_model_calls(monkeypatch, flags, wa
 
     import megatron.training
 
-    from megatron_lbp import compat
+    from megatron_lbp import cpu_runtime
 
     calls = []
     monkeypatch.setattr(megatron.training, "get_args", lambda: types.SimpleNamespace(**flags))
-    compat._skip_unused_jit_warmup(lambda *a, **k: calls.append((a, k)))(tp_size=1)
+    cpu_runtime._skip_unused_jit_warmup(lambda *a, **k: calls.append((a, k)))(tp_size=1)
     assert calls == ([((), {"tp_size": 1})] if warmed else []), (flags, calls)
 
 
@@ -217,7 +217,7 @@ def test_megatron_fsdp_gathers_synchronously_on_gloo():
 
 
 def test_checkpoint_result_queue_is_forked_on_the_cpu_runtime():
-    """compat part 5: the torch_dist writer's Manager is forked, not spawned (no torch import in it)."""
+    """cpu_runtime: the torch_dist writer's Manager is forked, not spawned (no torch import in it)."""
     code = (
         "from megatron_lbp import compat\n"
         "assert compat.enable()\n"

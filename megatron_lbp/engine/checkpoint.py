@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from megatron_lbp.engine import mcore
+
 OPTIMIZER_STATES = ("fp32_param", "exp_avg", "exp_avg_sq")
 
 
@@ -60,7 +62,7 @@ def _sharded_pieces(like, key: str, flat: torch.Tensor, start: int, stop: int, r
     the pieces spell those axes out as leading dimensions of size one, the
     form megatron-core hands to DCP for uneven shards.
     """
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    ShardedTensor = mcore.sharded_tensor()
 
     lead = like.prepend_axis_num
     shape = tuple(like.local_shape)
@@ -87,7 +89,7 @@ def model_sharded_state_dict(ddp, prefix: str = "", sharded_offsets=(), metadata
     keys = {}
 
     def convert(tree):
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+        ShardedTensor, ShardedTensorFactory = mcore.sharded_tensor(), mcore.sharded_tensor_factory()
 
         out = {}
         for name, value in tree.items():
@@ -131,7 +133,7 @@ def _whole_tensor_of_factory(factory):
     the parameter can be addressed like any other weight's (the factory
     itself would slice a parameter that the engine keeps only in its buckets).
     """
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    ShardedTensor = mcore.sharded_tensor()
 
     param = factory.data
     parts = factory.build_fn(factory.key, torch.empty(param.shape, dtype=param.dtype, device="meta"),

@@ -47,6 +47,7 @@ from megatron_lbp.engine.memory import TransientLedger, tensor_bytes
 from megatron_lbp.engine.quantized import Pending
 from megatron_lbp.engine.schedule import UnitSchedule
 from megatron_lbp.engine.trace import ScheduleTrace, output_path
+from megatron_lbp.engine import mcore
 from megatron_lbp.engine.unit import GatherUnit, UnitContext
 from megatron_lbp.process_groups import HierGroups
 from megatron_lbp.topology import family_link_classes, hierarchy_groups
@@ -54,13 +55,7 @@ from megatron_lbp.topology import family_link_classes, hierarchy_groups
 _GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _megatron_base():
-    from megatron.core.distributed.data_parallel_base import _BaseDataParallel
-
-    return _BaseDataParallel
-
-
-class HierDataParallel(_megatron_base()):
+class HierDataParallel(mcore.base_data_parallel()):
     def __init__(self, config: Any, module: torch.nn.Module, hier: HierGroups,
                  options: EngineOptions = EngineOptions(),
                  extra_weight_users: Mapping[torch.nn.Module, Iterable[torch.nn.Parameter]] | None = None,

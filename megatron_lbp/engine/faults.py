@@ -79,6 +79,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from megatron_lbp import patching
+from megatron_lbp.argv import flag_value, given
+
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
 DEFAULT_CHECKIN_S = 15.0
 INJECT_ENV = "LBP_FAULT_INJECT"
@@ -429,8 +432,6 @@ def prepare_backend_environment(argv, environ) -> list[str]:
     Returns the lines to print: what was set, or why a value the user set
     defeats the verdict.
     """
-    from megatron_lbp.capabilities import flag_value, given
-
     if not given(argv, "--hier-partition") or (flag_value(argv, "--distributed-backend")
                                                or "nccl") != "nccl":
         return []
@@ -616,23 +617,25 @@ def verdict_line(verdict: dict[str, Any], rank: int) -> str:
 OUTSIDE = Activity("a collective outside the engine", "", ())
 
 
+EXCEPTHOOK = patching.declare(
+    __name__, "lost peer excepthook", "sys:excepthook", "--hier-partition runs (wrap_model)",
+    "a lost peer seen in Megatron's own collectives is named before the traceback")
+
+
 def install_excepthook() -> None:
     """Diagnose a peer's loss that surfaced in a collective the engine does not issue
     (Megatron's loss and timer reductions) before Python prints the traceback."""
-    previous = sys.excepthook
-    if getattr(previous, "_lbp_faults", False):
-        return
+    def make(previous):
+        def hook(exc_type, exc, tb):
+            if _monitor is not None and _is_comm_error(exc):
+                try:
+                    diagnose(OUTSIDE, exc)
+                except Exception:  # noqa: BLE001 - the traceback below still says what failed
+                    pass
+            previous(exc_type, exc, tb)
+        return hook
 
-    def hook(exc_type, exc, tb):
-        if _monitor is not None and _is_comm_error(exc):
-            try:
-                diagnose(OUTSIDE, exc)
-            except Exception:  # noqa: BLE001 - the traceback below still says what failed
-                pass
-        previous(exc_type, exc, tb)
-
-    hook._lbp_faults = True
-    sys.excepthook = hook
+    patching.apply(EXCEPTHOOK, make)
 
 
 def _is_comm_error(exc: BaseException) -> bool:

@@ -45,16 +45,11 @@ import torch.distributed as dist
 from megatron_lbp.engine.buckets import FlatBucket
 from megatron_lbp.engine import faults
 from megatron_lbp.engine.comm import CONTROL
+from megatron_lbp.engine import mcore
 from megatron_lbp.engine.data_parallel import HierDataParallel
 from megatron_lbp.engine.memory import tensor_bytes
 from megatron_lbp.engine.trace import append_json_line, output_path
 from megatron_lbp.engine.unit import GatherUnit
-
-
-def _megatron_optimizer_base():
-    from megatron.core.optimizer.optimizer import MegatronOptimizer
-
-    return MegatronOptimizer
 
 
 @dataclass
@@ -68,7 +63,7 @@ class _BucketState:
     grad: torch.Tensor | None = None   # fp32 [N/O], alive during the step only
 
 
-class HierDistributedOptimizer(_megatron_optimizer_base()):
+class HierDistributedOptimizer(mcore.megatron_optimizer()):
     def __init__(self, config: Any, model_chunks: Sequence[HierDataParallel],
                  param_groups: list[dict], grad_scaler: Any = None,
                  comm_report: str | None = None) -> None:
