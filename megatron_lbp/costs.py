@@ -72,10 +72,11 @@ import math
 from fractions import Fraction
 from typing import Any, Mapping, Sequence
 
+# The engine's own names for what it does; pure, so the cost model stays torch-free.
+from megatron_lbp.engine.constants import MAX_PENDING_REDUCES, PHASES, UNIT_KINDS
 from megatron_lbp.layout import plan_bucket
 
 LINK_CLASS_ORDER = ("package", "node", "network")
-PHASES = ("forward_gather", "backward_gather", "grad_reduce", "step_reduce", "step_gather")
 MEMORY_STATES = ("primary", "secondary", "grad", "optimizer", "total")
 WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 GRAD_BYTES = {"fp32": 4, "bf16": 2}
@@ -382,9 +383,6 @@ def estimate(cfg, bucket_numels: Sequence[int], link_classes: Mapping[str, str],
 # --- model size --------------------------------------------------------------------------
 
 
-UNIT_KINDS = ("embedding", "layer", "output", "other")
-
-
 def gpt_units(num_layers: int, hidden_size: int, vocab_size: int,
               seq_length: int | None = None, ffn_hidden_size: int | None = None,
               tied: bool = True, *, position_embedding_type: str | None = None,
@@ -479,11 +477,6 @@ def gpt_param_count(num_layers: int, hidden_size: int, vocab_size: int,
 
 
 # --- transient memory --------------------------------------------------------------------
-
-# Gradient reduce-scatters kept in flight before the oldest is waited for (the
-# engine's bound on full gradient buffers alive at once during backward).
-MAX_PENDING_REDUCES = 2
-
 
 def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16",
                     grad_dtype: str = "fp32", prefetch_units: int = 1,

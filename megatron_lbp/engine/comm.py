@@ -43,7 +43,8 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from megatron_lbp.costs import LINK_CLASS_ORDER, PHASES
+from megatron_lbp.costs import LINK_CLASS_ORDER
+from megatron_lbp.engine.constants import PHASES
 from megatron_lbp.engine import faults
 
 CONTROL = "control"

@@ -30,7 +30,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from megatron_lbp.costs import UNIT_KINDS
+from megatron_lbp.engine.constants import UNIT_KINDS
 
 
 @dataclass(frozen=True)

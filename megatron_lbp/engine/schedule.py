@@ -68,7 +68,7 @@ from typing import Any
 
 import torch
 
-from megatron_lbp.costs import MAX_PENDING_REDUCES
+from megatron_lbp.engine.constants import MAX_PENDING_REDUCES
 from megatron_lbp.engine.buckets import ParamSlot
 from megatron_lbp.engine.comm import Collectives
 from megatron_lbp.engine.grouping import UnitMap
