@@ -104,22 +104,22 @@ def stale_weights_on_rank(rank: int):
     every collective is issued as before."""
     import torch.distributed as dist
 
-    from megatron_lbp.engine.unit import GatherUnit
+    from megatron_lbp.engine.step_comm import StepComm
 
-    start, landed = GatherUnit.start_refresh, GatherUnit._refreshed
+    start, landed = StepComm.start_refresh, StepComm.refreshed
 
-    def start_and_remember(self, async_op):
+    def start_and_remember(self, unit, async_op):
         if dist.get_rank() == rank:
-            self._lbp_before_refresh = self.bucket.primary.clone()
-        start(self, async_op)
+            unit._lbp_before_refresh = unit.bucket.primary.clone()
+        start(self, unit, async_op)
 
-    def land_and_forget(self):
-        before = getattr(self, "_lbp_before_refresh", None)
+    def land_and_forget(self, unit):
+        before = getattr(unit, "_lbp_before_refresh", None)
         if before is not None:
-            self.bucket.primary.copy_(before)
-            self._lbp_before_refresh = None
-        landed(self)
+            unit.bucket.primary.copy_(before)
+            unit._lbp_before_refresh = None
+        landed(self, unit)
 
-    with mock.patch.object(GatherUnit, "start_refresh", start_and_remember), \
-            mock.patch.object(GatherUnit, "_refreshed", land_and_forget):
+    with mock.patch.object(StepComm, "start_refresh", start_and_remember), \
+            mock.patch.object(StepComm, "refreshed", land_and_forget):
         yield

@@ -2,8 +2,11 @@
 resolves (file and anchor), every "docs/design.md §N" the code cites is a section of
 that page, and no tracked file points outside the repository.
 
-Pure file reading; no ranks, no imports of the package.
+Pure file reading; no ranks, no imports of the package. The `file.py:function` names of
+the docs (docs/architecture.md follows one step by them) are checked against the code,
+parsed, not imported.
 """
+import ast
 import pathlib
 import re
 import subprocess
@@ -107,3 +110,56 @@ def test_the_checks_see_a_broken_link_and_a_missing_anchor(tmp_path):
     assert [b.split(": ", 1)[1] for b in bad] == [
         "(missing.md): missing.md does not exist",
         "(other.md#nowhere): no anchor #nowhere in other.md"], bad
+
+
+_NAMED = re.compile(r"`((?:[\w/]+/)?\w+\.py):(\w+(?:\.\w+)*)`")
+
+
+def _defined(tree, names: list[str]) -> bool:
+    """Whether ``a.b.c`` is a function, class or assignment nested that way in the parsed module."""
+    scope = tree.body
+    for i, name in enumerate(names):
+        found = None
+        for node in scope:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+                found = node
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                    found = node
+        if found is None:
+            return False
+        scope = getattr(found, "body", [])
+    return True
+
+
+def missing_names(page: pathlib.Path, package: pathlib.Path) -> list[str]:
+    """The `file.py:Name.attr` spans of ``page`` whose file (under ``package``, else under the
+    repository root above it) or name does not exist."""
+    bad = []
+    for path, dotted in _NAMED.findall(_FENCE.sub("", page.read_text())):
+        source = package / path
+        if not source.is_file() and (package.parent / path).is_file():
+            source = package.parent / path
+        if not source.is_file():
+            bad.append(f"{path}:{dotted}: no file {source.relative_to(package.parent)}")
+        elif not _defined(ast.parse(source.read_text()), dotted.split(".")):
+            bad.append(f"{path}:{dotted}: {dotted} is not defined in {path}")
+    return bad
+
+
+def test_file_function_names_in_the_docs_exist_in_the_code():
+    named = _NAMED.findall((REPO / "docs" / "architecture.md").read_text())
+    assert len(named) > 20, f"docs/architecture.md names only {len(named)} file:function places"
+    bad = [f"{page.relative_to(REPO)}: {b}" for page in PAGES
+           for b in missing_names(page, REPO / "megatron_lbp")]
+    assert not bad, "the docs name what the code does not have:\n" + "\n".join(bad)
+
+
+def test_the_name_check_sees_a_missing_file_and_a_missing_function(tmp_path):
+    (tmp_path / "pkg" / "engine").mkdir(parents=True)
+    (tmp_path / "pkg" / "engine" / "a.py").write_text("class A:\n    def run(self):\n        pass\nX = 1\n")
+    page = tmp_path / "page.md"
+    page.write_text("`engine/a.py:A.run` `engine/a.py:X` `engine/a.py:A.gone` `engine/b.py:f`\n")
+    bad = missing_names(page, tmp_path / "pkg")
+    assert [b.split(": ")[0] for b in bad] == ["engine/a.py:A.gone", "engine/b.py:f"], bad

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from megatron_lbp.engine.quantized import Pending
+from megatron_lbp.engine.comm import Pending
 from megatron_lbp.engine.trace import link_after, need, record_of
 
 # Issues one collective: ``stage(async_op)``. A later stage of a chain is a plain

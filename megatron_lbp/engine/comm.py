@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -442,3 +442,32 @@ def _group_ranks(group: Any) -> tuple[int, ...]:
             else tuple(range(dist.get_world_size()))
     except (RuntimeError, ValueError, AttributeError):  # not a live group (no ranks to name)
         return ()
+
+
+class Pending:
+    """An issued collective (``work`` is None once done or when it ran synchronously)
+    and what to do once its data has landed."""
+
+    def __init__(self, work: Any = None, finish: Callable[[], None] | None = None) -> None:
+        self.work = work
+        self._finish = finish
+
+    @property
+    def in_flight(self) -> bool:
+        return self.work is not None or self._finish is not None
+
+    def is_complete(self) -> bool:
+        """Whether :meth:`wait` would return at once (its collective, if any, has completed):
+        the engine's poll, which the schedule trace tells from a blocking wait."""
+        if self.work is None:
+            return True
+        poll = getattr(self.work, "poll", None)
+        return poll() if poll is not None else self.work.is_completed()
+
+    def wait(self) -> None:
+        work, finish = self.work, self._finish
+        self.work = self._finish = None
+        if work is not None:
+            work.wait()
+        if finish is not None:
+            finish()

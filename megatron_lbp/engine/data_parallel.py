@@ -44,7 +44,7 @@ from megatron_lbp.engine.buckets import FlatBucket
 from megatron_lbp.engine.comm import CONTROL, Collectives, CommLedger
 from megatron_lbp.engine.grouping import UnitSpec, group_into_units
 from megatron_lbp.engine.memory import TransientLedger, tensor_bytes
-from megatron_lbp.engine.quantized import Pending
+from megatron_lbp.engine.comm import Pending
 from megatron_lbp.engine.schedule import UnitSchedule
 from megatron_lbp.engine.trace import ScheduleTrace, output_path
 from megatron_lbp.engine import mcore
@@ -98,6 +98,8 @@ class HierDataParallel(mcore.base_data_parallel()):
         self.buckets: list[FlatBucket] = [u.bucket for u in self.units]
         self.schedule = UnitSchedule(self.units, unit_map, self.comm, overlap=options.overlap,
                                      prefetch_units=options.prefetch_units)
+        # The step refreshes the updated weights in the order the next forward uses them.
+        self.ctx.step.forward_order = self.schedule.forward_order
         if materialize is not None:
             materialize(self)
             for b in self.buckets:
@@ -242,7 +244,7 @@ class HierDataParallel(mcore.base_data_parallel()):
 
     def settle(self) -> None:
         """Wait until every unit's primary slice holds the updated weights (nothing in flight)."""
-        self.ctx.refreshes.complete()
+        self.ctx.step.settle()
 
     def broadcast_params(self) -> None:
         """Make every rank's weights those of data-parallel rank 0's P-group.

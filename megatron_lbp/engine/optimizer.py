@@ -177,7 +177,7 @@ class HierDistributedOptimizer(mcore.megatron_optimizer()):
             model.finish_grad_sync()
             model.start_step_reduces()
         for st in self.states:
-            st.grad = st.unit.take_step_grad()
+            st.grad = st.model.ctx.step.reduced_grad(st.unit)
 
     def _norm_and_inf_check(self) -> tuple[bool, float]:
         """The global gradient norm and whether any gradient is inf/nan, agreed on every rank.
@@ -270,21 +270,20 @@ class HierDistributedOptimizer(mcore.megatron_optimizer()):
                 shard.grad = None
         for st in self.states:
             st.grad = None
-            st.unit.release_step_grad()
+            st.model.ctx.step.release(st.unit)
 
     def _gather_updated_weights(self) -> None:
-        """Each unit's updated weights back into its primary slice, in next-forward order
-        (asynchronously with overlap: a unit's next gather waits for its own)."""
+        """Each unit's updated 1/O slice handed to the model's step communication, which
+        refreshes the primary slices in next-forward order (engine/step_comm.py)."""
         of_unit = {(id(st.model), st.unit.index): st for st in self.states}
         for model in self.models:
-            for unit in model.schedule.forward_order():
+            def write_own(unit, model=model):
                 st = of_unit[(id(model), unit.index)]
-                b = st.bucket
-                own = b.primary[b.optim_in_primary.slice]
-                unit.await_refresh()   # (a load right after a step: the step's gathers first)
+                own = st.bucket.primary[st.bucket.optim_in_primary.slice]
                 if st.master.data_ptr() != own.data_ptr():
                     own.copy_(st.master)
-                unit.start_refresh(async_op=model.options.overlap)
+
+            model.ctx.step.send_updated_weights(write_own, async_op=model.options.overlap)
 
     def _finish_step(self) -> None:
         self.steps_done += 1

@@ -33,41 +33,12 @@ from typing import Any, Callable
 
 import torch
 
-from megatron_lbp.engine.comm import Collectives
+from megatron_lbp.engine.comm import Collectives, Pending
 from megatron_lbp.engine.memory import TransientLedger
 from megatron_lbp.quant import dequantize_auto, packed_views, quantize_auto, quantized_nbytes
 
 __all__ = ["Pending", "quantize_into", "dequantize_from", "gather_packed_slices",
            "all_gather_quantized", "reduce_scatter_quantized"]
-
-
-class Pending:
-    """An issued collective (``work`` is None once done or when it ran synchronously)
-    and what to do once its data has landed."""
-
-    def __init__(self, work: Any = None, finish: Callable[[], None] | None = None) -> None:
-        self.work = work
-        self._finish = finish
-
-    @property
-    def in_flight(self) -> bool:
-        return self.work is not None or self._finish is not None
-
-    def is_complete(self) -> bool:
-        """Whether :meth:`wait` would return at once (its collective, if any, has completed):
-        the engine's poll, which the schedule trace tells from a blocking wait."""
-        if self.work is None:
-            return True
-        poll = getattr(self.work, "poll", None)
-        return poll() if poll is not None else self.work.is_completed()
-
-    def wait(self) -> None:
-        work, finish = self.work, self._finish
-        self.work = self._finish = None
-        if work is not None:
-            work.wait()
-        if finish is not None:
-            finish()
 
 
 def quantize_into(x: torch.Tensor, packed: torch.Tensor, block_size: int) -> None:

@@ -72,7 +72,7 @@ from megatron_lbp.engine.constants import MAX_PENDING_REDUCES
 from megatron_lbp.engine.buckets import ParamSlot
 from megatron_lbp.engine.comm import Collectives
 from megatron_lbp.engine.grouping import UnitMap
-from megatron_lbp.engine.trace import link_after, need, record_of
+from megatron_lbp.engine.trace import need, record_of
 from megatron_lbp.engine.unit import GatherUnit, ReduceInFlight, WeightState, unfused_gradient
 
 FORWARD, BACKWARD = "forward", "backward"
@@ -239,10 +239,7 @@ class UnitSchedule:
             self._polled_reduces.append(landed)
         if reduce.last:
             # Its 1/G shard is final: the network reduction runs under the rest of the backward.
-            reduce.unit.start_step_reduce(async_op=self.overlap)
-            chain = reduce.unit.step_reduce
-            if chain is not None and chain.records:
-                link_after(chain.records[0], landed)
+            self.ctx.step.shard_final(reduce.unit, async_op=self.overlap, after=landed)
 
     def _poll(self) -> None:
         """Without blocking: complete the reduce-scatters that are done (in issue order, so
@@ -273,14 +270,14 @@ class UnitSchedule:
         """finish the backward, then issue the network reduction of every unit not yet reduced."""
         self.flush_backward()
         for u in self.units:
-            u.start_step_reduce(async_op=self.overlap)
+            self.ctx.step.start_reduction(u, async_op=self.overlap)
         self.step_reduce_started = True
 
     def reset_step(self) -> None:
         """zero_grad_buffer: a new step; reductions of the last one still running are dropped."""
         self.flush_backward()
         for u in self.units:
-            u.release_step_grad()
+            self.ctx.step.release(u)
         self.step_reduce_started = self.last_micro_batch = self._backward_is_last = False
 
     def finish(self) -> None:

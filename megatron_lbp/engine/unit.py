@@ -29,14 +29,11 @@ pass that also counts this rank's inf/nan (int8 all-to-all with qgZ),
 straight into the persistent 1/G shard on the first micro-batch of a step and, at
 :meth:`GatherUnit.finish_reduce`, added to it on later ones.
 
-The optimizer step's two hops are chains of collectives (megatron_lbp.engine.chains):
-:meth:`GatherUnit.start_step_reduce` takes the 1/G shard to the 1/O optimizer
-slice (``inter`` reduce-scatter, then the ``replica`` all-reduce when R > 1);
-:meth:`GatherUnit.start_refresh` sends the updated weights back up (``inter``
-all-gather 1/O -> 1/G, ``grad_to_param`` all-gather 1/G -> 1/P, both in place
-into the primary slice). A gather of the unit waits for its refresh first
-(:meth:`GatherUnit.await_refresh`), so the weights a forward computes with are
-always the updated ones.
+The optimizer step's two hops (the 1/G shard to the 1/O optimizer slice, the
+updated weights back up) are not the unit's: megatron_lbp.engine.step_comm owns
+them (``UnitContext.step``). A gather of the unit waits for its refresh first
+(``StepComm.await_refresh`` in :meth:`GatherUnit.unshard`), so the weights a
+forward computes with are always the updated ones.
 """
 from __future__ import annotations
 
@@ -47,11 +44,11 @@ from typing import Any
 import torch
 
 from megatron_lbp.engine.buckets import FlatBucket, ParamSlot
-from megatron_lbp.engine.chains import Chain, ChainQueue
-from megatron_lbp.engine.comm import CONTROL, Collectives
+from megatron_lbp.engine.comm import CONTROL, Collectives, Pending
 from megatron_lbp.engine.memory import TransientLedger
-from megatron_lbp.engine.quantized import (Pending, all_gather_quantized, gather_packed_slices,
+from megatron_lbp.engine.quantized import (all_gather_quantized, gather_packed_slices,
                                            reduce_scatter_quantized)
+from megatron_lbp.engine.step_comm import StepComm
 
 
 class WeightState(enum.Enum):
@@ -82,9 +79,11 @@ class UnitContext:
     # Megatron's --check-for-nan-in-loss-and-grad (set by the optimizer): the step must
     # name the rank(s) whose own gradient was inf/nan, so each rank counts its own.
     name_nonfinite_ranks: bool = False
-    # The optimizer step's chains, in the order every rank starts them.
-    step_reduces: ChainQueue = field(default_factory=ChainQueue)
-    refreshes: ChainQueue = field(default_factory=ChainQueue)
+    # The optimizer step's communication (engine/step_comm.py), built with the context.
+    step: StepComm = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.step = StepComm(self)
 
     def reduce_scatter_grad(self, out: torch.Tensor, inp: torch.Tensor, family: str,
                             phase: str, async_op: bool = False, unit: int | None = None,
@@ -128,10 +127,7 @@ class UnitContext:
 
     def poll(self) -> None:
         """Advance the step's chains without blocking (the schedule calls it at its hooks)."""
-        if self.step_reduces:
-            self.step_reduces.poll()
-        if self.refreshes:
-            self.refreshes.poll()
+        self.step.poll()
 
 
 @dataclass
@@ -157,11 +153,6 @@ class GatherUnit:
         self.state = WeightState.SHARDED
         self._pending: Pending | None = None
         self.grads_left = len(bucket.slots)
-        self.refresh: Chain | None = None        # the updated weights' gathers, until done
-        self._refresh_landed: Chain | None = None  # ... once landed, until their first use
-        self.step_reduce: Chain | None = None    # the 1/G -> 1/O reduction, until taken
-        self._step_grad: torch.Tensor | None = None
-        self._step_grad_nbytes = 0
 
     def describe(self) -> dict[str, Any]:
         """The unit's row in the schedule trace's unit table."""
@@ -180,7 +171,7 @@ class GatherUnit:
         """Start filling ``full``: from the secondary copy in backward when there is one,
         else from the primary slices in the P-group (int8 on the wire with qwZ)."""
         b, ctx = self.bucket, self.ctx
-        self.await_refresh()
+        ctx.step.await_refresh(self)
         b.alloc_full()
         if phase == "backward_gather" and b.has_secondary:
             pending = self._gather_secondary(async_op)
@@ -241,43 +232,6 @@ class GatherUnit:
         """Keep this rank's 1/S slice of the weights this forward computes with (S > 0)."""
         if self.bucket.has_secondary:
             self.bucket.build_secondary()
-
-    # --- the updated weights ------------------------------------------------------------
-    def start_refresh(self, async_op: bool) -> None:
-        """After the optimizer wrote this rank's 1/O slice: gather the primary slice back up.
-
-        1/O -> 1/G over ``inter`` (network), then 1/G -> 1/P over
-        ``grad_to_param`` (node), each in place (this rank's chunk already sits
-        where the gather puts it). Asynchronous: the unit's next gather waits.
-        Both hops count in this step's comm report, though the second is issued
-        under the next forward (megatron_lbp.engine.chains).
-        """
-        b, comm = self.bucket, self.ctx.comm
-        grad_part = b.primary[b.grad_in_primary.slice]
-        stages = []
-        if comm.sizes.get("inter", 1) > 1:
-            own = b.primary[b.optim_in_primary.slice]
-            stages.append(lambda a, **how: Pending(comm.all_gather(
-                grad_part, own, "inter", "step_gather", async_op=a, unit=self.index, **how)))
-        if comm.sizes.get("grad_to_param", 1) > 1:
-            stages.append(lambda a, **how: Pending(comm.all_gather(
-                b.primary, grad_part, "grad_to_param", "step_gather", async_op=a,
-                unit=self.index, **how)))
-        self.await_refresh()
-        self.refresh = Chain(self.index, stages, on_done=self._refreshed)
-        self.ctx.refreshes.start(self.refresh, async_op=async_op)
-
-    def _refreshed(self) -> None:
-        self._refresh_landed, self.refresh = self.refresh, None
-
-    def await_refresh(self) -> None:
-        """Block until the primary slice holds the updated weights (and every refresh before)."""
-        if self.refresh is not None:
-            self.ctx.refreshes.complete(self.refresh)
-        if self._refresh_landed is not None:
-            # Done before this first use: the trace notes that the data was needed here.
-            self._refresh_landed.note_need()
-            self._refresh_landed = None
 
     # --- gradients -----------------------------------------------------------------------
     def grad_buffer(self, slot: ParamSlot) -> torch.Tensor:
@@ -346,72 +300,12 @@ class GatherUnit:
     def reset_pass(self) -> None:
         self.grads_left = len(self.bucket.slots)
 
-    # --- the step's reduction ------------------------------------------------------------
-    def start_step_reduce(self, async_op: bool) -> None:
-        """The 1/G shard -> this rank's 1/O slice: ``inter`` reduce-scatter (network), then
-        the ``replica`` all-reduce (R > 1), both sums (the 1/W came with the G-group
-        reduce-scatter); :meth:`take_step_grad` waits."""
-        b, ctx = self.bucket, self.ctx
-        if self.step_reduce is not None or self._step_grad is not None:
-            return
-        if b.grad_shard_fresh:     # no micro-batch reduced into it since zero_grad_buffer
-            b.grad_shard.zero_()
-            b.grad_shard_fresh = False
-        stages = []
-        if ctx.comm.sizes.get("inter", 1) > 1:
-            out = torch.empty(b.layout.optim_size, dtype=ctx.grad_dtype, device=b.device)
-            self._step_grad_nbytes = out.numel() * out.element_size()
-            ctx.transient.alloc(self._step_grad_nbytes)
-            # int8 all-to-all summed in fp32 when qgZ covers this (cross-node) hop
-            stages.append(lambda a: ctx.reduce_scatter_grad(
-                out, b.grad_shard, "inter", "step_reduce", async_op=a, unit=self.index))
-        else:   # O == G: the optimizer slice is the gradient shard
-            out = b.grad_shard
-            self._step_grad_nbytes = 0
-        if ctx.comm.sizes.get("replica", 1) > 1:
-            stages.append(lambda a, **how: Pending(ctx.comm.all_reduce(
-                out, "replica", "step_reduce", async_op=a, unit=self.index, **how)))
-        self._step_grad = out
-        self.step_reduce = Chain(self.index, stages)
-        ctx.step_reduces.start(self.step_reduce, async_op=async_op)
-
-    @property
-    def step_reduce_started(self) -> bool:
-        return self._step_grad is not None
-
-    def take_step_grad(self) -> torch.Tensor:
-        """This rank's reduced 1/O gradient slice (fp32), once its reduction is done."""
-        if self.step_reduce is not None:
-            self.ctx.step_reduces.complete(self.step_reduce)
-            self.step_reduce = None
-        grad = self._step_grad
-        if grad.dtype != torch.float32:   # reduced in bf16: Adam and the norm want fp32
-            wide = grad.float()
-            self.ctx.transient.alloc(wide.numel() * 4)
-            self.ctx.transient.free(self._step_grad_nbytes)
-            self._step_grad, self._step_grad_nbytes = wide, wide.numel() * 4
-            grad = wide
-        return grad
-
+    # --- the step's reduction (engine/step_comm.py) -----------------------------------------
     def scale_gradients(self, factor: float) -> None:
-        """Megatron's scale_gradients: the 1/G shard, and a reduction of it already started
-        (it is linear: scaling its result is scaling its input)."""
-        b = self.bucket
-        if self._step_grad is not None:
-            grad = self.take_step_grad()
-            if grad is not b.grad_shard:
-                grad.mul_(factor)
-        if not b.grad_shard_fresh:
-            b.grad_shard.mul_(factor)
-
-    def release_step_grad(self) -> None:
-        """Drop the step's gradient slice (after the optimizer used it, or to discard it)."""
-        if self.step_reduce is not None:
-            self.ctx.step_reduces.complete(self.step_reduce)
-            self.step_reduce = None
-        self._step_grad = None
-        self.ctx.transient.free(self._step_grad_nbytes)
-        self._step_grad_nbytes = 0
+        """Megatron's scale_gradients: the step's reduction already started, and the 1/G shard."""
+        self.ctx.step.scale(self, factor)
+        if not self.bucket.grad_shard_fresh:
+            self.bucket.grad_shard.mul_(factor)
 
 
 def unfused_gradient(param: torch.nn.Parameter) -> torch.Tensor | None:

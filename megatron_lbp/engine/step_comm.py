@@ -1,0 +1,196 @@
+"""The optimizer step's communication: one owner for its chains, their queues and their order.
+
+One step moves each unit's data through two hops (megatron_lbp.engine.chains):
+
+- the **reduction**: the unit's 1/G gradient shard -> this rank's 1/O optimizer
+  slice (``inter`` reduce-scatter, then the ``replica`` all-reduce when R > 1,
+  both sums: the 1/W came with the G-group reduce-scatter);
+- the **refresh**: the updated weights back up (``inter`` all-gather 1/O -> 1/G,
+  then ``grad_to_param`` all-gather 1/G -> 1/P, each in place into the primary
+  slice).
+
+Who talks to it, in the order of a step:
+
+1. the schedule (engine/schedule.py) says when a unit's gradient shard is
+   final: :meth:`StepComm.shard_final` (under the last micro-batch's backward
+   with overlap) or :meth:`StepComm.start_reduction` for every unit left
+   (``start_step_reduces``); at each of its hooks it calls :meth:`StepComm.poll`;
+2. the optimizer (engine/optimizer.py) asks for the reduced gradients
+   (:meth:`StepComm.reduced_grad`), steps, drops them (:meth:`StepComm.release`)
+   and hands the updated weights back (:meth:`StepComm.send_updated_weights`),
+   which refreshes every unit in the next forward's order;
+3. a unit's next gather (engine/unit.py ``GatherUnit.unshard``) waits for its
+   own refresh (:meth:`StepComm.await_refresh`); ``settle`` waits for all.
+
+Every rank starts the chains of each kind in the same order (the schedule's
+reduce order, the next forward's order), which is what lets chains.py advance
+them whenever a rank notices a stage done.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterable
+
+import torch
+
+from megatron_lbp.engine.chains import Chain, ChainQueue
+from megatron_lbp.engine.comm import Pending
+from megatron_lbp.engine.trace import link_after
+
+if TYPE_CHECKING:
+    from megatron_lbp.engine.unit import GatherUnit, UnitContext
+
+
+@dataclass
+class _UnitStep:
+    """One unit's part of the step: its chains and the reduced gradient slice."""
+
+    reduction: Chain | None = None        # the 1/G -> 1/O reduction, until its gradient is taken
+    grad: torch.Tensor | None = None      # the 1/O slice it reduces into (fp32 once taken)
+    grad_nbytes: int = 0                  # transient bytes ``grad`` holds
+    refresh: Chain | None = None          # the updated weights' gathers, until done
+    refresh_landed: Chain | None = None   # ... once landed, until the unit's first use
+
+
+class StepComm:
+    def __init__(self, ctx: "UnitContext") -> None:
+        self.ctx = ctx
+        self.reductions = ChainQueue()
+        self.refreshes = ChainQueue()
+        self._units: dict[int, _UnitStep] = {}
+        # The next forward's unit order (the schedule's, set by the wrapper once it has one).
+        self.forward_order: Callable[[], Iterable["GatherUnit"]] = lambda: ()
+
+    def _of(self, unit: "GatherUnit") -> _UnitStep:
+        return self._units.setdefault(id(unit), _UnitStep())
+
+    def poll(self) -> None:
+        """Advance the step's chains without blocking (the schedule calls it at its hooks)."""
+        if self.reductions:
+            self.reductions.poll()
+        if self.refreshes:
+            self.refreshes.poll()
+
+    # --- the reduction ---------------------------------------------------------------------
+    def shard_final(self, unit: "GatherUnit", async_op: bool, after=None) -> None:
+        """The schedule: ``unit``'s 1/G shard is final; its reduction starts now.
+
+        ``after``: the trace record of the reduce-scatter that made it final (the
+        reduction's first stage is traced as following it).
+        """
+        self.start_reduction(unit, async_op)
+        chain = self._of(unit).reduction
+        if chain is not None and chain.records:
+            link_after(chain.records[0], after)
+
+    def start_reduction(self, unit: "GatherUnit", async_op: bool) -> None:
+        """The 1/G shard -> this rank's 1/O slice (once per step; :meth:`reduced_grad` waits)."""
+        b, ctx, mine = unit.bucket, self.ctx, self._of(unit)
+        if mine.reduction is not None or mine.grad is not None:
+            return
+        if b.grad_shard_fresh:     # no micro-batch reduced into it since zero_grad_buffer
+            b.grad_shard.zero_()
+            b.grad_shard_fresh = False
+        stages = []
+        if ctx.comm.sizes.get("inter", 1) > 1:
+            out = torch.empty(b.layout.optim_size, dtype=ctx.grad_dtype, device=b.device)
+            mine.grad_nbytes = out.numel() * out.element_size()
+            ctx.transient.alloc(mine.grad_nbytes)
+            # int8 all-to-all summed in fp32 when qgZ covers this (cross-node) hop
+            stages.append(lambda a: ctx.reduce_scatter_grad(
+                out, b.grad_shard, "inter", "step_reduce", async_op=a, unit=unit.index))
+        else:   # O == G: the optimizer slice is the gradient shard
+            out = b.grad_shard
+            mine.grad_nbytes = 0
+        if ctx.comm.sizes.get("replica", 1) > 1:
+            stages.append(lambda a, **how: Pending(ctx.comm.all_reduce(
+                out, "replica", "step_reduce", async_op=a, unit=unit.index, **how)))
+        mine.grad = out
+        mine.reduction = Chain(unit.index, stages)
+        self.reductions.start(mine.reduction, async_op=async_op)
+
+    def reduced_grad(self, unit: "GatherUnit") -> torch.Tensor:
+        """The optimizer: this rank's reduced 1/O gradient slice (fp32), once its reduction is done."""
+        mine = self._of(unit)
+        if mine.reduction is not None:
+            self.reductions.complete(mine.reduction)
+            mine.reduction = None
+        grad = mine.grad
+        if grad.dtype != torch.float32:   # reduced in bf16: Adam and the norm want fp32
+            wide = grad.float()
+            self.ctx.transient.alloc(wide.numel() * 4)
+            self.ctx.transient.free(mine.grad_nbytes)
+            mine.grad, mine.grad_nbytes = wide, wide.numel() * 4
+            grad = wide
+        return grad
+
+    def scale(self, unit: "GatherUnit", factor: float) -> None:
+        """Megatron's scale_gradients on a reduction already started (it is linear: scaling
+        its result is scaling its input); the 1/G shard itself is the unit's."""
+        if self._of(unit).grad is not None:
+            grad = self.reduced_grad(unit)
+            if grad is not unit.bucket.grad_shard:
+                grad.mul_(factor)
+
+    def release(self, unit: "GatherUnit") -> None:
+        """Drop the step's gradient slice (after the optimizer used it, or to discard it)."""
+        mine = self._of(unit)
+        if mine.reduction is not None:
+            self.reductions.complete(mine.reduction)
+            mine.reduction = None
+        mine.grad = None
+        self.ctx.transient.free(mine.grad_nbytes)
+        mine.grad_nbytes = 0
+
+    # --- the refresh -----------------------------------------------------------------------
+    def send_updated_weights(self, write_own: Callable[["GatherUnit"], None], async_op: bool) -> None:
+        """The optimizer: ``write_own(unit)`` puts the updated 1/O slice into the unit's primary
+        slice; each unit is then refreshed, in the next forward's order (asynchronously with
+        overlap: a unit's next gather waits for its own)."""
+        for unit in self.forward_order():
+            self.await_refresh(unit)   # (a load right after a step: the step's gathers first)
+            write_own(unit)
+            self.start_refresh(unit, async_op)
+
+    def start_refresh(self, unit: "GatherUnit", async_op: bool) -> None:
+        """After the optimizer wrote this rank's 1/O slice: gather the primary slice back up.
+
+        1/O -> 1/G over ``inter`` (network), then 1/G -> 1/P over
+        ``grad_to_param`` (node), each in place (this rank's chunk already sits
+        where the gather puts it). Asynchronous: the unit's next gather waits.
+        Both hops count in this step's comm report, though the second is issued
+        under the next forward (megatron_lbp.engine.chains).
+        """
+        b, comm, mine = unit.bucket, self.ctx.comm, self._of(unit)
+        grad_part = b.primary[b.grad_in_primary.slice]
+        stages = []
+        if comm.sizes.get("inter", 1) > 1:
+            own = b.primary[b.optim_in_primary.slice]
+            stages.append(lambda a, **how: Pending(comm.all_gather(
+                grad_part, own, "inter", "step_gather", async_op=a, unit=unit.index, **how)))
+        if comm.sizes.get("grad_to_param", 1) > 1:
+            stages.append(lambda a, **how: Pending(comm.all_gather(
+                b.primary, grad_part, "grad_to_param", "step_gather", async_op=a,
+                unit=unit.index, **how)))
+        self.await_refresh(unit)
+        mine.refresh = Chain(unit.index, stages, on_done=lambda: self.refreshed(unit))
+        self.refreshes.start(mine.refresh, async_op=async_op)
+
+    def refreshed(self, unit: "GatherUnit") -> None:
+        """A unit's refresh has landed (the chain's ``on_done``)."""
+        mine = self._of(unit)
+        mine.refresh_landed, mine.refresh = mine.refresh, None
+
+    def await_refresh(self, unit: "GatherUnit") -> None:
+        """Block until the unit's primary slice holds the updated weights (and every refresh before)."""
+        mine = self._of(unit)
+        if mine.refresh is not None:
+            self.refreshes.complete(mine.refresh)
+        if mine.refresh_landed is not None:
+            # Done before this first use: the trace notes that the data was needed here.
+            mine.refresh_landed.note_need()
+            mine.refresh_landed = None
+
+    def settle(self) -> None:
+        """Wait until every unit's primary slice holds the updated weights (nothing in flight)."""
+        self.refreshes.complete()
