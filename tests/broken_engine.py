@@ -71,9 +71,9 @@ def reduced_check_ignores_nonfinite():
     """The optimizer's verdict trusts only the ranks' own counts, not its pass over the reduced
     gradients: right wherever every rank counts, blind where the collective scales the
     gradients (PREMUL_SUM) and nobody counts (no --check-for-nan-in-loss-and-grad)."""
-    from megatron_lbp.engine.optimizer import HierDistributedOptimizer
+    from megatron_lbp.engine.grad_health import GradHealth
 
-    with mock.patch.object(HierDistributedOptimizer, "_found_nonfinite",
+    with mock.patch.object(GradHealth, "verdict",
                            staticmethod(lambda total_sq, nonfinite: nonfinite > 0)):
         yield
 

@@ -14,8 +14,8 @@ what is counted, the optimizer's check) runs for real.
 Nothing in the engine turns this on (no flag, no environment variable): a rank
 enters :func:`premul_sum_on_gloo` around a training. :func:`counting_passes`
 counts, in this rank, the engine's read passes over its own gradient
-(``CALLS["count_pass"]``: UnitContext.count_nonfinite; ``CALLS["scale_pass"]``:
-scale_and_count_nonfinite) and the emulated collectives (``CALLS["premul_sum"]``).
+(``CALLS["count_pass"]``: GradHealth.count; ``CALLS["scale_pass"]``:
+GradHealth.scale_and_count) and the emulated collectives (``CALLS["premul_sum"]``).
 """
 from __future__ import annotations
 
@@ -71,10 +71,10 @@ def premul_sum_on_gloo():
 @contextlib.contextmanager
 def counting_passes():
     """Count the engine's own-gradient read passes in :data:`CALLS` (reset on entry)."""
-    from megatron_lbp.engine.unit import UnitContext
+    from megatron_lbp.engine.grad_health import GradHealth
 
     CALLS.clear()
-    count, scale = UnitContext.count_nonfinite, UnitContext.scale_and_count_nonfinite
+    count, scale = GradHealth.count, GradHealth.scale_and_count
 
     def counted(self, grad):
         CALLS["count_pass"] += 1
@@ -84,6 +84,6 @@ def counting_passes():
         CALLS["scale_pass"] += 1
         return scale(self, grad, factor)
 
-    with mock.patch.object(UnitContext, "count_nonfinite", counted), \
-            mock.patch.object(UnitContext, "scale_and_count_nonfinite", scaled):
+    with mock.patch.object(GradHealth, "count", counted), \
+            mock.patch.object(GradHealth, "scale_and_count", scaled):
         yield

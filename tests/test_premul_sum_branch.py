@@ -85,7 +85,7 @@ def _train(fold, fp16, check_nan, nan, broken):
         os.environ.pop(faults.INJECT_ENV, None)
         trainer.optimizer.check_for_nan_in_grad = check_nan
         got = {"folds_prescale": trainer.model.ctx.folds_prescale("grad"),
-               "counts_own": trainer.model.ctx.counts_own_nonfinite, "error": None}
+               "counts_own": trainer.model.ctx.health.counts_own, "error": None}
         try:
             with contextlib.redirect_stdout(printed):
                 result = run_fp16(trainer, range(train.steps))

@@ -145,14 +145,6 @@ class HierDataParallel(mcore.base_data_parallel()):
         return self.ctx.quantized_grad_families
 
     @property
-    def local_nonfinite(self) -> torch.Tensor:
-        return self.ctx.local_nonfinite
-
-    @local_nonfinite.setter
-    def local_nonfinite(self, value: torch.Tensor) -> None:
-        self.ctx.local_nonfinite = value
-
-    @property
     def overlap_samples(self) -> list[int]:
         """``comm.stats.in_flight`` at the start of each unit's compute since the last
         zero_grad_buffer (docs/design.md §6); :meth:`take_overlap_samples` reads and clears."""

@@ -47,6 +47,7 @@ from megatron_lbp.engine import faults
 from megatron_lbp.engine.comm import CONTROL
 from megatron_lbp.engine import mcore
 from megatron_lbp.engine.data_parallel import HierDataParallel
+from megatron_lbp.engine.grad_health import GradHealth
 from megatron_lbp.engine.memory import tensor_bytes
 from megatron_lbp.engine.trace import append_json_line, output_path
 from megatron_lbp.engine.unit import GatherUnit
@@ -131,14 +132,14 @@ class HierDistributedOptimizer(mcore.megatron_optimizer()):
         inf/nan gradient, naming the rank(s) it came from; otherwise a loss scaler skips
         the step. Where the reduce-scatter scales the gradients itself (PREMUL_SUM), the
         wrappers count each rank's own inf/nan only when this is on
-        (UnitContext.counts_own_nonfinite)."""
+        (engine/grad_health.py: GradHealth.counts_own)."""
         return self._check_for_nan_in_grad
 
     @check_for_nan_in_grad.setter
     def check_for_nan_in_grad(self, value: bool) -> None:
         self._check_for_nan_in_grad = bool(value)
         for model in self.models:
-            model.ctx.name_nonfinite_ranks = bool(value)
+            model.ctx.health.name_ranks = bool(value)
 
     # --- step ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -185,7 +186,7 @@ class HierDistributedOptimizer(mcore.megatron_optimizer()):
         One fp64 all-reduce over the O-group (whose ranks hold every element
         exactly once) of this rank's sum of squares and its own count of
         non-finite gradients (counted by the data-parallel wrapper before any
-        reduction, where it counts: UnitContext.counts_own_nonfinite), then the
+        reduction, where it counts: GradHealth.counts_own), then the
         count over the replicas. A non-finite element makes the sum of squares
         non-finite (squares of finite fp32 values cannot overflow fp64), and any
         rank's inf/nan makes the reduced element non-finite (inf and nan survive
@@ -196,8 +197,7 @@ class HierDistributedOptimizer(mcore.megatron_optimizer()):
         hier = self.models[0].hier
         local = torch.zeros((), dtype=torch.float64, device=self._device)
         for m in self.models:
-            local += m.local_nonfinite.to(self._device)
-            m.local_nonfinite = torch.zeros_like(m.local_nonfinite)
+            local += m.ctx.health.take_count(self._device)
         sq = torch.zeros((), dtype=torch.float64, device=self._device)
         for st in self.states:
             if self.grad_scaler is not None:
@@ -207,7 +207,7 @@ class HierDistributedOptimizer(mcore.megatron_optimizer()):
         self.comm.all_reduce(both, "optim", CONTROL)
         self.comm.all_reduce(both[1:], "replica", CONTROL)
         total_sq, nonfinite = both.tolist()
-        found_inf = self._found_nonfinite(total_sq, nonfinite)
+        found_inf = GradHealth.verdict(total_sq, nonfinite)
         self.nonfinite_ranks = []
         if not found_inf:
             if self.grad_scaler is not None:
@@ -215,12 +215,6 @@ class HierDistributedOptimizer(mcore.megatron_optimizer()):
             return False, math.sqrt(total_sq)
         self._blame(hier, local > 0, not math.isfinite(sq.item()))
         return True, math.sqrt(total_sq) if total_sq >= 0 else total_sq
-
-    @staticmethod
-    def _found_nonfinite(total_sq: float, nonfinite: float) -> bool:
-        """The verdict: the reduced gradients' sum of squares is non-finite, or a rank counted
-        an inf/nan of its own (the first alone is exact: :meth:`_norm_and_inf_check`)."""
-        return nonfinite > 0 or not math.isfinite(total_sq)
 
     def _blame(self, hier, mine: torch.Tensor, my_slice_nonfinite: bool) -> None:
         """Some gradient is inf/nan: name the ranks whose own gradient was, and react.
@@ -233,7 +227,7 @@ class HierDistributedOptimizer(mcore.megatron_optimizer()):
         gradients and no --check-for-nan-in-loss-and-grad) there is no one to
         name, and no collective: every rank knows that alike.
         """
-        counted = all(m.ctx.counts_own_nonfinite for m in self.models)
+        counted = all(m.ctx.health.counts_own for m in self.models)
         self.nonfinite_ranks = []
         if counted:
             flags = torch.zeros(len(hier.dp_ranks) + 1, dtype=torch.uint8, device=self._device)

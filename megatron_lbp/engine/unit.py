@@ -45,6 +45,7 @@ import torch
 
 from megatron_lbp.engine.buckets import FlatBucket, ParamSlot
 from megatron_lbp.engine.comm import CONTROL, Collectives, Pending
+from megatron_lbp.engine.grad_health import GradHealth
 from megatron_lbp.engine.memory import TransientLedger
 from megatron_lbp.engine.quantized import (all_gather_quantized, gather_packed_slices,
                                            reduce_scatter_quantized)
@@ -71,19 +72,14 @@ class UnitContext:
     group_index: dict[str, int]
     # Megatron's --gradient-accumulation-fusion: weight gradients arrive in main_grad.
     fused_wgrad: bool = False
-    # This rank's own non-finite unit gradients since the last optimizer step,
-    # counted before the reduction mixes ranks (read and reset by the optimizer),
-    # where :attr:`counts_own_nonfinite`.
-    local_nonfinite: torch.Tensor = field(
-        default_factory=lambda: torch.zeros((), dtype=torch.int32))
-    # Megatron's --check-for-nan-in-loss-and-grad (set by the optimizer): the step must
-    # name the rank(s) whose own gradient was inf/nan, so each rank counts its own.
-    name_nonfinite_ranks: bool = False
     # The optimizer step's communication (engine/step_comm.py), built with the context.
     step: StepComm = field(init=False)
+    # Whether the step's gradients are finite, and whose were not (engine/grad_health.py).
+    health: GradHealth = field(init=False)
 
     def __post_init__(self) -> None:
         self.step = StepComm(self)
+        self.health = GradHealth(lambda: self.folds_prescale("grad"))
 
     def reduce_scatter_grad(self, out: torch.Tensor, inp: torch.Tensor, family: str,
                             phase: str, async_op: bool = False, unit: int | None = None,
@@ -103,27 +99,6 @@ class UnitContext:
         """Whether ``family``'s gradient reduce-scatter scales its input itself (not qgZ, and
         a backend with PREMUL_SUM: megatron_lbp.engine.comm.prescale_in_collective)."""
         return family not in self.quantized_grad_families and self.comm.folds_prescale(family)
-
-    def scale_and_count_nonfinite(self, grad: torch.Tensor, factor: float) -> None:
-        """``grad *= factor`` and this rank's inf/nan counted, in one pass (the kernel that
-        unscales for torch's GradScaler; bit-identical to ``mul_``)."""
-        found = torch.zeros((), dtype=torch.float32, device=grad.device)
-        inv = torch.full((), factor, dtype=torch.float32, device=grad.device)
-        torch._amp_foreach_non_finite_check_and_unscale_([grad], found, inv)
-        self.local_nonfinite = self.local_nonfinite.to(grad.device) + found.to(torch.int32)
-
-    @property
-    def counts_own_nonfinite(self) -> bool:
-        """Whether :attr:`local_nonfinite` is counted: always where the scaling pass counts
-        for free; where the collective scales (PREMUL_SUM) only when the ranks are to be
-        named, since that count is a read pass of its own."""
-        return not self.folds_prescale("grad") or self.name_nonfinite_ranks
-
-    def count_nonfinite(self, grad: torch.Tensor) -> None:
-        """This rank's inf/nan counted from a read of ``grad`` (inf/nan survive the sum; no
-        host sync on GPU)."""
-        finite = torch.isfinite(grad.sum())
-        self.local_nonfinite = self.local_nonfinite.to(grad.device) + ~finite
 
     def poll(self) -> None:
         """Advance the step's chains without blocking (the schedule calls it at its hooks)."""
@@ -276,17 +251,17 @@ class GatherUnit:
         scale = 1.0 / ctx.world_size
         fold = ctx.folds_prescale("grad")
         if not fold:
-            ctx.scale_and_count_nonfinite(send, scale)
+            ctx.health.scale_and_count(send, scale)
         pending = ctx.reduce_scatter_grad(out, send, "grad", "grad_reduce", async_op=async_op,
                                           unit=self.index, prescale=scale if fold else None)
-        if fold and ctx.name_nonfinite_ranks:
+        if fold and ctx.health.name_ranks:
             # A read of this rank's own gradient besides the collective's, only to name it:
             # the optimizer's pass over the reduced slices already detects any rank's
             # inf/nan exactly. Stock Megatron pays the same read only with
             # check_for_nan_in_grad (megatron-core 0.19.2,
             # distributed/param_and_grad_buffer.py: start_grad_sync calls check_grads, a
             # norm per bucket, only when ddp_config.check_for_nan_in_grad).
-            ctx.count_nonfinite(grad)
+            ctx.health.count(grad)
         return ReduceInFlight(self, pending, out, send, nbytes, last)
 
     def finish_reduce(self, reduce: ReduceInFlight) -> None:
