@@ -78,14 +78,14 @@ def _runs(trace_dir):
             "stats": asdict(model.comm.stats), "steps_run": steps_run,
             # The trainer drains the samples after each micro-batch; whatever is left after.
             "samples": result.extra.get("overlap_samples", []) + model.take_overlap_samples(),
-            "traced": model.comm.trace is not None,
+            "traced": model.trace is not None,
         }
         if name == "recompute":
             out[name]["in_flight_after_step"] = in_flight_after_step
     hier = trainer.hier
     untraced = setup_hier(TinyGPTSpec(num_layers=LAYERS), TRAIN, HIER)
     out["groups"] = {"secondary": hier.ranks["secondary"], "grad": hier.ranks["grad"],
-                     "rank": dist.get_rank(), "untraced_has_trace": untraced.model.comm.trace
+                     "rank": dist.get_rank(), "untraced_has_trace": untraced.model.trace
                      is not None}
     return out
 

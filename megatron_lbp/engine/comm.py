@@ -24,7 +24,10 @@ gradient reduction over the same ranks.
 Two observers see every collective: :class:`CommStats` (counts of synchronous
 and asynchronous calls and of those in flight, docs/design.md §6) and, with
 ``--hier-trace``, the schedule trace (megatron_lbp.engine.trace), which records
-when each was issued, first waited for and done.
+when each was issued, first waited for and done; it is an observer
+(:meth:`Collectives.observe`), which no other module reaches through the
+collectives: the wrapper hands the same trace to the schedule for its compute
+intervals.
 
 A collective that fails (a peer died, or the group's timeout ran out) is
 diagnosed once by :mod:`megatron_lbp.engine.faults` and raised as a
@@ -124,12 +127,18 @@ class Collectives:
         self.stats = CommStats()
         self._folds: dict[str, bool] = {}   # family -> folds_prescale
         self._exchanges: dict[str, bool] = {}   # family -> scatters_by_exchange
-        self.trace = None   # a ScheduleTrace with --hier-trace on a rank that writes one
+        self._observer = None   # told of every collective (observe): the schedule trace
         self._activity = {f: faults.Activity("", f, _group_ranks(next(iter(g.values()))))
                           for f, g in self.groups.items() if g}
         self._inject = faults.injection_for_this_rank()
         self._unwaited: list[_TrackedWork] = []   # kept only under fault injection
         faults.ensure_monitor()
+
+    def observe(self, observer) -> None:
+        """Tell ``observer`` of every collective from now on: ``issued`` (returns its record),
+        ``waiting`` and ``completed`` (the schedule trace, engine/trace.py:ScheduleTrace, with
+        --hier-trace on a rank that writes one). The collectives do not depend on it."""
+        self._observer = observer
 
     def _comm_name(self, family: str, channel: str) -> str:
         return self.comm_names.get(family, {}).get(channel, f"{family}_{channel}")
@@ -146,9 +155,9 @@ class Collectives:
         activity = faults.Activity(phase, family, base.ranks if base else _group_ranks(group),
                                    faults.TRACKER.next_seq(), faults.TRACKER.iteration)
         record = None
-        if self.trace is not None and trace_as is not None:
+        if self._observer is not None and trace_as is not None:
             unit, comm, link, nbytes = trace_as
-            record = self.trace.issued(phase, unit, family, comm, link, nbytes, async_op)
+            record = self._observer.issued(phase, unit, family, comm, link, nbytes, async_op)
         faults.TRACKER.enter(activity)
         if self._inject is not None:
             self._inject.before(phase)
@@ -171,7 +180,7 @@ class Collectives:
             self.stats.sync_issued += 1
             if record is not None:
                 record.wait, record.wait_seq = record.issued, record.issued_seq
-                self.trace.completed(record)
+                self._observer.completed(record)
             return None
         self.stats.async_issued += 1
         self.stats.in_flight += 1
@@ -415,7 +424,7 @@ class _TrackedWork:
         return done
 
     def wait(self) -> None:
-        trace, record = self._owner.trace, self._record
+        trace, record = self._owner._observer, self._record
         if record is not None and trace is not None:
             trace.waiting(record, polled=self._polled)
         faults.TRACKER.enter(self.activity)

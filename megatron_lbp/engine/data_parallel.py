@@ -132,13 +132,16 @@ class HierDataParallel(mcore.base_data_parallel()):
     def _start_trace(self, options: EngineOptions) -> None:
         import torch.distributed as dist
 
+        self.trace: ScheduleTrace | None = None
         path = output_path(options.trace, dist.get_rank()) if options.trace else None
         if path is None:
             return  # no trace object at all: nothing is recorded
         trace = ScheduleTrace(path, dist.get_rank())
         trace.prefetch_units = self.schedule.depth
         trace.units = [u.describe() for u in self.units]
-        self.comm.trace = trace
+        # It observes the collectives and hears the compute intervals from the schedule.
+        self.comm.observe(trace)
+        self.schedule.trace = self.trace = trace
 
     @property
     def quantized_grad_families(self) -> tuple[str, ...]:
@@ -357,8 +360,8 @@ class HierDataParallel(mcore.base_data_parallel()):
 
     def end_step(self, step: int) -> None:
         """The optimizer step is over: write its schedule trace record (with --hier-trace)."""
-        if self.comm.trace is not None:
-            self.comm.trace.end_step(step)
+        if self.trace is not None:
+            self.trace.end_step(step)
 
     def _check_no_new_parameters(self) -> None:
         now = {id(p) for p in self.module.parameters() if p.requires_grad}

@@ -145,7 +145,7 @@ class HierDistributedOptimizer(mcore.megatron_optimizer()):
     @torch.no_grad()
     def step(self):
         self._reduce_to_optimizer_slices()
-        trace = self.comm.trace
+        trace = self.models[0].trace
         # The host side of the step (inf check, norm, clipping, Adam) in the schedule trace.
         interval = trace.compute_start(None, "optimizer") if trace is not None else None
         found_inf, grad_norm = self._norm_and_inf_check()
@@ -380,8 +380,8 @@ class HierDistributedOptimizer(mcore.megatron_optimizer()):
         # chains start), nor of its trace record, except that with overlap the second
         # hop's collectives are issued, and recorded, under the next forward.
         self.comm.ledger.reset()
-        if self.comm.trace is not None:
-            self.comm.trace.discard()
+        if self.models[0].trace is not None:
+            self.models[0].trace.discard()
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False,
                            metadata=None, **kwargs):

@@ -121,6 +121,7 @@ class UnitSchedule:
         self._polled_reduces: list[Any] = []
         self._backward_ran = False
         self.ctx = units[0].ctx if units else None
+        self.trace = None   # the schedule trace (--hier-trace): the wrapper sets it
         self.last_micro_batch = False       # the next backward is the step's last
         self._backward_is_last = False      # the running backward is
         self.step_reduce_started = False    # its network reductions are issued
@@ -143,7 +144,7 @@ class UnitSchedule:
         self._open_compute, self._open_backward = {}, {}
         for u in self.units:
             u.reset_pass()
-        trace = self.comm.trace
+        trace = self.trace
         if trace is not None:
             if torch.is_grad_enabled():
                 trace.start_micro_batch()
@@ -219,7 +220,7 @@ class UnitSchedule:
         self._reduced.add(unit.index)
         interval = self._open_backward.pop(unit.index, None)
         if interval is not None:
-            self.comm.trace.compute_end(interval)
+            self.trace.compute_end(interval)
         # Without overlap the step's reductions wait for the optimizer step, as before.
         self._pending_reduces.append(unit.start_reduce(
             async_op=self.overlap, last=self._backward_is_last and self.overlap))
@@ -287,7 +288,7 @@ class UnitSchedule:
         for u in self.units:
             if u.state is not WeightState.SHARDED:
                 u.reshard()
-        trace = self.comm.trace
+        trace = self.trace
         if trace is not None:
             trace.micro_batch = None
 
@@ -349,7 +350,7 @@ class UnitSchedule:
     # --- compute intervals ---------------------------------------------------------------
     def _open_interval(self, unit: GatherUnit, pass_: str):
         self.overlap_samples.append(self.comm.stats.in_flight)
-        trace = self.comm.trace
+        trace = self.trace
         return trace.compute_start(unit.index, pass_) if trace is not None else None
 
     def _start_compute(self, module: torch.nn.Module, pass_: str) -> None:
@@ -367,4 +368,4 @@ class UnitSchedule:
         if entry[1] <= 0:
             del self._open_compute[home.index]
             if entry[0] is not None:
-                self.comm.trace.compute_end(entry[0])
+                self.trace.compute_end(entry[0])
