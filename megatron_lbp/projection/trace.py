@@ -58,6 +58,11 @@ from megatron_lbp.engine.comm import ALL_PHASES
 from megatron_lbp.engine.trace import PASSES
 
 PROG = "python -m megatron_lbp.projection trace"
+# The format of a trace record (docs/schedule-trace.md), which megatron_lbp/engine/trace.py
+# writes and this module and the replay read. Bump it when a field is added, removed or
+# changes its meaning: the committed traces (megatron_lbp/projection/traces/index.json)
+# carry the version they were recorded in, and a replay of others says to re-record them.
+TRACE_FORMAT_VERSION = 1
 
 
 class TraceError(Exception):
