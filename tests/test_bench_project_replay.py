@@ -1,4 +1,4 @@
-"""The projection that replays the engine's traced schedule (bench/project_replay.py).
+"""The projection that replays the engine's traced schedule (megatron_lbp/projection/project_replay.py).
 
 The replay rules themselves are checked on hand-made traces in
 test_bench_replay.py; here: the committed traces are the engine's current
@@ -16,11 +16,11 @@ import sys
 import pytest
 
 from megatron_lbp import costs
-from megatron_lbp.bench import project as pj
-from megatron_lbp.bench import project_replay as pr
-from megatron_lbp.bench.replay import ALL_PHASES, ReplayError
+from megatron_lbp.projection import project as pj
+from megatron_lbp.projection import project_replay as pr
+from megatron_lbp.projection.replay import ALL_PHASES, ReplayError
 
-CMD = [sys.executable, "-m", "megatron_lbp.bench", "project"]
+CMD = [sys.executable, "-m", "benchmarks", "project"]
 GCDS = (8, 384)
 
 
@@ -30,13 +30,17 @@ def replayed():
                                 pj.LinkModel(), pj.ComputeModel())
 
 
-def test_committed_traces_are_todays_engine_schedule():
+def test_committed_traces_are_in_the_readers_format_with_their_reference():
+    """That they are today's schedule: tests/test_schedule.py records the reference afresh."""
+    from megatron_lbp.projection.trace import TRACE_FORMAT_VERSION
+
     index = pr.read_index()
-    assert index["schedule_sources_sha256"] == pr.schedule_sources_hash(), (
-        f"the engine changed since megatron_lbp/bench/traces was recorded "
-        f"({pr.changed_sources(index.get('schedule_sources'))}): re-record with {pr.RECORD_COMMAND} ({pr.RECORD_MINUTES}) and commit the directory")
+    assert index["trace_format_version"] == TRACE_FORMAT_VERSION, (
+        f"the committed traces are in trace format {index['trace_format_version']}, the "
+        f"reader's is {TRACE_FORMAT_VERSION}: re-record with {pr.RECORD_COMMAND} "
+        f"({pr.RECORD_MINUTES}) and commit the directory")
     assert index["command"] == pr.RECORD_COMMAND
-    assert index["schedule_sources"] == pr.source_hashes()
+    assert index["reference"] == pr.REFERENCE and (pr.TRACES_DIR / pr.REFERENCE["file"]).is_file()
     traces = pr.default_traces()
     for model in pj.MODELS.values():
         for scheme in pj.DEFAULT_SCHEMES:
@@ -46,28 +50,57 @@ def test_committed_traces_are_todays_engine_schedule():
             assert any(i["pass"] == "recompute" for i in records[-1]["compute"])
 
 
-def test_the_schedule_hash_sees_code_not_comments():
-    src = 'def f(x):\n    """Why."""\n    return x + 1  # a comment\n'
-    assert pr.code_of(src) == pr.code_of('def f(x):\n    # moved\n    return x + 1\n')
-    assert pr.code_of(src) != pr.code_of('def f(x):\n    return x + 2\n')
-    sources = pr.schedule_sources()
-    files = {rel: (pr.REPO / rel).read_text() for rel in sources}
-    first = sources[0]
-    touched = dict(files, **{first: files[first] + "\nX = 1\n"})
-    assert pr.schedule_sources_hash(files.get) == pr.schedule_sources_hash()
-    assert pr.schedule_sources_hash(touched.get) != pr.schedule_sources_hash()
-    # every engine module counts but those that take no part in a step, a new one included
-    assert "megatron_lbp/engine/schedule.py" in sources and "megatron_lbp/engine/comm.py" in \
-        sources and not any(rel.endswith(tuple(pr.NOT_SCHEDULE)) for rel in sources)
-    added = dict(files, **{"megatron_lbp/engine/chains.py": "X = 1\n"})
-    assert pr.schedule_sources_hash(added.get, [*sources, "megatron_lbp/engine/chains.py"]) != \
-        pr.schedule_sources_hash()
-    # and the staleness message names what moved
-    now = pr.source_hashes()
-    recorded = dict(now, **{first: "0" * 64, "megatron_lbp/engine/old.py": "0" * 64})
-    recorded.pop(sources[-1])
-    assert pr.changed_sources(recorded, now) == (
-        f"changed: {first}; new: {sources[-1]}; gone: megatron_lbp/engine/old.py")
+def _reference_records():
+    return pr.load(pr.TRACES_DIR / pr.REFERENCE["file"])
+
+
+def test_the_structure_keeps_the_program_and_drops_the_machine():
+    """A test of test_schedule's comparison: what the host's timing decides (times, trace ids)
+    leaves the structure; a changed order, overlap, collective or byte count does not."""
+    import copy
+
+    from megatron_lbp.projection.structure import difference, structure
+
+    records = _reference_records()
+    want = structure(records)
+    assert len(want) == 3 and all(len(s["program"]) > 50 for s in want), want[0]["program"][:5]
+
+    retimed = copy.deepcopy(records)
+    for r in retimed:
+        for c in [*r["collectives"], *r["carried"]]:
+            for key in ("issued", "wait", "done"):
+                c[key] = None if c[key] is None else c[key] * 3 + 1
+            c["id"] += 1000
+            c["after"] = None if c["after"] is None else c["after"] + 1000
+        for n in r["needs"]:
+            n["id"] += 1000
+            n["time"] *= 3
+    assert difference(structure(retimed), want) == ""
+
+    def changed(edit) -> str:
+        other = copy.deepcopy(records)
+        edit(other[-1])
+        return difference(structure(other), want)
+
+    def swap_two_computes(r):   # the order of two compute intervals
+        a, b = r["compute"][3], r["compute"][4]
+        a["start_seq"], b["start_seq"] = b["start_seq"], a["start_seq"]
+
+    def gather_one_interval_later(r):   # a prefetch gather issued after the compute it hid under
+        c = next(c for c in r["collectives"] if c["after"] is None and c["async"]
+                 and c["phase"] == "forward_gather" and c["micro_batch"] == 1)
+        later = min(i["start_seq"] for i in r["compute"] if i["start_seq"] > c["issued_seq"])
+        c["issued_seq"] = later + 0.5
+
+    def drop_a_collective(r):
+        r["collectives"].pop(len(r["collectives"]) // 2)
+
+    def more_bytes(r):
+        r["collectives"][0]["bytes"] += 2
+
+    for edit in (swap_two_computes, gather_one_interval_later, drop_a_collective, more_bytes):
+        why = changed(edit)
+        assert why.startswith(f"step {records[-1]['step']}, "), (edit.__name__, why)
 
 
 def test_phases_are_the_engines():
@@ -110,9 +143,11 @@ def test_the_replay_moves_the_plans_bytes_and_its_times_add_up(replayed):
                 assert r["tflops_per_gcd"] < 191.5 * 0.35, where
             assert rows["8"]["scaling_efficiency"] == 1.0
     assert set(replayed["ratios"]) == set(pj.project(GCDS and ("10B", "20B"), GCDS)["ratios"])
-    # Stale traces are test_committed_traces_are_todays_engine_schedule's failure; here the
-    # replay says so (with the command that re-records them) exactly when they are.
-    fresh = pr.read_index()["schedule_sources_sha256"] == pr.schedule_sources_hash()
+    # Traces of another format are test_committed_traces_are_in_the_readers_format's failure;
+    # here the replay says so (with the command that re-records them) exactly when they are.
+    from megatron_lbp.projection.trace import TRACE_FORMAT_VERSION
+
+    fresh = pr.read_index()["trace_format_version"] == TRACE_FORMAT_VERSION
     assert (replayed["stale"] == "") is fresh, replayed["stale"]
     assert fresh or pr.RECORD_COMMAND in replayed["stale"]
     assert replayed["idealised"]["micro_batches"] == 2 and replayed["idealised"]["recompute"]
@@ -182,7 +217,7 @@ def test_cli_replays_a_given_trace_and_refuses_bad_ones(tmp_path):
 
 
 def test_bench_trace_reads_a_compressed_trace(capsys):
-    from megatron_lbp.bench import trace
+    from megatron_lbp.projection import trace
 
     assert trace.main([str(pr.default_traces()["lbp"][32]), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)

@@ -14,7 +14,10 @@ the plan tool, given the same GPT shape, predicts the engine's bytes and memory
 exactly; the next units' gathers are issued before the current unit computes, in
 forward, backward and recomputation; gathers and reductions never share a
 communicator; the trace's fields, and its bytes against the comm report; the
-counters; ``bench trace`` on the files.
+counters; ``bench trace`` on the files; and, recorded in the same ranks, the
+reference trace of the committed traces (megatron_lbp/projection/traces): its
+program structure must be the committed one's, so an engine whose schedule
+changed fails here until the traces are re-recorded.
 """
 from __future__ import annotations
 
@@ -27,7 +30,9 @@ from dataclasses import asdict
 import pytest
 
 from megatron_lbp import costs, plan
-from megatron_lbp.bench import trace as bench_trace
+from megatron_lbp.projection import project_replay
+from megatron_lbp.projection import trace as bench_trace
+from megatron_lbp.projection.structure import difference, structure
 from megatron_lbp.engine.comm import ALL_PHASES
 from megatron_lbp.engine.trace import ScheduleTrace, output_path
 from megatron_lbp.testing.multirank import rank_location_env, run_on_ranks
@@ -84,6 +89,8 @@ def _runs(trace_dir):
             out[name]["in_flight_after_step"] = in_flight_after_step
     hier = trainer.hier
     untraced = setup_hier(TinyGPTSpec(num_layers=LAYERS), TRAIN, HIER)
+    # The committed traces' reference, recorded again in these ranks (2 layers, seconds).
+    project_replay.record_reference_on_rank(f"{trace_dir}/reference.jsonl")
     out["groups"] = {"secondary": hier.ranks["secondary"], "grad": hier.ranks["grad"],
                      "rank": dist.get_rank(), "untraced_has_trace": untraced.model.trace
                      is not None}
@@ -107,6 +114,22 @@ def _plan(k=TRAIN.micro_batches, extra=()):
                            "--num-layers", str(LAYERS), "--hidden-size", "64",
                            "--vocab-size", "128", "--params-dtype", "fp32",
                            "--micro-batches", str(k), "--json", *HIER, *extra])
+
+
+# --- the committed traces ----------------------------------------------------------------
+
+def test_the_committed_traces_are_todays_engine_schedule(ranks):
+    """The committed reference trace was recorded with the committed traces (one
+    ``record_traces`` call): today's engine must give its program structure again."""
+    assert (WORLD, NODE) == (project_replay.REFERENCE["ranks"],
+                             project_replay.REFERENCE["gpus_per_node"])
+    trace_dir, _ = ranks
+    fresh = _records(trace_dir, "reference")
+    committed = project_replay.load(project_replay.TRACES_DIR / project_replay.REFERENCE["file"])
+    why = difference(structure(fresh), structure(committed))
+    assert not why, (f"the engine's schedule is not the one megatron_lbp/projection/traces holds "
+                     f"({why}): re-record with {project_replay.RECORD_COMMAND} "
+                     f"({project_replay.RECORD_MINUTES}) and commit the directory")
 
 
 # --- units -------------------------------------------------------------------------------
@@ -376,7 +399,7 @@ def test_bench_trace_summarises_the_files(ranks, capsys):
     trace_dir, out = ranks
     pattern = str(trace_dir / "recompute-{rank}.jsonl")
     # A summary of files, but under a load of 400 the 120 s this had was not enough.
-    r = subprocess.run([sys.executable, "-m", "megatron_lbp.bench", "trace", pattern, "--json"],
+    r = subprocess.run([sys.executable, "-m", "benchmarks", "trace", pattern, "--json"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout)

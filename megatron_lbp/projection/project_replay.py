@@ -6,7 +6,7 @@ optimizer step's collectives are exposed. This module assumes nothing about
 overlap: it takes the program order of one rank from a schedule trace of the
 engine (``--hier-trace``, recorded on CPU with the target GPT's units: the
 embedding, L layers, the output layer) and replays it
-(megatron_lbp.bench.replay: a collective starts when issued and its
+(megatron_lbp.projection.replay: a collective starts when issued and its
 communicator is free, compute runs serially, a wait blocks until the
 collective is done) with these durations at the real shape:
 
@@ -36,17 +36,18 @@ micro-batches over the replayed step; scaling efficiency is relative to the
 same scheme at the smallest GCD count. The replayed bytes of each phase and
 link class are checked against the plan's (``bytes_match_plan``).
 
-Traces: ``megatron_lbp/bench/traces`` holds one per (layer count, scheme),
+Traces: ``megatron_lbp/projection/traces`` holds one per (layer count, scheme),
 rank 0's records of a few steps, described in its ``index.json`` (how each was
-recorded, and a hash of the code of each engine module that takes part in a
-step at the time: :func:`stale_traces` names those changed since);
-``record_traces`` (``bench project --record-traces DIR``) makes them.
+recorded, in which trace format: :func:`stale_traces` says when the reader's
+``TRACE_FORMAT_VERSION`` is another), and beside them a small reference trace
+recorded by the same call on a few ranks, whose program structure
+(megatron_lbp.projection.structure) a test records afresh and compares, so an
+engine whose schedule changed fails it; ``record_traces``
+(``python -m megatron_lbp.projection --record-traces DIR``) makes them all.
 """
 from __future__ import annotations
 
-import ast
 import gzip
-import hashlib
 import json
 import math
 import os
@@ -56,63 +57,23 @@ from types import SimpleNamespace
 from typing import Any, Mapping, Sequence
 
 from megatron_lbp import costs
-from megatron_lbp.bench import project as pj
-from megatron_lbp.bench.replay import ReplayError, explain, replay
+from megatron_lbp.projection import project as pj
+from megatron_lbp.projection.replay import ReplayError, explain, replay
 
 TRACES_DIR = Path(__file__).resolve().parent / "traces"
 INDEX = "index.json"
 REPO = Path(__file__).resolve().parents[2]
-ENGINE_DIR = "megatron_lbp/engine"
-# Engine modules that take no part in a traced training step's order; every
-# other module of the engine, one added later included, can change the program
-# order the committed traces hold.
-NOT_SCHEDULE = {"checkpoint.py": "saving and loading", "materialize.py": "building the model",
-                "memory.py": "memory accounting", "faults.py": "the tests' fault injection"}
-RECORD_COMMAND = "python -m megatron_lbp.bench project --record-traces megatron_lbp/bench/traces"
+RECORD_COMMAND = "python -m megatron_lbp.projection --record-traces megatron_lbp/projection/traces"
 RECORD_MINUTES = "~8 min on the 2-core machine when quiet, 13 min under heavy load"
 # A compute pass's time in forwards of its unit (backward: data and weight gradients).
 PASS_FORWARDS = {"forward": 1.0, "recompute": 1.0, "backward": 2.0}
 RECORD_DEFAULTS = {"layers": (44, 32), "schemes": pj.DEFAULT_SCHEMES, "ranks": 16,
                    "gpus_per_node": 8, "hidden": 64, "heads": 4, "vocab": 512, "seq": 32,
                    "micro_batch_size": 1, "micro_batches": 2, "steps": 3, "prefetch_units": 1}
-
-
-def code_of(source: str) -> str:
-    """A module's code without its comments, docstrings and line numbers (ast.dump)."""
-    tree = ast.parse(source)
-    for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                and body and isinstance(body[0], ast.Expr)
-                and isinstance(body[0].value, ast.Constant)
-                and isinstance(body[0].value.value, str)):
-            node.body = body[1:] or [ast.Pass()]
-    return ast.dump(tree)
-
-
-def schedule_sources(repo: Path = REPO) -> tuple[str, ...]:
-    """The engine's modules but NOT_SCHEDULE, as paths from the repository root, sorted."""
-    return tuple(sorted(f"{ENGINE_DIR}/{p.name}" for p in (repo / ENGINE_DIR).glob("*.py")
-                        if p.name not in NOT_SCHEDULE))
-
-
-def _read(rel: str) -> str:
-    return (REPO / rel).read_text()
-
-
-def source_hashes(read=_read, sources: Sequence[str] | None = None) -> dict[str, str]:
-    """{module: sha256 of its code}: a comment or docstring edit leaves it, a code change
-    moves it."""
-    return {rel: hashlib.sha256(code_of(read(rel)).encode()).hexdigest()
-            for rel in (schedule_sources() if sources is None else sources)}
-
-
-def schedule_sources_hash(read=_read, sources: Sequence[str] | None = None) -> str:
-    """sha256 over every schedule source's path and code hash, in order."""
-    h = hashlib.sha256()
-    for rel, digest in source_hashes(read, sources).items():
-        h.update(rel.encode() + b"\0" + digest.encode() + b"\0")
-    return h.hexdigest()
+# The reference trace: the committed traces' settings on 2 nodes of 4 GCDs and 2 layers, which
+# tests/test_schedule.py records afresh in the ranks it starts anyway (seconds, not minutes).
+REFERENCE = {"file": "reference-L2-lbp.jsonl.gz", "scheme": "lbp", "layers": 2, "ranks": 8,
+             "gpus_per_node": 4}
 
 
 # --------------------------------------------------------------------------- traces
@@ -135,7 +96,7 @@ def default_traces(directory: Path = TRACES_DIR) -> dict[str, dict[int, Path]]:
 
 def load(path: str | os.PathLike, rank: int = 0) -> list[dict[str, Any]]:
     """One rank's step records from a trace file (or ``{rank}`` pattern), in step order."""
-    from megatron_lbp.bench.trace import TraceError, read_records
+    from megatron_lbp.projection.trace import TraceError, read_records
 
     try:
         records = [r for r in read_records([str(path)]) if r["rank"] == rank]
@@ -361,11 +322,11 @@ def replay_projection(models: Sequence[str], gcds: Sequence[int], schemes: Seque
     return {"assumptions": {
                 "rules": "program order of rank 0's last traced step; a collective starts when "
                          "issued and its communicator is free; compute serial; a wait blocks "
-                         "until done (megatron_lbp/bench/replay.py)",
+                         "until done (megatron_lbp/projection/replay.py)",
                 "durations": "each unit's bytes from the cost model at the real shape and "
                              "GCD count, link figures as in the idealised model; each unit's "
                              "compute from its FLOPs at the assumed MFU "
-                             "(megatron_lbp/bench/project_replay.py)",
+                             "(megatron_lbp/projection/project_replay.py)",
                 "micro_batches": k, "recompute": recompute, "prefetch_units": depth,
                 "not_modelled": "bandwidth shared by concurrent collectives on one link class "
                                 "(each runs at full speed on its own communicator), host work "
@@ -385,31 +346,19 @@ def _shown(path: Path) -> str:
 
 
 def stale_traces(used: Mapping[str, Mapping[str, Any]]) -> str:
-    """'' when the committed traces used were recorded with today's schedule sources."""
+    """'' when the committed traces used are in the trace format this reader reads."""
+    from megatron_lbp.projection.trace import TRACE_FORMAT_VERSION
+
     committed = [t["path"] for by_model in used.values() for t in by_model.values()
                  if (REPO / t["path"]).parent == TRACES_DIR]
     if not committed:
         return ""
-    index = read_index()
-    if index.get("schedule_sources_sha256") == schedule_sources_hash():
+    recorded = read_index().get("trace_format_version")
+    if recorded == TRACE_FORMAT_VERSION:
         return ""
-    return (f"the committed traces were recorded with other engine code "
-            f"({changed_sources(index.get('schedule_sources'))}): the replay shows the "
-            f"schedule of then; re-record with `{RECORD_COMMAND}` ({RECORD_MINUTES}) and "
+    return (f"the committed traces are in trace format {recorded}, this reader's is "
+            f"{TRACE_FORMAT_VERSION}: re-record with `{RECORD_COMMAND}` ({RECORD_MINUTES}) and "
             f"commit {_shown(TRACES_DIR)}")
-
-
-def changed_sources(recorded: Mapping[str, str] | Sequence[str] | None,
-                    now: Mapping[str, str] | None = None) -> str:
-    """Which schedule sources differ from those the traces were recorded with, in words."""
-    now = source_hashes() if now is None else now
-    if not isinstance(recorded, Mapping):  # an index from before the per-module hashes
-        return f"{ENGINE_DIR}/ changed since"
-    parts = [(what, [rel for rel in names]) for what, names in (
-        ("changed", [r for r in now if r in recorded and recorded[r] != now[r]]),
-        ("new", [r for r in now if r not in recorded]),
-        ("gone", [r for r in recorded if r not in now]))]
-    return "; ".join(f"{what}: {', '.join(names)}" for what, names in parts if names)
 
 
 # --------------------------------------------------------------------------- output
@@ -421,7 +370,7 @@ def render(rep: Mapping[str, Any], paper: Mapping[str, Any],
     ``ratios`` and ``assumptions``), whose ratios stand beside the replayed ones."""
     a = rep["assumptions"]
     lines = ["", "Replayed schedule (the engine's traced program order at Frontier's figures; "
-             "megatron_lbp/bench/project_replay.py):",
+             "megatron_lbp/projection/project_replay.py):",
              f"  traces: {a['micro_batches']} micro-batch(es), "
              f"{'full recomputation' if a['recompute'] else 'no recomputation'}, prefetch "
              f"{a['prefetch_units']} unit(s) ahead: " + "; ".join(
@@ -509,18 +458,78 @@ def _record_on_rank(runs: list[dict[str, Any]], micro_batch_size: int, micro_bat
         gc.collect()
 
 
+def _engine_argv(scheme: str, cfg: Mapping[str, Any]) -> list[str]:
+    from megatron_lbp.projection.schemes import ENGINE_SCHEMES, GCDS_PER_PACKAGE
+
+    return ENGINE_SCHEMES[scheme] + ["--hier-gpus-per-node", str(cfg["gpus_per_node"]),
+                                     "--hier-gcds-per-package", str(GCDS_PER_PACKAGE),
+                                     "--hier-prefetch-units", str(cfg["prefetch_units"])]
+
+
+def _run(cfg: Mapping[str, Any], tmp: Path, n_layers: int, scheme: str, name: str) -> dict:
+    path = tmp / name
+    if path.exists():
+        path.unlink()  # the trace appends
+    return {"layers": n_layers, "scheme": scheme, "hidden": cfg["hidden"], "heads": cfg["heads"],
+            "vocab": cfg["vocab"], "seq": cfg["seq"], "file": name + ".gz",
+            "tmp_path": str(path), "argv": _engine_argv(scheme, cfg)}
+
+
+def _record_runs(runs: Sequence[dict[str, Any]], cfg: Mapping[str, Any], out: Path) -> None:
+    """Train ``runs`` on cfg's ranks; rank 0's records, rounded and gzipped, into ``out``."""
+    from megatron_lbp.testing.multirank import rank_location_env, run_on_ranks
+
+    run_on_ranks(_record_on_rank, cfg["ranks"], list(runs), cfg["micro_batch_size"],
+                 cfg["micro_batches"], cfg["steps"],
+                 rank_env=rank_location_env(cfg["gpus_per_node"]), timeout=3600)
+    for run in runs:
+        lines = Path(run["tmp_path"]).read_text().splitlines()
+        data = "".join(json.dumps(_rounded(json.loads(line))) + "\n" for line in lines if line)
+        # mtime 0: the same trace gives the same bytes
+        with gzip.GzipFile(out / run["file"], "wb", mtime=0) as f:
+            f.write(data.encode())
+        Path(run["tmp_path"]).unlink()
+
+
+def _reference() -> tuple[dict[str, Any], str]:
+    cfg = {**RECORD_DEFAULTS, **{k: REFERENCE[k] for k in ("ranks", "gpus_per_node")}}
+    return cfg, REFERENCE["file"].removesuffix(".gz")
+
+
+def record_reference_on_rank(trace_path: str | os.PathLike) -> None:
+    """On each of REFERENCE's ranks (already started, placed as its nodes): train the
+    reference run with its trace into ``trace_path`` (rank 0 writes; plain JSON lines)."""
+    cfg, _ = _reference()
+    path = Path(trace_path)
+    run = _run(cfg, path.parent, REFERENCE["layers"], REFERENCE["scheme"], path.name)
+    _record_on_rank([run], cfg["micro_batch_size"], cfg["micro_batches"], cfg["steps"])
+
+
+def record_reference(out_dir: str | os.PathLike) -> Path:
+    """The reference trace (REFERENCE: the committed traces' settings on 8 ranks, 2 layers)
+    into ``out_dir``; its path."""
+    cfg, name = _reference()
+    out = Path(out_dir)
+    tmp = out / ".recording"
+    tmp.mkdir(parents=True, exist_ok=True)
+    _record_runs([_run(cfg, tmp, REFERENCE["layers"], REFERENCE["scheme"], name)], cfg, out)
+    tmp.rmdir()
+    return out / REFERENCE["file"]
+
+
 def record_traces(out_dir: str | os.PathLike, *, layers: Sequence[int] = RECORD_DEFAULTS["layers"],
                   schemes: Sequence[str] = RECORD_DEFAULTS["schemes"], command: str = "",
                   log=print, **overrides) -> dict[str, Any]:
-    """Record one trace per (layer count, scheme) into ``out_dir`` and write its index.json.
+    """Record one trace per (layer count, scheme) into ``out_dir``, the reference trace beside
+    them, and write its index.json.
 
     Each is a tiny megatron-core GPT (bf16, full recomputation) trained through
     the engine on gloo ranks of this machine placed as Frontier nodes (8 GCDs
     in packages of 2, two nodes by default, so every group family of 384 GCDs
     has more than one rank); rank 0's records, gzip-compressed.
     """
-    from megatron_lbp.bench.traffic import ENGINE_SCHEMES, GCDS_PER_PACKAGE
-    from megatron_lbp.testing.multirank import rank_location_env, run_on_ranks
+    from megatron_lbp.projection.schemes import ENGINE_SCHEMES, GCDS_PER_PACKAGE
+    from megatron_lbp.projection.trace import TRACE_FORMAT_VERSION
 
     cfg = {**RECORD_DEFAULTS, **overrides, "layers": tuple(layers), "schemes": tuple(schemes)}
     bad = [s for s in schemes if s not in ENGINE_SCHEMES]
@@ -530,43 +539,22 @@ def record_traces(out_dir: str | os.PathLike, *, layers: Sequence[int] = RECORD_
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / ".recording"
     tmp.mkdir(exist_ok=True)
-    runs = []
-    for n_layers in layers:
-        for scheme in schemes:
-            name = f"L{n_layers}-{scheme}.jsonl"
-            path = tmp / name
-            if path.exists():
-                path.unlink()  # the trace appends
-            runs.append({"layers": n_layers, "scheme": scheme, "hidden": cfg["hidden"],
-                         "heads": cfg["heads"], "vocab": cfg["vocab"], "seq": cfg["seq"],
-                         "file": name + ".gz", "tmp_path": str(path),
-                         "argv": ENGINE_SCHEMES[scheme] + [
-                             "--hier-gpus-per-node", str(cfg["gpus_per_node"]),
-                             "--hier-gcds-per-package", str(GCDS_PER_PACKAGE),
-                             "--hier-prefetch-units", str(cfg["prefetch_units"])]})
+    runs = [_run(cfg, tmp, n_layers, scheme, f"L{n_layers}-{scheme}.jsonl")
+            for n_layers in layers for scheme in schemes]
     log(f"[record] {len(runs)} trace(s) on {cfg['ranks']} gloo ranks "
         f"({cfg['ranks'] // cfg['gpus_per_node']} nodes of {cfg['gpus_per_node']})")
-    run_on_ranks(_record_on_rank, cfg["ranks"], runs, cfg["micro_batch_size"],
-                 cfg["micro_batches"], cfg["steps"],
-                 rank_env=rank_location_env(cfg["gpus_per_node"]), timeout=3600)
-    entries = []
-    for run in runs:
-        lines = Path(run["tmp_path"]).read_text().splitlines()
-        data = "".join(json.dumps(_rounded(json.loads(line))) + "\n" for line in lines if line)
-        # mtime 0: the same trace gives the same bytes
-        with gzip.GzipFile(out / run["file"], "wb", mtime=0) as f:
-            f.write(data.encode())
-        Path(run["tmp_path"]).unlink()
-        entries.append({k: run[k] for k in ("file", "scheme", "layers", "hidden", "heads",
-                                            "vocab", "seq")} | {"engine_argv": run["argv"]})
+    _record_runs(runs, cfg, out)
     tmp.rmdir()
-    index = {"command": command,
+    log(f"[record] the reference trace on {REFERENCE['ranks']} ranks")
+    record_reference(out)
+    entries = [{k: run[k] for k in ("file", "scheme", "layers", "hidden", "heads", "vocab", "seq")}
+               | {"engine_argv": run["argv"]} for run in runs]
+    index = {"command": command, "trace_format_version": TRACE_FORMAT_VERSION,
              "ranks": cfg["ranks"], "gpus_per_node": cfg["gpus_per_node"],
              "gcds_per_package": GCDS_PER_PACKAGE, "micro_batch_size": cfg["micro_batch_size"],
              "micro_batches": cfg["micro_batches"], "steps": cfg["steps"], "recompute": True,
              "prefetch_units": cfg["prefetch_units"], "params_dtype": "bf16", "rank": 0,
-             "schedule_sources": source_hashes(),
-             "schedule_sources_sha256": schedule_sources_hash(), "traces": entries}
+             "reference": REFERENCE, "traces": entries}
     (out / INDEX).write_text(json.dumps(index, indent=1) + "\n")
-    log(f"[record] wrote {len(entries)} trace(s) and {INDEX} to {out}")
+    log(f"[record] wrote {len(entries)} trace(s), the reference and {INDEX} to {out}")
     return index

@@ -1,7 +1,7 @@
 """Exposed communication per phase, from the engine's schedule trace (``--hier-trace``).
 
-    python -m megatron_lbp.bench trace PATH [PATH ...] [--steps all|N|A-B] [--json]
-    python -m megatron_lbp.bench trace --record DIR [--ranks 8] [--gpus-per-node 4]
+    python -m megatron_lbp.projection trace PATH [PATH ...] [--steps all|N|A-B] [--json]
+    python -m megatron_lbp.projection trace --record DIR [--ranks 8] [--gpus-per-node 4]
         [--layers 4] [--hidden 128] [--steps 4] [--micro-batches 2] [--no-recompute]
         [--prefetch-units 1] [--json]
 
@@ -44,7 +44,7 @@ with S as above.
 Format of the trace: docs/schedule-trace.md.
 """
 from __future__ import annotations
-from megatron_lbp.bench import json_out
+from megatron_lbp.projection import json_out
 
 import argparse
 import glob
@@ -57,7 +57,12 @@ from typing import Any, Iterable, Sequence
 from megatron_lbp.engine.comm import ALL_PHASES
 from megatron_lbp.engine.trace import PASSES
 
-PROG = "python -m megatron_lbp.bench trace"
+PROG = "python -m megatron_lbp.projection trace"
+# The format of a trace record (docs/schedule-trace.md), which megatron_lbp/engine/trace.py
+# writes and this module and the replay read. Bump it when a field is added, removed or
+# changes its meaning: the committed traces (megatron_lbp/projection/traces/index.json)
+# carry the version they were recorded in, and a replay of others says to re-record them.
+TRACE_FORMAT_VERSION = 1
 
 
 class TraceError(Exception):
