@@ -194,7 +194,6 @@ def test_dry_run_frontier(site, model, nodes):
     assert flag(cmd, "--data-path") == site["env"]["DATA_PATH"]
     assert flag(cmd, "--vocab-file") == site["env"]["VOCAB_FILE"]
     assert flag(cmd, "--merge-file") == site["env"]["MERGE_FILE"]
-    assert flag(cmd, "--recompute-granularity") == "full"
     # SAVE_INTERVAL=auto from the estimated step time, a divisor of the 10000 milestones;
     # the exit time for the script's 2-hour job leaves one save, one step and the slack
     step = float(re.search(r"step time: ([\d.]+) s per iteration \(cost model", out).group(1))
@@ -214,7 +213,13 @@ def test_dry_run_frontier(site, model, nodes):
 
     params = int(re.search(r"parameters: ([\d,]+)", out).group(1).replace(",", ""))
     assert abs(params - shape["target"]) / shape["target"] < 0.05
-    assert f"W={8 * nodes} ranks, P=2 G=8 O={8 * nodes} S=8 (int8)" in out
+    W = 8 * nodes
+    assert {"lbp S=node": f"W={W} ranks, P=2 G=8 O={W} S=8 (int8)",
+            "lbp S=package": f"W={W} ranks, P=2 G=8 O={W} S=2 (int8)",
+            "lbp S=0": f"W={W} ranks, P=2 G=8 O={W} S=0 (no secondary)",
+            "zeropp": f"W={W} ranks, P={W} G={W} O={W} S=8 (int8)",
+            "zero3": f"W={W} ranks, P={W} G={W} O={W} S=0 (no secondary)",
+            "zero2": f"W={W} ranks, P=1 G={W} O={W} S=0 (no secondary)"}[scheme] in out
     m = re.search(r"memory per GCD total: state ([\d.]+) GB \+ transient ([\d.]+) GB .*\+ "
                   r"activations ([\d.]+) GB \+ margin ([\d.]+) GB = ([\d.]+) GB of 64 GB \(fits\)", out)
     assert m, out
@@ -432,10 +437,10 @@ def test_frontier_small_differs_only_in_its_overrides(site):
     assert "W=8 ranks, P=2 G=4 O=8 S=4 (int8)" in r.stdout and "flags for a CPU run" in r.stdout
     assert "SAVE_INTERVAL=auto" in r.stdout and "the --signal lead 150 s" in r.stdout
     # the diff names what no override explains (the small run's printout with two settings changed)
-    smuggled = r.stdout.replace(" --recompute-granularity full", " --recompute-granularity selective") \
+    smuggled = r.stdout.replace(" --hier-gcds-per-package 2", " --hier-gcds-per-package 4") \
         .replace(" --bf16", "").replace("OMP_NUM_THREADS=1", "OMP_NUM_THREADS=1 NCCL_DEBUG=INFO")
     named = [b.split(":")[0] for b in frontier_small.unexplained(real.stdout, smuggled, given)]
-    assert named == ["--bf16", "--recompute-granularity", "env NCCL_DEBUG"], named
+    assert sorted(named) == ["--bf16", "--hier-gcds-per-package", "env NCCL_DEBUG"], named
 
 
 def test_the_three_profiles_share_one_launcher():
