@@ -58,11 +58,36 @@ def scalars(iteration: int, args: Any, report: dict | None, optimizer: Any = Non
 
 
 def _last_trace_record(optimizer: Any) -> dict | None:
+    """The engine's last schedule-trace record (--hier-trace): the trace file's last line
+    (read from its end: the file grows by one record per step)."""
     for model in getattr(optimizer, "models", ()):
         trace = getattr(getattr(model, "comm", None), "trace", None)
-        if trace is not None and trace.last_record is not None:
-            return trace.last_record
+        path = getattr(trace, "path", None)
+        if path:
+            return _last_json_line(path)
     return None
+
+
+def _last_json_line(path: str) -> dict | None:
+    import json
+    import os
+
+    try:
+        with open(path, "rb") as f:
+            end = f.seek(0, os.SEEK_END)
+            pos, tail = end, b""
+            while pos > 0 and tail.count(b"\n") < 2:
+                step = min(1 << 16, pos)
+                pos -= step
+                f.seek(pos)
+                tail = f.read(step) + tail
+    except OSError:
+        return None
+    lines = [line for line in tail.splitlines() if line.strip()]
+    try:
+        return json.loads(lines[-1]) if lines else None
+    except ValueError:
+        return None
 
 
 def write(iteration: int, args: Any, report: dict | None, optimizer: Any = None) -> str:

@@ -127,7 +127,6 @@ class ScheduleTrace:
 
     def __init__(self, path: str, rank: int, clock=time.perf_counter) -> None:
         self.path = path
-        self.last_record: dict[str, Any] | None = None
         self.rank = rank
         self._clock = clock
         self.micro_batch: int | None = None   # the micro-batch being run (None: outside one)
@@ -219,7 +218,6 @@ class ScheduleTrace:
         }
         self._carried = [c for c in self._carried + self._collectives if c.done is None]
         append_json_line(self.path, record)
-        self.last_record = record   # the per-interval TensorBoard scalars read its exposed time
         self._open()
         return record
 
