@@ -20,6 +20,11 @@ and ``--preset`` are short spellings of ``--hier-gpus-per-node``,
 ``--hier-gcds-per-package`` and ``--hier-preset``; giving both spellings with
 different values is an error.
 
+``--choose`` (with the launcher estimate's flags: ``--num-attention-heads``,
+``--seq-length``, ``--global-batch-size`` ...) ranks the configurations for this machine
+and batch by projected step time under memory and prints the choice
+(``megatron_lbp.launch.choose``).
+
 Every user error exits with status 2 and one line on stderr that names the
 flag, the value and the rule; ``main(argv)`` returns that status instead of
 exiting, for in-process callers.
@@ -44,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import decimal
+import functools
 import json
 import sys
 from typing import Any, Sequence
@@ -250,10 +256,9 @@ def plan_from_args(args: argparse.Namespace) -> dict[str, Any]:
             quantize_weight_gather=args.hier_quantize_weight_gather,
             quantize_grad_reduce=args.hier_quantize_grad_reduce)
         check_training_dtypes(cfg, args.params_dtype)
-        locations = emulated_locations(world, gpn, gpp)
-        groups = hierarchy_groups(range(world), cfg)
-        warnings = check_colocation(groups, locations, allow=args.hier_allow_non_colocated)
-        classes = family_link_classes(groups, locations)
+        groups, warnings, classes = _topology(world, gpn, gpp, cfg,
+                                              bool(args.hier_allow_non_colocated))
+        warnings, classes = list(warnings), dict(classes)
         qgz = costs.quantized_grad_families(cfg, classes)
         check_quantized_grad_families(cfg, qgz)
         result = costs.estimate(cfg, numels, classes, param_dtype=args.params_dtype,
@@ -317,6 +322,18 @@ def plan_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "link_classes": classes,
         "warnings": warnings,
     }
+
+
+@functools.lru_cache(maxsize=64)
+def _topology(world: int, gpn: int, gpp: int, cfg, allow: bool):
+    """(groups, colocation warnings, link class per family) of one hierarchy on the emulated
+    placement. Cached: it is most of a plan's time at hundreds of ranks, and a ranking plans
+    each scheme at several micro-batch counts (megatron_lbp.launch.choose); callers copy
+    what they hand out."""
+    locations = emulated_locations(world, gpn, gpp)
+    groups = hierarchy_groups(range(world), cfg)
+    warnings = check_colocation(groups, locations, allow=allow)
+    return groups, tuple(warnings), family_link_classes(groups, locations)
 
 
 def _group_of(rank: int, fam_groups: list[tuple[int, ...]]) -> tuple[int, ...]:
@@ -418,6 +435,11 @@ def render(plan: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit status (2 for any user error)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--choose" in argv:   # the configuration by projected step time (launch/choose.py)
+        from megatron_lbp.launch import choose
+
+        return choose.main(argv)
     try:
         args = build_parser().parse_args(argv)
         plan = plan_from_args(args)

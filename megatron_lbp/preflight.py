@@ -28,9 +28,15 @@ class PreflightError(ValueError):
 
 
 def check(args: Any) -> None:
-    datasets = _check_data(args)
-    _check_tokenizer_and_data(args, datasets)
+    check_data_and_tokenizer(args)
     _check_checkpoint_shape(args)
+
+
+def check_data_and_tokenizer(args: Any) -> dict[str, dict[str, int]]:
+    """The --data-path and tokenizer checks (the launcher's dry run runs these too:
+    megatron_lbp/launch/contents.py): per prefix {documents, tokens, sampled, top, vocab}."""
+    datasets = _check_data(args)
+    return _check_tokenizer_and_data(args, datasets)
 
 
 def _data_prefixes(args) -> list[str]:
@@ -70,6 +76,14 @@ def _check_data(args) -> dict[str, Any]:
             ds = _open_indexed(prefix)
             if len(ds) == 0:
                 raise PreflightError(f"--data-path {prefix}: the dataset has no documents")
+            # A .bin cut short (a copy that stopped) reads as garbage or fails mid-training.
+            index = ds.index
+            need = int(index.sequence_pointers[-1]) + \
+                int(index.sequence_lengths[-1]) * index.dtype_size
+            have = os.path.getsize(prefix + ".bin")
+            if have != need:
+                raise PreflightError(f"--data-path {prefix}: {prefix}.bin has {have} bytes, the "
+                                     f"index describes {need}: a truncated or mismatched pair")
         except PreflightError:
             raise
         except Exception as err:  # a torn or foreign file: say which, not Megatron's traceback
@@ -91,7 +105,7 @@ def _open_indexed(prefix: str):
     return _Checked(prefix, mmap=True)
 
 
-def _check_tokenizer_and_data(args, datasets: dict[str, Any]) -> None:
+def _check_tokenizer_and_data(args, datasets: dict[str, Any]) -> dict[str, dict[str, int]]:
     from megatron_lbp import tokenizer_check
 
     try:
@@ -99,10 +113,11 @@ def _check_tokenizer_and_data(args, datasets: dict[str, Any]) -> None:
     except tokenizer_check.TokenizerInputError as err:
         raise PreflightError(str(err)) from None
     if getattr(args, "mock_data", False):
-        return
+        return {}
     vocab = exact or getattr(args, "padded_vocab_size", None)
     if not vocab:
-        return
+        return {}
+    found = {}
     source = getattr(args, "tokenizer_model", None) or getattr(args, "vocab_file", None) or ""
     for prefix, ds in datasets.items():
         seen, top = 0, -1
@@ -117,6 +132,9 @@ def _check_tokenizer_and_data(args, datasets: dict[str, Any]) -> None:
                 f"--data-path {prefix} holds token id {top} but the tokenizer "
                 f"({getattr(args, 'tokenizer_type', '?')} {source}) has a vocabulary of "
                 f"{vocab}: the data was tokenized with another tokenizer")
+        found[prefix] = {"documents": len(ds), "tokens": int(ds.sequence_lengths.sum()),
+                         "sampled": seen, "top": top, "vocab": vocab}
+    return found
 
 
 def _check_checkpoint_shape(args) -> None:

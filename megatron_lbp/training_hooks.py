@@ -260,6 +260,10 @@ def after_training_log(iteration: int, args: Any, loss_dict: dict | None = None)
     import torch.distributed as dist
 
     line = interval_line(iteration)
+    from megatron_lbp import tensorboard_scalars
+
+    line = line and line + tensorboard_scalars.write(
+        iteration, args, report, _state["optimizers"][-1] if _state["optimizers"] else None)
     # Megatron prints its iteration line on the last rank; this one follows it there.
     if line and dist.get_rank() == dist.get_world_size() - 1:
         print(line, flush=True)

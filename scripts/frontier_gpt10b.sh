@@ -98,8 +98,8 @@
 #   Model and training
 #     NUM_LAYERS [32] HIDDEN_SIZE [5120] NUM_ATTENTION_HEADS [40] SEQ_LENGTH [2048]
 #     VOCAB_SIZE_PADDED [50304] GLOBAL_BATCH_SIZE [1536 = 3.1 M tokens]
-#     MICRO_BATCH_SIZE [auto: the largest the memory estimate fits with RECOMPUTE]
-#     RECOMPUTE [full; selective, none, or auto: the least recomputation that fits]
+#     MICRO_BATCH_SIZE [auto]  RECOMPUTE [auto; full, selective, none]: with HIER_PRESET,
+#                    chosen by projected step time among what fits (see LBP_DRY_RUN below)
 #     TRAIN_ITERS [150000] LR [1.2e-4] MIN_LR [1.2e-5] LR_WARMUP_ITERS [1500]
 #     WEIGHT_DECAY [0.01] CLIP_GRAD [1.0] PRECISION [bf16]
 #     LOG_INTERVAL [10] EVAL_INTERVAL [1000] EVAL_ITERS [10]
@@ -117,17 +117,25 @@
 #     LBP_HEALTH_EXPECT_GBPS [package=200,node=50,network=12.5: the cost model's]
 #     LBP_HEALTH_MB [64] GCD_MEMORY_GB [64] LBP_MEMORY_RESERVE_GB [4]
 #   Hierarchy (--hier-partition --hier-preset HIER_PRESET)
-#     HIER_PRESET [lbp: P = 2 (package), G = 8 (node), O = all; zeropp: P = G = O = all with
-#                 the node's secondary copy (hpZ) and int8 weight gathers (qwZ); zero3, zero2,
+#     HIER_PRESET [auto when neither it nor HIER_SECONDARY_GROUP_SIZE is given: the
+#                 fastest fitting by projected step time of lbp (S = node, package, 0), zeropp,
+#                 zero3, zero2. lbp: P = 2 (package), G = 8 (node), O = all; zeropp: P = G = O = all
+#                 with the node's secondary copy (hpZ) and int8 weight gathers (qwZ); zero3, zero2,
 #                 hsdp: no secondary copy]. Each preset implies its own defaults below.
 #     HIER_SECONDARY_GROUP_SIZE [lbp, zeropp: TASKS_PER_NODE = 8, the node; zero3, zero2,
 #                 hsdp: 0]  HIER_SECONDARY_DTYPE [int8]
 #   LBP_DRY_RUN=1 or --dry-run: print the srun and training commands, the parameter
 #     count, the per-GCD memory of each recomputation/micro-batch choice, the step time,
 #     save interval, checkpoint size, exit time for the #SBATCH -t (LBP_WALLTIME), the
-#     retention and the free space, launch nothing. LBP_COMPARE_SCHEMES=1 adds the
-#     ranking of lbp, zeropp, zero3 and zero2 configurations at GLOBAL_BATCH_SIZE by
-#     projected step time (the explicit HIER_PRESET and MICRO_BATCH_SIZE still win).
+#     retention and the free space, launch nothing. Every run ranks the candidates
+#     (scheme x recomputation x micro-batch size at GLOBAL_BATCH_SIZE) by projected step
+#     time — the engine's committed schedule trace replayed where one matches, the cost
+#     model otherwise, each row says which — drops those that do not fit, takes the
+#     fastest that the explicit HIER_PRESET / MICRO_BATCH_SIZE / RECOMPUTE allow, and
+#     prints the top rows and the best zeropp and zero3 rows with their ratios
+#     (megatron_lbp/launch/choose.py; LBP_CHOOSE=0: the old rule, no ranking).
+#     LBP_LINKS=FILE: the step times from measured links (a job's health check writes
+#     them to $CHECKPOINT_DIR/lbp_links.json; docs/frontier.md, "Measure, then choose").
 #
 # Why the int8 secondary copy over S = 8 (the node), as for 20B: from
 # python -m megatron_lbp.plan for this model (GB per GCD, weights + int8
@@ -164,6 +172,10 @@ export LBP_REPO
 : "${TRAIN_ITERS:=150000}" "${LR:=1.2e-4}" "${MIN_LR:=1.2e-5}" "${LR_WARMUP_ITERS:=1500}"
 # The int8 secondary copy spans the node, whatever the node holds (8 GCDs on Frontier);
 # a preset without one (zero3, zero2, hsdp) implies none: its own default, not this one.
+# Neither HIER_PRESET nor HIER_SECONDARY_GROUP_SIZE given: the launcher chooses the scheme
+# (and with RECOMPUTE/MICRO_BATCH_SIZE=auto those too) by projected step time.
+[ -n "${HIER_PRESET:-}${HIER_SECONDARY_GROUP_SIZE:-}" ] || : "${LBP_CHOOSE_SCHEME:=1}"
+: "${RECOMPUTE:=auto}"
 case "${HIER_PRESET:-lbp}" in
   lbp|zeropp) : "${HIER_SECONDARY_GROUP_SIZE:=${TASKS_PER_NODE:-8}}" ;;
   *) : "${HIER_SECONDARY_GROUP_SIZE:=0}" ;;

@@ -72,7 +72,7 @@ else
 fi
 [ "$want_test" = 1 ] && cat "$repo/requirements-test.txt" >>"$reqs"
 echo "[install] requirements"
-"${pip[@]}" install -c "$constraints" -r "$reqs"
+"${pip[@]}" install -c "$constraints" -r "$reqs" "torch==$installed_torch"
 
 if [ "$want_test" = 1 ]; then
   # The Hugging Face tests build their models with transformers, kept out of the venv's

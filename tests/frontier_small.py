@@ -29,7 +29,12 @@ ALLOWED = {
     "LBP_HEALTH_MIN_FRACTION": "device (loopback links)", "LBP_HEALTH_MB": "device (loopback links)",
     "DATA_PATH": "path", "VOCAB_FILE": "path", "MERGE_FILE": "path", "CHECKPOINT_DIR": "path",
     "LBP_WALLTIME": "job length (a dry run's -t)",
+    # The profile chooses these by Frontier's projected step time (megatron_lbp/launch/
+    # choose.py), which says nothing about CPU ranks: the small run names them.
+    "HIER_PRESET": "device (the projection is Frontier's)",
+    "RECOMPUTE": "device (the projection is Frontier's)",
 }
+CHOICE = ("HIER_PRESET", "RECOMPUTE")
 SIZE = ("NUM_LAYERS", "HIDDEN_SIZE", "NUM_ATTENTION_HEADS", "SEQ_LENGTH", "GLOBAL_BATCH_SIZE",
         "VOCAB_SIZE_PADDED", "NNODES", "TASKS_PER_NODE")
 CPU = ("LBP_REQUIRE_GPU",)   # a CPU run: the capability check adds what only a CPU needs
@@ -50,9 +55,14 @@ EXPLAINED_BY = {
     "--seq-length": ("SEQ_LENGTH",), "--max-position-embeddings": ("SEQ_LENGTH",),
     "--global-batch-size": ("GLOBAL_BATCH_SIZE",),
     # MICRO_BATCH_SIZE=auto: the largest that fits and divides the batch over the ranks
-    "--micro-batch-size": ("MICRO_BATCH_SIZE", "GLOBAL_BATCH_SIZE", "NNODES", "TASKS_PER_NODE"),
+    # (and the choice by projected step time: the fastest that fits)
+    "--micro-batch-size": ("MICRO_BATCH_SIZE", "GLOBAL_BATCH_SIZE", "NNODES", "TASKS_PER_NODE")
+    + CHOICE,
     "--hier-gpus-per-node": ("TASKS_PER_NODE",),
-    "--hier-secondary-group-size": ("TASKS_PER_NODE",),   # the node
+    "--hier-secondary-group-size": ("TASKS_PER_NODE",) + CHOICE,   # the node, or the choice's
+    "--hier-preset": CHOICE, "--hier-secondary-dtype": CHOICE,
+    "--recompute-granularity": CHOICE, "--recompute-method": CHOICE,
+    "--recompute-num-layers": CHOICE,
     # SAVE_INTERVAL=auto: about 45 min at the step time estimated for this size
     "--save-interval": SIZE,
     # EXIT_DURATION_MINS=auto: the job's time left minus a save of this size

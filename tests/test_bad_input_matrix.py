@@ -277,6 +277,13 @@ LAUNCHER = [
            {"NNODES": "2", "DATA_PATH": "{tmp}/nope", "TOKENIZER_MODEL": str(REPO / "tokenizer" / "lbp_bpe.model")},
            "DATA_PATH"),
     launch("local profile, NNODES=two", LOCAL, ["--dry-run"], {"NNODES": "two"}, "NNODES=two"),
+    # the content checks (real files; the site's stand-ins are not a dataset): data tokenized
+    # with another vocabulary stops the dry run before anything else
+    launch("data tokenized with another tokenizer", SCRIPTS["20b"], ["--dry-run"],
+           {"NNODES": "4", "LBP_CHECK_CONTENTS": "1", "TOKENIZER_TYPE": "SentencePieceTokenizer",
+            "TOKENIZER_MODEL": str(REPO / "tokenizer" / "lbp_bpe.model"),
+            "DATA_PATH": "{tmp}/foreign_text_document"},
+           ("holds token id 9999", "another tokenizer"), build=lambda c: _foreign_data(c)),
     launch("HuggingFaceTokenizer given a hub name", SCRIPTS["20b"], ["--dry-run"],
            {"NNODES": "2", "TOKENIZER_TYPE": "HuggingFaceTokenizer", "TOKENIZER_MODEL": "gpt2"},
            ("TOKENIZER_MODEL=gpt2 is not a local directory",)),

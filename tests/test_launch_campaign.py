@@ -414,15 +414,24 @@ def _health_rank(argv, hosts):
     return code, out.getvalue(), err.getvalue()
 
 
-def test_health_check_on_real_ranks():
-    """2 emulated nodes x 2 ranks: one all-gather per link class, and a refusal naming nodes."""
+def test_health_check_on_real_ranks(tmp_path):
+    """2 emulated nodes x 2 ranks: one all-gather per link class, the measured figures written
+    for the estimate (--links-out), and a refusal naming nodes."""
     hosts = ["nodeA", "nodeA", "nodeB", "nodeB"]
     base = ["--tasks-per-node", "2", "--gcds-per-package", "2", "--gpus-per-task", "0",
             "--megabytes", "0.25"]
-    res = run_on_ranks(_health_rank, 4, base + ["--expect", "package=0.0001,network=0.0001"],
+    links = tmp_path / "links.json"
+    res = run_on_ranks(_health_rank, 4, base + ["--expect", "package=0.0001,network=0.0001",
+                                                "--links-out", str(links)],
                        hosts, init_process_group=False, timeout=240)
     assert [c for c, _, _ in res] == [0, 0, 0, 0], res
     out = res[0][1]
+    # the file holds the medians the check printed (3 significant digits there)
+    measured = health.read_links(str(links))
+    assert set(measured) == {"package", "network"}, measured
+    for cls, bw in measured.items():
+        printed = float(re.search(rf"\[lbp health\] {cls}: .*?median ([\d.e+-]+) GB/s", out).group(1))
+        assert bw / 1e9 == pytest.approx(printed, rel=5e-3), (cls, bw, printed)
     assert "[lbp health] 2 node(s) x 2 ranks, torch" in out and "backend gloo" in out
     assert "[lbp health] package: all-gather of 0.25 MiB per rank" in out
     assert "[lbp health] network: " in out and "between nodeA and nodeB" in out

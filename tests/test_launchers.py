@@ -68,6 +68,9 @@ def site(tmp_path):
         MERGE_FILE=str(tmp_path / "gpt2-merges.txt"),
         CHECKPOINT_DIR=str(tmp_path / "ckpt"),
         LBP_ACTIVATE="",  # the test's own interpreter is first on PATH
+        # The stand-in files above are not a tokenizer or a dataset: the content checks have
+        # their own tests on real files (tests/test_launch_contents.py, the bad-input matrix).
+        LBP_CHECK_CONTENTS="0",
     )
     return {"env": env, "tmp": tmp_path, "srun_marker": calls}
 
@@ -134,7 +137,9 @@ OLCF_ENV = ("NCCL_CROSS_NIC=1", "NCCL_NET_GDR_LEVEL=PHB", "NCCL_SOCKET_IFNAME=hs
 @pytest.mark.parametrize("model", ["20b", "10b"])
 @pytest.mark.parametrize("nodes", [4, 48])
 def test_dry_run_frontier(site, model, nodes):
-    r = run(SCRIPTS[model], site, "--dry-run", NNODES=nodes)
+    # 48 nodes: the launcher chooses the scheme too; 4: the explicit HIER_PRESET wins.
+    r = run(SCRIPTS[model], site, "--dry-run", NNODES=nodes,
+            HIER_PRESET=None if nodes == 48 else "lbp")
     assert r.returncode == 0, r.stderr + r.stdout
     out = r.stdout
     assert not site["srun_marker"].exists()
@@ -158,20 +163,29 @@ def test_dry_run_frontier(site, model, nodes):
     assert flag(cmd, "--hidden-size") == str(shape["hidden"])
     assert flag(cmd, "--num-attention-heads") == str(shape["heads"])
     assert flag(cmd, "--seq-length") == "2048"
-    # MICRO_BATCH_SIZE=auto: the largest the estimate fits with full recomputation
-    mbs = int(flag(cmd, "--micro-batch-size"))
-    assert f"choice: RECOMPUTE=full MICRO_BATCH_SIZE={mbs} (MICRO_BATCH_SIZE=auto" in out
-    assert re.search(rf"RECOMPUTE=full +MICRO_BATCH_SIZE={mbs} .* fits  <- chosen", out)
-    bigger = re.search(rf"RECOMPUTE=full +MICRO_BATCH_SIZE={2 * mbs} .*", out)
-    assert bigger is None or "DOES NOT FIT" in bigger.group(0)
+    # The ranking's chosen row (the fastest that fits, megatron_lbp/launch/choose.py) is what
+    # the training command runs; tests/test_launch_choose.py checks the ranking itself.
+    m = re.search(r"^\[lbp\]   (?:\.\.\. \(#\d+\) )?(lbp S=\w+|zeropp|zero3|zero2) +RECOMPUTE=(\w+) +"
+                  r"MICRO_BATCH_SIZE=(\d+) .*<- chosen$", out, re.M)
+    assert m, out
+    scheme, rc, mbs = m.group(1), m.group(2), int(m.group(3))
+    assert nodes == 48 or scheme == "lbp S=node", scheme      # explicit HIER_PRESET=lbp, S = 8
+    assert flag(cmd, "--micro-batch-size") == str(mbs)
+    assert (f"choice: RECOMPUTE={rc} MICRO_BATCH_SIZE={mbs} (the fastest fitting by projected "
+            "step time") in out
+    assert re.search(rf"  RECOMPUTE={rc} +MICRO_BATCH_SIZE={mbs} .* fits  <- chosen", out)
+    assert "best zeropp: " in out and "best zero3: " in out
+    assert (flag(cmd, "--recompute-granularity") if "--recompute-granularity" in cmd
+            else "none") == rc
     assert int(flag(cmd, "--global-batch-size")) % (8 * nodes * mbs) == 0
     for f in ("--bf16", "--hier-partition", "--log-throughput", "--exit-signal-handler"):
         assert f in cmd
-    assert flag(cmd, "--hier-preset") == "lbp"
+    secondary = {"lbp S=node": 8, "lbp S=package": 2, "zeropp": 8}.get(scheme, 0)
+    assert flag(cmd, "--hier-preset") == scheme.split()[0]
     assert flag(cmd, "--hier-gpus-per-node") == "8"
     assert flag(cmd, "--hier-gcds-per-package") == "2"
-    assert flag(cmd, "--hier-secondary-group-size") == "8"
-    assert flag(cmd, "--hier-secondary-dtype") == "int8"
+    assert flag(cmd, "--hier-secondary-group-size") == str(secondary)
+    assert secondary == 0 or flag(cmd, "--hier-secondary-dtype") == "int8"
     ckpt = site["env"]["CHECKPOINT_DIR"]
     assert flag(cmd, "--save") == ckpt and flag(cmd, "--load") == ckpt
     assert flag(cmd, "--ckpt-format") == "torch_dist"
@@ -180,7 +194,6 @@ def test_dry_run_frontier(site, model, nodes):
     assert flag(cmd, "--data-path") == site["env"]["DATA_PATH"]
     assert flag(cmd, "--vocab-file") == site["env"]["VOCAB_FILE"]
     assert flag(cmd, "--merge-file") == site["env"]["MERGE_FILE"]
-    assert flag(cmd, "--recompute-granularity") == "full"
     # SAVE_INTERVAL=auto from the estimated step time, a divisor of the 10000 milestones;
     # the exit time for the script's 2-hour job leaves one save, one step and the slack
     step = float(re.search(r"step time: ([\d.]+) s per iteration \(cost model", out).group(1))
@@ -200,7 +213,13 @@ def test_dry_run_frontier(site, model, nodes):
 
     params = int(re.search(r"parameters: ([\d,]+)", out).group(1).replace(",", ""))
     assert abs(params - shape["target"]) / shape["target"] < 0.05
-    assert f"W={8 * nodes} ranks, P=2 G=8 O={8 * nodes} S=8 (int8)" in out
+    W = 8 * nodes
+    assert {"lbp S=node": f"W={W} ranks, P=2 G=8 O={W} S=8 (int8)",
+            "lbp S=package": f"W={W} ranks, P=2 G=8 O={W} S=2 (int8)",
+            "lbp S=0": f"W={W} ranks, P=2 G=8 O={W} S=0 (no secondary)",
+            "zeropp": f"W={W} ranks, P={W} G={W} O={W} S=8 (int8)",
+            "zero3": f"W={W} ranks, P={W} G={W} O={W} S=0 (no secondary)",
+            "zero2": f"W={W} ranks, P=1 G={W} O={W} S=0 (no secondary)"}[scheme] in out
     m = re.search(r"memory per GCD total: state ([\d.]+) GB \+ transient ([\d.]+) GB .*\+ "
                   r"activations ([\d.]+) GB \+ margin ([\d.]+) GB = ([\d.]+) GB of 64 GB \(fits\)", out)
     assert m, out
@@ -242,18 +261,18 @@ def test_dry_run_node_count_from_env_allocation_or_script(site):
 
 
 def test_selective_recompute_where_the_estimate_allows_it(site):
-    # 10B on 48 nodes: selective fits up to micro-batch 2 (~54 GB; 4 would need ~81 GB)
-    r = run(SCRIPTS["10b"], site, "--dry-run", NNODES=48, RECOMPUTE="selective")
+    # 10B on 48 nodes, lbp: selective fits up to micro-batch 2 (~54 GB; 4 would need ~81 GB)
+    r = run(SCRIPTS["10b"], site, "--dry-run", NNODES=48, RECOMPUTE="selective", HIER_PRESET="lbp")
     assert r.returncode == 0, r.stderr
     cmd = training_line(r.stdout)
     assert flag(cmd, "--recompute-granularity") == "selective" and "--recompute-method" not in cmd
     assert flag(cmd, "--micro-batch-size") == "2"
     # 20B: selective keeps 34sbh per layer, ~68 GB with the engine's buffers even on 48 nodes
-    r = run(SCRIPTS["20b"], site, "--dry-run", NNODES=48, RECOMPUTE="selective")
+    r = run(SCRIPTS["20b"], site, "--dry-run", NNODES=48, RECOMPUTE="selective", HIER_PRESET="lbp")
     assert r.returncode == 3 and "RECOMPUTE=selective" in r.stderr and "or set RECOMPUTE=full" in r.stderr
-    r = run(SCRIPTS["10b"], site, "--dry-run", NNODES=16, RECOMPUTE="auto")
-    assert r.returncode == 0 and "choice: RECOMPUTE=selective MICRO_BATCH_SIZE=2 (auto" in r.stdout, \
-        r.stderr + r.stdout
+    r = run(SCRIPTS["10b"], site, "--dry-run", NNODES=16, RECOMPUTE="auto", HIER_PRESET="lbp")
+    assert r.returncode == 0 and "choice: RECOMPUTE=selective MICRO_BATCH_SIZE=2 (the fastest" \
+        in r.stdout, r.stderr + r.stdout
 
 
 def test_exit_time_for_a_debug_and_an_extended_job(site):
@@ -418,10 +437,10 @@ def test_frontier_small_differs_only_in_its_overrides(site):
     assert "W=8 ranks, P=2 G=4 O=8 S=4 (int8)" in r.stdout and "flags for a CPU run" in r.stdout
     assert "SAVE_INTERVAL=auto" in r.stdout and "the --signal lead 150 s" in r.stdout
     # the diff names what no override explains (the small run's printout with two settings changed)
-    smuggled = r.stdout.replace(" --recompute-granularity full", " --recompute-granularity selective") \
+    smuggled = r.stdout.replace(" --hier-gcds-per-package 2", " --hier-gcds-per-package 4") \
         .replace(" --bf16", "").replace("OMP_NUM_THREADS=1", "OMP_NUM_THREADS=1 NCCL_DEBUG=INFO")
     named = [b.split(":")[0] for b in frontier_small.unexplained(real.stdout, smuggled, given)]
-    assert named == ["--bf16", "--recompute-granularity", "env NCCL_DEBUG"], named
+    assert sorted(named) == ["--bf16", "--hier-gcds-per-package", "env NCCL_DEBUG"], named
 
 
 def test_the_three_profiles_share_one_launcher():
@@ -462,7 +481,7 @@ def test_a_preset_implies_its_defaults_and_the_grad_dtype_is_one_setting(site):
 
 
 def test_refuses_when_memory_exceeds_the_gcd(site):
-    r = run(SCRIPTS["20b"], site, NNODES=1, SLURM_JOB_ID=1, SLURM_JOB_NUM_NODES=1)
+    r = run(SCRIPTS["20b"], site, NNODES=1, SLURM_JOB_ID=1, SLURM_JOB_NUM_NODES=1, HIER_PRESET="lbp")
     assert r.returncode == 3, r.stdout + r.stderr
     assert "DOES NOT FIT" in r.stdout
     assert "refusing to launch" in r.stderr and "exceeds the GCD's 64 GB" in r.stderr

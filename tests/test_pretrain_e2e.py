@@ -46,7 +46,8 @@ def lbp(demo_dataset, tmp_path_factory, results):
     """(exit status, log, losses, checkpoint directory) of lbp on 8 ranks, saving every 10 iterations."""
     ckpt = str(tmp_path_factory.mktemp("ckpt"))
     return (*run_pretrain(8, _args(demo_dataset, *LBP8, "--save", ckpt,
-                                   "--save-interval", str(SAVED_AT)),
+                                   "--save-interval", str(SAVED_AT),
+                                   "--tensorboard-dir", f"{ckpt}/tensorboard"),
                           env={"LBP_RESULT_FILE": str(results / "lbp.json")}), ckpt)
 
 
@@ -147,3 +148,48 @@ def test_each_run_leaves_a_result_file_that_matches_its_log(stock, lbp, results)
     assert lbp_r["ledger_bytes_per_step"]["network"] > 0, lbp_r["ledger_bytes_per_step"]
     assert stock_r["peak_memory_per_gcd"]["allocated_bytes"] is None, stock_r["peak_memory_per_gcd"]
     assert stock_r["ledger_bytes_per_step"]["source"].startswith("not measured"), stock_r
+
+
+def _printed(text: str) -> tuple[float, float]:
+    """(value in bytes, half a unit of its last printed digit) of "1.2345 GB" / "1.234 MB"."""
+    number, unit = text.split()
+    scale = {"GB": 1e9, "MB": 1e6}[unit]
+    decimals = len(number.partition(".")[2])
+    return float(number) * scale, 0.5 * 10 ** -decimals * scale
+
+
+def test_tensorboard_has_megatrons_scalars_and_the_interval_lines_figures(lbp):
+    """--tensorboard-dir: Megatron's writer holds its own scalars and megatron-lbp's
+    (megatron_lbp/tensorboard_scalars.py), equal to the figures of the interval log lines."""
+    import re
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    code, log, _, ckpt = lbp
+    assert code == 0, why(log)
+    events = EventAccumulator(f"{ckpt}/tensorboard", size_guidance={"scalars": 0})
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert "lm loss" in tags, sorted(tags)                       # Megatron's own
+    scalars = {t: {e.step: e.value for e in events.Scalars(t)} for t in tags
+               if t.startswith("megatron-lbp/")}
+    lines = re.findall(r"\[megatron-lbp\] iteration +(\d+) \| bytes sent/step (.*)", log)
+    assert len(lines) == ITERS, len(lines)
+    fields = {"package": "bytes sent per step/package", "node": "bytes sent per step/node",
+              "network": "bytes sent per step/network", "held primary": "held bytes/primary",
+              "secondary": "held bytes/secondary", "grad": "held bytes/grad",
+              "optimizer": "held bytes/optimizer", "peak transient": "held bytes/peak_transient"}
+    for it, rest in lines:
+        it = int(it)
+        for name, tag in fields.items():
+            text = re.search(rf"(?:^|\| |\s){name} ([\d.]+ [GM]B)", rest).group(1)
+            value, tolerance = _printed(text)
+            got = scalars[f"megatron-lbp/{tag}"][it]
+            assert abs(got - value) <= tolerance + 1e-6 * value, (it, name, got, text)
+        rate = re.search(r"tokens/s ([\d.]+)", rest)
+        if it == 1:
+            assert rate is None and it not in scalars["megatron-lbp/tokens per second"]
+        else:
+            assert scalars["megatron-lbp/tokens per second"][it] == pytest.approx(
+                float(rate.group(1)), abs=0.05 + 1e-6 * float(rate.group(1))), (it, rest)
+    assert scalars["megatron-lbp/bytes sent per step/node"][ITERS] > 0

@@ -10,6 +10,7 @@ COMMANDS = {
     "checkpoints": "megatron_lbp.launch.checkpoints",
     "placement": "megatron_lbp.launch.placement",
     "health": "megatron_lbp.launch.health",
+    "contents": "megatron_lbp.launch.contents",
 }
 
 

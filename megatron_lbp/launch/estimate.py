@@ -38,6 +38,7 @@ Exit status: 0, 3 (does not fit; the message names what would), 2 (bad input).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import shlex
 import sys
@@ -102,6 +103,33 @@ def plan_argv(a, world_size: int, micro_batches: int = 1) -> list[str]:
     if a.untie_embeddings_and_output_weights:
         argv += ["--untie-embeddings-and-output-weights"]
     return argv
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(argv: tuple[str, ...]) -> dict:
+    return plan.make_plan(list(argv))
+
+
+def cached_plan(argv: list[str]) -> dict:
+    """plan.make_plan, once per argv (a ranking asks each scheme's plan at several micro-batch
+    counts, and the report asks again); the dict is shared: read it, never change it."""
+    return _plan(tuple(argv))
+
+
+def load_links(path: str) -> dict[str, float]:
+    """{class: bytes/s per GCD, one direction} from the health check's --links-out file."""
+    from megatron_lbp.launch.health import read_links
+
+    return read_links(path)
+
+
+def link_model(a):
+    """The link figures the step time uses: measured ones (``--links FILE``, the health
+    check's) when given, else the cost model's Frontier figures (project.LinkModel)."""
+    from megatron_lbp.bench import project
+
+    links = getattr(a, "links", None)
+    return project.LinkModel.from_measured(links) if links else project.LinkModel()
 
 
 def activation_bytes(a, recompute: str, micro_batch_size: int) -> int:
@@ -169,7 +197,7 @@ def step_seconds(a, p: dict, recompute: str, micro_batch_size: int) -> float:
     compute = project.ComputeModel(mfu=a.mfu, seq_length=a.seq_length,
                                    micro_batch_size=micro_batch_size,
                                    recompute=recompute == "full")
-    t = project.step_time(p, _model(a), compute=compute)["step_s"]
+    t = project.step_time(p, _model(a), links=link_model(a), compute=compute)["step_s"]
     if recompute == "selective":
         tokens = p["micro_batches"] * micro_batch_size * a.seq_length
         t += tokens * 4 * a.num_layers * a.hidden_size * a.seq_length / (
@@ -186,7 +214,7 @@ def _micro_batch_sizes(a, world: int) -> list[int]:
 def choices(a) -> tuple[list[Choice], dict]:
     """Every (recompute, micro-batch) this job could run with, and the plan at micro-batch count 1."""
     world = a.nodes * a.tasks_per_node
-    base = plan.make_plan(plan_argv(a, world, 1))
+    base = cached_plan(plan_argv(a, world, 1))
     limit = a.gcd_memory_gb * GB
     reserve = a.reserve_gb * GB
     state = base["memory_bytes"]["total"]
@@ -200,7 +228,7 @@ def choices(a) -> tuple[list[Choice], dict]:
             if k < 1:
                 continue
             if k not in plans:
-                plans[k] = plan.make_plan(plan_argv(a, world, k))
+                plans[k] = cached_plan(plan_argv(a, world, k))
             p = plans[k]
             act = activation_bytes(a, rc, b)
             transient = p["transient_bytes"]["peak"]
@@ -239,7 +267,7 @@ def smallest_fitting_nodes(a, choice: Choice, base: dict) -> int | None:
     # The transient shrinks with more ranks (the step's 1/O gradients) and fewer micro-batches:
     # its value at the largest job with one micro-batch is a floor.
     most = max(MOST_RANKS // a.tasks_per_node, a.nodes)
-    floor = plan.make_plan(plan_argv(a, most * a.tasks_per_node, 1))["transient_bytes"]["peak"]
+    floor = cached_plan(plan_argv(a, most * a.tasks_per_node, 1))["transient_bytes"]["peak"]
     if fixed + floor > limit:
         return None
     n = a.nodes + 1
@@ -249,7 +277,7 @@ def smallest_fitting_nodes(a, choice: Choice, base: dict) -> int | None:
     for n in range(n, min(most, n + 64) + 1):
         world = n * a.tasks_per_node
         k = max(1, a.global_batch_size // (choice.micro_batch_size * world))
-        p = plan.make_plan(plan_argv(a, world, k))
+        p = cached_plan(plan_argv(a, world, k))
         total = (p["memory_bytes"]["total"] + p["transient_bytes"]["peak"]
                  + choice.activation_bytes + choice.margin_bytes)
         if total <= limit and p["construction_peak_bytes"] + choice.margin_bytes <= limit:
@@ -325,6 +353,16 @@ RC_TEXT = {"full": "full recomputation", "selective": "selective recomputation",
 
 def report(a) -> tuple[list[str], dict, str | None]:
     """(stdout lines, resolved values, refusal line or None)."""
+    asked, ranked, row = a, None, None
+    if getattr(a, "choose", False) or a.preset == "auto":
+        from megatron_lbp.launch import choose
+
+        row, ranked = choose.choose(a)
+        # Nothing fits: the refusal speaks of the launcher's default scheme (lbp, the node's copy).
+        preset, sec = (row.preset, row.secondary) if row else (
+            (a.preset, a.hier_secondary_group_size) if a.preset != "auto" else
+            ("lbp", a.tasks_per_node))
+        a = argparse.Namespace(**{**vars(a), "preset": preset, "hier_secondary_group_size": sec})
     params = costs.gpt_param_count(a.num_layers, a.hidden_size, a.vocab_size,
                                    seq_length=a.seq_length,
                                    ffn_hidden_size=a.ffn_hidden_size or None,
@@ -354,7 +392,9 @@ def report(a) -> tuple[list[str], dict, str | None]:
         f"activations estimate + margin; step time: "
         + ("--step-seconds" if a.step_seconds else f"cost model, MFU {a.mfu:g}") + "):",
     ]
-    chosen = pick(options, a.recompute)
+    chosen = pick(options, a.recompute) if row is None else next(
+        c for c in options if (c.recompute, c.micro_batch_size)
+        == (row.choice.recompute, row.choice.micro_batch_size))
     for c in options:
         mark = "  <- chosen" if c is chosen else ""
         lines.append(f"  RECOMPUTE={c.recompute:<9} MICRO_BATCH_SIZE={c.micro_batch_size:<2} "
@@ -365,7 +405,11 @@ def report(a) -> tuple[list[str], dict, str | None]:
     explicit = a.recompute != "auto" and a.micro_batch_size != "auto"
     allowed = [c for c in options if a.recompute in ("auto", c.recompute)]
     shown = chosen or min(allowed, key=lambda c: c.total_bytes)
-    if explicit:
+    if row is not None:
+        how = ("the fastest fitting by projected step time among the candidates "
+               + ("the explicit settings leave open" if asked.preset != "auto" or explicit
+                  else "of every scheme") + ", the ranking below")
+    elif explicit:
         how = "as given"
     elif a.recompute == "auto":
         how = "auto: the least recomputation that fits, then the largest micro-batch"
@@ -402,8 +446,10 @@ def report(a) -> tuple[list[str], dict, str | None]:
                    f"{shown.micro_batch_size}); {hint}")
         return lines, {}, refusal
 
-    step = chosen.step_s
-    source = "--step-seconds" if a.step_seconds else f"cost model, MFU {a.mfu:g}"
+    step = chosen.step_s if row is None else row.choice.step_s
+    source = "--step-seconds" if a.step_seconds else (
+        f"{'replayed trace' if row and row.source == 'replay' else 'cost model'}, "
+        f"MFU {a.mfu:g}" + (", measured links" if getattr(a, "links", None) else ""))
     if a.save_interval == "auto":
         interval = nice_interval(a.save_minutes * 60 / step, a.train_iters, a.milestone_every)
         how = (f"SAVE_INTERVAL=auto: about every {a.save_minutes:g} min"
@@ -421,11 +467,15 @@ def report(a) -> tuple[list[str], dict, str | None]:
         f"(2 x bytes at {a.write_gbps_per_node:g} GB/s per node x {a.nodes} node(s) + "
         f"{a.save_fixed_s:g} s)",
     ]
-    if a.compare:
+    if row is not None:
+        lines += choose.ranking_lines(asked, ranked, row)
+    elif a.compare:
         lines += comparison_lines(a, chosen)
     resolved = {"MICRO_BATCH_SIZE": chosen.micro_batch_size, "RECOMPUTE": chosen.recompute,
                 "SAVE_INTERVAL": interval, "LBP_STEP_S": f"{step:.6g}",
                 "LBP_CKPT_BYTES": ckpt, "LBP_SAVE_S": f"{save_s:.6g}", "LBP_PARAMS": params}
+    if asked.preset == "auto":
+        resolved.update(HIER_PRESET=a.preset, HIER_SECONDARY_GROUP_SIZE=a.hier_secondary_group_size)
     return lines, resolved, None
 
 
@@ -458,7 +508,8 @@ def build_parser() -> argparse.ArgumentParser:
                     default="full")
     ap.add_argument("--ffn-hidden-size", type=int, default=0)
     ap.add_argument("--gcds-per-package", type=int, default=2)
-    ap.add_argument("--preset", default="lbp")
+    ap.add_argument("--preset", default="lbp",
+                    help="a preset, or auto: chosen by projected step time (needs --choose)")
     ap.add_argument("--hier-secondary-group-size", type=int, default=0)
     ap.add_argument("--hier-secondary-dtype", default="int8")
     ap.add_argument("--position-embedding-type", default="rope")
@@ -480,6 +531,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rank every scheme (lbp with each secondary copy, zeropp, zero3, zero2) "
                          "x recomputation x micro-batch size at this global batch by projected "
                          "step time, and say when another is projected faster")
+    ap.add_argument("--choose", action="store_true",
+                    help="choose the scheme (with --preset auto), recomputation and micro-batch "
+                         "size left auto by projected step time among those that fit "
+                         "(megatron_lbp.launch.choose), and print the ranking")
+    ap.add_argument("--links", default=None, metavar="FILE",
+                    help="measured link bandwidths (the health check's --links-out file) for "
+                         "the step time, instead of the cost model's Frontier figures")
     ap.add_argument("--resolved", default=None, help="write KEY=VALUE lines here")
     return ap
 
@@ -499,6 +557,13 @@ def main(argv=None) -> int:
     if not 0 < a.mfu <= 1:
         print(f"{PROG}: error: --mfu={a.mfu:g} must be in (0, 1]", file=sys.stderr)
         return 2
+    try:
+        a.links = load_links(a.links) if a.links else None
+    except (OSError, ValueError) as exc:
+        print(f"{PROG}: error: --links {a.links}: {exc}", file=sys.stderr)
+        return 2
+    if a.preset == "auto" and not a.choose:
+        a.choose = True
     try:
         lines, resolved, refusal = report(a)
     except (plan.UsageError, EstimateError) as exc:

@@ -29,6 +29,18 @@ over the median of three timed repetitions, compared with ``--expect`` (GB/s per
 default: the cost model's ``megatron_lbp.projection.project.LinkModel``). A node whose slowest
 rank is under ``--min-fraction`` of it on any class is named, and the check fails (exit 4)
 naming every such node. ``--skip-links`` keeps the device checks only.
+
+``--links-out FILE``: rank 0 also writes the measured figures as JSON, the median over
+ranks per link class (network: over both rounds of pairs), for the plan and the launcher's
+choice to use instead of the cost model's (``--links FILE`` of ``python -m
+megatron_lbp.launch estimate`` and ``python -m megatron_lbp.plan --choose``; LBP_LINKS in
+the launcher): ``{"convention": LINKS_CONVENTION, "GB_per_s_per_gcd": {class: GB/s}}``.
+
+Bandwidth convention, here and in every figure the plan and the projection use
+(project.LinkModel, LBP_HEALTH_EXPECT_GBPS): GB/s (1e9 bytes) per GCD, in one direction —
+the bytes one rank sends in a collective (chunk x (n-1) for a ring all-gather) over its
+seconds, while every rank of its groups sends at once. A bidirectional figure (a link's
+send + receive) is twice that.
 """
 from __future__ import annotations
 
@@ -45,6 +57,8 @@ CLASSES = ("package", "node", "network")
 FRONTIER_BUS_IDS = "c1,c6,c9,ce,d1,d6,d9,de"
 MiB = 1 << 20
 GB = 1e9
+LINKS_CONVENTION = ("GB/s (1e9 bytes) per GCD, one direction: bytes one rank sends / seconds, "
+                    "every rank of the class sending at once")
 
 
 class HealthError(RuntimeError):
@@ -190,6 +204,48 @@ def evaluate(samples: Mapping[str, Mapping[int, float]], hosts: Sequence[str],
     return lines, slow
 
 
+def measured_links(samples: Mapping[str, Mapping[int, float]]) -> dict[str, float]:
+    """{class: median GB/s over ranks} (network: both rounds of pairs together)."""
+    out = {}
+    for cls in CLASSES:
+        values = [bw for k, by_rank in samples.items()
+                  if k == cls or (cls == "network" and k.startswith("network"))
+                  for bw in by_rank.values()]
+        if values:
+            out[cls] = statistics.median(values)
+    return out
+
+
+def write_links(path: str, samples: Mapping[str, Mapping[int, float]], detail: str) -> None:
+    import json
+
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"convention": LINKS_CONVENTION, "GB_per_s_per_gcd": measured_links(samples),
+                   "measured": detail}, f, indent=1)
+    os.replace(tmp, path)
+
+
+def read_links(path: str) -> dict[str, float]:
+    """{class: bytes/s per GCD, one direction} from a --links-out file (ValueError if not one)."""
+    import json
+
+    with open(path) as f:
+        data = json.load(f)
+    figures = data.get("GB_per_s_per_gcd") if isinstance(data, dict) else None
+    if not isinstance(figures, dict) or not figures or \
+            data.get("convention") != LINKS_CONVENTION:
+        raise ValueError("not a link file of the health check (--links-out): it needs "
+                         '"convention" and "GB_per_s_per_gcd" {package, node, network}')
+    out = {}
+    for cls, value in figures.items():
+        if cls not in CLASSES or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{cls}={value!r}: give a link class ({', '.join(CLASSES)}) and "
+                             f"GB/s > 0")
+        out[cls] = float(value) * GB
+    return out
+
+
 def _pair_of(key: str, rank: int, nodes: int, tasks_per_node: int) -> tuple[int, int]:
     node = rank // tasks_per_node
     for pair in network_rounds(nodes)[int(key[len("network"):])]:
@@ -320,6 +376,11 @@ def run_step(a, env: Mapping[str, str]) -> int:
             report, slow = evaluate(samples, [r["host"] for r in records], T, expect,
                                     a.min_fraction, sizes)
             lines += report
+            if rank == 0 and a.links_out:
+                write_links(a.links_out, samples, f"{sizes['package'].split(',')[0]}, "
+                            f"{world // T} node(s) x {T} ranks, {dist.get_backend()}")
+                lines.append(f"links: measured figures written to {a.links_out} (the estimate "
+                             f"and plan --choose read them with --links / LBP_LINKS)")
             if slow:
                 names = ",".join(slow)
                 verdict = (f"slow links on {len(slow)} node(s): "
@@ -351,6 +412,8 @@ def main(argv=None, env: Mapping[str, str] | None = None) -> int:
     ap.add_argument("--megabytes", type=float, default=64.0)
     ap.add_argument("--gcd-bus-ids", default=FRONTIER_BUS_IDS)
     ap.add_argument("--skip-links", action="store_true")
+    ap.add_argument("--links-out", default=None, metavar="FILE",
+                    help="write the measured median GB/s per link class here (JSON)")
     a = ap.parse_args(argv)
     env = os.environ if env is None else env
     try:

@@ -58,6 +58,8 @@ lbp_health_step() {
               --min-fraction "$LBP_HEALTH_MIN_FRACTION" --megabytes "$LBP_HEALTH_MB"
               --gcd-bus-ids "$LBP_GCD_BUS_IDS")
   [ -n "$LBP_HEALTH_EXPECT_GBPS" ] && args+=(--expect "$LBP_HEALTH_EXPECT_GBPS")
+  # The measured figures, for the next estimate's choice (LBP_LINKS=$CHECKPOINT_DIR/lbp_links.json).
+  [ "$LBP_HEALTH_CHECK" = 1 ] && args+=(--links-out "$CHECKPOINT_DIR/lbp_links.json")
   if [ "$LBP_HEALTH_CHECK" = 0 ]; then
     [ "$GPUS_PER_TASK" -gt 0 ] || { lbp_log "health check: off (LBP_HEALTH_CHECK=0)"; return 0; }
     args+=(--skip-links)

@@ -100,10 +100,21 @@
 #   LBP_SETTINGS_OUT    a file: write the resolved settings there and stop (scripts/launch/lbp_study.sh)
 #   GCD_MEMORY_GB       device memory for the fit check (Frontier GCD: 64)
 #   LBP_MEMORY_RESERVE_GB  of it kept for HIP/RCCL buffers and fragmentation [4 on GPUs]
-#   LBP_COMPARE_SCHEMES [0]; 1: the estimate also ranks lbp (S = node, package, 0), zeropp,
-#                       zero3 and zero2 x recomputation x micro-batch at GLOBAL_BATCH_SIZE by
-#                       projected step time, prints the best zeropp and zero3 rows with their
-#                       ratio to the chosen one, and says when another is projected faster
+#   LBP_CHOOSE          [1]: the estimate ranks scheme x recomputation x micro-batch at
+#                       GLOBAL_BATCH_SIZE by projected step time (the committed trace replayed
+#                       where one matches, the cost model otherwise), drops what does not fit,
+#                       takes the fastest the explicit RECOMPUTE / MICRO_BATCH_SIZE (and, unless
+#                       the profile sets LBP_CHOOSE_SCHEME=1, HIER_PRESET) allow, prints the top
+#                       rows, the best zeropp and zero3 rows with their ratios, and one line when
+#                       another scheme is faster (megatron_lbp/launch/choose.py); 0: the old rule
+#                       (least recomputation, largest micro-batch), no ranking
+#   LBP_LINKS           a measured link file (the health check writes $CHECKPOINT_DIR/lbp_links.json
+#                       at every job start): step times from it instead of the Frontier figures
+#   LBP_CHECK_CONTENTS  [1]: before anything is submitted, the tokenizer builds and every DATA_PATH
+#                       prefix is a readable indexed dataset whose token ids fit the vocabulary
+#                       (a sample of 2^20 tokens each; python -m megatron_lbp.launch contents);
+#                       0: paths only
+#   LBP_COMPARE_SCHEMES [0]; 1 with LBP_CHOOSE=0: the ranking as advice only
 #   EXTRA_ARGS          more training flags (word-split)
 
 # shellcheck source-path=SCRIPTDIR source=lbp_site.sh
@@ -261,6 +272,25 @@ lbp_check_paths() {
   : "${DATA_CACHE_PATH=$CHECKPOINT_DIR/data_cache}" "${TENSORBOARD_DIR=$CHECKPOINT_DIR/tensorboard}"
 }
 
+# The inputs' contents, before anything is submitted: the tokenizer builds here, the data is a
+# readable indexed dataset whose token ids fit the vocabulary (megatron_lbp/launch/contents.py).
+lbp_check_contents() {
+  [ "${LBP_CHECK_CONTENTS:-1}" = 1 ] || { lbp_log "contents: not checked (LBP_CHECK_CONTENTS=0)"; return 0; }
+  local args=(--tokenizer-type "$TOKENIZER_TYPE" --vocab-size-padded "$VOCAB_SIZE_PADDED")
+  case "$TOKENIZER_TYPE" in
+    GPT2BPETokenizer) args+=(--vocab-file "$VOCAB_FILE" --merge-file "$MERGE_FILE") ;;
+    NullTokenizer) ;;
+    *) args+=(--tokenizer-model "$TOKENIZER_MODEL") ;;
+  esac
+  if [ "${MOCK_DATA:-0}" = 1 ]; then args+=(--mock-data)
+  else
+    # shellcheck disable=SC2206  # DATA_PATH may be a blend "w1 p1 w2 p2"
+    args+=(--data-path $DATA_PATH)
+  fi
+  lbp_py contents "${args[@]}" | sed 's/^/[lbp] /'
+  return "${PIPESTATUS[0]}"
+}
+
 # START_FROM: the imported model's flags, and the model variables the estimate reads from them.
 lbp_start_from() {
   LBP_START_FLAGS=()
@@ -331,11 +361,18 @@ lbp_estimate() {
   [ -n "$FFN_HIDDEN_SIZE" ] && args+=(--ffn-hidden-size "$FFN_HIDDEN_SIZE")
   [ -n "${LBP_STEP_SECONDS:-}" ] && args+=(--step-seconds "$LBP_STEP_SECONDS")
   [ "${LBP_COMPARE_SCHEMES:-0}" = 1 ] && args+=(--compare)
+  # The configuration by projected step time (megatron_lbp/launch/choose.py), the scheme
+  # too when the profile left it open (LBP_CHOOSE_SCHEME=1).
+  if [ "${LBP_CHOOSE:-1}" = 1 ]; then
+    args+=(--choose)
+    [ "${LBP_CHOOSE_SCHEME:-0}" = 1 ] && args+=(--preset auto)
+  fi
+  [ -n "${LBP_LINKS:-}" ] && args+=(--links "$LBP_LINKS")
   lbp_py estimate "${args[@]}" | sed 's/^/[lbp] /'
   local status=${PIPESTATUS[0]}
   [ "$status" = 0 ] || return "$status"
   lbp_read_resolved "$LBP_TMP/estimate" MICRO_BATCH_SIZE RECOMPUTE SAVE_INTERVAL LBP_STEP_S \
-    LBP_CKPT_BYTES LBP_SAVE_S
+    LBP_CKPT_BYTES LBP_SAVE_S HIER_PRESET HIER_SECONDARY_GROUP_SIZE
 }
 
 # Seconds before the end at which Slurm signals the job: sbatch's --signal=[R:|B:]SIG[@SECONDS]
@@ -632,6 +669,7 @@ lbp_main() {
   fi
   lbp_setup_python || return
   lbp_resolve_entry || return
+  lbp_check_contents || return
   lbp_estimate || return
   lbp_check_hierarchy || return
   lbp_retention_mode

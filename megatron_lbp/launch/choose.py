@@ -1,0 +1,232 @@
+"""The configuration to launch, chosen by projected step time under memory.
+
+For the user's model, node count and global batch, every candidate — scheme (lbp with the
+node's int8 secondary copy, with the package's, with none; zeropp; zero3; zero2; and the
+user's own preset when it is none of these) x recomputation (none, selective, full) x
+micro-batch size with the micro-batches per step that keep the global batch — gets:
+
+- its memory per GCD from the one memory model (``estimate.choices``: plan state + plan
+  transient + activations + margin, and the construction peak); rows that do not fit are
+  dropped from the choice (they are still ranked, marked);
+- its projected step time: the engine's committed schedule trace replayed at this shape
+  (``megatron_lbp.bench.project_replay``) where one matches — same scheme and layer count,
+  the trace's micro-batches per step, full recomputation (the traces are recorded with it),
+  the architecture the replay times (tied embedding, ffn 4h, bf16 weights, fp32 gradients),
+  Frontier's 8 GCDs per node in packages of 2 — and the idealised cost model
+  (``megatron_lbp.bench.project.step_time``) otherwise. Every row says which.
+
+The choice is the fastest fitting row among those the user left open: an explicit
+``--preset`` (HIER_PRESET, with its secondary size), ``--micro-batch-size`` or
+``--recompute`` restricts the candidates to it. Plans are computed once per (scheme,
+micro-batches per step) and the topology once per scheme (``plan._topology``), the traces
+read once, so that the ranking is cheap enough to run in every dry run.
+"""
+from __future__ import annotations
+
+import functools
+import gzip
+import json
+import sys
+from argparse import Namespace
+from dataclasses import dataclass, replace
+from typing import Any
+
+from megatron_lbp import plan
+from megatron_lbp.launch import estimate
+
+# (label, preset, secondary: "node", "package" or 0) — the schemes every ranking covers.
+SCHEMES = estimate.SCHEMES
+# label -> the scheme name of the committed traces (megatron_lbp/bench/traces/index.json).
+TRACED = {"lbp S=node": "lbp-int8-S8", "lbp S=0": "lbp", "zeropp": "zeropp", "zero3": "zero3"}
+
+
+@dataclass(frozen=True)
+class Row:
+    scheme: str
+    preset: str
+    secondary: int
+    choice: estimate.Choice
+    source: str          # "replay" (a committed trace at this shape) or "idealised"
+
+
+def secondary_size(a, sec) -> int:
+    return {"node": a.tasks_per_node, "package": a.gcds_per_package}.get(sec, sec or 0)
+
+
+def scheme_label(a, preset: str, secondary: int) -> str:
+    if preset != "lbp":
+        return preset
+    return "lbp S=" + ("node" if secondary == a.tasks_per_node else
+                       "package" if secondary == a.gcds_per_package else str(secondary))
+
+
+def _schemes(a) -> list[tuple[str, str, int]]:
+    out = [(label, preset, secondary_size(a, sec)) for label, preset, sec in SCHEMES]
+    if a.preset != "auto" and (a.preset, a.hier_secondary_group_size) not in \
+            {(p, s) for _, p, s in out}:
+        out.append((scheme_label(a, a.preset, a.hier_secondary_group_size), a.preset,
+                    a.hier_secondary_group_size))
+    return out
+
+
+# --------------------------------------------------------------------------- the replay
+
+
+@functools.lru_cache(maxsize=16)
+def _records(path: str) -> tuple:
+    """Rank 0's records of a committed trace, by step. Read here with gzip + json rather than
+    megatron_lbp.bench.trace.read_records, which imports the engine (torch: seconds at every
+    dry run); the records are the same JSON lines."""
+    with gzip.open(path, "rt") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return tuple(sorted((r for r in records if r["rank"] == 0), key=lambda r: r["step"]))
+
+
+@functools.lru_cache(maxsize=1)
+def _committed() -> dict[str, dict[int, Any]]:
+    from megatron_lbp.bench import project_replay as pr
+
+    try:
+        return pr.default_traces()
+    except pr.ReplayError:
+        return {}
+
+
+def trace_for(a, label: str, c: estimate.Choice) -> str | None:
+    """The committed trace whose replay times this row, or None (then: the idealised model)."""
+    if (label not in TRACED or c.recompute != "full" or a.tasks_per_node != 8
+            or a.gcds_per_package != 2 or a.untie_embeddings_and_output_weights
+            or a.ffn_hidden_size not in (0, 4 * a.hidden_size) or a.params_dtype != "bf16"
+            or a.hier_grad_reduce_dtype != "fp32" or a.position_embedding_type != "rope"
+            or (label == "lbp S=node" and a.hier_secondary_dtype != "int8")):
+        return None
+    path = _committed().get(TRACED[label], {}).get(a.num_layers)
+    if path is None:
+        return None
+    try:
+        records = _records(str(path))
+    except (OSError, ValueError, KeyError):
+        return None
+    return str(path) if records and records[-1]["micro_batches"] == c.micro_batches else None
+
+
+def replayed_step_s(a, p: dict, path: str, c: estimate.Choice) -> float | None:
+    """The trace at ``path`` replayed with ``p``'s bytes and link classes at this model's
+    compute (None when the replay refuses it: the idealised model then)."""
+    from megatron_lbp.bench import project as pj
+    from megatron_lbp.bench import project_replay as pr
+
+    compute = pj.ComputeModel(mfu=a.mfu, seq_length=a.seq_length,
+                              micro_batch_size=c.micro_batch_size, recompute=True)
+    try:
+        out = pr.replay_one(list(_records(path)), p, estimate._model(a),
+                            estimate.link_model(a), compute)
+    except (pr.ReplayError, KeyError, ValueError):
+        return None
+    return out["step_s"] if out.get("bytes_match_plan") else None
+
+
+# --------------------------------------------------------------------------- ranking
+
+
+def rank(a) -> list[Row]:
+    """Every candidate at the user's global batch, fastest first (fitting or not)."""
+    rows = []
+    world = a.nodes * a.tasks_per_node
+    for label, preset, secondary in _schemes(a):
+        b = Namespace(**{**vars(a), "preset": preset, "hier_secondary_group_size": secondary,
+                         "recompute": "auto", "micro_batch_size": "auto"})
+        try:
+            options, _ = estimate.choices(b)
+        except plan.UsageError:
+            continue   # the scheme cannot be built on this machine shape
+        for c in options:
+            source = "idealised"
+            path = None if a.step_seconds else trace_for(b, label, c)
+            if path:
+                t = replayed_step_s(b, estimate.cached_plan(estimate.plan_argv(
+                    b, world, c.micro_batches)), path, c)
+                if t is not None:
+                    c, source = replace(c, step_s=t), "replay"
+            rows.append(Row(label, preset, secondary, c, source))
+    # Ties (--step-seconds: one figure for all) keep the old rule: the least recomputation,
+    # the largest micro-batch, the schemes in their listed order.
+    return sorted(rows, key=lambda r: (r.choice.step_s,
+                                       estimate.RECOMPUTE_ORDER.index(r.choice.recompute),
+                                       -r.choice.micro_batch_size))
+
+
+def allowed(a, r: Row) -> bool:
+    """Whether the user's explicit settings leave this row open."""
+    return ((a.preset == "auto" or (r.preset == a.preset
+                                     and r.secondary == a.hier_secondary_group_size))
+            and a.micro_batch_size in ("auto", r.choice.micro_batch_size)
+            and a.recompute in ("auto", r.choice.recompute))
+
+
+def choose(a) -> tuple[Row | None, list[Row]]:
+    """(the fastest fitting row the user's settings allow, or None; the whole ranking)."""
+    rows = rank(a)
+    return next((r for r in rows if r.choice.fits and allowed(a, r)), None), rows
+
+
+def row_text(r: Row, chosen_s: float) -> str:
+    c = r.choice
+    return (f"{r.scheme:<14} RECOMPUTE={c.recompute:<9} MICRO_BATCH_SIZE={c.micro_batch_size:<2}"
+            f" ({c.micro_batches} per step): step {c.step_s:.4g} s ({r.source}), "
+            f"{c.step_s / chosen_s:.3f}x the chosen's, total {estimate.gb(c.total_bytes)}"
+            f"{'' if c.fits else ' DOES NOT FIT'}")
+
+
+def ranking_lines(a, rows: list[Row], chosen: Row, top: int = 5) -> list[str]:
+    """The top fitting rows, the best zeropp and zero3 rows at the same global batch with their
+    ratios to the chosen, and one line when a scheme other than the chosen's is faster."""
+    t = chosen.choice.step_s
+    fitting = [r for r in rows if r.choice.fits]
+    sources = sorted({r.source for r in fitting})
+    lines = [f"ranking at GLOBAL_BATCH_SIZE={a.global_batch_size} on {a.nodes} node(s) by "
+             f"projected step time ({' or '.join(sources) or 'none'}: replay = the engine's "
+             f"committed trace replayed, idealised = the cost model; MFU {a.mfu:g}; "
+             f"{len(fitting)} of {len(rows)} candidates fit):"]
+    lines += ["  " + row_text(r, t) + ("  <- chosen" if r == chosen else "")
+              for r in fitting[:top]]
+    if chosen not in fitting[:top]:   # the explicit settings kept it out of the top rows
+        lines.append(f"  ... (#{fitting.index(chosen) + 1}) " + row_text(chosen, t) + "  <- chosen")
+    for name in ("zeropp", "zero3"):
+        best = next((r for r in fitting if r.scheme == name), None)
+        lines.append(f"best {name}: " + (row_text(best, t) + f"; chosen/{name} step-time ratio "
+                                         f"{t / best.choice.step_s:.3f}" if best else "none fits"))
+    faster = next((r for r in fitting if r.scheme != chosen.scheme and r.choice.step_s < t), None)
+    if faster:
+        c = faster.choice
+        lines.append(f"projected faster: HIER_PRESET={faster.preset} HIER_SECONDARY_GROUP_SIZE="
+                     f"{faster.secondary} RECOMPUTE={c.recompute} MICRO_BATCH_SIZE="
+                     f"{c.micro_batch_size}, {c.step_s:.4g} s per step ({faster.source}) against "
+                     f"{t:.4g} s for the chosen {chosen.scheme} (your explicit settings win)")
+    return lines
+
+
+# --------------------------------------------------------------------------- plan --choose
+
+
+def main(argv) -> int:
+    """``python -m megatron_lbp.plan --choose``: the estimate's ranking and choice for W ranks.
+
+    Takes the estimate's flags (``python -m megatron_lbp.launch estimate --help``) with the
+    plan's spellings of the machine (``--world-size W --gpus-per-node N``, N default 8);
+    ``--preset`` and ``--recompute`` default to auto here."""
+    import argparse
+
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--world-size", type=int)
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--choose", action="store_true")
+    known, rest = ap.parse_known_args(argv)
+    if known.world_size is None or known.world_size < 1 or known.gpus_per_node < 1 or \
+            known.world_size % known.gpus_per_node:
+        print(f"{plan.PROG}: error: --choose needs --world-size W, a multiple of "
+              f"--gpus-per-node N (default 8)", file=sys.stderr)
+        return 2
+    return estimate.main(["--nodes", str(known.world_size // known.gpus_per_node),
+                          "--tasks-per-node", str(known.gpus_per_node), "--preset", "auto",
+                          "--recompute", "auto", "--choose", *rest])
