@@ -8,8 +8,8 @@ import re
 import pytest
 
 from megatron_lbp import plan
-from megatron_lbp.bench import project as pj
-from megatron_lbp.bench import project_replay as pr
+from megatron_lbp.projection import project as pj
+from megatron_lbp.projection import project_replay as pr
 from megatron_lbp.launch import choose, estimate
 from tests.test_launch_campaign import _shape
 

@@ -9,11 +9,11 @@ micro-batch size with the micro-batches per step that keep the global batch — 
   transient + activations + margin, and the construction peak); rows that do not fit are
   dropped from the choice (they are still ranked, marked);
 - its projected step time: the engine's committed schedule trace replayed at this shape
-  (``megatron_lbp.bench.project_replay``) where one matches — same scheme and layer count,
+  (``megatron_lbp.projection.project_replay``) where one matches — same scheme and layer count,
   the trace's micro-batches per step, full recomputation (the traces are recorded with it),
   the architecture the replay times (tied embedding, ffn 4h, bf16 weights, fp32 gradients),
   Frontier's 8 GCDs per node in packages of 2 — and the idealised cost model
-  (``megatron_lbp.bench.project.step_time``) otherwise. Every row says which.
+  (``megatron_lbp.projection.project.step_time``) otherwise. Every row says which.
 
 The choice is the fastest fitting row among those the user left open: an explicit
 ``--preset`` (HIER_PRESET, with its secondary size), ``--micro-batch-size`` or
@@ -36,7 +36,7 @@ from megatron_lbp.launch import estimate
 
 # (label, preset, secondary: "node", "package" or 0) — the schemes every ranking covers.
 SCHEMES = estimate.SCHEMES
-# label -> the scheme name of the committed traces (megatron_lbp/bench/traces/index.json).
+# label -> the scheme name of the committed traces (megatron_lbp/projection/traces/index.json).
 TRACED = {"lbp S=node": "lbp-int8-S8", "lbp S=0": "lbp", "zeropp": "zeropp", "zero3": "zero3"}
 
 
@@ -75,7 +75,7 @@ def _schemes(a) -> list[tuple[str, str, int]]:
 @functools.lru_cache(maxsize=16)
 def _records(path: str) -> tuple:
     """Rank 0's records of a committed trace, by step. Read here with gzip + json rather than
-    megatron_lbp.bench.trace.read_records, which imports the engine (torch: seconds at every
+    megatron_lbp.projection.trace.read_records, which imports the engine (torch: seconds at every
     dry run); the records are the same JSON lines."""
     with gzip.open(path, "rt") as f:
         records = [json.loads(line) for line in f if line.strip()]
@@ -84,7 +84,7 @@ def _records(path: str) -> tuple:
 
 @functools.lru_cache(maxsize=1)
 def _committed() -> dict[str, dict[int, Any]]:
-    from megatron_lbp.bench import project_replay as pr
+    from megatron_lbp.projection import project_replay as pr
 
     try:
         return pr.default_traces()
@@ -113,8 +113,8 @@ def trace_for(a, label: str, c: estimate.Choice) -> str | None:
 def replayed_step_s(a, p: dict, path: str, c: estimate.Choice) -> float | None:
     """The trace at ``path`` replayed with ``p``'s bytes and link classes at this model's
     compute (None when the replay refuses it: the idealised model then)."""
-    from megatron_lbp.bench import project as pj
-    from megatron_lbp.bench import project_replay as pr
+    from megatron_lbp.projection import project as pj
+    from megatron_lbp.projection import project_replay as pr
 
     compute = pj.ComputeModel(mfu=a.mfu, seq_length=a.seq_length,
                               micro_batch_size=c.micro_batch_size, recompute=True)

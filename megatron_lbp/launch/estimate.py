@@ -126,7 +126,7 @@ def load_links(path: str) -> dict[str, float]:
 def link_model(a):
     """The link figures the step time uses: measured ones (``--links FILE``, the health
     check's) when given, else the cost model's Frontier figures (project.LinkModel)."""
-    from megatron_lbp.bench import project
+    from megatron_lbp.projection import project
 
     links = getattr(a, "links", None)
     return project.LinkModel.from_measured(links) if links else project.LinkModel()
