@@ -1,5 +1,5 @@
 """python -m megatron_lbp.bench <command> [options]; commands: overhead, traffic, project, network, report,
-trace, construction."""
+trace, construction, study-network."""
 import importlib
 import sys
 
@@ -9,7 +9,8 @@ COMMANDS = {"overhead": "megatron_lbp.bench.overhead",
             "project": "megatron_lbp.bench.project",
             "network": "megatron_lbp.bench.network",
             "trace": "megatron_lbp.bench.trace",
-            "construction": "megatron_lbp.bench.construction"}
+            "construction": "megatron_lbp.bench.construction",
+            "study-network": "megatron_lbp.bench.study_network"}
 
 
 def main(argv=None) -> int:
