@@ -679,11 +679,13 @@ def test_local_slurm_job(tmp_path, local_slurm):
     jobs.mkdir()
     small = frontier_small.overrides()
     run_env = {**small, **paths}
-    # 1. The first job of a chain of two: 6 minutes, minus the pre-flight (health check
+    # 1. The first job of a chain of two: 5 minutes, minus the pre-flight (health check
     #    included) and the margin of 210 s (the profile's --signal=TERM@150 + the 60 s
-    #    Slurm may send it early; more than save 60 s + step + slack 120 s), leaves one or
-    #    two minutes of Megatron's clock. It is asked again (at most 4 times) where the
-    #    machine is so busy that the pre-flight took more than 90 s (the job refuses as too
+    #    Slurm may send it early; more than save 60 s + step + slack 120 s), leaves one
+    #    minute of Megatron's clock: the fewest iterations that show the exit time, and the
+    #    fewest the uninterrupted run of step 3 repeats (every minute of training here is
+    #    two of the test). It is asked again (at most 4 times) where the
+    #    machine is so busy that the pre-flight took more than 30 s (the job refuses as too
     #    short and submits nothing: then with the -t that this pre-flight, a quarter more,
     #    the margin and 90 s need), or that the first iteration ended only after Slurm's
     #    signal (Megatron looks at the signal before its clock: the backstop stopped it;
@@ -692,7 +694,7 @@ def test_local_slurm_job(tmp_path, local_slurm):
     #    the exit time again.
     next_args = (f"{' '.join(WHOLE_NODES)} -t 10 -o {jobs}/%x-%j.out -e {jobs}/%x-%j.err "
                  "--export=ALL,EXTRA_ARGS=--exit-interval=10")
-    retries, minutes = [], 6
+    retries, minutes = [], 5
     while len(retries) < 4:
         ckpt = tmp_path / f"ckpt{minutes}"
         first = _sbatch(env, jobs, "--chain", "2", time_limit=str(minutes), CHECKPOINT_DIR=ckpt,

@@ -281,10 +281,12 @@ def test_local_slurm_study(tmp_path, local_slurm):
         for i in (1, 3, 4):   # iteration 2's line is Megatron's mean of 1 and 2
             assert abs(loss[i] - logged[i]) <= 2e-6 * abs(logged[i]), (run_dir.name, i, loss[i], logged[i])
         assert res["nodes"] == int(run_dir.name[1:4]) and res["scaling"] == "weak", res
-        # STUDY_HEALTH_CHECK=first: the first run at each node count (lbp, in plan order) times the links
-        timed = "[lbp health] package: all-gather" in log
-        assert timed == (res["scheme"] == "lbp"), (run_dir.name, timed)
-    assert out.count("health check off (an earlier run timed the links of") == 4, out
+        # STUDY_HEALTH_CHECK=first: the first run at each node count (lbp, in plan order) checks the
+        # nodes and times their links; the others on the same nodes of the allocation check nothing
+        checked = "[lbp health] package: all-gather" in log
+        skipped = "health check: none (LBP_HEALTH_CHECK=none" in log
+        assert (checked, skipped) == ((True, False) if res["scheme"] == "lbp" else (False, True)), run_dir.name
+    assert out.count("health check none (an earlier run checked these") == 4, out
     text = (study / "runs" / "report.md").read_text()
     for run_dir in runs:
         res = result.load(str(run_dir / "result.json"))

@@ -30,9 +30,10 @@
 #   STUDY_DIR            where runs/, runs.tsv and report.md go [$PWD/study-<date>]
 #   STUDY_KEEP_CHECKPOINTS  1: keep each run's checkpoint (default: deleted after the run)
 #   STUDY_SBATCH_ARGS    more sbatch options (-A, -p, -C nvme, ...; word-split)
-#   STUDY_HEALTH_CHECK   first (the launcher's link check in the first run at each node count: the
-#                        runs share one allocation, so later runs on as many nodes would time the
-#                        same links again) or every [first]; LBP_HEALTH_CHECK=0 turns it off in all
+#   STUDY_HEALTH_CHECK   first (the launcher's health check, devices and links, in the first run at
+#                        each node count only: the runs share one allocation, so later runs on as
+#                        many nodes would check the same nodes again; they run with
+#                        LBP_HEALTH_CHECK=none) or every [first]; LBP_HEALTH_CHECK=0 applies to all
 #   LBP_NET_IFACES       interfaces whose byte counters each run reads (Frontier: hsn0,hsn1,hsn2,hsn3)
 # DeepSpeed schemes (benchmarks/deepspeed/) are not runs of this launcher yet: study_run_one is
 # where they join, with megatron_lbp/study/plan.py's SCHEMES.
@@ -93,15 +94,15 @@ study_plan() {  # prints the plan; writes $STUDY_DIR/runs.tsv
   "$PY" -m megatron_lbp.study plan "${args[@]}" || STUDY_STATUS=$? study_die "the plan was refused (above)"
 }
 
-STUDY_CHECKED_NODES=" "   # node counts whose links a run of this study has timed
+STUDY_CHECKED_NODES=" "   # node counts a run of this study has health-checked
 study_run_one() {  # study_run_one NAME NODES SCHEME GLOBAL_BATCH SEED
   local name=$1 nodes=$2 scheme=$3 gbs=$4 seed=$5 dir=$STUDY_DIR/runs/$1 status=0 sec
   local health=${LBP_HEALTH_CHECK:-1} check="health check on"
   mkdir -p "$dir"
-  if [ "$health" = 0 ]; then check="health check off (LBP_HEALTH_CHECK=0)"
+  if [ "$health" != 1 ]; then check="health check $health (LBP_HEALTH_CHECK=$health)"
   elif [ "$STUDY_HEALTH_CHECK" = first ]; then
     case "$STUDY_CHECKED_NODES" in
-      *" $nodes "*) health=0 check="health check off (an earlier run timed the links of $nodes node(s))" ;;
+      *" $nodes "*) health=none check="health check none (an earlier run checked these $nodes node(s))" ;;
       *) STUDY_CHECKED_NODES+="$nodes " ;;
     esac
   fi
