@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megatron_lbp.bench.study_network import SCHEMES   # each scheme's training flags, one place
+from benchmarks.study_network import SCHEMES   # each scheme's training flags, one place
 from tests.pretrain_runner import TINY, demo_data, run_pretrain, why
 
 

@@ -1,6 +1,6 @@
 """The adoption study on the emulated network (issue 29 item 4): the committed report in
 docs/study-emulated/ is what the report code gives from the committed result files (so the two
-cannot drift apart), and the benchmark that records them (python -m megatron_lbp.bench
+cannot drift apart), and the benchmark that records them (python -m benchmarks
 study-network) runs real training on namespaces and reads the uplinks' byte counters."""
 import json
 import shutil
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lbp.bench import netns, study_network
+from benchmarks import netns, study_network
 from megatron_lbp.study import report, result
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,7 +56,7 @@ def test_study_network_runs_and_counts_the_uplinks(tmp_path):
     why = netns.missing_requirements()
     if why:
         pytest.skip(why)
-    out = subprocess.run([sys.executable, "-m", "megatron_lbp.bench", "study-network", "--out", str(tmp_path),
+    out = subprocess.run([sys.executable, "-m", "benchmarks", "study-network", "--out", str(tmp_path),
                           "--nodes", "1,2", "--schemes", "lbp,zero3", "--iters", "4"],
                          capture_output=True, text=True, cwd=REPO, timeout=1800)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]

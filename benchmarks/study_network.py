@@ -1,11 +1,11 @@
 """The adoption study (issue 29) on the emulated network: real training runs, interface byte counters.
 
-    python -m megatron_lbp.bench study-network --out DIR [--nodes 1,2]
+    python -m benchmarks study-network --out DIR [--nodes 1,2]
         [--schemes lbp,zeropp,zero3,distopt] [--ranks-per-node 2] [--rate-mbit 200] [--iters 8]
 
 For every node count and scheme (the study's order: node counts ascending, schemes as given),
 one run of ``python -m megatron_lbp.pretrain_gpt`` with ``LBP_RESULT_FILE`` on a fresh emulated
-network (megatron_lbp.bench.netns: one namespace per node, its uplink ``up0`` shaped to
+network (benchmarks.netns: one namespace per node, its uplink ``up0`` shaped to
 ``--rate-mbit`` each way, ranks of a node on its loopback). Each rank is started with
 ``ip netns exec`` (which mounts the namespace's own /sys, so ``/sys/class/net/up0`` is that
 node's uplink) and ``LBP_NET_IFACES=up0``: the result file's ``interface_bytes`` are what
@@ -34,9 +34,9 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_lbp.bench import netns
+from benchmarks import netns
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 SCHEMES = {"lbp": ["--hier-partition", "--hier-preset", "lbp"],
            "zeropp": ["--hier-partition", "--hier-preset", "zeropp"],
            "zero3": ["--hier-partition", "--hier-preset", "zero3"],
@@ -127,7 +127,7 @@ def run_one(args, nodes: int, scheme: str, data: str, run_dir: Path) -> str:
 
 
 def parse(argv) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m megatron_lbp.bench study-network",
+    p = argparse.ArgumentParser(prog="python -m benchmarks study-network",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="the study's directory: runs/, report, network.json")
     p.add_argument("--nodes", default="1,2", help="emulated node counts [1,2]")
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     missing = netns.missing_requirements()
     if missing:
-        print(f"python -m megatron_lbp.bench study-network: error: {missing}", file=sys.stderr)
+        print(f"python -m benchmarks study-network: error: {missing}", file=sys.stderr)
         return 2
     netns.sweep_stale()
     out = Path(args.out).resolve()
@@ -175,14 +175,14 @@ def main(argv=None) -> int:
     data = build_demo_data(str(out / "data"), quiet=True)
     (out / "network.json").write_text(json.dumps({
         "what": "emulated nodes: one network namespace each, uplink veth shaped with tc tbf both ways, "
-                "ranks of a node on its loopback (megatron_lbp/bench/netns.py)",
+                "ranks of a node on its loopback (benchmarks/netns.py)",
         "uplink_rate_mbit_each_way": args.rate_mbit, "ranks_per_node": args.ranks_per_node,
         "interfaces_counted": netns.UPLINK, "nodes": args.node_counts, "schemes": args.scheme_list,
         "iterations": args.iters, "micro_batches_per_rank": args.micro_batches,
         "model": {"layers": args.layers, "hidden": args.hidden, "heads": args.heads,
                   "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size},
         "seed": args.seed, "host": {"cpus": os.cpu_count(), "python": platform.python_version()},
-        "command": "python -m megatron_lbp.bench study-network " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m benchmarks study-network " + " ".join(sys.argv[1:] if argv is None else argv),
     }, indent=1) + "\n")
     for nodes in args.node_counts:
         for scheme in args.scheme_list:
