@@ -595,7 +595,9 @@ def _wait_job(job: str, env: dict, timeout: float = 900.0) -> str:
     state = ""
     while time.monotonic() < deadline:
         state = _job_state(job, env)
-        if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+        # SIGNALING: Slurm is delivering the --signal (or a cancel) to the steps, the job is not over
+        if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SIGNALING", "STAGE_OUT",
+                         "SUSPENDED", "REQUEUED", "RESIZING"):
             return state
         time.sleep(2)
     subprocess.run(["scancel", job], env=env)

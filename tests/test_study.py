@@ -257,7 +257,10 @@ def test_local_slurm_study(tmp_path, local_slurm):
     env, study = local_slurm["env"], tmp_path / "study"
     run_env = {**env, **frontier_small.overrides(), **{k: str(v) for k, v in local_slurm["paths"].items()},
                "STUDY_NODES": "1,2", "STUDY_SCHEMES": "lbp,zero3,distopt", "STUDY_ITERS": "4",
-               "STUDY_SCALING": "weak", "STUDY_STEP_SECONDS": "5", "STUDY_STARTUP_S": "60",
+               # STUDY_STARTUP_S sizes the job's -t only (42 min; it ends when its runs do): at load
+               # 100-300 a run's start took 5-9 min, and a short -t leaves the last runs one iteration
+               # of exit time, or refuses them
+               "STUDY_SCALING": "weak", "STUDY_STEP_SECONDS": "5", "STUDY_STARTUP_S": "240",
                "STUDY_DIR": str(study), "LOG_INTERVAL": "1",
                "STUDY_SBATCH_ARGS": f"{' '.join(WHOLE_NODES)} --chdir {REPO}"}
     r = subprocess.run(["bash", str(STUDY), str(FRONTIER)], env=run_env, capture_output=True,
