@@ -1,5 +1,5 @@
 """python -m benchmarks <command> [options]; commands: overhead, traffic, project, network, report,
-trace, construction."""
+trace, construction, study-network."""
 import importlib
 import sys
 
@@ -9,7 +9,8 @@ COMMANDS = {"overhead": "benchmarks.overhead",
             "project": "megatron_lbp.projection.project",
             "network": "benchmarks.network",
             "trace": "megatron_lbp.projection.trace",
-            "construction": "benchmarks.construction"}
+            "construction": "benchmarks.construction",
+            "study-network": "benchmarks.study_network"}
 
 
 def main(argv=None) -> int:

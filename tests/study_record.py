@@ -15,12 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.study_network import SCHEMES   # each scheme's training flags, one place
 from tests.pretrain_runner import TINY, demo_data, run_pretrain, why
-
-SCHEMES = {"lbp": ["--hier-partition", "--hier-preset", "lbp"],
-           "zeropp": ["--hier-partition", "--hier-preset", "zeropp"],
-           "zero3": ["--hier-partition", "--hier-preset", "zero3"],
-           "distopt": ["--use-distributed-optimizer"]}
 
 
 def main(out: str) -> int:

@@ -614,7 +614,9 @@ def _wait_job(job: str, env: dict, timeout: float = 900.0) -> str:
     state = ""
     while time.monotonic() < deadline:
         state = _job_state(job, env)
-        if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+        # SIGNALING: Slurm is delivering the --signal (or a cancel) to the steps, the job is not over
+        if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SIGNALING", "STAGE_OUT",
+                         "SUSPENDED", "REQUEUED", "RESIZING"):
             return state
         time.sleep(2)
     subprocess.run(["scancel", job], env=env)
@@ -687,125 +689,115 @@ def _gpt2_data(tmp: Path, env: dict) -> dict:
 
 
 @pytest.mark.slow
-def test_local_slurm_job(tmp_path):
+def test_local_slurm_job(tmp_path, local_slurm):
     """scripts/frontier_gpt20b.sh at small size (scripts/frontier_small.env) on a real two-node
     Slurm, as a chain of two jobs: the first stops at the exit time it computed from its wall
     time, with a checkpoint, and what it ran differs from the profile's dry run only in the
     overrides; the second resumes from it with the losses of one uninterrupted run; the health
     check runs in both."""
-    if os.geteuid() != 0 or (shutil.which("apt-get") is None and shutil.which("slurmctld") is None):
-        pytest.skip("needs root and Debian's slurm packages (or apt-get)")
-    subprocess.run(["bash", str(LOCAL_SLURM), "install"], check=True)
-    cluster, jobs = tmp_path / "slurm", tmp_path / "jobs"
+    env, paths = local_slurm["env"], local_slurm["paths"]
+    jobs = tmp_path / "jobs"
     jobs.mkdir()
-    # OMP_NUM_THREADS: conftest's default for the test process, not a value the user exported
-    env = {k: v for k, v in os.environ.items()
-           if not (k.startswith("SLURM_") or k.startswith("LBP_") or k == "OMP_NUM_THREADS")}
-    env["SLURM_CONF"] = str(cluster / "etc" / "slurm.conf")
     small = frontier_small.overrides()
-    paths = _gpt2_data(tmp_path, {**env, "PYTHONWARNINGS": "ignore"})
     run_env = {**small, **paths}
-    try:
-        subprocess.run(["bash", str(LOCAL_SLURM), "start", str(cluster)], check=True, env=env)
+    # 1. The first job of a chain of two: 5 minutes, minus the pre-flight (health check
+    #    included) and the margin of 210 s (the profile's --signal=TERM@150 + the 60 s
+    #    Slurm may send it early; more than save 60 s + step + slack 120 s), leaves one
+    #    minute of Megatron's clock: the fewest iterations that show the exit time, and the
+    #    fewest the uninterrupted run of step 3 repeats (every minute of training here is
+    #    two of the test). It is asked again (at most 4 times) where the
+    #    machine is so busy that the pre-flight took more than 30 s (the job refuses as too
+    #    short and submits nothing: then with the -t that this pre-flight, a quarter more,
+    #    the margin and 90 s need), or that the first iteration ended only after Slurm's
+    #    signal (Megatron looks at the signal before its clock: the backstop stopped it;
+    #    its chain is cancelled; then 3 minutes more). The second job (10 minutes) stops
+    #    at the next multiple of 10 iterations (--exit-interval): it shows the resume, not
+    #    the exit time again.
+    next_args = (f"{' '.join(WHOLE_NODES)} -t 10 -o {jobs}/%x-%j.out -e {jobs}/%x-%j.err "
+                 "--export=ALL,EXTRA_ARGS=--exit-interval=10")
+    retries, minutes = [], 5
+    while len(retries) < 4:
+        ckpt = tmp_path / f"ckpt{minutes}"
+        first = _sbatch(env, jobs, "--chain", "2", time_limit=str(minutes), CHECKPOINT_DIR=ckpt,
+                        LBP_LOSS_LOG=tmp_path / f"chain{minutes}.loss", LBP_LOG_ALL_RANKS=1,
+                        LBP_CHAIN_SBATCH_ARGS=next_args, **run_env)
+        state = _wait_job(first, env)
+        out, err = _logs(jobs, first)
+        left = re.search(r"has (\d+):(\d\d):(\d\d) left \(squeue", err)
+        if state == "FAILED" and "less than one minute of training" in err and left:
+            # the next -t: this pre-flight, a quarter more, the margin and a minute and a half
+            h, m, s = map(int, left.groups())
+            preflight = minutes * 60 - (h * 3600 + m * 60 + s)
+            retries.append(f"-t {minutes}: refused as too short after a {preflight} s pre-flight")
+            minutes = max(minutes + 1, -(-(preflight * 5 // 4 + 210 + 90) // 60))
+        elif ("exiting program after receiving SIGTERM" in out
+              or re.search(r"training step ended at \S+ with status 143", out)
+              or ("the health check failed" in err and "CANCELLED AT" in err)):
+            # the signal came before the first iteration ended (or before Megatron's handler,
+            # or during the health check)
+            retries.append(f"-t {minutes}: Megatron's start took longer than its clock allows")
+            for job in re.findall(r"chain: submitted job (\d+)", out):
+                subprocess.run(["scancel", job], env=env)
+                _wait_job(job, env, 120)
+            minutes += 3
+        else:
+            break
+    assert state == "COMPLETED", f"{state} after {retries}\n{out[-3000:]}\n{err[-3000:]}"
+    k1 = _exit_point(out, first)
+    second = re.search(r"chain: submitted job (\d+) \(--dependency=afterany:" + first, out).group(1)
+    for rank in range(8):
+        node, package = rank // 4, (rank % 4) // 2
+        assert re.search(rf"rank {rank} on \S+ node {node} package {package}\n", out)
+    assert "[lbp_task] placement verified: rank 0 is local rank 0 of node 0 (node1); local " \
+           "ranks 0,1 on devices 4,5 = package 2" in out
+    # What the job ran is the profile's own command but for the overrides (issue 16): the
+    # job's printout against the dry run of frontier_gpt20b.sh as shipped, same paths.
+    as_shipped = {k: v for k, v in env.items() if k != "SLURM_CONF"}
+    as_shipped.update({k: str(v) for k, v in paths.items()}, CHECKPOINT_DIR=str(ckpt))
+    real = subprocess.run(["bash", str(FRONTIER), "--dry-run"], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300, env=as_shipped)
+    assert real.returncode == 0, real.stderr
+    bad = frontier_small.unexplained(real.stdout, out, set(run_env) | {"LBP_WALLTIME"})
+    assert not bad, "the job ran more than the profile's overrides change:\n" + "\n".join(bad)
+    cmd = training_line(out)
+    assert flag(cmd, "--tokenizer-type") == "GPT2BPETokenizer" and "--bf16" in cmd
+    assert flag(cmd, "--recompute-granularity") == "full" and flag(cmd, "--hier-secondary-dtype") == "int8"
+    assert "megatron-lbp hierarchy (lbp): W=8 P=2 S=4 G=4 O=8 R=1" in out, out[-3000:]
 
-        # 1. The first job of a chain of two: 6 minutes, minus the pre-flight (health check
-        #    included) and the margin of 210 s (the profile's --signal=TERM@150 + the 60 s
-        #    Slurm may send it early; more than save 60 s + step + slack 120 s), leaves one or
-        #    two minutes of Megatron's clock. It is asked again (at most 4 times) where the
-        #    machine is so busy that the pre-flight took more than 90 s (the job refuses as too
-        #    short and submits nothing: then with the -t that this pre-flight, a quarter more,
-        #    the margin and 90 s need), or that the first iteration ended only after Slurm's
-        #    signal (Megatron looks at the signal before its clock: the backstop stopped it;
-        #    its chain is cancelled; then 3 minutes more). The second job (10 minutes) stops
-        #    at the next multiple of 10 iterations (--exit-interval): it shows the resume, not
-        #    the exit time again.
-        next_args = (f"{' '.join(WHOLE_NODES)} -t 10 -o {jobs}/%x-%j.out -e {jobs}/%x-%j.err "
-                     "--export=ALL,EXTRA_ARGS=--exit-interval=10")
-        retries, minutes = [], 6
-        while len(retries) < 4:
-            ckpt = tmp_path / f"ckpt{minutes}"
-            first = _sbatch(env, jobs, "--chain", "2", time_limit=str(minutes), CHECKPOINT_DIR=ckpt,
-                            LBP_LOSS_LOG=tmp_path / f"chain{minutes}.loss", LBP_LOG_ALL_RANKS=1,
-                            LBP_CHAIN_SBATCH_ARGS=next_args, **run_env)
-            state = _wait_job(first, env)
-            out, err = _logs(jobs, first)
-            left = re.search(r"has (\d+):(\d\d):(\d\d) left \(squeue", err)
-            if state == "FAILED" and "less than one minute of training" in err and left:
-                # the next -t: this pre-flight, a quarter more, the margin and a minute and a half
-                h, m, s = map(int, left.groups())
-                preflight = minutes * 60 - (h * 3600 + m * 60 + s)
-                retries.append(f"-t {minutes}: refused as too short after a {preflight} s pre-flight")
-                minutes = max(minutes + 1, -(-(preflight * 5 // 4 + 210 + 90) // 60))
-            elif ("exiting program after receiving SIGTERM" in out
-                  or re.search(r"training step ended at \S+ with status 143", out)
-                  or ("the health check failed" in err and "CANCELLED AT" in err)):
-                # the signal came before the first iteration ended (or before Megatron's handler,
-                # or during the health check)
-                retries.append(f"-t {minutes}: Megatron's start took longer than its clock allows")
-                for job in re.findall(r"chain: submitted job (\d+)", out):
-                    subprocess.run(["scancel", job], env=env)
-                    _wait_job(job, env, 120)
-                minutes += 3
-            else:
-                break
-        assert state == "COMPLETED", f"{state} after {retries}\n{out[-3000:]}\n{err[-3000:]}"
-        k1 = _exit_point(out, first)
-        second = re.search(r"chain: submitted job (\d+) \(--dependency=afterany:" + first, out).group(1)
-        for rank in range(8):
-            node, package = rank // 4, (rank % 4) // 2
-            assert re.search(rf"rank {rank} on \S+ node {node} package {package}\n", out)
-        assert "[lbp_task] placement verified: rank 0 is local rank 0 of node 0 (node1); local " \
-               "ranks 0,1 on devices 4,5 = package 2" in out
-        # What the job ran is the profile's own command but for the overrides (issue 16): the
-        # job's printout against the dry run of frontier_gpt20b.sh as shipped, same paths.
-        as_shipped = {k: v for k, v in env.items() if k != "SLURM_CONF"}
-        as_shipped.update({k: str(v) for k, v in paths.items()}, CHECKPOINT_DIR=str(ckpt))
-        real = subprocess.run(["bash", str(FRONTIER), "--dry-run"], capture_output=True, text=True,
-                              cwd=tmp_path, timeout=300, env=as_shipped)
-        assert real.returncode == 0, real.stderr
-        bad = frontier_small.unexplained(real.stdout, out, set(run_env) | {"LBP_WALLTIME"})
-        assert not bad, "the job ran more than the profile's overrides change:\n" + "\n".join(bad)
-        cmd = training_line(out)
-        assert flag(cmd, "--tokenizer-type") == "GPT2BPETokenizer" and "--bf16" in cmd
-        assert flag(cmd, "--recompute-granularity") == "full" and flag(cmd, "--hier-secondary-dtype") == "int8"
-        assert "megatron-lbp hierarchy (lbp): W=8 P=2 S=4 G=4 O=8 R=1" in out, out[-3000:]
+    # 2. The second resumes from that checkpoint.
+    state = _wait_job(second, env)
+    out2, err2 = _logs(jobs, second)
+    assert state == "COMPLETED", f"{state}\n{out2[-3000:]}\n{err2[-3000:]}"
+    assert f"the tracker names iteration {k1} of 150000, up from 0 when job {first} started" in out2
+    assert re.search(rf"successfully loaded checkpoint from \S+ .*at iteration {k1}\b", out2), out2[-3000:]
+    k2 = _last_save(out2)
+    assert k1 < k2 <= k1 + 10 and k2 % 10 == 0 and "chain: submitted" not in out2
+    for log in (out, out2):
+        assert log.count("[lbp health] package: all-gather") == 1, log[-2000:]
+        assert "[lbp health] network: " in log and "between node1 and node2" in log
+    # retention (newest 2 + milestones every 10000): SAVE_INTERVAL=auto is 10000 at this
+    # size, so the two exits' checkpoints are the ones written, and both are kept
+    kept = sorted(int(p.name[5:]) for p in ckpt.glob("iter_*"))
+    assert kept == [k1, k2], kept
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(k2)
 
-        # 2. The second resumes from that checkpoint.
-        state = _wait_job(second, env)
-        out2, err2 = _logs(jobs, second)
-        assert state == "COMPLETED", f"{state}\n{out2[-3000:]}\n{err2[-3000:]}"
-        assert f"the tracker names iteration {k1} of 150000, up from 0 when job {first} started" in out2
-        assert re.search(rf"successfully loaded checkpoint from \S+ .*at iteration {k1}\b", out2), out2[-3000:]
-        k2 = _last_save(out2)
-        assert k1 < k2 <= k1 + 10 and k2 % 10 == 0 and "chain: submitted" not in out2
-        for log in (out, out2):
-            assert log.count("[lbp health] package: all-gather") == 1, log[-2000:]
-            assert "[lbp health] network: " in log and "between node1 and node2" in log
-        # retention (newest 2 + milestones every 10000): SAVE_INTERVAL=auto is 10000 at this
-        # size, so the two exits' checkpoints are the ones written, and both are kept
-        kept = sorted(int(p.name[5:]) for p in ckpt.glob("iter_*"))
-        assert kept == [k1, k2], kept
-        assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(k2)
+    # 3. One uninterrupted run to the same iteration: the same losses.
+    ref = _sbatch(env, jobs, time_limit="15", CHECKPOINT_DIR=tmp_path / "ref", LBP_HEALTH_CHECK=0,
+                  LBP_LOSS_LOG=tmp_path / "ref.loss", EXTRA_ARGS=f"--exit-interval={k2}",
+                  **run_env)
+    assert _wait_job(ref, env) == "COMPLETED", _logs(jobs, ref)[1][-3000:]
+    chain, single = _losses(tmp_path / f"chain{minutes}.loss"), _losses(tmp_path / "ref.loss")
+    assert sorted(chain) == sorted(single) == list(range(1, k2 + 1)), (sorted(chain)[-3:], k2)
+    differ = [(i, chain[i], single[i]) for i in single if chain[i] != single[i]]
+    assert not differ, f"resumed at {k1}; iterations whose loss differs: {differ[:5]}"
 
-        # 3. One uninterrupted run to the same iteration: the same losses.
-        ref = _sbatch(env, jobs, time_limit="15", CHECKPOINT_DIR=tmp_path / "ref", LBP_HEALTH_CHECK=0,
-                      LBP_LOSS_LOG=tmp_path / "ref.loss", EXTRA_ARGS=f"--exit-interval={k2}",
-                      **run_env)
-        assert _wait_job(ref, env) == "COMPLETED", _logs(jobs, ref)[1][-3000:]
-        chain, single = _losses(tmp_path / f"chain{minutes}.loss"), _losses(tmp_path / "ref.loss")
-        assert sorted(chain) == sorted(single) == list(range(1, k2 + 1)), (sorted(chain)[-3:], k2)
-        differ = [(i, chain[i], single[i]) for i in single if chain[i] != single[i]]
-        assert not differ, f"resumed at {k1}; iterations whose loss differs: {differ[:5]}"
-
-        # 4. A bad data path the launcher sees: FAILED before srun, the reason in the log.
-        job = _sbatch(env, jobs, **{**run_env, "DATA_PATH": tmp_path / "missing",
-                                    "CHECKPOINT_DIR": tmp_path / "c2"})
-        assert _wait_job(job, env, 120) == "FAILED"
-        err = _logs(jobs, job)[1]
-        assert "lbp_launch: error: DATA_PATH:" in err and "missing.bin" in err
-        print(f"local Slurm chain of the Frontier profile at small size: first job -t {minutes} "
-              f"(retried: {retries or 'no'}), stopped at iteration {k1} by its exit "
-              f"time; second resumed, stopped at {k2}; {len(single)} losses equal to one "
-              f"uninterrupted run (first {single[1]:.4f}, last {single[k2]:.4f}); kept {kept}")
-    finally:
-        subprocess.run(["bash", str(LOCAL_SLURM), "stop", str(cluster)], env=env)
+    # 4. A bad data path the launcher sees: FAILED before srun, the reason in the log.
+    job = _sbatch(env, jobs, **{**run_env, "DATA_PATH": tmp_path / "missing",
+                                "CHECKPOINT_DIR": tmp_path / "c2"})
+    assert _wait_job(job, env, 120) == "FAILED"
+    err = _logs(jobs, job)[1]
+    assert "lbp_launch: error: DATA_PATH:" in err and "missing.bin" in err
+    print(f"local Slurm chain of the Frontier profile at small size: first job -t {minutes} "
+          f"(retried: {retries or 'no'}), stopped at iteration {k1} by its exit "
+          f"time; second resumed, stopped at {k2}; {len(single)} losses equal to one "
+          f"uninterrupted run (first {single[1]:.4f}, last {single[k2]:.4f}); kept {kept}")

@@ -241,65 +241,62 @@ def test_study_job_runs_each_and_records_failures(site):
 
 
 @pytest.mark.slow
-def test_local_slurm_study(tmp_path):
-    """Issue 29 item 4 (written, NOT yet run: the shared local cluster was not free in the session
-    that wrote it): a small study of the Frontier profile at small size (scripts/frontier_small.env)
-    on the real two-node Slurm (scripts/launch/local_slurm.sh): 1 and 2 nodes x lbp, zero3,
-    distopt, 4 iterations each, in ONE sbatch; every run's result file agrees with its own log,
-    and the report's PNGs open."""
-    import os
+def test_local_slurm_study(tmp_path, local_slurm):
+    """Issue 29 item 4: a small study of the Frontier profile at small size
+    (scripts/frontier_small.env) on the real two-node Slurm (conftest.py's local_slurm, the
+    cluster test_local_slurm_job uses too): 1 and 2 nodes x lbp, zero3, distopt, 4 iterations
+    each, in ONE sbatch; every run's result file agrees with its own log, the links are timed
+    once per node count, and the report's PNGs open."""
     import re
 
     from PIL import Image
 
     from tests import frontier_small
-    from tests.test_launchers import FRONTIER, LOCAL_SLURM, WHOLE_NODES, _gpt2_data, _wait_job
+    from tests.test_launchers import FRONTIER, WHOLE_NODES, _wait_job
 
-    if os.geteuid() != 0 or (shutil.which("apt-get") is None and shutil.which("slurmctld") is None):
-        pytest.skip("needs root and Debian's slurm packages (or apt-get)")
-    subprocess.run(["bash", str(LOCAL_SLURM), "install"], check=True)
-    cluster, study = tmp_path / "slurm", tmp_path / "study"
-    env = {k: v for k, v in os.environ.items()
-           if not (k.startswith("SLURM_") or k.startswith("LBP_") or k == "OMP_NUM_THREADS")}
-    env["SLURM_CONF"] = str(cluster / "etc" / "slurm.conf")
-    paths = _gpt2_data(tmp_path, {**env, "PYTHONWARNINGS": "ignore"})
-    run_env = {**env, **frontier_small.overrides(), **{k: str(v) for k, v in paths.items()},
+    env, study = local_slurm["env"], tmp_path / "study"
+    run_env = {**env, **frontier_small.overrides(), **{k: str(v) for k, v in local_slurm["paths"].items()},
                "STUDY_NODES": "1,2", "STUDY_SCHEMES": "lbp,zero3,distopt", "STUDY_ITERS": "4",
-               "STUDY_SCALING": "weak", "STUDY_STEP_SECONDS": "5", "STUDY_STARTUP_S": "60",
+               # STUDY_STARTUP_S sizes the job's -t only (42 min; it ends when its runs do): at load
+               # 100-300 a run's start took 5-9 min, and a short -t leaves the last runs one iteration
+               # of exit time, or refuses them
+               "STUDY_SCALING": "weak", "STUDY_STEP_SECONDS": "5", "STUDY_STARTUP_S": "240",
                "STUDY_DIR": str(study), "LOG_INTERVAL": "1",
                "STUDY_SBATCH_ARGS": f"{' '.join(WHOLE_NODES)} --chdir {REPO}"}
-    try:
-        subprocess.run(["bash", str(LOCAL_SLURM), "start", str(cluster)], check=True, env=env)
-        r = subprocess.run(["bash", str(STUDY), str(FRONTIER)], env=run_env, capture_output=True,
-                           text=True, timeout=300)
-        assert r.returncode == 0, r.stdout + r.stderr
-        job = r.stdout.strip().splitlines()[-1].split()[-1]
-        state = _wait_job(job, env, timeout=1800)
-        out = next(study.glob("study-*.out")).read_text()
-        assert state == "COMPLETED", f"{state}\n{out[-3000:]}"
-        runs = sorted(p for p in (study / "runs").iterdir() if p.is_dir())
-        assert [p.name for p in runs] == sorted(f"n00{n}-{s}-s1234" for n in (1, 2)
-                                                for s in ("lbp", "zero3", "distopt")), runs
-        for run_dir in runs:
-            res = result.load(str(run_dir / "result.json"))
-            log = (run_dir / "log").read_text()
-            assert res["status"] == "ok", (run_dir.name, res.get("reason"), log[-3000:])
-            logged = {int(i): float(v) for i, v in
-                      re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([\dE+\-.]+) \|", log)}
-            loss = {int(k): v for k, v in res["loss"].items()}
-            assert sorted(logged) == sorted(loss) == [1, 2, 3, 4], (run_dir.name, logged, loss)
-            for i in (1, 3, 4):   # iteration 2's line is Megatron's mean of 1 and 2
-                assert abs(loss[i] - logged[i]) <= 2e-6 * abs(logged[i]), (run_dir.name, i, loss[i], logged[i])
-            assert res["nodes"] == int(run_dir.name[1:4]) and res["scaling"] == "weak", res
-        text = (study / "runs" / "report.md").read_text()
-        for run_dir in runs:
-            res = result.load(str(run_dir / "result.json"))
-            assert f"{res['throughput']['tflops_per_gcd']:.4g}" in text, (run_dir.name, text)
-        for png in (study / "runs").glob("*.png"):
-            with Image.open(png) as im:
-                assert im.size[0] > 200 and im.convert("L").getextrema()[0] < 255, png
-    finally:
-        subprocess.run(["bash", str(LOCAL_SLURM), "stop", str(cluster)], env=env)
+    r = subprocess.run(["bash", str(STUDY), str(FRONTIER)], env=run_env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    job = r.stdout.strip().splitlines()[-1].split()[-1]
+    state = _wait_job(job, env, timeout=1800)
+    out = next(study.glob("study-*.out")).read_text()
+    assert state == "COMPLETED", f"{state}\n{out[-3000:]}"
+    runs = sorted(p for p in (study / "runs").iterdir() if p.is_dir())
+    assert [p.name for p in runs] == sorted(f"n00{n}-{s}-s1234" for n in (1, 2)
+                                            for s in ("lbp", "zero3", "distopt")), runs
+    for run_dir in runs:
+        res = result.load(str(run_dir / "result.json"))
+        log = (run_dir / "log").read_text()
+        assert res["status"] == "ok", (run_dir.name, res.get("reason"), log[-3000:])
+        logged = {int(i): float(v) for i, v in
+                  re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([\dE+\-.]+) \|", log)}
+        loss = {int(k): v for k, v in res["loss"].items()}
+        assert sorted(logged) == sorted(loss) == [1, 2, 3, 4], (run_dir.name, logged, loss)
+        for i in (1, 3, 4):   # iteration 2's line is Megatron's mean of 1 and 2
+            assert abs(loss[i] - logged[i]) <= 2e-6 * abs(logged[i]), (run_dir.name, i, loss[i], logged[i])
+        assert res["nodes"] == int(run_dir.name[1:4]) and res["scaling"] == "weak", res
+        # STUDY_HEALTH_CHECK=first: the first run at each node count (lbp, in plan order) checks the
+        # nodes and times their links; the others on the same nodes of the allocation check nothing
+        checked = "[lbp health] package: all-gather" in log
+        skipped = "health check: none (LBP_HEALTH_CHECK=none" in log
+        assert (checked, skipped) == ((True, False) if res["scheme"] == "lbp" else (False, True)), run_dir.name
+    assert out.count("health check none (an earlier run checked these") == 4, out
+    text = (study / "runs" / "report.md").read_text()
+    for run_dir in runs:
+        res = result.load(str(run_dir / "result.json"))
+        assert f"{res['throughput']['tflops_per_gcd']:.4g}" in text, (run_dir.name, text)
+    for png in (study / "runs").glob("*.png"):
+        with Image.open(png) as im:
+            assert im.size[0] > 200 and im.convert("L").getextrema()[0] < 255, png
 
 
 def test_projection_uses_the_links_the_health_check_measured(tmp_path):

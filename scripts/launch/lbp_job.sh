@@ -58,6 +58,9 @@ lbp_health_step() {
               --min-fraction "$LBP_HEALTH_MIN_FRACTION" --megabytes "$LBP_HEALTH_MB"
               --gcd-bus-ids "$LBP_GCD_BUS_IDS")
   [ -n "$LBP_HEALTH_EXPECT_GBPS" ] && args+=(--expect "$LBP_HEALTH_EXPECT_GBPS")
+  if [ "$LBP_HEALTH_CHECK" = none ]; then
+    lbp_log "health check: none (LBP_HEALTH_CHECK=none: an earlier run checked these nodes)"; return 0
+  fi
   # The measured figures, for the next estimate's choice (LBP_LINKS=$CHECKPOINT_DIR/lbp_links.json).
   [ "$LBP_HEALTH_CHECK" = 1 ] && args+=(--links-out "$CHECKPOINT_DIR/lbp_links.json")
   if [ "$LBP_HEALTH_CHECK" = 0 ]; then

@@ -87,7 +87,8 @@
 #                       the first at or after every N iterations (0: none); the tracker's
 #                       and the newest complete one are never deleted; LBP_PRUNE_EVERY_S
 #   LBP_CHAIN_SBATCH_ARGS  more sbatch options for the chain's next jobs (word-split)
-#   LBP_HEALTH_CHECK    1: time the links before training; 0: device checks only
+#   LBP_HEALTH_CHECK    1: time the links before training; 0: device checks only; none: no check
+#                       (scripts/launch/lbp_study.sh: a later run on nodes an earlier run checked)
 #   LBP_HEALTH_EXPECT_GBPS  "package=200,node=50,network=12.5" (GB/s per GCD) [the cost model's]
 #   LBP_HEALTH_MIN_FRACTION [0.25]  LBP_HEALTH_MB [64]  LBP_GCD_BUS_IDS [Frontier's]
 #   PRECISION           bf16 (default) or fp32
@@ -580,7 +581,7 @@ lbp_defaults() {
   done
   [ "$LBP_KEEP_LAST" -ge 1 ] || { lbp_die 2 "LBP_KEEP_LAST=$LBP_KEEP_LAST: keep at least the newest" \
     "checkpoint (1)"; return; }
-  case "$LBP_HEALTH_CHECK" in 0|1) ;; *) lbp_die 2 "LBP_HEALTH_CHECK=$LBP_HEALTH_CHECK: use 1 or 0"; return ;; esac
+  case "$LBP_HEALTH_CHECK" in 0|1|none) ;; *) lbp_die 2 "LBP_HEALTH_CHECK=$LBP_HEALTH_CHECK: use 1, 0 or none"; return ;; esac
   local num='[0-9]+(\.[0-9]*)?([eE][-+]?[0-9]+)?'
   [[ "$LBP_HEALTH_EXPECT_GBPS" =~ ^((package|node|network)=$num,?)*$ ]] || { lbp_die 2 \
     "LBP_HEALTH_EXPECT_GBPS=$LBP_HEALTH_EXPECT_GBPS: give class=GB/s per GCD, e.g." \

@@ -30,6 +30,10 @@
 #   STUDY_DIR            where runs/, runs.tsv and report.md go [$PWD/study-<date>]
 #   STUDY_KEEP_CHECKPOINTS  1: keep each run's checkpoint (default: deleted after the run)
 #   STUDY_SBATCH_ARGS    more sbatch options (-A, -p, -C nvme, ...; word-split)
+#   STUDY_HEALTH_CHECK   first (the launcher's health check, devices and links, in the first run at
+#                        each node count only: the runs share one allocation, so later runs on as
+#                        many nodes would check the same nodes again; they run with
+#                        LBP_HEALTH_CHECK=none) or every [first]; LBP_HEALTH_CHECK=0 applies to all
 #   LBP_NET_IFACES       interfaces whose byte counters each run reads (Frontier: hsn0,hsn1,hsn2,hsn3)
 # DeepSpeed schemes (benchmarks/deepspeed/) are not runs of this launcher yet: study_run_one is
 # where they join, with megatron_lbp/study/plan.py's SCHEMES.
@@ -49,7 +53,8 @@ done
 export LBP_REPO
 : "${STUDY_NODES:=1,2,4,8,16,32,48}" "${STUDY_SCHEMES:=lbp,zeropp,zero3,distopt}"
 : "${STUDY_SCALING:=weak}" "${STUDY_ITERS:=30}" "${STUDY_SEEDS:=1234}" "${STUDY_STARTUP_S:=300}"
-: "${STUDY_WARMUP_ITERS:=$((STUDY_ITERS / 10))}"
+: "${STUDY_WARMUP_ITERS:=$((STUDY_ITERS / 10))}" "${STUDY_HEALTH_CHECK:=first}"
+case "$STUDY_HEALTH_CHECK" in first|every) ;; *) study_die "STUDY_HEALTH_CHECK=$STUDY_HEALTH_CHECK: use first or every" ;; esac
 : "${STUDY_DIR:=$PWD/study-$(date +%Y%m%d-%H%M%S)}"
 PY=${LBP_PYTHON:-python}
 [ -z "${LBP_PYTHON:-}" ] && [ -x "$LBP_REPO/.venv/bin/python" ] && PY=$LBP_REPO/.venv/bin/python
@@ -89,16 +94,25 @@ study_plan() {  # prints the plan; writes $STUDY_DIR/runs.tsv
   "$PY" -m megatron_lbp.study plan "${args[@]}" || STUDY_STATUS=$? study_die "the plan was refused (above)"
 }
 
+STUDY_CHECKED_NODES=" "   # node counts a run of this study has health-checked
 study_run_one() {  # study_run_one NAME NODES SCHEME GLOBAL_BATCH SEED
   local name=$1 nodes=$2 scheme=$3 gbs=$4 seed=$5 dir=$STUDY_DIR/runs/$1 status=0 sec
+  local health=${LBP_HEALTH_CHECK:-1} check="health check on"
   mkdir -p "$dir"
+  if [ "$health" != 1 ]; then check="health check $health (LBP_HEALTH_CHECK=$health)"
+  elif [ "$STUDY_HEALTH_CHECK" = first ]; then
+    case "$STUDY_CHECKED_NODES" in
+      *" $nodes "*) health=none check="health check none (an earlier run checked these $nodes node(s))" ;;
+      *) STUDY_CHECKED_NODES+="$nodes " ;;
+    esac
+  fi
   case "$scheme" in
     lbp) sec=$P_HIER_SECONDARY_GROUP_SIZE ;;
     zeropp) sec=$P_TASKS_PER_NODE ;;
     *) sec=0 ;;
   esac
-  echo "[study] $(date -u +%H:%M:%S) run $name: $nodes node(s), $scheme, global batch $gbs, seed $seed"
-  ( export NNODES=$nodes HIER_PRESET=$scheme HIER_SECONDARY_GROUP_SIZE=$sec GLOBAL_BATCH_SIZE=$gbs \
+  echo "[study] $(date -u +%H:%M:%S) run $name: $nodes node(s), $scheme, global batch $gbs, seed $seed, $check"
+  ( export NNODES=$nodes LBP_HEALTH_CHECK=$health HIER_PRESET=$scheme HIER_SECONDARY_GROUP_SIZE=$sec GLOBAL_BATCH_SIZE=$gbs \
       MICRO_BATCH_SIZE=$STUDY_MBS TRAIN_ITERS=$STUDY_ITERS LR_WARMUP_ITERS=$STUDY_WARMUP_ITERS LBP_CHAIN=1 CHECKPOINT_DIR=$dir/checkpoint \
       LBP_RESULT_FILE=$dir/result.json LBP_STUDY_SCALING=$STUDY_SCALING LBP_STUDY_RUN=$name \
       EXTRA_ARGS="${EXTRA_ARGS:-} --seed $seed"
@@ -113,7 +127,7 @@ study_run_one() {  # study_run_one NAME NODES SCHEME GLOBAL_BATCH SEED
   fi
   # a study measures, it does not keep weights: a 20B checkpoint per run would fill the disk
   [ "${STUDY_KEEP_CHECKPOINTS:-0}" = 1 ] || rm -rf "$dir/checkpoint"
-  echo "[study] run $name: exit $status, $(grep -o '"status": "[a-z]*"' "$dir/result.json" || echo 'no result')"
+  echo "[study] $(date -u +%H:%M:%S) run $name: exit $status, $(grep -o '"status": "[a-z]*"' "$dir/result.json" || echo 'no result')"
 }
 
 study_settings
