@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from megatron_lbp.bench import cpu_share
+from benchmarks import cpu_share
 
 # Spins for an amount of CPU time, not of wall time: on a busy machine a wall-time spin gets
 # only its share of the cores, and the assertions below would measure the machine's load.

@@ -2,8 +2,8 @@
 import torch
 import torch.distributed as dist
 
-from megatron_lbp.bench import link_replay
-from megatron_lbp.bench.stock_accounting import WRAPPED
+from benchmarks import link_replay
+from benchmarks.stock_accounting import WRAPPED
 from megatron_lbp.testing.multirank import run_on_ranks
 
 

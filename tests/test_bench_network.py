@@ -15,10 +15,10 @@ import time
 
 import pytest
 
-from megatron_lbp.bench import netns, network_shape
-from megatron_lbp.bench import project as pj
+from benchmarks import netns, network_shape
+from megatron_lbp.projection import project as pj
 
-CMD = [sys.executable, "-m", "megatron_lbp.bench", "network"]
+CMD = [sys.executable, "-m", "benchmarks", "network"]
 REQUIREMENT = netns.missing_requirements()
 needs_root = pytest.mark.skipif(REQUIREMENT is not None, reason=f"emulated network: {REQUIREMENT}")
 RATE_MBIT = 200
@@ -239,7 +239,7 @@ def test_killed_command_leaves_state_that_the_next_run_sweeps(launch):
 
 def test_model_presets_fill_the_shape():
     """default: the shape and rate the bench always ran; frontier-shaped: 20B's proportions."""
-    from megatron_lbp.bench.network import SCHEMES, parse
+    from benchmarks.network import SCHEMES, parse
 
     a = parse([])
     assert (a.layers, a.hidden, a.heads, a.vocab, a.seq, a.micro_batch_size, a.micro_batches,
@@ -271,7 +271,7 @@ def test_bad_flags_are_one_line_errors(flags, says):
     done = subprocess.run(CMD + flags, capture_output=True, text=True, timeout=60)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr
-    assert lines[0].startswith("python -m megatron_lbp.bench network: error:"), lines[0]
+    assert lines[0].startswith("python -m benchmarks network: error:"), lines[0]
     assert says in lines[0], lines[0]
 
 
@@ -282,7 +282,7 @@ def test_refuses_without_root_in_one_line():
                           env={**os.environ, "HOME": "/tmp"})
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2, done.stderr[-2000:]
-    assert lines[-1] == ("python -m megatron_lbp.bench network: error: needs root (network "
+    assert lines[-1] == ("python -m benchmarks network: error: needs root (network "
                          "namespaces, veth and tc); run as root"), done.stderr[-2000:]
 
 
@@ -292,7 +292,7 @@ def test_refuses_without_iproute2_in_one_line(tmp_path):
                           env={**os.environ, "PATH": str(tmp_path)})
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2, done.stderr[-2000:]
-    assert lines[-1] == ("python -m megatron_lbp.bench network: error: 'ip' not found on PATH "
+    assert lines[-1] == ("python -m benchmarks network: error: 'ip' not found on PATH "
                          "(iproute2 is needed)"), done.stderr[-2000:]
 
 
@@ -310,7 +310,7 @@ def test_fit_link_recovers_bandwidth_and_latency():
 
 def test_uplink_fit_recovers_the_uplink_from_world_and_peer_collectives():
     """Samples timed by the shared-uplink rule: one uplink rate fits both patterns."""
-    from megatron_lbp.bench.network import _fit_links
+    from benchmarks.network import _fit_links
 
     uplink, lat, rpn = 30e6, 2e-3, 4
     samples = []
@@ -426,7 +426,7 @@ def test_full_default_run():
     done = subprocess.run(CMD + ["--json"], capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    from megatron_lbp.bench.network import SCHEMES
+    from benchmarks.network import SCHEMES
 
     assert list(out["schemes"]) == list(SCHEMES)
     assert set(SCHEMES) <= set(out["calibration"])

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from megatron_lbp.bench import overhead, overhead_profile
+from benchmarks import overhead, overhead_profile
 
 LAYERS = 2
 
@@ -21,7 +21,7 @@ LAYERS = 2
 @pytest.fixture(scope="module")
 def result():
     out = subprocess.run(
-        [sys.executable, "-m", "megatron_lbp.bench", "overhead", "--ranks", "2", "--runs", "1",
+        [sys.executable, "-m", "benchmarks", "overhead", "--ranks", "2", "--runs", "1",
          "--steps", "1", "--hidden", "32", "--layers", str(LAYERS), "--seq", "16",
          "--bucket-size", "1500", "--profile", "--json"],
         capture_output=True, text=True, timeout=600)
@@ -97,12 +97,12 @@ def test_profile_categories(key, want):
 
 
 def test_bench_rejects_unknown_command_and_odd_ranks():
-    bad = subprocess.run([sys.executable, "-m", "megatron_lbp.bench", "speed"],
+    bad = subprocess.run([sys.executable, "-m", "benchmarks", "speed"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "command speed is not one of" in bad.stderr, bad.stderr
-    odd = subprocess.run([sys.executable, "-m", "megatron_lbp.bench", "overhead", "--ranks", "3"],
+    odd = subprocess.run([sys.executable, "-m", "benchmarks", "overhead", "--ranks", "3"],
                          capture_output=True, text=True, timeout=60)
     assert odd.returncode == 2 and "--ranks=3 must be even" in odd.stderr, odd.stderr
-    scheme = subprocess.run([sys.executable, "-m", "megatron_lbp.bench", "overhead", "--schemes",
+    scheme = subprocess.run([sys.executable, "-m", "benchmarks", "overhead", "--schemes",
                              "zero9"], capture_output=True, text=True, timeout=60)
     assert scheme.returncode == 2 and "zero9 not in" in scheme.stderr, scheme.stderr

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from megatron_lbp.bench import project as pj
+from megatron_lbp.projection import project as pj
 
 SMALL = dict(models=("10B",), gcds=(8, 16, 48), schemes=pj.DEFAULT_SCHEMES)
 
@@ -81,7 +81,7 @@ def test_from_measured_is_the_calibration_hook():
 
 
 def test_cli_json_shape_and_printed_assumptions():
-    args = [sys.executable, "-m", "megatron_lbp.bench", "project", "--models", "20B",
+    args = [sys.executable, "-m", "benchmarks", "project", "--models", "20B",
             "--gcds", "8,384"]
     out = subprocess.run(args + ["--json"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""The projection that replays the engine's traced schedule (bench/project_replay.py).
+"""The projection that replays the engine's traced schedule (megatron_lbp/projection/project_replay.py).
 
 The replay rules themselves are checked on hand-made traces in
 test_bench_replay.py; here: the committed traces are the engine's current
@@ -16,11 +16,11 @@ import sys
 import pytest
 
 from megatron_lbp import costs
-from megatron_lbp.bench import project as pj
-from megatron_lbp.bench import project_replay as pr
-from megatron_lbp.bench.replay import ALL_PHASES, ReplayError
+from megatron_lbp.projection import project as pj
+from megatron_lbp.projection import project_replay as pr
+from megatron_lbp.projection.replay import ALL_PHASES, ReplayError
 
-CMD = [sys.executable, "-m", "megatron_lbp.bench", "project"]
+CMD = [sys.executable, "-m", "benchmarks", "project"]
 GCDS = (8, 384)
 
 
@@ -33,7 +33,7 @@ def replayed():
 def test_committed_traces_are_todays_engine_schedule():
     index = pr.read_index()
     assert index["schedule_sources_sha256"] == pr.schedule_sources_hash(), (
-        f"the engine changed since megatron_lbp/bench/traces was recorded "
+        f"the engine changed since megatron_lbp/projection/traces was recorded "
         f"({pr.changed_sources(index.get('schedule_sources'))}): re-record with {pr.RECORD_COMMAND} ({pr.RECORD_MINUTES}) and commit the directory")
     assert index["command"] == pr.RECORD_COMMAND
     assert index["schedule_sources"] == pr.source_hashes()
@@ -182,7 +182,7 @@ def test_cli_replays_a_given_trace_and_refuses_bad_ones(tmp_path):
 
 
 def test_bench_trace_reads_a_compressed_trace(capsys):
-    from megatron_lbp.bench import trace
+    from megatron_lbp.projection import trace
 
     assert trace.main([str(pr.default_traces()["lbp"][32]), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)

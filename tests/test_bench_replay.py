@@ -6,7 +6,7 @@ rules in the module docstring, step by step in the comments.
 """
 import pytest
 
-from megatron_lbp.bench.replay import ReplayError, explain, replay
+from megatron_lbp.projection.replay import ReplayError, explain, replay
 
 
 def coll(phase, unit, comm, issued_seq, wait_seq, dur, family="param"):

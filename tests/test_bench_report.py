@@ -1,6 +1,6 @@
 """The benchmark report: real sub-command runs, every rendered figure equal to the JSON it saved.
 
-The fast form runs ``python -m megatron_lbp.bench report --quick`` (8-rank
+The fast form runs ``python -m benchmarks report --quick`` (8-rank
 traffic with 3 schemes at K=1 and K=4, a one-step overhead on 4 ranks, the
 projection with its replayed schedule; the emulated network, default and
 frontier-shaped, only where this machine can run it: root and iproute2) into
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lbp.bench import report
-from megatron_lbp.bench.report_goals import fmt_ratio
+from benchmarks import report
+from benchmarks.report_goals import fmt_ratio
 
 REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ("## Headline", "## Goals", "## Link traffic", "## Emulated network",
@@ -35,12 +35,12 @@ def _network_runnable() -> str:
     if not (shutil.which("ip") and shutil.which("tc")):
         return "iproute2 (ip, tc) missing"
     if not (REPO / "megatron_lbp" / "bench" / "network.py").exists():
-        return "megatron_lbp/bench/network.py not in this checkout"
+        return "benchmarks/network.py not in this checkout"
     return ""
 
 
 def _report(*args, timeout=900):
-    return subprocess.run([sys.executable, "-m", "megatron_lbp.bench", "report", *args],
+    return subprocess.run([sys.executable, "-m", "benchmarks", "report", *args],
                           cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
@@ -308,7 +308,7 @@ def test_failing_subcommand_is_reported_and_fails_the_command(tmp_path):
 
 
 def test_absent_command_is_a_failed_run_with_its_error():
-    run = report.run_command([sys.executable, "-m", "megatron_lbp.bench", "nosuch", "--json"],
+    run = report.run_command([sys.executable, "-m", "benchmarks", "nosuch", "--json"],
                              timeout=120)
     assert run["status"] == "failed", run
     assert run["reason"].startswith("exit 2:") and "command nosuch is not one of" in run["reason"]
@@ -325,7 +325,7 @@ def test_bad_flags_are_one_line_errors():
 def test_committed_report_matches_its_results_and_the_readme_quotes_it():
     md_path, results_path = REPO / "BENCHMARKS.md", REPO / "docs" / "benchmarks" / "results.json"
     if not md_path.exists():
-        pytest.fail("BENCHMARKS.md is not committed: run python -m megatron_lbp.bench report")
+        pytest.fail("BENCHMARKS.md is not committed: run python -m benchmarks report")
     md, rec = check_report(md_path, results_path)
     assert not rec["quick"], "the committed report must be the full form"
     readme = (REPO / "README.md").read_text()

@@ -10,9 +10,9 @@ import copy
 
 import pytest
 
-from megatron_lbp.bench import project as pj
-from megatron_lbp.bench import project_replay as pr
-from megatron_lbp.bench import report_goals as rg
+from megatron_lbp.projection import project as pj
+from megatron_lbp.projection import project_replay as pr
+from benchmarks import report_goals as rg
 
 EFF_KEY, RATIO_KEY = "20B lbp scaling efficiency 8->384", "20B lbp/zeropp TFLOPS at 384"
 

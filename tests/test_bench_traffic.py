@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_lbp import costs
-from megatron_lbp.bench import traffic
-from megatron_lbp.bench.stock_accounting import WRAPPED, count_collectives
+from benchmarks import traffic
+from benchmarks.stock_accounting import WRAPPED, count_collectives
 from megatron_lbp.config import HierConfig
 from megatron_lbp.testing.multirank import rank_location_env, run_on_ranks
 from megatron_lbp.testing.tiny_gpt import TinyGPTSpec, TrainSpec, setup_hier
@@ -139,7 +139,7 @@ def test_traffic_reduced_engine_rows_equal_the_plan():
 
 def test_traffic_cli_json_and_errors():
     out = subprocess.run(
-        [sys.executable, "-m", "megatron_lbp.bench", "traffic", "--ranks", "4",
+        [sys.executable, "-m", "benchmarks", "traffic", "--ranks", "4",
          "--gpus-per-node", "2", "--schemes", "lbp,zero3", "--json"],
         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -150,7 +150,7 @@ def test_traffic_cli_json_and_errors():
     assert 0 < obj["lbp"]["network"] < obj["zero3"]["network"], obj
     for bad, message in ((["--schemes", "zero4"], "--schemes: zero4"),
                          (["--ranks", "12"], "--ranks=12 must be")):
-        r = subprocess.run([sys.executable, "-m", "megatron_lbp.bench", "traffic", *bad],
+        r = subprocess.run([sys.executable, "-m", "benchmarks", "traffic", *bad],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and message in r.stderr, (bad, r.stderr[-500:])
 
@@ -158,7 +158,7 @@ def test_traffic_cli_json_and_errors():
 @pytest.mark.slow
 def test_traffic_full_16_ranks_every_scheme():
     """The documented full form: 16 ranks (2 nodes x 4 packages x 2 GCDs), every scheme."""
-    out = subprocess.run([sys.executable, "-m", "megatron_lbp.bench", "traffic", "--json"],
+    out = subprocess.run([sys.executable, "-m", "benchmarks", "traffic", "--json"],
                          capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-3000:]
     obj = json.loads(out.stdout.strip().splitlines()[-1])

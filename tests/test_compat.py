@@ -183,7 +183,7 @@ def _fsdp_coalesced_blocks_left_in_flight():
     """Per Megatron-FSDP coalesced block of collectives: was it left in flight (async), patched and not."""
     from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
 
-    from megatron_lbp.bench.traffic import setup_fsdp
+    from benchmarks.traffic import setup_fsdp
     from megatron_lbp.testing.tiny_gpt import TinyGPTSpec, TrainSpec
 
     spec = TinyGPTSpec(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=1024,

@@ -27,7 +27,7 @@ from dataclasses import asdict
 import pytest
 
 from megatron_lbp import costs, plan
-from megatron_lbp.bench import trace as bench_trace
+from megatron_lbp.projection import trace as bench_trace
 from megatron_lbp.engine.comm import ALL_PHASES
 from megatron_lbp.engine.trace import ScheduleTrace, output_path
 from megatron_lbp.testing.multirank import rank_location_env, run_on_ranks
@@ -376,7 +376,7 @@ def test_bench_trace_summarises_the_files(ranks, capsys):
     trace_dir, out = ranks
     pattern = str(trace_dir / "recompute-{rank}.jsonl")
     # A summary of files, but under a load of 400 the 120 s this had was not enough.
-    r = subprocess.run([sys.executable, "-m", "megatron_lbp.bench", "trace", pattern, "--json"],
+    r = subprocess.run([sys.executable, "-m", "benchmarks", "trace", pattern, "--json"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout)

@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_lbp.bench.construction import measure_rank
+from benchmarks.construction import measure_rank
 from megatron_lbp.testing.multirank import rank_location_env, run_on_ranks
 from megatron_lbp.testing.tiny_gpt import (TinyGPTSpec, TrainSpec, build_tiny_gpt,
                                            init_megatron_state, setup_hier, train_stock_megatron)

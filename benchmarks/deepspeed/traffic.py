@@ -1,8 +1,8 @@
 """Bytes per rank per optimizer step on each link class: DeepSpeed's schemes beside the engine's presets.
 
-Counted exactly as ``python -m megatron_lbp.bench traffic`` counts its stock
+Counted exactly as ``python -m benchmarks traffic`` counts its stock
 rows: torch.distributed's collectives wrapped by
-:mod:`megatron_lbp.bench.stock_accounting` (bytes each rank sends, ring
+:mod:`benchmarks.stock_accounting` (bytes each rank sends, ring
 formulas, charged to the slowest link class the group spans), on the same
 model (the tiny megatron-core GPT in bf16, fp32 gradient reduction in the
 engine; DeepSpeed reduces in its bf16 training dtype), the second of two steps
@@ -24,7 +24,7 @@ import traceback
 from typing import Any
 
 from benchmarks.deepspeed.schemes import SCHEMES as DS_SCHEMES
-from megatron_lbp.bench import traffic as engine_traffic
+from benchmarks import traffic as engine_traffic
 from megatron_lbp.costs import LINK_CLASS_ORDER
 
 ENGINE_SCHEMES = ("lbp", "zero3", "zeropp")
@@ -58,7 +58,7 @@ def ds_rank_traffic(scheme: str, micro_batches: int, bucket_size: int | None,
     import torch.distributed as dist
 
     from benchmarks.deepspeed.trainer import setup_deepspeed
-    from megatron_lbp.bench.stock_accounting import count_collectives
+    from benchmarks.stock_accounting import count_collectives
     from megatron_lbp.topology import emulated_locations
 
     spec, train = engine_traffic._specs(micro_batches, bucket_size)

@@ -18,7 +18,7 @@ Choice (``auto``): the least recomputation that fits (none, then selective, then
 and with it the largest micro-batch that fits and divides the global batch over the
 ranks. An explicit value is kept and refused (exit 3) when it does not fit.
 
-Step time: the Frontier cost model (``megatron_lbp.bench.project.step_time``, MI250X
+Step time: the Frontier cost model (``megatron_lbp.projection.project.step_time``, MI250X
 bf16 peak at an assumed MFU, the link bandwidths it assumes, the engine's overlap) for
 the chosen micro-batch count; selective recomputation adds the core attention's forward
 FLOPs (4*L*h*s per token) to it. ``--step-seconds`` replaces it (a measured figure, or a
@@ -164,7 +164,7 @@ def step_seconds(a, p: dict, recompute: str, micro_batch_size: int) -> float:
     """The cost model's seconds per iteration (or --step-seconds) for one choice."""
     if a.step_seconds:
         return a.step_seconds
-    from megatron_lbp.bench import project
+    from megatron_lbp.projection import project
 
     compute = project.ComputeModel(mfu=a.mfu, seq_length=a.seq_length,
                                    micro_batch_size=micro_batch_size,
@@ -273,7 +273,7 @@ class SchemeRow:
 
 def scheme_rows(a) -> list[SchemeRow]:
     """Every scheme x recomputation x micro-batch size at the user's global batch that fits, by
-    projected step time (fastest first; the idealised cost model of megatron_lbp.bench.project)."""
+    projected step time (fastest first; the idealised cost model of megatron_lbp.projection.project)."""
     from argparse import Namespace
 
     rows = []

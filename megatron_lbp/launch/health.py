@@ -26,7 +26,7 @@ once as in training, a timed all-gather of ``--megabytes`` MiB per rank:
 
 Each rank's bandwidth is the bytes it sends (chunk x (n-1), the plan's ring accounting)
 over the median of three timed repetitions, compared with ``--expect`` (GB/s per GCD;
-default: the cost model's ``megatron_lbp.bench.project.LinkModel``). A node whose slowest
+default: the cost model's ``megatron_lbp.projection.project.LinkModel``). A node whose slowest
 rank is under ``--min-fraction`` of it on any class is named, and the check fails (exit 4)
 naming every such node. ``--skip-links`` keeps the device checks only.
 """
@@ -134,7 +134,7 @@ def parse_expect(text: str) -> dict[str, float]:
 
 
 def default_expect() -> dict[str, float]:
-    from megatron_lbp.bench.project import LinkModel
+    from megatron_lbp.projection.project import LinkModel
 
     return {c: LinkModel().bandwidth[c] / GB for c in CLASSES}
 

@@ -58,7 +58,7 @@ def _ints(text: str, what: str) -> list[int]:
 
 def projected_step_s(scheme: str, nodes: int, tasks_per_node: int, gcds_per_package: int,
                      model: dict, micro_batch_size: int, micro_batches: int, seq_length: int) -> float:
-    from megatron_lbp.bench import project
+    from megatron_lbp.projection import project
 
     plan = project.plan_for(model, nodes * tasks_per_node, COST_AS.get(scheme, scheme), micro_batches,
                             gpus_per_node=tasks_per_node, gcds_per_package=gcds_per_package)

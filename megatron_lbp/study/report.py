@@ -154,7 +154,7 @@ def measured_links(directory: str) -> dict[str, float]:
 def projections(rows: dict, links_gbps: dict[str, float] | None = None) -> dict:
     """(scheme, gcds) -> the cost model's TFLOPS/GCD at the run's settings, or a reason it has none;
     ``links_gbps``: measured GB/s per GCD replacing the model's default for those classes."""
-    from megatron_lbp.bench import project
+    from megatron_lbp.projection import project
 
     links = (project.LinkModel.from_measured({c: v * 1e9 for c, v in links_gbps.items()})
              if links_gbps else project.LinkModel())
@@ -180,7 +180,7 @@ def projections(rows: dict, links_gbps: dict[str, float] | None = None) -> dict:
 
 
 def _projection_note(links_gbps: dict[str, float] | None = None) -> str:
-    from megatron_lbp.bench import project
+    from megatron_lbp.projection import project
 
     c = project.ComputeModel()
     gbps = {k: v / 1e9 for k, v in project.LinkModel().bandwidth.items()}
@@ -188,7 +188,7 @@ def _projection_note(links_gbps: dict[str, float] | None = None) -> str:
     gbps.update(links_gbps or {})
     where = (f"the links the launcher's health check measured ({', '.join(measured)}; median over runs) "
              f"and the model's defaults for the rest" if measured else "its default links")
-    return (f"The projection is `bench project`'s step model (megatron_lbp/bench/project.py) at each run's "
+    return (f"The projection is `bench project`'s step model (megatron_lbp/projection/project.py) at each run's "
             f"model, GCD count, node shape, micro-batch size and count, with {where} "
             f"(GB/s per GCD: " + ", ".join(f"{k} {v:.3g}" for k, v in gbps.items())
             + f") and compute (peak {c.peak_flops / 1e12:g} TFLOPS per GCD, MFU {c.mfu:g}: an MI250X GCD). "

@@ -10,7 +10,7 @@ Definitions (the network bench's ``schemes.<name>`` fields):
   shard, every rank at once; the slowest rank, median over rounds (one
   figure, the same for every scheme);
 - ``link_s``: the scheme's own collectives of one step timed alone: every
-  collective the step issued (recorded once, megatron_lbp.bench.link_replay),
+  collective the step issued (recorded once, benchmarks.link_replay),
   issued again in order on the same groups, each waited for before the next,
   nothing else running; barrier to barrier, median over rounds;
 - ``exposed_s`` = median_s - compute_s, the communication the step did not
@@ -50,7 +50,7 @@ def figures(median_s: float, compute_s: float, link_s: float) -> dict[str, float
 
 def recorded_causes(record: Mapping[str, Any]) -> dict[str, dict[str, float]]:
     """Exposed seconds per phase of one trace record, split into at_once and ahead."""
-    from megatron_lbp.bench.trace import exposed
+    from megatron_lbp.projection.trace import exposed
 
     ends = sorted(i["end_seq"] for i in record["compute"] if i.get("end_seq") is not None)
     out = {ph: {"exposed_s": 0.0, "at_once_s": 0.0, "ahead_s": 0.0} for ph in PHASES_ALL}
@@ -72,7 +72,7 @@ def trace_summary(paths: Sequence[str], steps: Iterable[int]) -> dict[str, Any]:
     """``bench trace``'s summary of the kept steps of every path (one per run), averaged over
     runs, with each phase's exposed time split into at_once and ahead in the proportion
     of the split over all ranks and steps."""
-    from megatron_lbp.bench.trace import _mean, read_records, summarize
+    from megatron_lbp.projection.trace import _mean, read_records, summarize
 
     chosen = set(steps)
     per_run = []

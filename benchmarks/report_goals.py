@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from megatron_lbp.bench import cpu_share
+from benchmarks import cpu_share
 
 BYTES_VS_ZERO3 = 1 / 8
 FRONTIER_EXPOSED_SHARE = 0.25
@@ -337,7 +337,7 @@ def _frontier_row_text(scheme: str, row: Mapping[str, Any]) -> str:
 
 def frontier_goals(runs) -> list[dict[str, Any]]:
     """The Frontier-shaped emulation's goals: lbp hides its communication, and leads the others."""
-    from megatron_lbp.bench.network_exposure import explain
+    from benchmarks.network_exposure import explain
 
     net = result(runs, "network_frontier")
     rows = (net or {}).get("schemes") or {}

@@ -42,10 +42,10 @@ collective the bytes crossing that uplink (:func:`uplink_bytes`: bytes per
 rank x groups of the family in a node) and :func:`fit_uplink` fits the
 uplink on the same rule; the projection keeps ``network="per_rank"``.
 
-    python -m megatron_lbp.bench project [--json] [--mfu 0.35] [--micro-batches 1] ...
+    python -m megatron_lbp.projection [--json] [--mfu 0.35] [--micro-batches 1] ...
 """
 from __future__ import annotations
-from megatron_lbp.bench import json_out
+from megatron_lbp.projection import json_out
 
 import argparse
 import json
@@ -510,7 +510,7 @@ def render(out: Mapping[str, Any]) -> str:
 
 def main(argv=None) -> int:
     c, links = ComputeModel(), LinkModel()
-    p = argparse.ArgumentParser(prog="python -m megatron_lbp.bench project", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m megatron_lbp.projection", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--gcds", default=",".join(map(str, GCDS)))
@@ -530,7 +530,7 @@ def main(argv=None) -> int:
                        help="GB/s per GCD")
         p.add_argument(f"--lat-{cls}", type=float, default=links.latency[cls] / US,
                        help="microseconds per collective step")
-    r = p.add_argument_group("the replayed schedule (megatron_lbp/bench/project_replay.py)")
+    r = p.add_argument_group("the replayed schedule (megatron_lbp/projection/project_replay.py)")
     r.add_argument("--trace", action="append", default=[], metavar="SCHEME=PATH",
                    help="replay SCHEME from this schedule trace (--hier-trace output, .gz "
                         "allowed) instead of the committed one; repeatable")
@@ -545,6 +545,7 @@ def main(argv=None) -> int:
                    help="gloo ranks, 8 per node (default 16: two nodes)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
     models = [m for m in args.models.split(",") if m]
     schemes = [s for s in args.schemes.split(",") if s]
     if not models or any(m not in MODELS for m in models):
@@ -571,14 +572,14 @@ def main(argv=None) -> int:
     compute = replace(c, mfu=args.mfu, peak_flops=args.peak_tflops * 1e12,
                       micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
                       recompute=args.recompute)
-    from megatron_lbp.bench import project_replay as pr
+    from megatron_lbp.projection import project_replay as pr
 
     if args.record_traces is not None:
-        return _record(p, args, models, schemes)
+        return _record(p, args, models, schemes, given)
     try:
         traces = {} if args.no_replay else _traces(args.trace, schemes, models, pr)
     except pr.ReplayError as e:
-        print(f"python -m megatron_lbp.bench project: error: {e}", file=sys.stderr)
+        print(f"python -m megatron_lbp.projection: error: {e}", file=sys.stderr)
         return 2
     out = project(models, gcds, schemes, args.micro_batches, args.bucket_size, links, compute,
                   not args.no_overlap)
@@ -587,7 +588,7 @@ def main(argv=None) -> int:
             out["replay"] = pr.replay_projection(models, gcds, schemes, traces, links, compute,
                                                  rank=args.trace_rank)
         except pr.ReplayError as e:
-            print(f"python -m megatron_lbp.bench project: error: {e}", file=sys.stderr)
+            print(f"python -m megatron_lbp.projection: error: {e}", file=sys.stderr)
             return 2
     if args.json:
         json_out.emit(out)
@@ -620,10 +621,10 @@ def _traces(given: Sequence[str], schemes: Sequence[str], models: Sequence[str],
     return traces
 
 
-def _record(p, args, models, schemes) -> int:
+def _record(p, args, models, schemes, given: Sequence[str]) -> int:
     import shlex
 
-    from megatron_lbp.bench import project_replay as pr
+    from megatron_lbp.projection import project_replay as pr
 
     try:
         layers = sorted({int(x) for x in args.record_layers.split(",") if x}, reverse=True) \
@@ -635,8 +636,7 @@ def _record(p, args, models, schemes) -> int:
     if args.record_ranks < 16 or args.record_ranks % 8:
         p.error(f"--record-ranks={args.record_ranks} must be a multiple of 8 (nodes of 8 "
                 f"GCDs), at least 16 (two nodes: every group family spans ranks)")
-    command = shlex.join(["python", "-m", "megatron_lbp.bench", "project",
-                          *(sys.argv[2:] if argv_is_cli() else [])])
+    command = shlex.join(["python", "-m", "megatron_lbp.projection", *given])
     try:
         index = pr.record_traces(args.record_traces, layers=layers, schemes=schemes,
                                  ranks=args.record_ranks, command=command,
@@ -648,10 +648,6 @@ def _record(p, args, models, schemes) -> int:
     else:
         print("\n".join(f"{e['file']}: {e['scheme']}, {e['layers']} layers" for e in index["traces"]))
     return 0
-
-
-def argv_is_cli() -> bool:
-    return sys.argv[1:2] == ["project"]
 
 
 if __name__ == "__main__":

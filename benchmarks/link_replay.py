@@ -2,7 +2,7 @@
 
 ``with recording() as calls:`` around one training step records every
 torch.distributed collective the step issues (the functions
-megatron_lbp.bench.stock_accounting wraps, so the engine's, megatron-core
+benchmarks.stock_accounting wraps, so the engine's, megatron-core
 DDP's and Megatron-FSDP's alike): its function, its group and the shapes and
 dtypes of its tensors. ``Replay(calls)()`` then issues the same collectives
 again on the same groups, one after another and each waited for before the
@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 import torch
 
-from megatron_lbp.bench.stock_accounting import patched_collectives
+from benchmarks.stock_accounting import patched_collectives
 
 
 @dataclass(frozen=True)

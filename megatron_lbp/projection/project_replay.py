@@ -6,7 +6,7 @@ optimizer step's collectives are exposed. This module assumes nothing about
 overlap: it takes the program order of one rank from a schedule trace of the
 engine (``--hier-trace``, recorded on CPU with the target GPT's units: the
 embedding, L layers, the output layer) and replays it
-(megatron_lbp.bench.replay: a collective starts when issued and its
+(megatron_lbp.projection.replay: a collective starts when issued and its
 communicator is free, compute runs serially, a wait blocks until the
 collective is done) with these durations at the real shape:
 
@@ -36,7 +36,7 @@ micro-batches over the replayed step; scaling efficiency is relative to the
 same scheme at the smallest GCD count. The replayed bytes of each phase and
 link class are checked against the plan's (``bytes_match_plan``).
 
-Traces: ``megatron_lbp/bench/traces`` holds one per (layer count, scheme),
+Traces: ``megatron_lbp/projection/traces`` holds one per (layer count, scheme),
 rank 0's records of a few steps, described in its ``index.json`` (how each was
 recorded, and a hash of the code of each engine module that takes part in a
 step at the time: :func:`stale_traces` names those changed since);
@@ -56,8 +56,8 @@ from types import SimpleNamespace
 from typing import Any, Mapping, Sequence
 
 from megatron_lbp import costs
-from megatron_lbp.bench import project as pj
-from megatron_lbp.bench.replay import ReplayError, explain, replay
+from megatron_lbp.projection import project as pj
+from megatron_lbp.projection.replay import ReplayError, explain, replay
 
 TRACES_DIR = Path(__file__).resolve().parent / "traces"
 INDEX = "index.json"
@@ -68,7 +68,7 @@ ENGINE_DIR = "megatron_lbp/engine"
 # order the committed traces hold.
 NOT_SCHEDULE = {"checkpoint.py": "saving and loading", "materialize.py": "building the model",
                 "memory.py": "memory accounting", "faults.py": "the tests' fault injection"}
-RECORD_COMMAND = "python -m megatron_lbp.bench project --record-traces megatron_lbp/bench/traces"
+RECORD_COMMAND = "python -m megatron_lbp.projection --record-traces megatron_lbp/projection/traces"
 RECORD_MINUTES = "~8 min on the 2-core machine when quiet, 13 min under heavy load"
 # A compute pass's time in forwards of its unit (backward: data and weight gradients).
 PASS_FORWARDS = {"forward": 1.0, "recompute": 1.0, "backward": 2.0}
@@ -135,7 +135,7 @@ def default_traces(directory: Path = TRACES_DIR) -> dict[str, dict[int, Path]]:
 
 def load(path: str | os.PathLike, rank: int = 0) -> list[dict[str, Any]]:
     """One rank's step records from a trace file (or ``{rank}`` pattern), in step order."""
-    from megatron_lbp.bench.trace import TraceError, read_records
+    from megatron_lbp.projection.trace import TraceError, read_records
 
     try:
         records = [r for r in read_records([str(path)]) if r["rank"] == rank]
@@ -361,11 +361,11 @@ def replay_projection(models: Sequence[str], gcds: Sequence[int], schemes: Seque
     return {"assumptions": {
                 "rules": "program order of rank 0's last traced step; a collective starts when "
                          "issued and its communicator is free; compute serial; a wait blocks "
-                         "until done (megatron_lbp/bench/replay.py)",
+                         "until done (megatron_lbp/projection/replay.py)",
                 "durations": "each unit's bytes from the cost model at the real shape and "
                              "GCD count, link figures as in the idealised model; each unit's "
                              "compute from its FLOPs at the assumed MFU "
-                             "(megatron_lbp/bench/project_replay.py)",
+                             "(megatron_lbp/projection/project_replay.py)",
                 "micro_batches": k, "recompute": recompute, "prefetch_units": depth,
                 "not_modelled": "bandwidth shared by concurrent collectives on one link class "
                                 "(each runs at full speed on its own communicator), host work "
@@ -421,7 +421,7 @@ def render(rep: Mapping[str, Any], paper: Mapping[str, Any],
     ``ratios`` and ``assumptions``), whose ratios stand beside the replayed ones."""
     a = rep["assumptions"]
     lines = ["", "Replayed schedule (the engine's traced program order at Frontier's figures; "
-             "megatron_lbp/bench/project_replay.py):",
+             "megatron_lbp/projection/project_replay.py):",
              f"  traces: {a['micro_batches']} micro-batch(es), "
              f"{'full recomputation' if a['recompute'] else 'no recomputation'}, prefetch "
              f"{a['prefetch_units']} unit(s) ahead: " + "; ".join(
@@ -519,7 +519,7 @@ def record_traces(out_dir: str | os.PathLike, *, layers: Sequence[int] = RECORD_
     in packages of 2, two nodes by default, so every group family of 384 GCDs
     has more than one rank); rank 0's records, gzip-compressed.
     """
-    from megatron_lbp.bench.traffic import ENGINE_SCHEMES, GCDS_PER_PACKAGE
+    from megatron_lbp.projection.schemes import ENGINE_SCHEMES, GCDS_PER_PACKAGE
     from megatron_lbp.testing.multirank import rank_location_env, run_on_ranks
 
     cfg = {**RECORD_DEFAULTS, **overrides, "layers": tuple(layers), "schemes": tuple(schemes)}

@@ -8,17 +8,17 @@ the second step is counted:
 - engine presets (lbp, lbp with an int8 secondary copy S=2 / S=8, zeropp with
   qwZ, zero3, zero2, hsdp): the engine's own ledger (engine/comm.py), i.e. the
   ``traffic_bytes`` of that step's report. The same step is also counted by
-  :mod:`megatron_lbp.bench.stock_accounting`, and the two must agree;
+  :mod:`benchmarks.stock_accounting`, and the two must agree;
 - stock Megatron DDP + distributed optimizer (``megatron-distopt``) and stock
   Megatron-FSDP (``megatron-fsdp``, ``optim_grads_params``): torch.distributed's
-  collectives wrapped by :mod:`megatron_lbp.bench.stock_accounting`, which
+  collectives wrapped by :mod:`benchmarks.stock_accounting`, which
   charges them with the engine's formulas and link classes.
 
 Every scheme reduces gradients in fp32 (engine default, Megatron's
 ``grad_reduce_in_fp32=True``, Megatron-FSDP's fp32 main grads). Scalar
 collectives (loss, gradient norm, inf flags) are left out of every row.
 
-    python -m megatron_lbp.bench traffic [--micro-batches K] [--ranks 16] [--json]
+    python -m benchmarks traffic [--micro-batches K] [--ranks 16] [--json]
         [--schemes lbp,zero3,...] [--bucket-size N]
 
 ``--json`` prints ``{scheme: {"package": bytes, "node": bytes, "network": bytes}}``
@@ -26,30 +26,19 @@ for K micro-batches (default 1). Without it, K=1 and K=4 are both run and a
 table with the ratios lbp/zero3 and lbp/zeropp on the network is printed.
 """
 from __future__ import annotations
-from megatron_lbp.bench import json_out
+from megatron_lbp.projection import json_out
 
 import argparse
 import sys
 from typing import Any
 
 from megatron_lbp.costs import LINK_CLASS_ORDER
+from megatron_lbp.projection.schemes import ENGINE_SCHEMES, GCDS_PER_PACKAGE
 
 GPUS_PER_NODE = 8
-GCDS_PER_PACKAGE = 2
 COUNTED_STEP = 1           # steps 0 and 1 run; step 1 is counted
 STEPS = COUNTED_STEP + 1
 
-ENGINE_SCHEMES: dict[str, list[str]] = {
-    "lbp": ["--hier-preset", "lbp"],
-    "lbp-int8-S2": ["--hier-preset", "lbp", "--hier-secondary-group-size", "2",
-                    "--hier-secondary-dtype", "int8"],
-    "lbp-int8-S8": ["--hier-preset", "lbp", "--hier-secondary-group-size", "8",
-                    "--hier-secondary-dtype", "int8"],
-    "zeropp": ["--hier-preset", "zeropp"],
-    "zero3": ["--hier-preset", "zero3"],
-    "zero2": ["--hier-preset", "zero2"],
-    "hsdp": ["--hier-preset", "hsdp"],
-}
 STOCK_SCHEMES = ("megatron-distopt", "megatron-fsdp")
 SCHEMES = tuple(ENGINE_SCHEMES) + STOCK_SCHEMES
 
@@ -118,7 +107,7 @@ def rank_traffic(scheme: str, micro_batches: int, bucket_size: int | None,
     """On every rank: train STEPS steps of ``scheme``, count the last; this rank's bytes."""
     import torch.distributed as dist
 
-    from megatron_lbp.bench.stock_accounting import count_collectives
+    from benchmarks.stock_accounting import count_collectives
     from megatron_lbp.testing.tiny_gpt import setup_hier, setup_stock
     from megatron_lbp.topology import emulated_locations
 
@@ -269,7 +258,7 @@ def render(results: dict[int, dict[str, Any]], ranks: int,
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_lbp.bench traffic", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks traffic", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--micro-batches", type=int, default=None,
                    help="K (default: 1 with --json, else both 1 and 4)")

@@ -11,13 +11,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from megatron_lbp.bench import cpu_share
-from megatron_lbp.bench.project_replay import settings_text
-from megatron_lbp.bench.report_goals import calibration_rows, fmt_ratio, result, traffic_bytes
+from benchmarks import cpu_share
+from megatron_lbp.projection.project_replay import settings_text
+from benchmarks.report_goals import calibration_rows, fmt_ratio, result, traffic_bytes
 from megatron_lbp.costs import LINK_CLASS_ORDER
 
 NOT_RUN = "not run: "
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 
 
 def _rel(path: Path, out: Path) -> str:
@@ -65,7 +65,7 @@ def goals_table(report) -> list[str]:
 
 def traffic_section(report, out: Path, plots: Path) -> list[str]:
     runs = report["runs"]
-    lines = ["## Link traffic (`python -m megatron_lbp.bench traffic`)", "",
+    lines = ["## Link traffic (`python -m benchmarks traffic`)", "",
              "Bytes sent per rank per optimizer step on the slowest link class each collective "
              "spans; the second of two steps counted; engine rows by the engine's ledger, "
              "stock rows by the torch.distributed wrapper (see docs/benchmarks.md).", ""]
@@ -96,7 +96,7 @@ def traffic_section(report, out: Path, plots: Path) -> list[str]:
 
 def network_section(report, out: Path, plots: Path) -> list[str]:
     runs = report["runs"]
-    lines = ["## Emulated network (`python -m megatron_lbp.bench network`)", ""]
+    lines = ["## Emulated network (`python -m benchmarks network`)", ""]
     missing = _not_run(runs, "network")
     if missing:
         return lines + [missing, ""] + frontier_section(report, out, plots)
@@ -143,7 +143,7 @@ def exposure_cells(row) -> list[str]:
 
 
 def frontier_section(report, out: Path, plots: Path) -> list[str]:
-    from megatron_lbp.bench.network_shape import derivation_lines
+    from benchmarks.network_shape import derivation_lines
 
     runs = report["runs"]
     if "network_frontier" not in runs:
@@ -201,7 +201,7 @@ def _short(value: Any, limit: int = 8) -> Any:
 
 def overhead_section(report) -> list[str]:
     runs = report["runs"]
-    lines = ["## Overhead on one unshaped node (`python -m megatron_lbp.bench overhead`)", ""]
+    lines = ["## Overhead on one unshaped node (`python -m benchmarks overhead`)", ""]
     missing = _not_run(runs, "overhead")
     if missing:
         return lines + [missing, ""]
@@ -232,7 +232,7 @@ def overhead_section(report) -> list[str]:
                          f"{p['max_loss_difference']:.1e} | {p['measures']} |")
     lines += ["", f"Ratio lbp / stock: **{ov['ratio_lbp_over_stock']:.3f}**", ""]
     if ov.get("profiles"):
-        from megatron_lbp.bench.overhead_profile import CATEGORIES
+        from benchmarks.overhead_profile import CATEGORIES
 
         schemes = list(ov["profiles"])
         lines += ["Where a step's time goes (cProfile of rank 0 in a run of its own, seconds per "
@@ -263,7 +263,7 @@ def tflops_table(per_scheme) -> list[str]:
 
 def project_section(report, out: Path, plots: Path) -> list[str]:
     runs = report["runs"]
-    lines = ["## Frontier projection (`python -m megatron_lbp.bench project`)", ""]
+    lines = ["## Frontier projection (`python -m benchmarks project`)", ""]
     missing = _not_run(runs, "project")
     if missing:
         return lines + [missing, ""]

@@ -1,6 +1,6 @@
 """BENCHMARKS.md from fresh runs of the other benchmark commands: tables, plots, goals, provenance.
 
-    python -m megatron_lbp.bench report [--quick] [--out BENCHMARKS.md]
+    python -m benchmarks report [--quick] [--out BENCHMARKS.md]
         [--plots-dir docs/benchmarks] [--skip network,...] [--reuse overhead,...] [--timeout S]
 
 Each section is produced by running the command's ``--json`` form in a fresh
@@ -39,11 +39,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megatron_lbp.bench import report_goals, report_plots, report_render
+from benchmarks import report_goals, report_plots, report_render
 
 SECTIONS = ("traffic", "project", "overhead", "network")
-REPO = Path(__file__).resolve().parents[2]
-BENCH = [sys.executable, "-m", "megatron_lbp.bench"]
+REPO = Path(__file__).resolve().parents[1]
+BENCH = [sys.executable, "-m", "benchmarks"]
 DEFAULT_TIMEOUT_S = 3600.0
 STDERR_TAIL = 2000
 
@@ -174,7 +174,7 @@ def _load_previous(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise SystemExit(f"python -m megatron_lbp.bench report: error: --reuse needs {path}: {e}")
+        raise SystemExit(f"python -m benchmarks report: error: --reuse needs {path}: {e}")
 
 
 def collect(quick: bool, skip: set[str], reuse: set[str], previous: dict[str, Any] | None,
@@ -215,7 +215,7 @@ def collect(quick: bool, skip: set[str], reuse: set[str], previous: dict[str, An
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_lbp.bench report", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="reduced sizes (CI)")
     p.add_argument("--out", default=None, help="markdown file (default BENCHMARKS.md; "
@@ -248,7 +248,7 @@ def main(argv=None) -> int:
     previous = _load_previous(results_path) if reuse else None
 
     started = _utc()
-    report = {"command": shlex.join(["python", "-m", "megatron_lbp.bench", "report",
+    report = {"command": shlex.join(["python", "-m", "benchmarks", "report",
                                      *(sys.argv[1:] if argv is None else argv)]),
               "quick": args.quick, "started_utc": started, "machine": machine(),
               "versions": versions(), "git": git_state()}

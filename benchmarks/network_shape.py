@@ -72,7 +72,7 @@ def fill_model(args) -> None:
 def zero3_uplink_bytes(model: Mapping[str, int], world: int, ranks_per_node: int,
                        micro_batches: int, gcds_per_package: int) -> float:
     """Bytes zero3 puts on one node's uplink per optimizer step, each way (the plan's bytes)."""
-    from megatron_lbp.bench import project as pj
+    from megatron_lbp.projection import project as pj
     from megatron_lbp.costs import PHASES
 
     plan = pj.plan_for(model, world, "zero3", micro_batches, gpus_per_node=ranks_per_node,
@@ -127,14 +127,14 @@ def probe_rank(ns_of_rank, master, spec, train, rounds: int, ranks_per_node: int
                ) -> dict[str, list[float]]:
     """On this rank: zero3's step collectives alone and the compute alone, ``rounds`` times.
 
-    zero3 trains two steps (the second recorded, megatron_lbp.bench.link_replay),
+    zero3 trains two steps (the second recorded, benchmarks.link_replay),
     then each round replays that step's collectives (barrier to barrier: all
     ranks done) and runs the compute alone (this rank's own time).
     """
     import torch.distributed as dist
 
-    from megatron_lbp.bench import link_replay
-    from megatron_lbp.bench.network import _join, _trainer, compute_ops
+    from benchmarks import link_replay
+    from benchmarks.network import _join, _trainer, compute_ops
 
     _join(ns_of_rank, master)
     trainer = _trainer("zero3", spec, train, ranks_per_node, None)
@@ -168,8 +168,8 @@ def derive(args, net, spec, train, on_network, log) -> dict[str, Any]:
     longer; the engine's reduce-scatters send a reduce-scatter's bytes on gloo
     too: megatron_lbp.engine.comm.exchange_reduce_scatter).
     """
-    from megatron_lbp.bench import project as pj
-    from megatron_lbp.bench.traffic import GCDS_PER_PACKAGE
+    from megatron_lbp.projection import project as pj
+    from benchmarks.traffic import GCDS_PER_PACKAGE
 
     world = args.nodes * args.ranks_per_node
     log(f"probing zero3's collectives alone and the compute alone on {world} ranks at "

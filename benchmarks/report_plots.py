@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from megatron_lbp.bench.report_goals import result, traffic_bytes
+from benchmarks.report_goals import result, traffic_bytes
 from megatron_lbp.costs import LINK_CLASS_ORDER
 
 

@@ -1,6 +1,6 @@
 """Step time of every scheme on an emulated, bandwidth-limited network, and the model's prediction.
 
-Each emulated node is a Linux network namespace (megatron_lbp.bench.netns)
+Each emulated node is a Linux network namespace (benchmarks.netns)
 whose uplink is a veth pair to a shared bridge, shaped with ``tc tbf`` in both
 directions; all ranks of a node live in its namespace, so traffic inside a
 node goes over its (unshaped) loopback and traffic between nodes through the
@@ -30,29 +30,29 @@ scheme's step from the plan tool's traffic for this topology; stock Megatron
 is modelled by the engine preset with the same traffic (megatron-distopt as
 zero2, megatron-fsdp as zero3; see ``bench traffic``). Nothing else is fitted.
 
-Per scheme, beside the step (megatron_lbp.bench.network_exposure): the compute
+Per scheme, beside the step (benchmarks.network_exposure): the compute
 alone (the same GPT as a plain module, no collective), the link time of the
 scheme's own step collectives timed alone (recorded in a warm-up round,
-replayed back to back in every kept round: megatron_lbp.bench.link_replay),
+replayed back to back in every kept round: benchmarks.link_replay),
 the exposed communication (step - compute alone) and its share of the link
 time, and for engine schemes what their schedule trace (``--hier-trace``) says
 the rank waited on, per phase. ``--model frontier-shaped`` scales 20B's
 proportions down (full recomputation, 2 micro-batches) and derives the uplink
 rate from zero3's network/compute ratio on Frontier, measuring the compute
-first (megatron_lbp.bench.network_shape); the derivation is printed.
+first (benchmarks.network_shape); the derivation is printed.
 
-    python -m megatron_lbp.bench network [--json] [--model default|frontier-shaped]
+    python -m benchmarks network [--json] [--model default|frontier-shaped]
         [--nodes 2] [--ranks-per-node 4] [--rate-mbit 400] [--schemes lbp,zero3,...]
         [--steps 4] [--hidden 256] [--trace-dir DIR] ...
-    python -m megatron_lbp.bench network --package-rate-mbit 1600   # + a package tier
-    python -m megatron_lbp.bench network --sweep     # only remove stale lbpn-* namespaces
+    python -m benchmarks network --package-rate-mbit 1600   # + a package tier
+    python -m benchmarks network --sweep     # only remove stale lbpn-* namespaces
 
 Needs root and iproute2 (``ip``, ``tc``). Everything it creates is removed on
 exit, on errors, on Ctrl-C and on SIGTERM; a run that was SIGKILLed leaves
 namespaces that the next run (or ``--sweep``) removes.
 """
 from __future__ import annotations
-from megatron_lbp.bench import json_out
+from megatron_lbp.projection import json_out
 
 import argparse
 import contextlib
@@ -70,8 +70,8 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from megatron_lbp.bench import cpu_share, netns, network_shape
-from megatron_lbp.bench.traffic import ENGINE_SCHEMES, GCDS_PER_PACKAGE, STOCK_SCHEMES
+from benchmarks import cpu_share, netns, network_shape
+from benchmarks.traffic import ENGINE_SCHEMES, GCDS_PER_PACKAGE, STOCK_SCHEMES
 
 # DeepSpeed's schemes (benchmarks/deepspeed/: ZeRO-3, hpZ, ZeRO++ = hpZ + qwZ + qgZ) train
 # the same GPT on the same batches in the same ranks, stepped in the same rounds.
@@ -108,7 +108,7 @@ def _join(ns_of_rank: list[str], master: str) -> None:
 
 
 def _trainer(scheme: str, spec, train, ranks_per_node: int, trace_dir: str | None):
-    from megatron_lbp.bench.traffic import setup_fsdp
+    from benchmarks.traffic import setup_fsdp
     from megatron_lbp.testing.tiny_gpt import setup_hier, setup_stock
 
     if scheme == "megatron-distopt":
@@ -208,7 +208,7 @@ def rank_bench(ns_of_rank, master, schemes, spec, train, warmup, ranks_per_node,
     """
     import torch.distributed as dist
 
-    from megatron_lbp.bench import link_replay
+    from benchmarks import link_replay
 
     _join(ns_of_rank, master)
     trainers = {s: _trainer(s, spec, train, ranks_per_node, trace_dir) for s in schemes}
@@ -289,7 +289,7 @@ def _model(args) -> dict[str, int]:
 
 
 def _plans(args, schemes) -> dict[str, dict[str, Any]]:
-    from megatron_lbp.bench.project import plan_for
+    from megatron_lbp.projection.project import plan_for
 
     world = args.nodes * args.ranks_per_node
     return {s: plan_for(_model(args), world, MODELLED_AS.get(s, s), args.micro_batches,
@@ -318,7 +318,7 @@ def _fit_links(samples, ranks_per_node: int, tiered: bool = False) -> dict[str, 
     ranks_per_node peer groups once each); the per-rank fits (bytes one rank
     sends) are kept beside it to show what the uplink rule reconciles.
     """
-    from megatron_lbp.bench.project import fit_link, fit_uplink
+    from megatron_lbp.projection.project import fit_link, fit_uplink
 
     out: dict[str, Any] = {"samples": [dict(zip(("pattern", "op", "n", "bytes", "s"), s))
                                        for s in samples]}
@@ -347,7 +347,7 @@ def _fit_links(samples, ranks_per_node: int, tiered: bool = False) -> dict[str, 
 
 
 def _calibration(args, measured, links_fit, compute_meas) -> dict[str, Any]:
-    from megatron_lbp.bench import project as pj
+    from megatron_lbp.projection import project as pj
 
     plans = _plans(args, list(measured))
     ref_plan = plans["lbp"]
@@ -386,8 +386,8 @@ def _calibration(args, measured, links_fit, compute_meas) -> dict[str, Any]:
 
 def run(args) -> dict[str, Any]:
     """``--runs`` multi-rank runs of rank_bench (first scheme rotated); medians over all rounds."""
-    from megatron_lbp.bench import network_exposure as nx
-    from megatron_lbp.bench import network_shape
+    from benchmarks import network_exposure as nx
+    from benchmarks import network_shape
 
     cpu_start = cpu_share.snapshot()
     spec, train = _specs(args)
@@ -521,7 +521,7 @@ def _progress(args, line: str) -> None:
 
 
 def render(out: dict[str, Any]) -> str:
-    from megatron_lbp.bench import network_exposure, network_shape
+    from benchmarks import network_exposure, network_shape
 
     c = out["config"]
     m = c["model"]
@@ -584,7 +584,7 @@ def render(out: dict[str, Any]) -> str:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, not usage + message
-        self.exit(2, f"python -m megatron_lbp.bench network: error: {message}\n")
+        self.exit(2, f"python -m benchmarks network: error: {message}\n")
 
 
 def _sizes(text: str) -> tuple[float, ...]:
@@ -595,7 +595,7 @@ def _sizes(text: str) -> tuple[float, ...]:
 
 
 def parse(argv) -> argparse.Namespace:
-    p = _Parser(prog="python -m megatron_lbp.bench network", description=__doc__,
+    p = _Parser(prog="python -m benchmarks network", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=network_shape.MODELS, default="default",
                    help="default: the 4-layer GPT at 400 Mbit/s; frontier-shaped: 20B's "
@@ -685,7 +685,7 @@ def main(argv=None) -> int:
     args = parse(argv)
     why = netns.missing_requirements()
     if why:
-        print(f"python -m megatron_lbp.bench network: error: {why}", file=sys.stderr)
+        print(f"python -m benchmarks network: error: {why}", file=sys.stderr)
         return 2
     swept = netns.sweep_stale()
     if swept:
@@ -701,15 +701,15 @@ def main(argv=None) -> int:
     try:
         out = run(args)
     except MultiRankError as e:
-        print(f"python -m megatron_lbp.bench network: error: a rank failed; emulated network "
+        print(f"python -m benchmarks network: error: a rank failed; emulated network "
               f"removed\n{e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("python -m megatron_lbp.bench network: interrupted; emulated network removed",
+        print("python -m benchmarks network: interrupted; emulated network removed",
               file=sys.stderr)
         return 130
     except netns.NetworkSetupError as e:
-        print(f"python -m megatron_lbp.bench network: error: {e}", file=sys.stderr)
+        print(f"python -m benchmarks network: error: {e}", file=sys.stderr)
         return 1
     finally:
         for sig, handler in previous.items():

@@ -32,17 +32,17 @@ with compute as it does by default in training (Megatron's DDP needs
 more, the engine reduce-scatters each micro-batch's gradient into its 1/G
 shard where Megatron accumulates the full gradient locally first.
 
-    python -m megatron_lbp.bench overhead [--ranks 8] [--runs 3] [--steps 6] [--json]
+    python -m benchmarks overhead [--ranks 8] [--runs 3] [--steps 6] [--json]
         [--bucket-size 70000] [--micro-batches 1] [--profile]
 
 ``--profile`` adds one run, not timed, with cProfile on rank 0 around each
 scheme's steps, and reports for each pair the seconds per step by where they
 are spent (collectives and waits, torch compute, engine / megatron-core /
 torch Python), each side's top functions and the engine's functions by
-cumulative time (megatron_lbp.bench.overhead_profile).
+cumulative time (benchmarks.overhead_profile).
 """
 from __future__ import annotations
-from megatron_lbp.bench import json_out
+from megatron_lbp.projection import json_out
 
 import argparse
 import os
@@ -52,7 +52,7 @@ import sys
 import time
 from typing import Any
 
-from megatron_lbp.bench import cpu_share
+from benchmarks import cpu_share
 
 WARMUP_STEPS = 2
 DEFAULT_BUCKET_SIZE = 70_000
@@ -79,7 +79,7 @@ def _engine_argv(scheme: str, node: int) -> list[str]:
 
 
 def _trainer(scheme: str, spec, train, node: int):
-    from megatron_lbp.bench.traffic import setup_fsdp
+    from benchmarks.traffic import setup_fsdp
     from megatron_lbp.testing.tiny_gpt import setup_hier, setup_stock
 
     if scheme == STOCK:
@@ -108,7 +108,7 @@ def rank_bench(schemes, spec, train, node: int, profile: bool = False) -> dict[s
 
     import torch.distributed as dist
 
-    from megatron_lbp.bench import overhead_profile
+    from benchmarks import overhead_profile
 
     trainers = {s: _trainer(s, spec, train, node) for s in schemes}
     profiling = profile and dist.get_rank() == 0
@@ -242,7 +242,7 @@ def render(result: dict) -> str:
     lines.append("  (ratio: A's median step / B's; paired: median over rounds of A / B in the "
                  "same round)")
     if result.get("profiles"):
-        from megatron_lbp.bench import overhead_profile
+        from benchmarks import overhead_profile
 
         lines += ["", overhead_profile.render(result["profiles"], result["pairs"])]
     return "\n".join(lines)
@@ -250,11 +250,11 @@ def render(result: dict) -> str:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, not usage + message
-        self.exit(2, f"python -m megatron_lbp.bench overhead: error: {message}\n")
+        self.exit(2, f"python -m benchmarks overhead: error: {message}\n")
 
 
 def main(argv=None) -> int:
-    p = _Parser(prog="python -m megatron_lbp.bench overhead", description=__doc__,
+    p = _Parser(prog="python -m benchmarks overhead", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--runs", type=int, default=3, help="multi-rank runs (scheme order rotated)")

@@ -1,7 +1,7 @@
 """Exposed communication per phase, from the engine's schedule trace (``--hier-trace``).
 
-    python -m megatron_lbp.bench trace PATH [PATH ...] [--steps all|N|A-B] [--json]
-    python -m megatron_lbp.bench trace --record DIR [--ranks 8] [--gpus-per-node 4]
+    python -m megatron_lbp.projection trace PATH [PATH ...] [--steps all|N|A-B] [--json]
+    python -m megatron_lbp.projection trace --record DIR [--ranks 8] [--gpus-per-node 4]
         [--layers 4] [--hidden 128] [--steps 4] [--micro-batches 2] [--no-recompute]
         [--prefetch-units 1] [--json]
 
@@ -44,7 +44,7 @@ with S as above.
 Format of the trace: docs/schedule-trace.md.
 """
 from __future__ import annotations
-from megatron_lbp.bench import json_out
+from megatron_lbp.projection import json_out
 
 import argparse
 import glob
@@ -57,7 +57,7 @@ from typing import Any, Iterable, Sequence
 from megatron_lbp.engine.comm import ALL_PHASES
 from megatron_lbp.engine.trace import PASSES
 
-PROG = "python -m megatron_lbp.bench trace"
+PROG = "python -m megatron_lbp.projection trace"
 
 
 class TraceError(Exception):

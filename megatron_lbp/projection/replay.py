@@ -6,7 +6,7 @@ module keeps that order and nothing else of the recorded run: every
 collective's link time and every compute interval's time come from the
 caller (``collective_s(record, c)``, ``compute_s(record, interval)``), e.g.
 Frontier's link and compute figures at the real model shape
-(megatron_lbp.bench.project_replay). The rules, applied to the events of the
+(megatron_lbp.projection.project_replay). The rules, applied to the events of the
 given step records in program order (``*_seq`` within a step, steps in the
 order given):
 

@@ -13,7 +13,7 @@ weight, which here shares the CPU with everything else). Then one optimizer
 step runs, and its loss is printed beside stock Megatron's (DDP + distributed
 optimizer, built the plain way).
 
-    python -m megatron_lbp.bench construction [--ranks 8] [--preset zero3]
+    python -m benchmarks construction [--ranks 8] [--preset zero3]
         [--init device|cpu] [--bucket-size 20000] [--layers 8] [--hidden 64]
         [--architecture test-gpt|megatron-defaults|llama|...] [--json]
 
@@ -21,7 +21,7 @@ The engine's buckets are its gather units (one per transformer layer, the
 embedding, the rest); --bucket-size only cuts parameters outside them.
 """
 from __future__ import annotations
-from megatron_lbp.bench import json_out
+from megatron_lbp.projection import json_out
 
 import argparse
 import gc
@@ -97,7 +97,7 @@ def render(result: dict[str, Any]) -> str:
 def main(argv=None) -> int:
     from megatron_lbp.testing.tiny_gpt import ARCHITECTURES
 
-    p = argparse.ArgumentParser(prog="python -m megatron_lbp.bench construction",
+    p = argparse.ArgumentParser(prog="python -m benchmarks construction",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=8)

@@ -1,1 +1,0 @@
-"""Benchmarks: each subcommand measures side by side in one run and can print --json."""
