@@ -4,7 +4,7 @@ missed with the reason, on run records of the shape ``bench network --json`` pri
 command itself runs the DeepSpeed rows in tests/test_bench_network.py's slow case)."""
 import pytest
 
-from megatron_lbp.bench import report_goals as rg
+from benchmarks import report_goals as rg
 
 
 def _row(median, compute=1.0, link=0.8):
