@@ -85,6 +85,11 @@ def main(argv: list[str] | None = None) -> None:
         _usage_error(str(err))
     compat.enable()
     compat.enable_training()
+    # --tokenizer-type GPT2BPETokenizer from --vocab-file/--merge-file offline, as pretrain_gpt
+    # builds it (megatron-core's own path asks transformers' AutoTokenizer for the hub's gpt2)
+    from megatron_lbp import megatron_adapter
+
+    megatron_adapter.install_gpt2_bpe_from_files()
 
     from megatron.training.arguments import parse_and_validate_args
 
