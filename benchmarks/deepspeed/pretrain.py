@@ -32,6 +32,7 @@ Not served: tensor/pipeline/context parallelism, checkpoints, evaluation.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -147,6 +148,25 @@ def _result_start(args, scheme: str, config: dict) -> None:
                  unmeasured="DeepSpeed")
 
 
+@contextlib.contextmanager
+def _deepspeed_local_rank():
+    """DeepSpeed's engine takes LOCAL_RANK as its device index and refuses to start without it.
+    Under srun the launcher's task wrapper (scripts/launch/lbp_task.sh) leaves it unset on
+    purpose (each task sees its one GCD as device 0; the topology reads Slurm's variables), so
+    for DeepSpeed's start it is the device Megatron already selected (0 on CPU ranks), and
+    unset again afterwards."""
+    import torch
+
+    if "LOCAL_RANK" in os.environ:
+        yield
+        return
+    os.environ["LOCAL_RANK"] = str(torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    try:
+        yield
+    finally:
+        os.environ.pop("LOCAL_RANK", None)
+
+
 def _config_container(args):
     from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
 
@@ -202,8 +222,9 @@ def train(args, scheme: str, config: dict, node: int) -> None:
     optimizer = torch.optim.AdamW(_param_groups(model, args.weight_decay), lr=args.lr,
                                   betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
     tie_output_to_embedding(deepspeed, model)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
-                                           dist_init_required=False)
+    with _deepspeed_local_rank():
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                               dist_init_required=False)
     scheduler = get_optimizer_param_scheduler(optimizer)
     args.iteration, args.consumed_train_samples = 0, 0
     setattr(pretrain_gpt.train_valid_test_datasets_provider, "is_distributed", True)
