@@ -32,7 +32,6 @@ Not served: tensor/pipeline/context parallelism, checkpoints, evaluation.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -135,7 +134,7 @@ def _result_args():
         return None
 
 
-def _result_start(args, scheme: str, config: dict) -> None:
+def _result_start(args, scheme: str, config: dict, local_rank: int | None) -> None:
     """Open the run's result file (megatron_lbp/study/result.py: the same file as
     pretrain_gpt's, so the study's report puts DeepSpeed beside lbp)."""
     from megatron_lbp.study import result
@@ -145,26 +144,24 @@ def _result_start(args, scheme: str, config: dict) -> None:
                  group_sizes={"hpz_partition_size": zero.get("zero_hpz_partition_size", 0),
                               "qwz": bool(zero.get("zero_quantized_weights")),
                               "qgz": bool(zero.get("zero_quantized_gradients"))},
-                 unmeasured="DeepSpeed")
+                 unmeasured="DeepSpeed", local_rank=local_rank)
 
 
-@contextlib.contextmanager
-def _deepspeed_local_rank():
-    """DeepSpeed's engine takes LOCAL_RANK as its device index and refuses to start without it.
-    Under srun the launcher's task wrapper (scripts/launch/lbp_task.sh) leaves it unset on
-    purpose (each task sees its one GCD as device 0; the topology reads Slurm's variables), so
-    for DeepSpeed's start it is the device Megatron already selected (0 on CPU ranks), and
-    unset again afterwards."""
+def _deepspeed_local_rank() -> int:
+    """This rank's index in its node; and LOCAL_RANK set for DeepSpeed where it is unset.
+
+    DeepSpeed takes LOCAL_RANK as its device index and reads it throughout (its engine
+    refuses to start without it). Under srun the launcher's task wrapper
+    (scripts/launch/lbp_task.sh) leaves it unset on purpose (each task sees its one GCD as
+    device 0; the topology reads Slurm's variables), so here it becomes the device Megatron
+    selected (0 on CPU ranks); the index in the node (SLURM_LOCALID) is returned for the
+    result file, which would otherwise read LOCAL_RANK."""
     import torch
 
-    if "LOCAL_RANK" in os.environ:
-        yield
-        return
-    os.environ["LOCAL_RANK"] = str(torch.cuda.current_device() if torch.cuda.is_available() else 0)
-    try:
-        yield
-    finally:
-        os.environ.pop("LOCAL_RANK", None)
+    local = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
+    if "LOCAL_RANK" not in os.environ:
+        os.environ["LOCAL_RANK"] = str(torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return local
 
 
 def _config_container(args):
@@ -214,7 +211,8 @@ def train(args, scheme: str, config: dict, node: int) -> None:
     cfg = _config_container(args)
     initialize_megatron()
     args = get_args()
-    _result_start(args, scheme, config)  # a failure from here on names its scheme
+    local_rank = _deepspeed_local_rank()   # after Megatron selected the device
+    _result_start(args, scheme, config, local_rank)  # a failure from here on names its scheme
     # No set_jit_fusion_options: its warm-up draws random numbers, and with it here the
     # initial weights differ from megatron_lbp.pretrain_gpt's (measured: their sum 314.65
     # against 347.67 on the tiny GPT); the fusions it warms up are off on CPU anyway.
@@ -222,9 +220,8 @@ def train(args, scheme: str, config: dict, node: int) -> None:
     optimizer = torch.optim.AdamW(_param_groups(model, args.weight_decay), lr=args.lr,
                                   betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
     tie_output_to_embedding(deepspeed, model)
-    with _deepspeed_local_rank():
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
-                                               dist_init_required=False)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                           dist_init_required=False)
     scheduler = get_optimizer_param_scheduler(optimizer)
     args.iteration, args.consumed_train_samples = 0, 0
     setattr(pretrain_gpt.train_valid_test_datasets_provider, "is_distributed", True)
@@ -243,7 +240,7 @@ def train(args, scheme: str, config: dict, node: int) -> None:
     engine.train()
     from megatron_lbp.study import result
 
-    _result_start(args, scheme, config)  # the clock of the first iteration starts here
+    _result_start(args, scheme, config, local_rank)  # the clock of the first iteration starts here
     for iteration in range(1, args.train_iters + 1):
         start = time.perf_counter()
         totals = torch.zeros(2, dtype=torch.float64)   # summed token losses, tokens

@@ -83,22 +83,28 @@ def read_interface_counters(names: list[str], root: str = "/sys/class/net") -> t
 
 
 def _node_leader() -> bool:
+    if _rec.get("local_rank") is not None:  # the runner knew it before a library changed LOCAL_RANK
+        return _rec["local_rank"] == 0
     return os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0"
 
 
 def start(args: Any, *, scheme: str | None = None, group_sizes: dict | None = None,
-          unmeasured: str | None = None) -> None:
+          unmeasured: str | None = None, local_rank: int | None = None) -> None:
     """Loop start. A runner other than pretrain_gpt (the DeepSpeed baseline) names its
-    ``scheme`` and ``group_sizes`` itself and says in ``unmeasured`` why it has no CPU memory
-    figure and no ledger bytes."""
+    ``scheme`` and ``group_sizes`` itself, says in ``unmeasured`` why it has no CPU memory
+    figure and no ledger bytes, and gives its ``local_rank`` in the node where LOCAL_RANK
+    no longer says it."""
     if not path():
         return
     ifaces = [n for n in os.environ.get("LBP_NET_IFACES", "").split(",") if n]
+    _rec.clear()
+    _rec["local_rank"] = local_rank
     counters, why = read_interface_counters(ifaces) if _node_leader() else (None, "not a node leader")
     _rec.clear()
     _rec.update(t0=time.perf_counter(), last=time.perf_counter(), times={}, losses={}, ledger_mem=0,
                 traffic=None, ifaces=ifaces, counters0=counters, counters_why=why, args=args,
-                first_iteration=None, scheme=scheme, group_sizes=group_sizes, unmeasured=unmeasured)
+                first_iteration=None, scheme=scheme, group_sizes=group_sizes, unmeasured=unmeasured,
+                local_rank=local_rank)
 
 
 def on_iteration(iteration: int, loss_dict: dict | None, report: dict | None) -> None:
