@@ -34,7 +34,7 @@ from typing import Any, Mapping
 
 MODELS = ("default", "frontier-shaped")
 TWENTY_B = {"hidden": 6144, "seq": 2048, "vocab": 50304}
-FRONTIER_SCHEMES = ("lbp", "zeropp", "zero3", "megatron-fsdp")
+FRONTIER_SCHEMES = ("lbp", "zeropp", "zero3", "megatron-fsdp", "ds-zero3", "ds-zeropp")
 DEFAULTS = {
     "default": {"layers": 4, "hidden": 256, "heads": 4, "vocab": 1024, "seq": 64,
                 "micro_batch_size": 1, "micro_batches": 1, "recompute": False},

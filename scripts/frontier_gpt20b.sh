@@ -122,6 +122,13 @@
 #                 hsdp: no secondary copy]. Each preset implies its own defaults below.
 #     HIER_SECONDARY_GROUP_SIZE [lbp, zeropp: TASKS_PER_NODE = 8, the node; zero3, zero2,
 #                 hsdp: 0]  HIER_SECONDARY_DTYPE [int8]
+#     HIER_PRESET=ds-zero3 | ds-hpz | ds-zeropp: DeepSpeed's ZeRO-3 / hpZ / ZeRO++ (hpZ + qwZ +
+#                 qgZ) on the same model, data, tokenizer and batch: each task runs python -m
+#                 benchmarks.deepspeed.pretrain (docs/deepspeed-baseline.md) instead of
+#                 pretrain_gpt; the dry run prints its DeepSpeed config. Needs DeepSpeed in the
+#                 Python env (bash scripts/install.sh --test); saves no checkpoint (no --chain,
+#                 START_FROM, MEGATRON_LM_DIR); refuses HIER_SECONDARY_GROUP_SIZE /
+#                 HIER_GRAD_REDUCE_DTYPE and --hier-* flags; ds-hpz, ds-zeropp need >= 2 nodes.
 #   LBP_DRY_RUN=1 or --dry-run: print the srun and training commands, the parameter
 #     count, the per-GCD memory of each recomputation/micro-batch choice, the step time,
 #     save interval, checkpoint size, exit time for the #SBATCH -t (LBP_WALLTIME), the

@@ -248,13 +248,14 @@ def independent_headline(rec):
         assert heads["projection"]["values"][0] == pytest.approx(want, rel=1e-12)
     if runs["network"]["status"] == "ok":
         s = runs["network"]["result"]["schemes"]
-        want = [s[x]["ratio_to_lbp"] for x in ("zeropp", "zero3", "megatron-fsdp") if x in s]
+        want = [s[x]["ratio_to_lbp"] for x in ("zeropp", "zero3", "megatron-fsdp", "ds-zeropp",
+                                                 "ds-zero3") if x in s]
         assert heads["emulated_speedup"]["values"] == pytest.approx(want)
     if runs.get("network_frontier", {}).get("status") == "ok":
         s = runs["network_frontier"]["result"]["schemes"]
         want = [s["lbp"]["exposed_s"] / s["lbp"]["link_s"]] + [
-            s[x]["median_s"] / s["lbp"]["median_s"] for x in ("zeropp", "zero3", "megatron-fsdp")
-            if x in s]
+            s[x]["median_s"] / s["lbp"]["median_s"] for x in ("zeropp", "zero3", "megatron-fsdp",
+                                                              "ds-zeropp", "ds-zero3") if x in s]
         assert heads["frontier_emulation"]["values"] == pytest.approx(want)
     rep = runs["project"].get("result", {}).get("replay") if runs["project"]["status"] == "ok" \
         else None

@@ -19,6 +19,11 @@ Takes Megatron-LM's ``pretrain_gpt.py`` flags, exactly what
 - prints Megatron's iteration line (``iteration N/ M | ... | lm loss: ... | grad
   norm: ... |``) so the same log readers work on both.
 
+With ``LBP_RESULT_FILE=PATH`` the run writes the study's result file
+(megatron_lbp/study/result.py: step time, tokens/s, TFLOPS/GCD by Megatron's FLOP
+formula, peak memory on GPU, loss curve; on CPU ranks memory and ledger bytes are
+"not measured", DeepSpeed keeping no ledger), the same file pretrain_gpt writes.
+
 Own flags: ``--ds-scheme`` (required), ``--ds-ranks-per-node`` (hpZ's partition
 and qgZ's node; default LOCAL_WORLD_SIZE), ``--ds-print-config`` (print the
 DeepSpeed config and exit before training, after the flags are checked).
@@ -80,6 +85,11 @@ def main(argv: list[str] | None = None) -> None:
         _usage_error(str(err))
     compat.enable()
     compat.enable_training()
+    # --tokenizer-type GPT2BPETokenizer from --vocab-file/--merge-file offline, as pretrain_gpt
+    # builds it (megatron-core's own path asks transformers' AutoTokenizer for the hub's gpt2)
+    from megatron_lbp import megatron_adapter
+
+    megatron_adapter.install_gpt2_bpe_from_files()
 
     from megatron.training.arguments import parse_and_validate_args
 
@@ -104,7 +114,54 @@ def main(argv: list[str] | None = None) -> None:
         if os.environ.get("RANK", "0") == "0":
             print(json.dumps({"scheme": own.ds_scheme, "deepspeed_config": config}, indent=1))
         return
-    train(args, own.ds_scheme, config, node)
+    from megatron_lbp.study import result
+
+    try:
+        train(args, own.ds_scheme, config, node)
+    except BaseException as err:  # LBP_RESULT_FILE: a failed run leaves a failed result
+        if not isinstance(err, SystemExit) or err.code not in (0, None):
+            result.fail(_result_args(), err)
+        raise
+
+
+def _result_args():
+    """Megatron's args once initialize_megatron has run, else None (a failure before it)."""
+    try:
+        from megatron.training import get_args
+
+        return get_args()
+    except Exception:
+        return None
+
+
+def _result_start(args, scheme: str, config: dict, local_rank: int | None) -> None:
+    """Open the run's result file (megatron_lbp/study/result.py: the same file as
+    pretrain_gpt's, so the study's report puts DeepSpeed beside lbp)."""
+    from megatron_lbp.study import result
+
+    zero = config["zero_optimization"]
+    result.start(args, scheme=scheme,
+                 group_sizes={"hpz_partition_size": zero.get("zero_hpz_partition_size", 0),
+                              "qwz": bool(zero.get("zero_quantized_weights")),
+                              "qgz": bool(zero.get("zero_quantized_gradients"))},
+                 unmeasured="DeepSpeed", local_rank=local_rank)
+
+
+def _deepspeed_local_rank() -> int:
+    """This rank's index in its node; and LOCAL_RANK set for DeepSpeed where it is unset.
+
+    DeepSpeed takes LOCAL_RANK as its device index and reads it throughout (its engine
+    refuses to start without it). Under srun the launcher's task wrapper
+    (scripts/launch/lbp_task.sh) leaves it unset on purpose (each task sees its one GCD as
+    device 0; the topology reads Slurm's variables), so here it becomes the device Megatron
+    selected (0 on CPU ranks); the index in the node (SLURM_LOCALID) is returned for the
+    result file, which would otherwise read LOCAL_RANK."""
+    import torch
+
+    local = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
+    if "LOCAL_RANK" not in os.environ:
+        os.environ["LOCAL_RANK"] = str(torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return local
 
 
 def _config_container(args):
@@ -154,6 +211,8 @@ def train(args, scheme: str, config: dict, node: int) -> None:
     cfg = _config_container(args)
     initialize_megatron()
     args = get_args()
+    local_rank = _deepspeed_local_rank()   # after Megatron selected the device
+    _result_start(args, scheme, config, local_rank)  # a failure from here on names its scheme
     # No set_jit_fusion_options: its warm-up draws random numbers, and with it here the
     # initial weights differ from megatron_lbp.pretrain_gpt's (measured: their sum 314.65
     # against 347.67 on the tiny GPT); the fusions it warms up are off on CPU anyway.
@@ -169,6 +228,8 @@ def train(args, scheme: str, config: dict, node: int) -> None:
     train_iter, _, _ = build_train_valid_test_data_iterators(
         pretrain_gpt.train_valid_test_datasets_provider)
     rank0 = dist.get_rank() == 0
+    if rank0:  # what this job runs (the launcher's dry run prints the same, from schemes.ds_config)
+        print(f"[{scheme}] DeepSpeed config: {json.dumps(config, sort_keys=True)}", flush=True)
     micro_batches = get_num_microbatches()
     if micro_batches != config["gradient_accumulation_steps"]:
         raise RuntimeError(f"Megatron counts {micro_batches} micro-batches per step, the DeepSpeed "
@@ -177,6 +238,9 @@ def train(args, scheme: str, config: dict, node: int) -> None:
 
     rerun = get_rerun_state_machine()
     engine.train()
+    from megatron_lbp.study import result
+
+    _result_start(args, scheme, config, local_rank)  # the clock of the first iteration starts here
     for iteration in range(1, args.train_iters + 1):
         start = time.perf_counter()
         totals = torch.zeros(2, dtype=torch.float64)   # summed token losses, tokens
@@ -197,12 +261,14 @@ def train(args, scheme: str, config: dict, node: int) -> None:
         dist.all_reduce(totals)
         grad_norm = float(engine.get_global_grad_norm())
         elapsed_ms = (time.perf_counter() - start) * 1000.0
+        result.on_iteration(iteration, {"lm loss": (totals[0] / totals[1]).item()}, None)
         if rank0 and iteration % args.log_interval == 0:
             lr = optimizer.param_groups[0]["lr"]
             print(f" [{scheme}] iteration {iteration:8d}/{args.train_iters:8d} | elapsed time per "
                   f"iteration (ms): {elapsed_ms:.1f} | learning rate: {lr:.6E} | global batch size: "
                   f"{args.global_batch_size:5d} | lm loss: {(totals[0] / totals[1]).item():.6E} | "
                   f"grad norm: {grad_norm:.3f} |", flush=True)
+    result.finish(args)  # a collective, every rank; the last writes LBP_RESULT_FILE
     dist.barrier()
     if rank0:
         print(f"[{scheme}] training done: {args.train_iters} iterations", flush=True)

@@ -88,3 +88,40 @@ def ds_config(scheme: str, *, micro_batch_size: int, micro_batches: int, dp_size
     if bf16:
         config["bf16"] = {"enabled": True}
     return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.deepspeed.schemes --scheme S --micro-batch-size B --global-batch-size
+    G --world-size W --ranks-per-node N [--clip-grad C] [--bf16]``: the config JSON the runner
+    (benchmarks.deepspeed.pretrain) builds for that job shape, by the same function, without
+    importing Megatron or DeepSpeed (the launcher's dry run prints it)."""
+    import argparse
+    import json
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.deepspeed.schemes")
+    p.add_argument("--scheme", required=True, choices=SCHEMES)
+    p.add_argument("--micro-batch-size", type=int, required=True)
+    p.add_argument("--global-batch-size", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--ranks-per-node", type=int, required=True)
+    p.add_argument("--clip-grad", type=float, default=1.0)
+    p.add_argument("--bf16", action="store_true")
+    a = p.parse_args(argv)
+    per_step = a.micro_batch_size * a.world_size
+    try:
+        if a.global_batch_size % per_step:
+            raise ValueError(f"global batch {a.global_batch_size} is not a multiple of micro-batch "
+                             f"size x ranks = {per_step}")
+        config = ds_config(a.scheme, micro_batch_size=a.micro_batch_size,
+                           micro_batches=a.global_batch_size // per_step, dp_size=a.world_size,
+                           ranks_per_node=a.ranks_per_node, clip_grad=a.clip_grad, bf16=a.bf16)
+    except ValueError as err:
+        print(f"{p.prog}: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps({"scheme": a.scheme, "deepspeed_config": config}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

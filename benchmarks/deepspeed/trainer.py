@@ -68,7 +68,10 @@ class DeepSpeedTrainer:
         self.engine.step()                  # updates only at the accumulation boundary
         return loss.detach() / train.micro_batches
 
-    def run(self, steps, result: TrainResult | None = None) -> TrainResult:
+    def run(self, steps, probe=None, result: TrainResult | None = None) -> TrainResult:
+        """Train the given step numbers (the engine trainers' call; ``probe`` is not served)."""
+        if probe is not None:
+            raise ValueError("DeepSpeedTrainer.run: a probe between backward passes is not served")
         result = result or TrainResult()
         for step in steps:
             local_loss = torch.zeros(())
@@ -80,6 +83,15 @@ class DeepSpeedTrainer:
             result.losses.append(local_loss.item() / self.dp_size)
             result.grad_norms.append(float(self.engine.get_global_grad_norm()))
         return result
+
+    def collectives_visible(self):
+        """A context in which torch.distributed's (possibly wrapped) collectives are the ones
+        DeepSpeed calls: its torch backend binds its all-gather and reduce-scatter at start-up,
+        so a recorder or counter that replaces torch.distributed's attributes would miss ZeRO-3's
+        gathers and reduce-scatters. Enter it inside the wrapping context."""
+        from benchmarks.deepspeed.traffic import _deepspeed_bound_functions_wrapped
+
+        return _deepspeed_bound_functions_wrapped()
 
     def final_params(self) -> dict[str, torch.Tensor]:
         """Every parameter by the GPT's own names, gathered from its partitions, in fp32."""

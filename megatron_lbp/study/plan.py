@@ -20,10 +20,14 @@ import math
 import sys
 from dataclasses import asdict, dataclass
 
-SCHEMES = ("lbp", "zeropp", "zero3", "distopt")
-# Extension point: the DeepSpeed schemes (benchmarks/deepspeed/) join here and in
-# scripts/launch/lbp_study.sh's run_one once they have a launcher of their own.
-COST_AS = {"distopt": "zero2"}
+SCHEMES = ("lbp", "zeropp", "zero3", "distopt", "ds-zero3", "ds-hpz", "ds-zeropp")
+# The cost model has no scheme of these; each is costed as the nearest it has. The DeepSpeed
+# schemes (benchmarks/deepspeed/, HIER_PRESET=ds-* in the launcher) as the engine's presets
+# that send what they send per gather (ZeRO-3; hpZ's node-sized secondary copy).
+COST_AS = {"distopt": "zero2", "ds-zero3": "zero3", "ds-hpz": "zeropp", "ds-zeropp": "zeropp"}
+# hpZ partitions a secondary copy over one node: on one node it would be the whole job
+# (benchmarks/deepspeed/schemes.py refuses it), so these schemes start at two nodes.
+MIN_NODES = {"ds-hpz": 2, "ds-zeropp": 2}
 
 
 class PlanError(ValueError):
@@ -92,12 +96,23 @@ def make_runs(*, nodes: list[int], schemes: list[str], scaling: str, tasks_per_n
                                 "strong scaling needs it divisible at every node count")
             k, gbs = global_batch // per, global_batch
         for scheme in schemes:
+            if n < MIN_NODES.get(scheme, 1):
+                continue
             step = step_seconds if step_seconds else projected_step_s(
                 scheme, n, tasks_per_node, gcds_per_package, model, micro_batch_size, k, seq_length)
             for seed in (seeds if n == nodes[0] else seeds[:1]):
                 name = f"n{n:03d}-{scheme}-s{seed}"
                 runs.append(Run(name, n, scheme, gbs, k, seed, step, startup_s + iters * step))
+    if not runs:
+        raise PlanError(f"no runs: {', '.join(schemes)} on {','.join(map(str, nodes))} node(s) "
+                        f"(hpZ schemes need >= 2 nodes)")
     return runs
+
+
+def skipped(nodes: list[int], schemes: list[str]) -> list[str]:
+    """The (scheme, node count) pairs the plan leaves out, and why, for the plan's printout."""
+    return [f"{s} on {n} node(s): not run (hpZ's node-sized secondary partition would be the whole job)"
+            for n in nodes for s in schemes if n < MIN_NODES.get(s, 1)]
 
 
 def cost(runs: list[Run]) -> dict:
@@ -114,7 +129,7 @@ def render(runs: list[Run], c: dict, scaling: str, iters: int, step_source: str)
              f"[study] {'run':<22} {'nodes':>5} {'scheme':<8} {'global batch':>12} {'micro-batches':>13} "
              f"{'seed':>5} {'step s':>8} {'run s':>8}"]
     for r in runs:
-        lines.append(f"[study] {r.name:<22} {r.nodes:>5} {r.scheme:<8} {r.global_batch:>12} "
+        lines.append(f"[study] {r.name:<22} {r.nodes:>5} {r.scheme:<9} {r.global_batch:>12} "
                      f"{r.micro_batches:>13} {r.seed:>5} {r.step_s:>8.2f} {r.run_s:>8.0f}")
     lines.append(f"[study] cost: {c['node_hours']:.2f} node-hours ({c['allocation_nodes']} nodes x "
                  f"{c['seconds'] / 3600:.2f} h; the runs themselves use {c['busy_node_hours']:.2f}); "
@@ -162,8 +177,11 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 2
     c = cost(runs)
     source = (f"{args.step_seconds} s (given)" if args.step_seconds else
-              "from bench project's cost model (MI250X compute, Frontier links; distopt costed as zero2)")
+              "from bench project's cost model (MI250X compute, Frontier links; distopt costed as zero2, "
+              "ds-zero3 as zero3, ds-hpz and ds-zeropp as zeropp)")
     print(render(runs, c, args.scaling, args.iters, source))
+    for line in skipped(_ints(args.nodes, "--nodes"), [s for s in args.schemes.split(",") if s]):
+        print(f"[study] {line}")
     if args.runs_file:
         with open(args.runs_file, "w") as f:
             for r in runs:

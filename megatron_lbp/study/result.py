@@ -83,18 +83,28 @@ def read_interface_counters(names: list[str], root: str = "/sys/class/net") -> t
 
 
 def _node_leader() -> bool:
+    if _rec.get("local_rank") is not None:  # the runner knew it before a library changed LOCAL_RANK
+        return _rec["local_rank"] == 0
     return os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0"
 
 
-def start(args: Any) -> None:
+def start(args: Any, *, scheme: str | None = None, group_sizes: dict | None = None,
+          unmeasured: str | None = None, local_rank: int | None = None) -> None:
+    """Loop start. A runner other than pretrain_gpt (the DeepSpeed baseline) names its
+    ``scheme`` and ``group_sizes`` itself, says in ``unmeasured`` why it has no CPU memory
+    figure and no ledger bytes, and gives its ``local_rank`` in the node where LOCAL_RANK
+    no longer says it."""
     if not path():
         return
     ifaces = [n for n in os.environ.get("LBP_NET_IFACES", "").split(",") if n]
+    _rec.clear()
+    _rec["local_rank"] = local_rank
     counters, why = read_interface_counters(ifaces) if _node_leader() else (None, "not a node leader")
     _rec.clear()
     _rec.update(t0=time.perf_counter(), last=time.perf_counter(), times={}, losses={}, ledger_mem=0,
                 traffic=None, ifaces=ifaces, counters0=counters, counters_why=why, args=args,
-                first_iteration=None)
+                first_iteration=None, scheme=scheme, group_sizes=group_sizes, unmeasured=unmeasured,
+                local_rank=local_rank)
 
 
 def on_iteration(iteration: int, loss_dict: dict | None, report: dict | None) -> None:
@@ -137,7 +147,10 @@ def _describe(args: Any) -> dict:
     cp = getattr(args, "context_parallel_size", 1) or 1
     dp = world // (tp * pp * cp)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "0")) or 0)
-    if hier is not None:
+    if _rec.get("scheme"):
+        scheme, groups = _rec["scheme"], dict(_rec.get("group_sizes") or {})
+        nodes = int(os.environ.get("SLURM_NNODES") or (world // local if local else 1))
+    elif hier is not None:
         from megatron_lbp.config import DEFAULT_PRESET
 
         # the preset names the scheme; group_sizes says what it resolved to (flags may change them)
@@ -219,13 +232,15 @@ def finish(args: Any) -> None:
                                          "reserved_bytes": None}
     else:
         result["peak_memory_per_gcd"] = {"source": "not measured: CPU run without the engine's ledger "
-                                         "(stock Megatron)", "allocated_bytes": None, "reserved_bytes": None}
+                                         f"({_rec['unmeasured'] or 'stock Megatron'})",
+                                         "allocated_bytes": None, "reserved_bytes": None}
     if _rec["traffic"] is not None:
         result["ledger_bytes_per_step"] = {"source": "engine ledger, bytes sent per step summed over ranks",
                                            "package": int(sums[4]), "node": int(sums[5]),
                                            "network": int(sums[6])}
     else:
-        result["ledger_bytes_per_step"] = {"source": "not measured: stock Megatron keeps no ledger"}
+        result["ledger_bytes_per_step"] = {"source": "not measured: "
+                                           f"{_rec['unmeasured'] or 'stock Megatron'} keeps no ledger"}
     iterations = len(_rec["times"])
     if sums[2] >= sums[3] and sums[3] > 0 and iterations:
         result["interface_bytes"] = {

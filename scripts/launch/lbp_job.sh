@@ -107,6 +107,7 @@ lbp_launch_job() {
   lbp_build_train_args
   lbp_resolve_capabilities || return
   lbp_print_commands
+  lbp_ds_print_config || return
   # The tasks resolve for the same device, and refuse if they do not have it.
   [ "$LBP_RUN_DEVICE" = gpu ] && export LBP_DEVICE=gpu
   local pruner=""

@@ -95,7 +95,8 @@
 #   HIER_PRESET HIER_SECONDARY_GROUP_SIZE HIER_SECONDARY_DTYPE  the hierarchy (a preset implies
 #                       its secondary group size: the node for lbp and zeropp, 0 otherwise;
 #                       HIER_PRESET=distopt: stock Megatron's --use-distributed-optimizer instead,
-#                       the study's baseline)
+#                       the study's baseline; HIER_PRESET=ds-zero3|ds-hpz|ds-zeropp: DeepSpeed's
+#                       schemes by benchmarks/deepspeed's runner, scripts/launch/lbp_deepspeed.sh)
 #   HIER_GRAD_REDUCE_DTYPE  fp32 (default) or bf16: the gradient shard and its reductions, in
 #                       training (--hier-grad-reduce-dtype) and in the memory estimate alike
 #   LBP_SETTINGS_OUT    a file: write the resolved settings there and stop (scripts/launch/lbp_study.sh)
@@ -122,6 +123,8 @@
 . "$LBP_REPO/scripts/launch/lbp_site.sh"
 # shellcheck source-path=SCRIPTDIR source=lbp_job.sh
 . "$LBP_REPO/scripts/launch/lbp_job.sh"
+# shellcheck source-path=SCRIPTDIR source=lbp_deepspeed.sh
+. "$LBP_REPO/scripts/launch/lbp_deepspeed.sh"
 
 lbp_die() {  # lbp_die STATUS MESSAGE...
   local status=$1
@@ -323,6 +326,7 @@ lbp_start_from() {
 
 # Training entry: megatron_lbp (default) or a patched Megatron-LM tree.
 lbp_resolve_entry() {
+  if lbp_is_ds; then lbp_ds_entry; return; fi
   if [ -z "${MEGATRON_LM_DIR:-}" ]; then
     ENTRY=("$LBP_PYTHON" -u -m megatron_lbp.pretrain_gpt)
     ENTRY_DESC="python -m megatron_lbp.pretrain_gpt (megatron-core from the Python env)"
@@ -345,14 +349,15 @@ lbp_resolve_entry() {
 
 # Memory per choice, the choice, step time, save interval, checkpoint bytes (estimate.py).
 lbp_estimate() {
+  lbp_ds_estimate_as
   local args=(--nodes "$NNODES_RESOLVED" --tasks-per-node "$TASKS_PER_NODE"
-              --gcds-per-package "$GCDS_PER_PACKAGE" --preset "${HIER_PRESET/#distopt/zero2}"
+              --gcds-per-package "$GCDS_PER_PACKAGE" --preset "$LBP_EST_PRESET"
               --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN_SIZE"
               --num-attention-heads "$NUM_ATTENTION_HEADS" --seq-length "$SEQ_LENGTH"
               --vocab-size "$VOCAB_SIZE_PADDED" --global-batch-size "$GLOBAL_BATCH_SIZE"
               --micro-batch-size "$MICRO_BATCH_SIZE" --recompute "$RECOMPUTE"
-              --hier-secondary-group-size "$HIER_SECONDARY_GROUP_SIZE"
-              --hier-secondary-dtype "$HIER_SECONDARY_DTYPE" --params-dtype "$PRECISION"
+              --hier-secondary-group-size "$LBP_EST_SECONDARY"
+              --hier-secondary-dtype "$LBP_EST_SECONDARY_DTYPE" --params-dtype "$PRECISION"
               --hier-grad-reduce-dtype "$HIER_GRAD_REDUCE_DTYPE"
               --gcd-memory-gb "$GCD_MEMORY_GB" --reserve-gb "$LBP_MEMORY_RESERVE_GB"
               --train-iters "$TRAIN_ITERS" --save-interval "$SAVE_INTERVAL"
@@ -446,13 +451,15 @@ lbp_build_train_args() {
     --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std "$INIT_METHOD_STD"
     --attention-dropout 0.0 --hidden-dropout 0.0
     "${data[@]}" "${tok[@]}"
-    --save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --ckpt-format torch_dist
-    --save-interval "$SAVE_INTERVAL" --exit-signal-handler
     --log-interval "$LOG_INTERVAL" --log-throughput
     --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS"
     --distributed-timeout-minutes "$DIST_TIMEOUT_MINS"
   )
-  if [ "$HIER_PRESET" = distopt ]; then
+  lbp_is_ds || TRAIN_ARGS+=(--save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --ckpt-format torch_dist
+                            --save-interval "$SAVE_INTERVAL" --exit-signal-handler)
+  if lbp_is_ds; then
+    :  # DeepSpeed partitions by its scheme (lbp_ds_entry's --ds-scheme)
+  elif [ "$HIER_PRESET" = distopt ]; then
     # Stock Megatron's distributed optimizer, the study's baseline (the estimate sized it as zero2).
     TRAIN_ARGS+=(--use-distributed-optimizer)
   else
@@ -469,8 +476,10 @@ lbp_build_train_args() {
   esac
   [ -n "$FFN_HIDDEN_SIZE" ] && TRAIN_ARGS+=(--ffn-hidden-size "$FFN_HIDDEN_SIZE")
   [ -n "$TENSORBOARD_DIR" ] && TRAIN_ARGS+=(--tensorboard-dir "$TENSORBOARD_DIR")
-  [ "$LBP_RETAIN_BY" = megatron ] && TRAIN_ARGS+=(--save-retain-interval "$LBP_MILESTONE_EVERY")
-  [ "$EXIT_DURATION_MINS" != 0 ] && TRAIN_ARGS+=(--exit-duration-in-mins "$EXIT_DURATION_MINS")
+  if ! lbp_is_ds; then
+    [ "$LBP_RETAIN_BY" = megatron ] && TRAIN_ARGS+=(--save-retain-interval "$LBP_MILESTONE_EVERY")
+    [ "$EXIT_DURATION_MINS" != 0 ] && TRAIN_ARGS+=(--exit-duration-in-mins "$EXIT_DURATION_MINS")
+  fi
   [ -n "${START_FROM:-}" ] && TRAIN_ARGS+=(--pretrained-checkpoint "$START_FROM" "${LBP_START_FLAGS[@]}")
   if [ -n "${EXTRA_ARGS:-}" ]; then
     # shellcheck disable=SC2206  # a list of flags
@@ -652,12 +661,14 @@ lbp_main() {
     shift
   done
   lbp_defaults || return
+  lbp_ds_check || return
   lbp_start_from || return
   if [ -n "${LBP_SETTINGS_OUT:-}" ]; then  # the study (scripts/launch/lbp_study.sh) reads the profile's values
     lbp_write_settings "$LBP_SETTINGS_OUT"
     return
   fi
   lbp_resolve_nodes || return
+  lbp_ds_check_nodes || return
   lbp_check_hierarchy || return
   lbp_check_paths || return
   LBP_TMP=$(mktemp -d "${TMPDIR:-/tmp}/lbp_launch.XXXXXX") || { lbp_die 2 "cannot create a" \
@@ -684,6 +695,7 @@ lbp_main() {
   lbp_build_train_args
   lbp_resolve_capabilities || return
   lbp_print_commands
+  lbp_ds_print_config || return
   if [ "$LBP_CHAIN" -gt 1 ]; then
     lbp_log "chain: --chain $LBP_CHAIN: this job submits the next at its start" \
       "(--dependency=afterany:<this job>, the same sbatch options), $((LBP_CHAIN - 1)) more;" \

@@ -17,7 +17,10 @@
 # Variables (the profile's own variables apply to every run, as for a single job):
 #   STUDY_NODES          node counts [1,2,4,8,16,32,48]
 #   STUDY_SCHEMES        [lbp,zeropp,zero3,distopt]; zeropp gathers its secondary copy in the node,
-#                        zero3 and distopt have none, lbp keeps the profile's
+#                        zero3 and distopt have none, lbp keeps the profile's; the DeepSpeed
+#                        schemes ds-zero3, ds-hpz, ds-zeropp (HIER_PRESET=ds-*: the launcher runs
+#                        benchmarks/deepspeed's runner on the same model and data; ds-hpz and
+#                        ds-zeropp from 2 nodes) write the same result file
 #   STUDY_SCALING        weak (fixed micro-batches per GCD: STUDY_MICRO_BATCHES [1]) or strong
 #                        (fixed global batch: STUDY_GLOBAL_BATCH [the profile's GLOBAL_BATCH_SIZE])
 #   STUDY_MICRO_BATCH_SIZE  [the profile's MICRO_BATCH_SIZE; 1 where that is auto]
@@ -35,8 +38,6 @@
 #                        many nodes would check the same nodes again; they run with
 #                        LBP_HEALTH_CHECK=none) or every [first]; LBP_HEALTH_CHECK=0 applies to all
 #   LBP_NET_IFACES       interfaces whose byte counters each run reads (Frontier: hsn0,hsn1,hsn2,hsn3)
-# DeepSpeed schemes (benchmarks/deepspeed/) are not runs of this launcher yet: study_run_one is
-# where they join, with megatron_lbp/study/plan.py's SCHEMES.
 set -euo pipefail
 
 study_die() { echo "lbp_study: error: $*" >&2; exit "${STUDY_STATUS:-2}"; }
