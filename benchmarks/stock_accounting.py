@@ -8,7 +8,7 @@ is charged exactly as engine/comm.py charges its own (bytes **sent** by this
 rank, ring algorithms):
 
 - all-gather whose full output is T bytes over n ranks: T·(n-1)/n
-  (``all_gather_into_tensor``, ``_all_gather_base``, ``all_gather`` with a list
+  (``all_gather_single``, ``all_gather_into_tensor``, ``_all_gather_base``, ``all_gather`` with a list
   of n outputs, ``all_gather_coalesced``);
 - reduce-scatter whose full input is T bytes: T·(n-1)/n
   (``reduce_scatter_tensor``, ``_reduce_scatter_base``, ``reduce_scatter`` with
@@ -161,6 +161,8 @@ def _wrappers(ledger: StockLedger, orig: Mapping[str, Any]) -> dict[str, Any]:
                                  group_src=group_src)
 
     return {
+        **({"all_gather_single": gather_base("all_gather_single")}
+           if "all_gather_single" in orig else {}),
         "all_gather_into_tensor": gather_base("all_gather_into_tensor"),
         "_all_gather_base": gather_base("_all_gather_base"),
         "reduce_scatter_tensor": scatter_base("reduce_scatter_tensor"),
@@ -175,9 +177,13 @@ def _wrappers(ledger: StockLedger, orig: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-WRAPPED = ("all_gather_into_tensor", "_all_gather_base", "reduce_scatter_tensor",
-           "_reduce_scatter_base", "all_reduce", "all_reduce_coalesced", "all_gather",
-           "all_gather_coalesced", "reduce_scatter", "all_to_all_single", "broadcast")
+# all_gather_single: torch >= 2.13's name of all_gather_into_tensor (which calls it inside
+# torch.distributed, not through these attributes: wrapping both counts a call once).
+WRAPPED = tuple(name for name in (
+    "all_gather_single", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter_tensor",
+    "_reduce_scatter_base", "all_reduce", "all_reduce_coalesced", "all_gather",
+    "all_gather_coalesced", "reduce_scatter", "all_to_all_single", "broadcast")
+    if hasattr(dist, name))
 
 # Modules that captured a collective as a global at import time: module -> {global: dist name}.
 _CAPTURED = {

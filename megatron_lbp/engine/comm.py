@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from megatron_lbp.costs import LINK_CLASS_ORDER, PHASES
 from megatron_lbp.engine import faults
+from megatron_lbp.engine.dist_api import all_gather_single
 
 CONTROL = "control"
 ALL_PHASES = PHASES + (CONTROL,)
@@ -224,7 +225,7 @@ class Collectives:
                    async_op: bool = False, unit: int | None = None, charge: bool = True,
                    issue: bool = True):
         """``charge``/``issue``: see :meth:`_exchange` (a chain's later stage)."""
-        return self._exchange(dist.all_gather_into_tensor, GATHER, out, inp, family, phase,
+        return self._exchange(all_gather_single(), GATHER, out, inp, family, phase,
                               _nbytes(out), async_op, unit, charge=charge, issue=issue)
 
     def folds_prescale(self, family: str) -> bool:
