@@ -1,7 +1,13 @@
-"""torch.distributed calls whose name moved between the torch versions the project runs on."""
+"""torch.distributed calls whose name moved between the torch versions the project runs on,
+and the byte size of what a collective sends."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
+
+
+def nbytes(t: Any) -> int:
+    """Bytes of tensor ``t``'s elements: what a collective's byte charge starts from."""
+    return t.numel() * t.element_size()
 
 
 def all_gather_single() -> Callable:
