@@ -71,20 +71,15 @@ from dataclasses import asdict
 from typing import Any
 
 from benchmarks import cpu_share, netns, network_shape
-from benchmarks.traffic import ENGINE_SCHEMES, GCDS_PER_PACKAGE, STOCK_SCHEMES
+from megatron_lbp.engine.dist_api import all_gather_single
+from megatron_lbp.projection.schemes import (DISTOPT, DS_SCHEMES, ENGINE_SCHEMES, FSDP,
+                                             GCDS_PER_PACKAGE,
+                                             MODELLED_AS, STOCK_SCHEMES, engine_argv,
+                                             schemes_from)
 
-# DeepSpeed's schemes (benchmarks/deepspeed/: ZeRO-3, hpZ, ZeRO++ = hpZ + qwZ + qgZ) train
-# the same GPT on the same batches in the same ranks, stepped in the same rounds.
-DS_SCHEMES = ("ds-zero3", "ds-hpz", "ds-zeropp")
+# DeepSpeed's schemes train the same GPT on the same batches in the same ranks, stepped in
+# the same rounds.
 SCHEMES = ("lbp", "zeropp", "zero3", "zero2", "hsdp") + STOCK_SCHEMES + DS_SCHEMES
-# Engine preset whose traffic models each stock scheme (bench traffic: at K=1
-# megatron-distopt moves 609,120 vs zero2's 610,560 bytes, megatron-fsdp
-# 850,560 vs zero3's 814,080 on the network). DeepSpeed's as the presets that gather
-# as they do (docs/deepspeed-baseline.md: ds-zero3 sends 1.4 % less than the plan
-# tool's zero3 with bf16 gradients; hpZ's node-sized secondary copy is zeropp's; the
-# model has no term for qgZ's int4 all-to-all, so ds-zeropp is modelled without it).
-MODELLED_AS = {"megatron-distopt": "zero2", "megatron-fsdp": "zero3", "ds-zero3": "zero3",
-               "ds-hpz": "zeropp", "ds-zeropp": "zeropp"}
 LINK_SIZES_MB = (1.0, 4.0)
 # 50 MB/s per node each way = 12.5 MB/s per rank when all 4 ranks of a node send
 # across (Frontier's per-GCD figure in MB instead of GB); loopback gives each
@@ -111,18 +106,16 @@ def _trainer(scheme: str, spec, train, ranks_per_node: int, trace_dir: str | Non
     from benchmarks.traffic import setup_fsdp
     from megatron_lbp.testing.tiny_gpt import setup_hier, setup_stock
 
-    if scheme == "megatron-distopt":
+    if scheme == DISTOPT:
         return setup_stock(spec, train)
-    if scheme == "megatron-fsdp":
+    if scheme == FSDP:
         return setup_fsdp(spec, train)
     if scheme in DS_SCHEMES:
         from benchmarks.deepspeed.trainer import setup_deepspeed
 
         return setup_deepspeed(spec, train, scheme, ranks_per_node=ranks_per_node)
     trace = ["--hier-trace", trace_path(trace_dir, scheme)] if trace_dir else []
-    return setup_hier(spec, train, ENGINE_SCHEMES[scheme] + [
-        "--hier-gpus-per-node", str(ranks_per_node),
-        "--hier-gcds-per-package", str(GCDS_PER_PACKAGE)] + trace)
+    return setup_hier(spec, train, engine_argv(scheme, ranks_per_node, *trace))
 
 
 def trace_path(trace_dir: str, scheme: str) -> str:
@@ -168,7 +161,7 @@ def _link_ops(ranks_per_node: int, sizes_mb, tiered: bool = False):
             full = torch.ones(numel, dtype=torch.float32)
             part = torch.empty(numel // n, dtype=torch.float32)
             ops.append((name, "all_gather", n, 2 * numel * (n - 1) / n, functools.partial(
-                dist.all_gather_into_tensor, gathered, shard, group=group)))
+                all_gather_single(), gathered, shard, group=group)))
             # Timed as the engine issues it: on gloo an exchange (engine/comm.py).
             ops.append((name, "reduce_scatter", n, 4 * numel * (n - 1) / n, functools.partial(
                 reduce_scatter, part, full, group=group, async_op=False)))
@@ -668,10 +661,7 @@ def parse(argv) -> argparse.Namespace:
         args.link_sizes_mb = _sizes(args.link_sizes_mb)
     except ValueError:
         p.error(f"--link-sizes-mb={args.link_sizes_mb!r}: comma-separated sizes > 0")
-    schemes = [s for s in args.schemes.split(",") if s]
-    bad = [s for s in schemes if s not in SCHEMES]
-    if bad or not schemes:
-        p.error(f"--schemes: {','.join(bad) or '(empty)'} not in {','.join(SCHEMES)}")
+    schemes = schemes_from(p, args.schemes, SCHEMES)
     args.schemes = ["lbp"] + [s for s in dict.fromkeys(schemes) if s != "lbp"]
     return args
 

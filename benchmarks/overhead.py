@@ -53,11 +53,11 @@ import time
 from typing import Any
 
 from benchmarks import cpu_share
+from megatron_lbp.projection.schemes import DISTOPT, FSDP, schemes_from
 
 WARMUP_STEPS = 2
 DEFAULT_BUCKET_SIZE = 70_000
-STOCK = "megatron-distopt"
-FSDP = "megatron-fsdp"
+STOCK, FSDP = DISTOPT, FSDP
 # (A, B, what the pair measures)
 PAIRS = (
     ("zero2", STOCK, "implementation: same sharding as Megatron's distributed optimizer"),
@@ -279,10 +279,7 @@ def main(argv=None) -> int:
             p.error(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
     if args.ranks % 2:
         p.error(f"--ranks={args.ranks} must be even (lbp pairs ranks into packages of 2)")
-    schemes = [s for s in args.schemes.split(",") if s]
-    bad = [s for s in schemes if s not in SCHEMES]
-    if bad or not schemes:
-        p.error(f"--schemes: {','.join(bad) or '(empty)'} not in {','.join(SCHEMES)}")
+    schemes = schemes_from(p, args.schemes, SCHEMES)
     schemes = [s for s in SCHEMES if s in schemes]
     result = measure(args.ranks, args.runs, args.steps, args.hidden, args.layers, args.seq,
                      args.bucket_size, args.micro_batches, schemes, args.profile)

@@ -4,11 +4,11 @@ Stock Megatron (DDP + distributed optimizer, Megatron-FSDP) does not go through
 the engine's :class:`~megatron_lbp.engine.comm.Collectives`, so its traffic is
 counted here instead, by wrapping torch.distributed's collectives for the
 duration of a ``with count_collectives(locations) as ledger:`` block. Each call
-is charged exactly as engine/comm.py charges its own (bytes **sent** by this
-rank, ring algorithms):
+is charged exactly as engine/comm.py charges its own, by the same rule
+(``costs.ring_sent``: bytes **sent** by this rank, ring algorithms):
 
 - all-gather whose full output is T bytes over n ranks: T·(n-1)/n
-  (``all_gather_into_tensor``, ``_all_gather_base``, ``all_gather`` with a list
+  (``all_gather_single``, ``all_gather_into_tensor``, ``_all_gather_base``, ``all_gather`` with a list
   of n outputs, ``all_gather_coalesced``);
 - reduce-scatter whose full input is T bytes: T·(n-1)/n
   (``reduce_scatter_tensor``, ``_reduce_scatter_base``, ``reduce_scatter`` with
@@ -43,15 +43,12 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_lbp.costs import LINK_CLASS_ORDER
+from megatron_lbp.costs import LINK_CLASS_ORDER, number, ring_sent
+from megatron_lbp.engine.dist_api import nbytes as _nbytes
 from megatron_lbp.topology import link_class
 
 CONTROL_MAX_ELEMENTS = 16
 BULK, CONTROL = "bulk", "control"
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _numel(ts: Sequence[torch.Tensor]) -> int:
@@ -87,8 +84,8 @@ class StockLedger:
         kinds = (BULK, CONTROL) if include_control else (BULK,)
         out = {}
         for link in LINK_CLASS_ORDER:
-            x = sum((self._bytes.get((k, link), Fraction(0)) for k in kinds), Fraction(0))
-            out[link] = int(x) if x.denominator == 1 else float(x)
+            out[link] = number(sum((self._bytes.get((k, link), Fraction(0)) for k in kinds),
+                                   Fraction(0)))
         return out
 
     def reset(self) -> None:
@@ -103,51 +100,52 @@ def _wrappers(ledger: StockLedger, orig: Mapping[str, Any]) -> dict[str, Any]:
         @functools.wraps(orig[name])
         def f(output_tensor, input_tensor, group=None, async_op=False, *a, **kw):
             ledger.charge(name, group, [output_tensor],
-                          lambda n: Fraction(_nbytes(output_tensor) * (n - 1), n))
+                          lambda n: ring_sent("all_gather", _nbytes(output_tensor), n))
             return orig[name](output_tensor, input_tensor, group, async_op, *a, **kw)
         return f
 
     def scatter_base(name):
         @functools.wraps(orig[name])
         def f(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False, *a, **kw):
-            ledger.charge(name, group, [input], lambda n: Fraction(_nbytes(input) * (n - 1), n))
+            ledger.charge(name, group, [input],
+                          lambda n: ring_sent("reduce_scatter", _nbytes(input), n))
             return orig[name](output, input, op, group, async_op, *a, **kw)
         return f
 
     def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         ledger.charge("all_reduce", group, [tensor],
-                      lambda n: Fraction(2 * _nbytes(tensor) * (n - 1), n))
+                      lambda n: ring_sent("all_reduce", _nbytes(tensor), n))
         return orig["all_reduce"](tensor, op, group, async_op)
 
     def all_reduce_coalesced(tensors, op=dist.ReduceOp.SUM, group=None, async_op=False):
         total = sum(_nbytes(t) for t in tensors)
         ledger.charge("all_reduce_coalesced", group, list(tensors),
-                      lambda n: Fraction(2 * total * (n - 1), n))
+                      lambda n: ring_sent("all_reduce", total, n))
         return orig["all_reduce_coalesced"](tensors, op, group, async_op)
 
     def all_gather(tensor_list, tensor, group=None, async_op=False):
         total = sum(_nbytes(t) for t in tensor_list)
         ledger.charge("all_gather", group, list(tensor_list),
-                      lambda n: Fraction(total * (n - 1), n))
+                      lambda n: ring_sent("all_gather", total, n))
         return orig["all_gather"](tensor_list, tensor, group, async_op)
 
     def all_gather_coalesced(output_tensor_lists, input_tensor_list, group=None, async_op=False):
         outs = [t for lst in output_tensor_lists for t in lst]
         total = sum(_nbytes(t) for t in outs)
         ledger.charge("all_gather_coalesced", group, outs,
-                      lambda n: Fraction(total * (n - 1), n))
+                      lambda n: ring_sent("all_gather", total, n))
         return orig["all_gather_coalesced"](output_tensor_lists, input_tensor_list, group, async_op)
 
     def reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
         total = sum(_nbytes(t) for t in input_list)
         ledger.charge("reduce_scatter", group, list(input_list),
-                      lambda n: Fraction(total * (n - 1), n))
+                      lambda n: ring_sent("reduce_scatter", total, n))
         return orig["reduce_scatter"](output, input_list, op, group, async_op)
 
     def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
                           group=None, async_op=False):
         ledger.charge("all_to_all_single", group, [input],
-                      lambda n: Fraction(_nbytes(input) * (n - 1), n))
+                      lambda n: ring_sent("all_to_all", _nbytes(input), n))
         return orig["all_to_all_single"](output, input, output_split_sizes, input_split_sizes,
                                          group, async_op)
 
@@ -156,11 +154,13 @@ def _wrappers(ledger: StockLedger, orig: Mapping[str, Any]) -> dict[str, Any]:
         root = src if src is not None else dist.get_global_rank(g, group_src)
         me = dist.get_rank()
         ledger.charge("broadcast", group, [tensor],
-                      lambda n: _nbytes(tensor) * (n - 1) if me == root else 0)
+                      lambda n: ring_sent("broadcast", _nbytes(tensor), n) if me == root else 0)
         return orig["broadcast"](tensor, src=src, group=group, async_op=async_op,
                                  group_src=group_src)
 
     return {
+        **({"all_gather_single": gather_base("all_gather_single")}
+           if "all_gather_single" in orig else {}),
         "all_gather_into_tensor": gather_base("all_gather_into_tensor"),
         "_all_gather_base": gather_base("_all_gather_base"),
         "reduce_scatter_tensor": scatter_base("reduce_scatter_tensor"),
@@ -175,9 +175,13 @@ def _wrappers(ledger: StockLedger, orig: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-WRAPPED = ("all_gather_into_tensor", "_all_gather_base", "reduce_scatter_tensor",
-           "_reduce_scatter_base", "all_reduce", "all_reduce_coalesced", "all_gather",
-           "all_gather_coalesced", "reduce_scatter", "all_to_all_single", "broadcast")
+# all_gather_single: torch >= 2.13's name of all_gather_into_tensor (which calls it inside
+# torch.distributed, not through these attributes: wrapping both counts a call once).
+WRAPPED = tuple(name for name in (
+    "all_gather_single", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter_tensor",
+    "_reduce_scatter_base", "all_reduce", "all_reduce_coalesced", "all_gather",
+    "all_gather_coalesced", "reduce_scatter", "all_to_all_single", "broadcast")
+    if hasattr(dist, name))
 
 # Modules that captured a collective as a global at import time: module -> {global: dist name}.
 _CAPTURED = {

@@ -33,13 +33,13 @@ import sys
 from typing import Any
 
 from megatron_lbp.costs import LINK_CLASS_ORDER
-from megatron_lbp.projection.schemes import ENGINE_SCHEMES, GCDS_PER_PACKAGE
+from megatron_lbp.projection.schemes import (ENGINE_SCHEMES, GCDS_PER_PACKAGE, STOCK_SCHEMES,
+                                             engine_argv, schemes_from)
 
 GPUS_PER_NODE = 8
 COUNTED_STEP = 1           # steps 0 and 1 run; step 1 is counted
 STEPS = COUNTED_STEP + 1
 
-STOCK_SCHEMES = ("megatron-distopt", "megatron-fsdp")
 SCHEMES = tuple(ENGINE_SCHEMES) + STOCK_SCHEMES
 
 
@@ -51,11 +51,6 @@ def _specs(micro_batches: int, bucket_size: int | None):
     spec = TinyGPTSpec(params_dtype=torch.bfloat16)
     train = TrainSpec(steps=STEPS, micro_batches=micro_batches, bucket_size=bucket_size)
     return spec, train
-
-
-def _engine_argv(scheme: str, gpus_per_node: int) -> list[str]:
-    return ENGINE_SCHEMES[scheme] + ["--hier-gpus-per-node", str(gpus_per_node),
-                                     "--hier-gcds-per-package", str(GCDS_PER_PACKAGE)]
 
 
 def setup_fsdp(spec, train):
@@ -114,7 +109,7 @@ def rank_traffic(scheme: str, micro_batches: int, bucket_size: int | None,
     spec, train = _specs(micro_batches, bucket_size)
     locations = emulated_locations(dist.get_world_size(), gpus_per_node, GCDS_PER_PACKAGE)
     if scheme in ENGINE_SCHEMES:
-        trainer = setup_hier(spec, train, _engine_argv(scheme, gpus_per_node))
+        trainer = setup_hier(spec, train, engine_argv(scheme, gpus_per_node))
     elif scheme == "megatron-distopt":
         trainer = setup_stock(spec, train)
     elif scheme == "megatron-fsdp":
@@ -145,15 +140,6 @@ def _call_summary(calls) -> dict[str, dict[str, float]]:
         row["count"] += 1
         row["bytes"] += float(c["bytes"])
     return out
-
-
-def schemes_from(parser, text: str, known) -> list[str]:
-    """The comma-separated ``--schemes`` value as a list; a name not in ``known`` is a usage error."""
-    schemes = [s for s in text.split(",") if s]
-    bad = [s for s in schemes if s not in known]
-    if bad or not schemes:
-        parser.error(f"--schemes: {','.join(bad) or '(empty)'} not in {','.join(known)}")
-    return schemes
 
 
 def scheme_row(per_rank: list[dict[str, Any]], key: str) -> dict[str, Any]:

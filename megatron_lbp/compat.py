@@ -63,6 +63,7 @@ variable is set (testing/save_stall.py).
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 import typing
 
@@ -103,6 +104,71 @@ def _install_python_shims() -> None:
         return override
 
     patching.apply(PYTHON_311, make)
+
+
+# --- notices: known and expected ones of others, said once -------------------------------
+
+# megatron-core's notices that are expected wherever this project runs on CPU (and several
+# on GPU too: GPTModel is what 0.19.2's pretrain_gpt builds), each printed by every rank or
+# every model build: one line names them all instead, on rank 0, the first time one comes.
+KNOWN_NOTICES = (
+    ("Transformer Engine and Apex are not installed", "Transformer Engine/Apex absent (torch "
+     "fallbacks)"),
+    ("Apex is not installed", None),
+    ("Only transformer-engine>=", None),
+    ("absl.logging is not installed", None),
+    ("full scope is deprecated", "cuda_graph_scope 'full' deprecated"),
+    ("GPTModel IS DEPRECATED", "GPTModel deprecated for HybridModel"),
+)
+KNOWN_NOTICES_LINE = ("megatron-lbp: expected megatron-core notices not shown: "
+                      + "; ".join(w for _, w in KNOWN_NOTICES if w)
+                      + " (megatron_lbp/compat.py KNOWN_NOTICES)")
+_notices_said = False
+_notices_quiet = False
+
+
+def _known(message: str) -> bool:
+    return any(message.startswith(k) or k in message[:200] for k, _ in KNOWN_NOTICES)
+
+
+def _say_notices_once() -> None:
+    global _notices_said
+    if _notices_said:
+        return
+    _notices_said = True   # inherited by forked ranks: their parent has said it
+    import os
+
+    if os.environ.get("RANK", "0") == "0":
+        print(KNOWN_NOTICES_LINE, file=sys.stderr, flush=True)
+
+
+class _KnownNoticeFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if _known(record.getMessage()):
+            _say_notices_once()
+            return False
+        return True
+
+
+def quiet_known_notices() -> None:
+    """megatron-core's KNOWN_NOTICES (warnings and log records) become one line on rank 0
+    (idempotent; run on import of megatron_lbp, before megatron-core's import-time ones)."""
+    global _notices_quiet
+    if _notices_quiet:
+        return
+    _notices_quiet = True
+    import warnings
+
+    shown = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if _known(str(message)):
+            _say_notices_once()
+            return
+        shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = showwarning
+    logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(_KnownNoticeFilter())
 
 
 def accelerator_present() -> bool:

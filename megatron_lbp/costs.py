@@ -120,12 +120,30 @@ def split_buckets(num_params: int, bucket_size: int | None = None) -> list[int]:
 # --- collectives -------------------------------------------------------------------------
 
 
+# The one byte-charging rule: what one rank sends in a collective over n ranks, ring
+# algorithms, ``total`` the full buffer's bytes (an all-gather's output, a reduce-scatter's or
+# all-to-all's input, an all-reduce's tensor). The plan (here), the engine's ledger
+# (engine/comm.py) and the benchmarks' wrapper of torch.distributed
+# (benchmarks/stock_accounting.py) all charge by it.
+RING_SENDS = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "all_reduce": 2}
+
+
+def ring_sent(op: str, total: int | Fraction, n: int) -> Fraction:
+    """Bytes one rank sends in collective ``op`` over ``n`` ranks (RING_SENDS; a group of one
+    rank sends nothing); ``"broadcast"``: the root's, total x (n-1)."""
+    if n <= 1:
+        return Fraction(0)
+    if op == "broadcast":
+        return Fraction(total) * (n - 1)
+    return Fraction(RING_SENDS[op] * Fraction(total) * (n - 1), n)
+
+
 def allgather_bytes(total: int, n: int) -> int:
     """Bytes one rank sends in a ring all-gather whose full output is ``total`` bytes."""
     if n <= 1:
         return 0
     assert total % n == 0, f"all-gather of {total} bytes over {n} ranks is not even"
-    return total * (n - 1) // n
+    return int(ring_sent("all_gather", total, n))
 
 
 def reduce_scatter_bytes(total: int, n: int) -> int:
@@ -133,14 +151,12 @@ def reduce_scatter_bytes(total: int, n: int) -> int:
     if n <= 1:
         return 0
     assert total % n == 0, f"reduce-scatter of {total} bytes over {n} ranks is not even"
-    return total * (n - 1) // n
+    return int(ring_sent("reduce_scatter", total, n))
 
 
 def allreduce_bytes(total: int, n: int) -> Fraction:
     """Bytes one rank sends in a ring all-reduce of ``total`` bytes (exact fraction)."""
-    if n <= 1:
-        return Fraction(0)
-    return Fraction(2 * total * (n - 1), n)
+    return ring_sent("all_reduce", total, n)
 
 
 def int8_payload_bytes(n_elems: int, quant_block_size: int = DEFAULT_QUANT_BLOCK) -> int:
@@ -158,7 +174,8 @@ def secondary_slice_bytes(n_elems: int, dtype: str = "int8",
     raise ValueError(f"secondary dtype {dtype!r}: must be one of {SECONDARY_DTYPES}")
 
 
-def _number(x: Fraction | int) -> int | float:
+def number(x: Fraction | int) -> int | float:
+    """An exact byte count as JSON writes it: an int when whole, else a float."""
     x = Fraction(x)
     return int(x) if x.denominator == 1 else float(x)
 
@@ -300,8 +317,8 @@ def traffic_bytes(cfg, bucket_numels: Sequence[int], link_classes: Mapping[str, 
                 quant_block_size=B, align=align).items():
             charge(phase, family, (k if phase in PER_MICRO_BATCH_PHASES else 1) * nbytes)
 
-    by_class = {c: _number(sum(by_phase[ph][c] for ph in PHASES)) for c in LINK_CLASS_ORDER}
-    phases = {ph: {c: _number(v) for c, v in by_phase[ph].items()} for ph in PHASES}
+    by_class = {c: number(sum(by_phase[ph][c] for ph in PHASES)) for c in LINK_CLASS_ORDER}
+    phases = {ph: {c: number(v) for c, v in by_phase[ph].items()} for ph in PHASES}
     return by_class, phases
 
 

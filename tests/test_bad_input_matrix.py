@@ -35,7 +35,8 @@ from tests.test_launchers import LOCAL, SCRIPTS, _megatron_tree, site  # noqa: F
 
 PY = sys.executable
 # Lines an entry prints on stderr whatever happens (not part of the error message).
-NOTICES = ("megatron-lbp: no accelerator found; CPU runtime for megatron-core is active",)
+NOTICES = ("megatron-lbp: no accelerator found; CPU runtime for megatron-core is active",
+           "megatron-lbp: expected megatron-core notices not shown:")
 # Each entry's exit status for bad input and the start of its message line.
 EXIT = {"plan": 2, "pretrain": 2, "launcher": 2, "apply_patches": 2, "tokenizer_check": 2,
         "preprocess": None}  # preprocess: 2 for argparse's usage errors, 1 for bad input files

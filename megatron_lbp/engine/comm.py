@@ -46,9 +46,10 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from megatron_lbp.costs import LINK_CLASS_ORDER
+from megatron_lbp.costs import LINK_CLASS_ORDER, number, ring_sent
 from megatron_lbp.engine.constants import PHASES
 from megatron_lbp.engine import faults
+from megatron_lbp.engine.dist_api import all_gather_single, nbytes as _nbytes
 
 CONTROL = "control"
 ALL_PHASES = PHASES + (CONTROL,)
@@ -68,26 +69,18 @@ class CommLedger:
         self.calls[phase] += 1
 
     def by_phase(self) -> dict[str, dict[str, int | float]]:
-        return {phase: {link: _number(self._bytes.get((phase, link), Fraction(0)))
+        return {phase: {link: number(self._bytes.get((phase, link), Fraction(0)))
                         for link in LINK_CLASS_ORDER} for phase in ALL_PHASES}
 
     def by_class(self, include_control: bool = False) -> dict[str, int | float]:
         phases = ALL_PHASES if include_control else PHASES
-        return {link: _number(sum((self._bytes.get((p, link), Fraction(0)) for p in phases),
+        return {link: number(sum((self._bytes.get((p, link), Fraction(0)) for p in phases),
                                   Fraction(0)))
                 for link in LINK_CLASS_ORDER}
 
     def reset(self) -> None:
         self._bytes.clear()
         self.calls.clear()
-
-
-def _number(x: Fraction) -> int | float:
-    return int(x) if x.denominator == 1 else float(x)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 @dataclass
@@ -220,7 +213,8 @@ class Collectives:
             if issue and out.data_ptr() != inp.data_ptr():
                 out.copy_(inp)
             return None
-        nbytes = Fraction(total_bytes * (n - 1), n)
+        nbytes = ring_sent("all_gather" if channel == GATHER else "reduce_scatter",
+                           total_bytes, n)
         if charge:
             self._charge(family, phase, nbytes)
         if not issue:
@@ -234,7 +228,7 @@ class Collectives:
                    async_op: bool = False, unit: int | None = None, charge: bool = True,
                    issue: bool = True):
         """``charge``/``issue``: see :meth:`_exchange` (a chain's later stage)."""
-        return self._exchange(dist.all_gather_into_tensor, GATHER, out, inp, family, phase,
+        return self._exchange(all_gather_single(), GATHER, out, inp, family, phase,
                               _nbytes(out), async_op, unit, charge=charge, issue=issue)
 
     def folds_prescale(self, family: str) -> bool:
@@ -290,7 +284,7 @@ class Collectives:
         n = self.sizes[family]
         if n == 1:
             return None
-        nbytes = Fraction(2 * _nbytes(t) * (n - 1), n)
+        nbytes = ring_sent("all_reduce", _nbytes(t), n)
         if charge:
             self._charge(family, phase, nbytes)
         if not issue:
@@ -304,7 +298,8 @@ class Collectives:
                   phase: str = CONTROL) -> None:
         """Broadcast over an arbitrary group (start-up only); charged as the root's sends."""
         if group_size > 1:
-            nbytes = _nbytes(t) * (group_size - 1) if dist.get_rank() == src else 0
+            nbytes = int(ring_sent("broadcast", _nbytes(t), group_size)) \
+                if dist.get_rank() == src else 0
             self.ledger.record(phase, link, nbytes)
             self._issue("broadcast", phase, dist.broadcast, t, src=src, group=group,
                         async_op=False, trace_as=(None, "dp_broadcast", link, nbytes))

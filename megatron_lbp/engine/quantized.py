@@ -34,6 +34,7 @@ from typing import Any, Callable
 import torch
 
 from megatron_lbp.engine.comm import Collectives, Pending
+from megatron_lbp.engine.dist_api import nbytes as _nbytes
 from megatron_lbp.engine.memory import TransientLedger
 from megatron_lbp.quant import dequantize_auto, packed_views, quantize_auto, quantized_nbytes
 
@@ -51,10 +52,6 @@ def dequantize_from(packed: torch.Tensor, out: torch.Tensor, block_size: int) ->
     """Dequantize a packed buffer into ``out`` (1-D, any float dtype)."""
     q, scale = packed_views(packed, out.numel(), block_size)
     dequantize_auto(q, scale, block_size, out=out)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def gather_packed_slices(comm: Collectives, out: torch.Tensor, packed: torch.Tensor,

@@ -50,6 +50,8 @@ import os
 import time
 from typing import Any
 
+from megatron_lbp.costs import number
+
 PASSES = ("forward", "recompute", "backward", "optimizer")
 
 
@@ -162,7 +164,7 @@ class ScheduleTrace:
                nbytes, async_op: bool) -> CollectiveRecord:
         self._next_id += 1
         rec = CollectiveRecord(phase, unit, self.micro_batch, family, comm, link,
-                               _number(nbytes), async_op, self._next_id, self)
+                               number(nbytes), async_op, self._next_id, self)
         rec.issued, rec.issued_seq = self._point()
         self._collectives.append(rec)
         return rec
@@ -230,9 +232,3 @@ def _interval_json(interval: dict[str, Any], origin: float) -> dict[str, Any]:
     return out
 
 
-def _number(x):
-    from fractions import Fraction
-
-    if isinstance(x, Fraction):
-        return int(x) if x.denominator == 1 else float(x)
-    return x

@@ -291,8 +291,9 @@ def _timed_all_gather(torch, dist, group, chunk_bytes: int, device, reps: int = 
     elems = chunk_bytes // 4
     src = torch.ones(elems, dtype=torch.float32, device=device)
     out = torch.empty(elems * n, dtype=torch.float32, device=device)
-    # torch 2.13 renamed all_gather_into_tensor (deprecated, with a warning) to all_gather_single.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    from megatron_lbp.engine.dist_api import all_gather_single
+
+    gather = all_gather_single()
     times = []
     for i in range(reps + 1):        # the first is a warm-up (connection set-up)
         dist.barrier()

@@ -56,6 +56,7 @@ from typing import Any, Mapping, Sequence
 
 from megatron_lbp.config import DEFAULT_BUCKET_SIZE
 from megatron_lbp.costs import LINK_CLASS_ORDER, PHASES
+from megatron_lbp.projection.schemes import ENGINE_SCHEMES
 
 GB = 1e9
 US = 1e-6
@@ -65,15 +66,8 @@ MODELS = {
     "20B": {"num_layers": 44, "hidden_size": 6144, "num_attention_heads": 64, "vocab_size": 50304},
 }
 GCDS = (8, 16, 48, 96, 192, 384)
-SCHEMES: dict[str, list[str]] = {
-    "lbp": ["--preset", "lbp"],
-    "lbp-int8-S8": ["--preset", "lbp", "--hier-secondary-group-size", "8",
-                    "--hier-secondary-dtype", "int8"],
-    "zeropp": ["--preset", "zeropp"],
-    "zero3": ["--preset", "zero3"],
-    "zero2": ["--preset", "zero2"],
-    "hsdp": ["--preset", "hsdp"],
-}
+# The engine's schemes (projection/schemes.py: the benchmarks' table), planned with their flags.
+SCHEMES = ENGINE_SCHEMES
 DEFAULT_SCHEMES = ("lbp", "lbp-int8-S8", "zeropp", "zero3")
 PAPER = {
     "source": "Xu et al., arXiv 2501.04266 (published figures, not recomputed here)",

@@ -1,10 +1,14 @@
-"""The engine's schemes as the benchmarks and the projection name them, with their training flags.
+"""The schemes the benchmarks and the projection compare, by name: one table for all of them.
 
-One table for ``benchmarks traffic``, ``benchmarks overhead``, ``benchmarks network`` and the
-projection (its plans and its recorded traces): a scheme added here is one every one of them
-can run.
+``python -m benchmarks traffic``, ``overhead`` and ``network`` and the
+projection (its plans and its recorded traces) each run a subset (their own
+``SCHEMES``, a tuple of names from here); a scheme added here is one that every
+one of them can be given, with the same flags. The DeepSpeed schemes are
+benchmarks/deepspeed's (they do not run through the engine).
 """
 from __future__ import annotations
+
+from typing import Iterable
 
 # GCDs per MI250X package: the emulated node's package tier in every benchmark.
 GCDS_PER_PACKAGE = 2
@@ -21,3 +25,26 @@ ENGINE_SCHEMES: dict[str, list[str]] = {
     "zero2": ["--hier-preset", "zero2"],
     "hsdp": ["--hier-preset", "hsdp"],
 }
+# Stock megatron-core, through its own DDP: the distributed optimizer and Megatron-FSDP.
+DISTOPT, FSDP = "megatron-distopt", "megatron-fsdp"
+STOCK_SCHEMES = (DISTOPT, FSDP)
+# The engine preset whose sharding (and so, on the cost model, whose traffic) each stock
+# scheme has: bench traffic at K=1 counts megatron-distopt 609,120 vs zero2's 610,560 bytes,
+# megatron-fsdp 850,560 vs zero3's 814,080 on the network.
+MODELLED_AS = {DISTOPT: "zero2", FSDP: "zero3"}
+
+
+def engine_argv(scheme: str, gpus_per_node: int, *extra: str) -> list[str]:
+    """The training flags of engine scheme ``scheme`` on nodes of ``gpus_per_node`` GCDs."""
+    return ENGINE_SCHEMES[scheme] + ["--hier-gpus-per-node", str(gpus_per_node),
+                                     "--hier-gcds-per-package", str(GCDS_PER_PACKAGE), *extra]
+
+
+def schemes_from(parser, text: str, known: Iterable[str]) -> list[str]:
+    """The comma-separated ``--schemes`` value as a list; a name not in ``known`` is a usage error."""
+    known = tuple(known)
+    schemes = [s for s in text.split(",") if s]
+    bad = [s for s in schemes if s not in known]
+    if bad or not schemes:
+        parser.error(f"--schemes: {','.join(bad) or '(empty)'} not in {','.join(known)}")
+    return schemes
