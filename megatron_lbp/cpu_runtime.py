@@ -329,10 +329,13 @@ def activate() -> None:
         lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)))
     patching.apply(PATCHES["rng fork warning"], _filter_rng_fork_warning)
     _active = True
-    log.warning(
-        "megatron-lbp: no accelerator found; CPU runtime for megatron-core is active "
-        "(CUDA device/RNG/stream calls mapped to CPU, see megatron_lbp/cpu_runtime.py)"
-    )
+    import os
+
+    if os.environ.get("RANK", "0") == "0":   # the same on every rank: said by rank 0
+        log.warning(
+            "megatron-lbp: no accelerator found; CPU runtime for megatron-core is active "
+            "(CUDA device/RNG/stream calls mapped to CPU, see megatron_lbp/cpu_runtime.py)"
+        )
 
 
 def activate_training() -> None:

@@ -31,7 +31,13 @@ STOCK_SCHEMES = (DISTOPT, FSDP)
 # The engine preset whose sharding (and so, on the cost model, whose traffic) each stock
 # scheme has: bench traffic at K=1 counts megatron-distopt 609,120 vs zero2's 610,560 bytes,
 # megatron-fsdp 850,560 vs zero3's 814,080 on the network.
-MODELLED_AS = {DISTOPT: "zero2", FSDP: "zero3"}
+# DeepSpeed's schemes (benchmarks/deepspeed/: ZeRO-3, hpZ, ZeRO++ = hpZ + qwZ + qgZ), modelled
+# as the presets that gather as they do (docs/deepspeed-baseline.md: ds-zero3 sends 1.4 % less
+# than the plan tool's zero3 with bf16 gradients; hpZ's node-sized secondary copy is zeropp's;
+# the model has no term for qgZ's int4 all-to-all, so ds-zeropp is modelled without it).
+DS_SCHEMES = ("ds-zero3", "ds-hpz", "ds-zeropp")
+MODELLED_AS = {DISTOPT: "zero2", FSDP: "zero3",
+               "ds-zero3": "zero3", "ds-hpz": "zeropp", "ds-zeropp": "zeropp"}
 
 
 def engine_argv(scheme: str, gpus_per_node: int, *extra: str) -> list[str]:

@@ -20,11 +20,13 @@ import math
 import sys
 from dataclasses import asdict, dataclass
 
-SCHEMES = ("lbp", "zeropp", "zero3", "distopt", "ds-zero3", "ds-hpz", "ds-zeropp")
-# The cost model has no scheme of these; each is costed as the nearest it has. The DeepSpeed
-# schemes (benchmarks/deepspeed/, HIER_PRESET=ds-* in the launcher) as the engine's presets
-# that send what they send per gather (ZeRO-3; hpZ's node-sized secondary copy).
-COST_AS = {"distopt": "zero2", "ds-zero3": "zero3", "ds-hpz": "zeropp", "ds-zeropp": "zeropp"}
+from megatron_lbp.projection.schemes import DISTOPT, DS_SCHEMES, MODELLED_AS
+
+SCHEMES = ("lbp", "zeropp", "zero3", "distopt") + DS_SCHEMES
+# The cost model has no scheme of these; each is costed as the nearest it has (the one
+# registry, megatron_lbp/projection/schemes.py; the study calls stock's distributed
+# optimizer "distopt", as HIER_PRESET does).
+COST_AS = {"distopt": MODELLED_AS[DISTOPT], **{s: MODELLED_AS[s] for s in DS_SCHEMES}}
 # hpZ partitions a secondary copy over one node: on one node it would be the whole job
 # (benchmarks/deepspeed/schemes.py refuses it), so these schemes start at two nodes.
 MIN_NODES = {"ds-hpz": 2, "ds-zeropp": 2}
