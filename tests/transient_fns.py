@@ -64,7 +64,9 @@ def live_transient_bytes(model, extra=()) -> int:
                 persistent.add(t.untyped_storage().data_ptr())
     tensors = []
     for u in model.units:
-        tensors += [u.bucket.full, u.bucket.grad_full, u._step_grad]
+        # The reduced 1/O slice is held by the step's communication (engine/step_comm.py).
+        step = u.ctx.step._units.get(id(u))
+        tensors += [u.bucket.full, u.bucket.grad_full, step.grad if step else None]
         if u._pending is not None:
             tensors += _tensors_of_pending(u._pending)
     for r in list(model.schedule._pending_reduces) + list(extra):
