@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from megatron_lbp.study import plan, report, result
+from tests.test_study import _row   # the report table's row of a scheme on a GCD count
 
 DATA = Path(__file__).parent / "data"
 DS = ("ds-zero3", "ds-zeropp")
@@ -20,14 +21,6 @@ def study(tmp_path_factory):
         shutil.copy(p, d / p.name)
     text, pngs = report.report(str(d))
     return d, text, pngs
-
-
-def _row(text, scheme, gcds):
-    for line in text.splitlines():
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        if len(cells) > 3 and cells[0] == scheme and cells[2] == str(gcds):
-            return cells
-    raise AssertionError(f"no row for {scheme} on {gcds} GCDs in:\n{text}")
 
 
 def test_deepspeed_result_files_say_what_they_measured():
