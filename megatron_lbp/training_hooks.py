@@ -408,30 +408,26 @@ def _building_sharded(orig):
     return call
 
 
+def _ddp_wrap_hook(orig):
+    """Megatron's DDP wrapping (dist_utils._ddp_wrap, training.wrap_model_chunks_with_ddp):
+    the engine's wrapper under --hier-partition, Megatron's own otherwise."""
+    @functools.wraps(orig)
+    def ddp_wrap(model, *a, **k):
+        args = _current_args()
+        return wrap_model(model, args) if enabled(args) else orig(model, *a, **k)
+    return ddp_wrap
+
+
 def hook_dist_utils_module(ns: dict) -> None:
     """megatron/training/models/dist_utils.py: the config-container builder's model
     construction (``build_virtual_pipeline_stages``) and DDP wrapping."""
-    def ddp_wrap_hook(orig):
-        @functools.wraps(orig)
-        def ddp_wrap(model, *a, **k):
-            args = _current_args()
-            return wrap_model(model, args) if enabled(args) else orig(model, *a, **k)
-        return ddp_wrap
-
     patching.apply(HOOKS["build_virtual_pipeline_stages"], _building_sharded, where=ns)
-    patching.apply(HOOKS["_ddp_wrap"], ddp_wrap_hook, where=ns)
+    patching.apply(HOOKS["_ddp_wrap"], _ddp_wrap_hook, where=ns)
 
 
 def hook_training_module(ns: dict) -> None:
     """megatron/training/training.py: get_model's model construction and DDP wrapping, the
     optimizer, the log line, the end-of-training save and train itself."""
-    def wrap_chunks_hook(orig_wrap):
-        @functools.wraps(orig_wrap)
-        def wrap_chunks(model, *a, **k):
-            args = _current_args()
-            return wrap_model(model, args) if enabled(args) else orig_wrap(model, *a, **k)
-        return wrap_chunks
-
     def optimizer_hook(orig_opt):
         @functools.wraps(orig_opt)
         def get_optimizer(config, model_chunks, *a, **k):
@@ -462,7 +458,7 @@ def hook_training_module(ns: dict) -> None:
 
     patching.apply(HOOKS["get_model"], _building_sharded, where=ns)
     patching.apply(HOOKS["train"], _train_hook, where=ns)
-    patching.apply(HOOKS["wrap_model_chunks_with_ddp"], wrap_chunks_hook, where=ns)
+    patching.apply(HOOKS["wrap_model_chunks_with_ddp"], _ddp_wrap_hook, where=ns)
     patching.apply(HOOKS["get_megatron_optimizer"], optimizer_hook, where=ns)
     patching.apply(HOOKS["training_log"], log_hook, where=ns)
     patching.apply(HOOKS["save_checkpoint"], save_hook, where=ns)
