@@ -180,6 +180,18 @@ def number(x: Fraction | int) -> int | float:
     return int(x) if x.denominator == 1 else float(x)
 
 
+def gb_text(nbytes: float, digits: int, *, width: int = 0, unit: bool = True,
+            mb_below: float = 0.0, mb_digits: int | None = None) -> str:
+    """Bytes as text in GB (1e9) with ``digits`` decimals, right-aligned in ``width``
+    characters, followed by " GB" when ``unit``; below ``mb_below`` bytes in MB (1e6)
+    with ``mb_digits`` decimals (default ``digits``). The one formatter of the plan
+    table, the checkpoint retention lines and the training log's byte report."""
+    if nbytes < mb_below:
+        return f"{nbytes / 1e6:.{digits if mb_digits is None else mb_digits}f} MB"
+    text = format(nbytes / 1e9, f".{digits}f").rjust(width)
+    return f"{text} GB" if unit else text
+
+
 def _dtype_bytes(param_dtype: str, grad_dtype: str) -> tuple[int, int]:
     if param_dtype not in WEIGHT_BYTES:
         raise ValueError(f"param_dtype {param_dtype!r}: must be one of {sorted(WEIGHT_BYTES)}")

@@ -355,8 +355,7 @@ def _ranks_text(ranks: Sequence[int]) -> str:
     return ",".join(map(str, ranks[:5])) + f",... ({len(ranks)} ranks)"
 
 
-def _gb(x) -> str:
-    return f"{x / GB:10.3f}"
+_gb = functools.partial(costs.gb_text, digits=3, width=10, unit=False)  # the table's GB column
 
 
 def _bytes(x) -> str:

@@ -34,7 +34,7 @@ import functools
 import os
 from typing import Any
 
-from megatron_lbp import compat, patching
+from megatron_lbp import compat, costs, patching
 
 _state: dict[str, Any] = {"hier": None, "optimizers": [], "preflight": False}
 
@@ -289,8 +289,7 @@ def _record_losses(iteration: int, loss_dict: dict | None) -> None:
             f.write(f"{iteration}\t{key}\t{float(value)!r}\n")
 
 
-def _gb(nbytes) -> str:
-    return f"{nbytes / 1e9:.4f} GB" if nbytes >= 1e7 else f"{nbytes / 1e6:.3f} MB"
+_gb = functools.partial(costs.gb_text, digits=4, mb_below=1e7, mb_digits=3)
 
 
 # --- installation: the same wrappers, applied at run time or by patches/ ---------------

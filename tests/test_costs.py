@@ -253,3 +253,15 @@ def test_gpt_param_count_formula():
     assert costs.gpt_param_count(L, h, V, tied=False) == costs.gpt_param_count(L, h, V) + V * h
     with pytest.raises(ValueError, match="hidden_size"):
         costs.gpt_param_count(2, 0, 10)
+
+
+def test_gb_text_keeps_the_three_formats_it_replaced():
+    # The plan table, the checkpoint retention lines and the training log each printed GB
+    # with their own f-string (issue 27 item 6): one formatter, the same text.
+    for n in (0, 1, 999_999, 9_999_999, 10_000_000, 99_999_999, 100_000_000, 123_456_789,
+              2.5e9, 64e9, 1.23456789e12):
+        assert costs.gb_text(n, 3, width=10, unit=False) == f"{n / 1e9:10.3f}", n
+        old_ckpt = f"{n / 1e9:.2f} GB" if n >= 0.1 * 1e9 else f"{n / 1e6:.2f} MB"
+        assert costs.gb_text(n, 2, mb_below=0.1 * 1e9) == old_ckpt, n
+        old_log = f"{n / 1e9:.4f} GB" if n >= 1e7 else f"{n / 1e6:.3f} MB"
+        assert costs.gb_text(n, 4, mb_below=1e7, mb_digits=3) == old_log, n

@@ -29,6 +29,7 @@ Every refusal is one line on stderr; ``--resolved FILE`` writes KEY=VALUE lines.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import shutil
@@ -38,6 +39,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_lbp.costs import gb_text
 from megatron_lbp.launch._cli import PROG, Parser, write_resolved
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -153,8 +155,7 @@ def free_bytes(directory: Path) -> tuple[int, Path]:
     return st.f_bavail * st.f_frsize, probe
 
 
-def _gb(n: float) -> str:
-    return f"{n / GB:.2f} GB" if n >= 0.1 * GB else f"{n / 1e6:.2f} MB"
+_gb = functools.partial(gb_text, digits=2, mb_below=0.1 * GB)
 
 
 def cmd_prune(a) -> int:
