@@ -2,8 +2,11 @@
 against the plan and the projection, asked independently here."""
 from __future__ import annotations
 
+import gzip
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -77,14 +80,29 @@ def test_the_ranking_is_the_projections_step_times_in_order():
                                   recompute=c.recompute == "full")
         if r.source == "replay":
             assert c.recompute == "full" and c.micro_batches == 2
-            # the committed trace's rank-0 records (pr.load reads the same through the trace
-            # module, which imports torch: seconds here)
-            records = list(choose._records(str(traces[choose.TRACED[r.scheme]][44])))
+            # the committed trace's rank-0 records, read here apart from the launcher's reader
+            with gzip.open(traces[choose.TRACED[r.scheme]][44], "rt") as f:
+                records = sorted((rec for rec in map(json.loads, f) if rec["rank"] == 0),
+                                 key=lambda rec: rec["step"])
             want = pr.replay_one(records, p, model, pj.LinkModel(), compute)["step_s"]
         else:
             want = pj.step_time(p, model, compute=compute)["step_s"]
         assert c.step_s == pytest.approx(want, rel=1e-12), (r, want)
     assert any(k[0] == "replay" for k in checked) and any(k[0] == "idealised" for k in checked)
+
+
+def test_the_ranking_replays_the_committed_traces_without_torch():
+    # Every dry run of the launcher ranks the candidates and replays the committed traces
+    # (projection/trace_records.py reads them): importing torch there costs seconds per run.
+    code = ("import sys; from megatron_lbp import plan; "
+            "rc = plan.main(['--choose', '--world-size', '384', '--num-layers', '44', "
+            "'--hidden-size', '6144', '--num-attention-heads', '64', '--seq-length', '2048', "
+            "'--vocab-size', '50304', '--global-batch-size', '1536', '--reserve-gb', '4']); "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')]; "
+            "assert rc == 0 and not bad, (rc, bad)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "s (replay)," in r.stdout, r.stdout   # a row timed by a replayed trace
 
 
 def test_explicit_settings_win_and_the_faster_scheme_is_named():

@@ -24,8 +24,6 @@ read once, so that the ranking is cheap enough to run in every dry run.
 from __future__ import annotations
 
 import functools
-import gzip
-import json
 import sys
 from argparse import Namespace
 from dataclasses import dataclass, replace
@@ -74,12 +72,10 @@ def _schemes(a) -> list[tuple[str, str, int]]:
 
 @functools.lru_cache(maxsize=16)
 def _records(path: str) -> tuple:
-    """Rank 0's records of a committed trace, by step. Read here with gzip + json rather than
-    megatron_lbp.projection.trace.read_records, which imports the engine (torch: seconds at every
-    dry run); the records are the same JSON lines."""
-    with gzip.open(path, "rt") as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    return tuple(sorted((r for r in records if r["rank"] == 0), key=lambda r: r["step"]))
+    """Rank 0's records of a committed trace, by step (projection/trace_records.py: torch-free)."""
+    from megatron_lbp.projection import project_replay as pr
+
+    return tuple(pr.load(path, rank=0))
 
 
 @functools.lru_cache(maxsize=1)
@@ -103,9 +99,11 @@ def trace_for(a, label: str, c: estimate.Choice) -> str | None:
     path = _committed().get(TRACED[label], {}).get(a.num_layers)
     if path is None:
         return None
+    from megatron_lbp.projection import project_replay as pr
+
     try:
         records = _records(str(path))
-    except (OSError, ValueError, KeyError):
+    except (pr.ReplayError, KeyError, ValueError):
         return None
     return str(path) if records and records[-1]["micro_batches"] == c.micro_batches else None
 

@@ -96,7 +96,7 @@ def default_traces(directory: Path = TRACES_DIR) -> dict[str, dict[int, Path]]:
 
 def load(path: str | os.PathLike, rank: int = 0) -> list[dict[str, Any]]:
     """One rank's step records from a trace file (or ``{rank}`` pattern), in step order."""
-    from megatron_lbp.projection.trace import TraceError, read_records
+    from megatron_lbp.projection.trace_records import TraceError, read_records
 
     try:
         records = [r for r in read_records([str(path)]) if r["rank"] == rank]
@@ -347,7 +347,7 @@ def _shown(path: Path) -> str:
 
 def stale_traces(used: Mapping[str, Mapping[str, Any]]) -> str:
     """'' when the committed traces used are in the trace format this reader reads."""
-    from megatron_lbp.projection.trace import TRACE_FORMAT_VERSION
+    from megatron_lbp.projection.trace_records import TRACE_FORMAT_VERSION
 
     committed = [t["path"] for by_model in used.values() for t in by_model.values()
                  if (REPO / t["path"]).parent == TRACES_DIR]
@@ -529,7 +529,7 @@ def record_traces(out_dir: str | os.PathLike, *, layers: Sequence[int] = RECORD_
     has more than one rank); rank 0's records, gzip-compressed.
     """
     from megatron_lbp.projection.schemes import ENGINE_SCHEMES, GCDS_PER_PACKAGE
-    from megatron_lbp.projection.trace import TRACE_FORMAT_VERSION
+    from megatron_lbp.projection.trace_records import TRACE_FORMAT_VERSION
 
     cfg = {**RECORD_DEFAULTS, **overrides, "layers": tuple(layers), "schemes": tuple(schemes)}
     bad = [s for s in schemes if s not in ENGINE_SCHEMES]

@@ -56,19 +56,11 @@ from typing import Any, Iterable, Sequence
 
 from megatron_lbp.engine.comm import ALL_PHASES
 from megatron_lbp.engine.trace import PASSES
+# The reader is torch-free (the launcher's dry run replays the committed traces); named
+# here too for the tools that read traces through this module.
+from megatron_lbp.projection.trace_records import TRACE_FORMAT_VERSION, TraceError, read_records
 
 PROG = "python -m megatron_lbp.projection trace"
-# The format of a trace record (docs/schedule-trace.md), which megatron_lbp/engine/trace.py
-# writes and this module and the replay read. Bump it when a field is added, removed or
-# changes its meaning: the committed traces (megatron_lbp/projection/traces/index.json)
-# carry the version they were recorded in, and a replay of others says to re-record them.
-TRACE_FORMAT_VERSION = 1
-
-
-class TraceError(Exception):
-    """Bad input: printed as one line, exit status 2."""
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         raise TraceError(message)
@@ -139,36 +131,6 @@ def summarize(records: Iterable[dict[str, Any]], steps: set[int] | str | None = 
                              f"(it has {sorted(records_of)})")
         ranks[rank] = _mean(rows)
     return {"steps": chosen, "ranks": ranks, "median": _median(list(ranks.values()))}
-
-
-def read_records(paths: Sequence[str]) -> list[dict[str, Any]]:
-    files: list[str] = []
-    for path in paths:
-        if "{rank}" in path:
-            found = sorted(glob.glob(glob.escape(path).replace(glob.escape("{rank}"), "*")))
-            if not found:
-                raise TraceError(f"{path}: no file matches (with {{rank}} as any rank)")
-            files += found
-        else:
-            files.append(path)
-    records = []
-    for f in files:
-        try:
-            with (gzip.open(f, "rt") if f.endswith(".gz") else open(f)) as handle:
-                for n, line in enumerate(handle, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        records.append(json.loads(line))
-                    except json.JSONDecodeError as err:
-                        raise TraceError(f"{f}:{n}: not a JSON line ({err.msg})") from None
-        except OSError as err:
-            raise TraceError(f"{f}: {err.strerror or err}") from None
-    for r in records:
-        if not isinstance(r, dict) or not {"rank", "step", "collectives", "compute"} <= set(r):
-            raise TraceError("a record lacks rank/step/collectives/compute: not a schedule "
-                             "trace (--hier-trace)")
-    return records
 
 
 def parse_steps(text: str) -> set[int] | str:
