@@ -3,6 +3,7 @@ docs/study-emulated/ is what the report code gives from the committed result fil
 cannot drift apart), and the benchmark that records them (python -m benchmarks
 study-network) runs real training on namespaces and reads the uplinks' byte counters."""
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -33,6 +34,17 @@ def test_committed_report_is_the_report_of_the_committed_results(tmp_path):
     multi = [result.load(str(p)) for p in results]
     multi = [r for r in multi if r["status"] == "ok" and r["nodes"] > 1]
     assert multi and all(r["interface_bytes"].get("tx_bytes_per_step") for r in multi), multi
+
+
+def test_committed_settings_name_todays_command_and_files():
+    # network.json records how the committed study was run: the CLI that runs it today
+    # (python -m benchmarks, since the benchmarks left the package) and files that exist.
+    settings = json.loads((DOC / "network.json").read_text())
+    prog = "python -m benchmarks study-network "
+    assert settings["command"].startswith(prog), settings["command"]
+    study_network.parse(settings["command"][len(prog):].split())
+    cited = re.findall(r"\(([\w/]+\.py)\)", settings["what"])
+    assert cited and all((REPO / f).is_file() for f in cited), settings["what"]
 
 
 def test_study_network_refuses_bad_input_before_any_work(capsys):
@@ -76,3 +88,4 @@ def test_study_network_runs_and_counts_the_uplinks(tmp_path):
     assert "/sys/class/net/{up0}/statistics" in text, text
     settings = json.loads((tmp_path / "network.json").read_text())
     assert settings["interfaces_counted"] == "up0" and settings["nodes"] == [1, 2], settings
+    assert settings["command"].startswith("python -m benchmarks study-network --out "), settings
