@@ -98,6 +98,18 @@ class CommStats:
     in_flight: int = 0
     max_in_flight: int = 0
 
+    def issued(self, async_op: bool) -> None:
+        if not async_op:
+            self.sync_issued += 1
+            return
+        self.async_issued += 1
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+
+    def waited(self) -> None:
+        """An asynchronous one was waited for (once)."""
+        self.in_flight -= 1
+
 
 GATHER, REDUCE = "gather", "reduce"
 
@@ -123,8 +135,7 @@ class Collectives:
         self._observer = None   # told of every collective (observe): the schedule trace
         self._activity = {f: faults.Activity("", f, _group_ranks(next(iter(g.values()))))
                           for f, g in self.groups.items() if g}
-        self._inject = faults.injection_for_this_rank()
-        self._unwaited: list[_TrackedWork] = []   # kept only under fault injection
+        self._injection = faults.InjectionSeam.for_this_rank()
         faults.ensure_monitor()
 
     def observe(self, observer) -> None:
@@ -140,61 +151,61 @@ class Collectives:
                trace_as: tuple | None = None, **kwargs):
         """Issue one collective; a failure (now or at ``wait()``) becomes a diagnosed fault.
 
-        ``trace_as``: (unit, comm name, link, bytes) for the schedule trace.
+        Its owners, in order: the fault-injection seam (faults.InjectionSeam), the fault
+        tracker's activity, the trace observer (``trace_as``: unit, comm name, link, bytes),
+        the stall watch (:meth:`_call`) and the counters (CommStats).
         """
+        self._injection.before_issue(phase)
+        activity = self._activity_of(family, phase, group)
+        record = self._trace_issued(phase, family, async_op, trace_as)
+        work = self._call(activity, collective, *args, group=group, async_op=async_op, **kwargs)
+        self.stats.issued(async_op=work is not None)
+        if work is None:
+            self._trace_completed_at_issue(record)
+            return None
+        faults.TRACKER.in_flight[activity.seq] = activity
+        tracked = _TrackedWork(work, activity, self, record)
+        faults.watch(tracked)
+        self._injection.issued(tracked)
+        return tracked
+
+    def _activity_of(self, family: str, phase: str, group) -> faults.Activity:
+        """What the fault diagnosis names: phase, family, the group's ranks, issue order."""
         base = self._activity.get(family)
-        if self._inject is not None and self._inject.fires(phase):
-            self._drain()  # die between collectives: everything issued before is complete
-        activity = faults.Activity(phase, family, base.ranks if base else _group_ranks(group),
-                                   faults.TRACKER.next_seq(), faults.TRACKER.iteration)
-        record = None
-        if self._observer is not None and trace_as is not None:
-            unit, comm, link, nbytes = trace_as
-            record = self._observer.issued(phase, unit, family, comm, link, nbytes, async_op)
-        faults.TRACKER.enter(activity)
-        if self._inject is not None:
-            self._inject.before(phase)
+        return faults.Activity(phase, family, base.ranks if base else _group_ranks(group),
+                               faults.TRACKER.next_seq(), faults.TRACKER.iteration)
+
+    def _call(self, activity: faults.Activity, collective, *args, group, async_op: bool,
+              **kwargs):
+        """Run the torch.distributed call; its work when asynchronous, else None."""
         # NCCL's wait() does not block the host: the stall watch needs a handle on every
         # collective, so a synchronous one is issued asynchronously and waited for at once.
         watch = faults.stall_watch()
-        try:
+        with faults.diagnosed(activity):
+            self._injection.before_call(activity.phase)
             work = collective(*args, group=group, async_op=async_op or watch is not None, **kwargs)
-        except RuntimeError as err:
-            raise faults.diagnose(activity, err) from err
-        finally:
-            faults.TRACKER.leave()
         if work is not None and not async_op:
-            # A synchronous call issued asynchronously for the stall watch: still synchronous.
             done = _TrackedWork(work, activity, self, counted=False)
             watch.add(done)
             done.wait()
             work = None
-        if work is None:
-            self.stats.sync_issued += 1
-            if record is not None:
-                record.wait, record.wait_seq = record.issued, record.issued_seq
-                self._observer.completed(record)
-            return None
-        self.stats.async_issued += 1
-        self.stats.in_flight += 1
-        self.stats.max_in_flight = max(self.stats.max_in_flight, self.stats.in_flight)
-        faults.TRACKER.in_flight[activity.seq] = activity
-        tracked = _TrackedWork(work, activity, self, record)
-        if watch is not None:
-            watch.add(tracked)
-        if self._inject is not None:
-            self._unwaited = [w for w in self._unwaited if not w.waited] + [tracked]
-        return tracked
+        return work
 
-    def _drain(self) -> None:
-        """Wait for every asynchronous collective still in flight (fault injection only)."""
-        while self._unwaited:
-            self._unwaited.pop(0).wait()
+    def _trace_issued(self, phase: str, family: str, async_op: bool, trace_as: tuple | None):
+        if self._observer is None or trace_as is None:
+            return None
+        unit, comm, link, nbytes = trace_as
+        return self._observer.issued(phase, unit, family, comm, link, nbytes, async_op)
+
+    def _trace_completed_at_issue(self, record) -> None:
+        """A synchronous collective: waited for when issued, done on return."""
+        if record is not None:
+            record.wait, record.wait_seq = record.issued, record.issued_seq
+            self._observer.completed(record)
 
     def poison_if_injected(self, grad: torch.Tensor, phase: str) -> None:
         """The fault-injection hook for gradients (LBP_FAULT_INJECT with action=nan)."""
-        if self._inject is not None:
-            self._inject.poison(grad, phase)
+        self._injection.poison(grad, phase)
 
     def _charge(self, family: str, phase: str, nbytes: Fraction | int) -> None:
         self.ledger.record(phase, self.links[family], nbytes)
@@ -422,15 +433,10 @@ class _TrackedWork:
         trace, record = self._owner._observer, self._record
         if record is not None and trace is not None:
             trace.waiting(record, polled=self._polled)
-        faults.TRACKER.enter(self.activity)
-        try:
+        with faults.diagnosed(self.activity):
             self.work.wait()
-        except RuntimeError as err:
-            raise faults.diagnose(self.activity, err) from err
-        finally:
-            faults.TRACKER.leave()
         if not self.waited and self._counted:
-            self._owner.stats.in_flight -= 1
+            self._owner.stats.waited()
             faults.TRACKER.in_flight.pop(self.activity.seq, None)
             if record is not None and trace is not None:
                 trace.completed(record)

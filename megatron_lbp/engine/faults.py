@@ -74,6 +74,7 @@ import signal
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,6 +162,18 @@ class _Tracker:
 TRACKER = _Tracker()
 
 
+@contextmanager
+def diagnosed(activity: Activity):
+    """The main thread is in ``activity``: a RuntimeError in it becomes a diagnosed fault."""
+    TRACKER.enter(activity)
+    try:
+        yield
+    except RuntimeError as err:
+        raise diagnose(activity, err) from err
+    finally:
+        TRACKER.leave()
+
+
 def format_ranks(ranks) -> str:
     ranks = sorted(ranks)
     if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
@@ -223,6 +236,37 @@ class Injection:
             while True:
                 time.sleep(3600)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class InjectionSeam:
+    """Where the collectives meet fault injection (LBP_FAULT_INJECT); inert on a rank that
+    injects nothing. It keeps the asynchronous collectives not yet waited for, so that a
+    rank dies between collectives: everything issued before the chosen one is complete."""
+
+    def __init__(self, injection: Injection | None) -> None:
+        self._injection = injection
+        self._unwaited: list[Any] = []
+
+    @classmethod
+    def for_this_rank(cls) -> "InjectionSeam":
+        return cls(injection_for_this_rank())
+
+    def before_issue(self, phase: str) -> None:
+        if self._injection is not None and self._injection.fires(phase):
+            while self._unwaited:
+                self._unwaited.pop(0).wait()
+
+    def before_call(self, phase: str) -> None:
+        if self._injection is not None:
+            self._injection.before(phase)
+
+    def issued(self, tracked: Any) -> None:
+        if self._injection is not None:
+            self._unwaited = [w for w in self._unwaited if not w.waited] + [tracked]
+
+    def poison(self, grad: Any, phase: str) -> None:
+        if self._injection is not None:
+            self._injection.poison(grad, phase)
 
 
 def parse_injection(text: str) -> dict[str, Any]:
@@ -415,6 +459,12 @@ _stall_watch: _StallWatch | None = None
 def stall_watch() -> _StallWatch | None:
     """The stall watch when this backend's wait() does not block (NCCL), else None."""
     return _stall_watch
+
+
+def watch(tracked: Any) -> None:
+    """Hand an issued collective to the stall watch, where there is one (NCCL)."""
+    if _stall_watch is not None:
+        _stall_watch.add(tracked)
 
 
 def waiting_on() -> Activity | None:
