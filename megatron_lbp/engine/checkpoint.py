@@ -119,8 +119,29 @@ def model_sharded_state_dict(ddp, prefix: str = "", sharded_offsets=(), metadata
         return out
 
     converted = convert(base)
-    ddp._checkpoint_keys = keys
+    ddp.weight_keys.named(keys)
     return converted
+
+
+class WeightKeys:
+    """Megatron's ShardedTensor of each parameter of one model (its key and global
+    coordinates), by ``id(param)``, as the model's last sharded state dict named it.
+
+    The optimizer's pieces are saved and loaded under these keys. Megatron asks for the
+    model's sharded state dict first (with its prefix and metadata); :meth:`of` builds
+    one with the defaults when it has not.
+    """
+
+    def __init__(self) -> None:
+        self._by_param: dict[int, Any] = {}
+
+    def named(self, keys: dict[int, Any]) -> None:
+        self._by_param = keys
+
+    def of(self, ddp) -> dict[int, Any]:
+        if not self._by_param:
+            model_sharded_state_dict(ddp)
+        return self._by_param
 
 
 def _whole_tensor_of_factory(factory):
@@ -228,9 +249,7 @@ def _weight_keys(opt) -> dict:
     """Megatron's ShardedTensor (key, global coordinates) of every model parameter (Megatron asks for the model's state dict first)."""
     keys = {}
     for model in opt.models:
-        if not getattr(model, "_checkpoint_keys", None):
-            model_sharded_state_dict(model)
-        keys.update(model._checkpoint_keys)
+        keys.update(model.weight_keys.of(model))
     return keys
 
 

@@ -47,7 +47,7 @@ from megatron_lbp.engine.memory import TransientLedger, tensor_bytes
 from megatron_lbp.engine.comm import Pending
 from megatron_lbp.engine.schedule import UnitSchedule
 from megatron_lbp.engine.trace import ScheduleTrace, output_path
-from megatron_lbp.engine import mcore
+from megatron_lbp.engine import checkpoint, mcore
 from megatron_lbp.engine.unit import GatherUnit, UnitContext
 from megatron_lbp.process_groups import HierGroups
 from megatron_lbp.topology import family_link_classes, hierarchy_groups
@@ -74,6 +74,7 @@ class HierDataParallel(mcore.base_data_parallel()):
             groups=hier.groups, sizes={f: len(r) for f, r in hier.ranks.items()},
             links=hier.link_classes, ledger=ledger, comm_names=hier.comm_names)
         self.transient = TransientLedger()
+        self.weight_keys = checkpoint.WeightKeys()   # what the checkpoint calls each parameter
         self.grad_dtype = _GRAD_DTYPES[options.grad_reduce_dtype]
         self._params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.ctx = self._unit_context(hier)
@@ -307,8 +308,6 @@ class HierDataParallel(mcore.base_data_parallel()):
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """A plain state dict (full tensors), or what a distributed checkpoint load returned."""
-        from megatron_lbp.engine import checkpoint
-
         if any(".__lbp_piece" in k for k in state_dict):
             self.settle()  # nothing in flight may land on the loaded slices
             rest = checkpoint.load_model_pieces(self, state_dict)
@@ -334,8 +333,6 @@ class HierDataParallel(mcore.base_data_parallel()):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """megatron-core's sharded state dict, each weight as the pieces this rank holds."""
-        from megatron_lbp.engine import checkpoint
-
         self.settle()  # the pieces are views of the primary slices, saved later
         return checkpoint.model_sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
