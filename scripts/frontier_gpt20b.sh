@@ -8,14 +8,15 @@
 #SBATCH -e logs/%x-%j.err
 #SBATCH --network=disable_rdzv_get
 #SBATCH --signal=TERM@150
-# (-q debug for a <= 2 h test job; -p extended for <= 64 nodes and 24 h; -C nvme with
-# LBP_SBCAST_ENV. --signal: Megatron's --exit-signal-handler saves and stops on it, the
-# backstop of the computed exit time, which comes before it: Slurm may send it up to 60 s
-# early, and the exit margin covers that (LBP_SIGNAL_S, read from this line).)
+# (what each line is for: scripts/launch/frontier_body.sh)
 #
 # GPT 20B (GPT-NeoX-20B shape: 44 layers, hidden 6144, 64 heads, seq 2048,
 # vocabulary 50257 padded to 50304; 20.24 B parameters) pretrained with
 # megatron-lbp's three-level hierarchy on Frontier, one task per GCD.
+# This file holds what is this model's: the #SBATCH header above (sbatch reads it from
+# the script it is given), the model shape, the learning rate and why S = 8. Every
+# other setting, the campaign (--chain) and every variable with its default are the
+# body both Frontier profiles share: scripts/launch/frontier_body.sh.
 #
 #   mkdir -p logs    # Slurm does not create the -o/-e directory
 #   export DATA_PATH=/lustre/orion/<proj>/proj-shared/data/pile_text_document
@@ -23,124 +24,10 @@
 #   export CHECKPOINT_DIR=/lustre/orion/<proj>/scratch/$USER/gpt20b
 #   NNODES=48 bash scripts/frontier_gpt20b.sh --dry-run   # check, on a login node
 #   sbatch -A <proj> scripts/frontier_gpt20b.sh          # -N/-t/-q on the command line win
+#   sbatch -A <proj> scripts/frontier_gpt20b.sh --chain 20   # a campaign: this job and 19 more
 #
-# Resubmitting the same script resumes from the latest checkpoint in
-# CHECKPOINT_DIR (--save and --load are the same directory, torch_dist format,
-# resharded on load when the node count changes). A campaign of many jobs:
-#   sbatch -A <proj> scripts/frontier_gpt20b.sh --chain 20
-# runs this job and 19 more, each submitted by the previous one at its start
-# (--dependency=afterany, the same account/partition/QOS/nodes/time limit); a job
-# that finds training complete, or no progress since the previous job started (the
-# tracker's iteration unchanged), does not train or resubmit and says why. Each job
-# stops to save at its remaining wall time minus one save, one step and a slack
-# (EXIT_DURATION_MINS=auto: a 30-minute debug job and a 24-hour extended one both end
-# with a checkpoint); SAVE_INTERVAL=auto saves about every 45 minutes of training;
-# the newest 2 complete checkpoints and the first after every 10000 iterations are
-# kept, the rest deleted (LBP_KEEP_LAST, LBP_MILESTONE_EVERY), and a job refuses to
-# start with less free space than two checkpoints. Before training, a health check
-# (its own srun step) times one all-gather per link class against the cost model's
-# bandwidth and refuses named slow nodes. Keep TRAIN_ITERS and the LR settings across
-# resubmissions (Megatron checks the checkpoint's LR schedule;
-# EXTRA_ARGS=--override-opt_param-scheduler to change it on purpose). Extra
-# arguments (or EXTRA_ARGS) are appended to the training command line.
-#
-# At small size on CPU ranks (a one-machine Slurm, the tests): scripts/frontier_small.env
-# holds the only values that differ (model and batch size, node and task counts, the
-# device); every other setting stays this profile's.
-#
-# None of this has been run on Frontier by the authors: the module names, the
-# RCCL/libfabric settings and the #SBATCH options are the conventions of OLCF's
-# documentation and of ORNL's public launch scripts; every site value below is
-# an environment variable, so override instead of editing.
-#
-# Environment variables (default in brackets):
-#   Site
-#     SBATCH_ACCOUNT   project (or sbatch -A); the CHANGEME above must be overridden
-#     LBP_MODULES      [PrgEnv-gnu/8.7.0 cpe/26.03 miniforge3/23.11.0-0 rocm/7.1.1
-#                       rccl-net-plugin craype-accel-amd-gfx90a]
-#     LBP_ACTIVATE     script sourced for Python (conda/venv activate)
-#                      [$LBP_REPO/.venv/bin/activate if present]
-#     LBP_REPO         megatron-lbp checkout [this script's repo, or $SLURM_SUBMIT_DIR]
-#     MEGATRON_LM_DIR  patched Megatron-LM tree (scripts/apply_patches.sh <dir>); unset:
-#                      python -m megatron_lbp.pretrain_gpt   [unset]
-#     RCCL_NET_PLUGIN_DIR  aws-ofi-rccl lib dir: NCCL_NET_PLUGIN=<dir>/librccl-net.so
-#                      [unset: the rccl-net-plugin module provides it]
-#     RCCL/libfabric, as OLCF's "PyTorch on Frontier" page lists them (the page and
-#     section of each value: scripts/launch/lbp_launch.sh, lbp_frontier_defaults):
-#       NCCL_NET [OFI; Socket on one node] NCCL_CROSS_NIC [1] NCCL_NET_GDR_LEVEL [PHB]
-#       NCCL_SOCKET_IFNAME [hsn0,hsn1,hsn2,hsn3; hsn0 if you see hangs]
-#       HSA_FORCE_FINE_GRAIN_PCIE [1] FI_MR_CACHE_MONITOR [kdreg2]
-#       FI_CXI_DISABLE_HOST_REGISTER [1] FI_CXI_DEFAULT_CQ_SIZE [131072]
-#       FI_CXI_RDZV_PROTO [alt_read] FI_CXI_RDZV_EAGER_SIZE [0] FI_CXI_RDZV_THRESHOLD [0]
-#       FI_CXI_RDZV_GET_MIN [0] FI_CXI_DEFAULT_TX_SIZE [2048] FI_CXI_RX_MATCH_MODE [hybrid]
-#       OMP_NUM_THREADS [7]
-#     Order: LBP_MODULES are loaded first, then these defaults are applied, and a
-#     variable you exported wins over both; LD_LIBRARY_PATH gets the loaded
-#     modules' CRAY_LD_LIBRARY_PATH first. CUDA_DEVICE_MAX_CONNECTIONS is not set
-#     (data parallelism only; Megatron needs 1 only with tensor parallelism).
-#     LBP_NODE_LOCAL_ROOT  node-local dir for the MIOpen and Triton caches, fresh per
-#                      job and task [/tmp; /mnt/bb/$USER with -C nvme]
-#     LBP_SBCAST_ENV   a conda-pack'd environment (.tar.gz) to sbcast to every node's
-#                      NVMe (LBP_SBCAST_DIR [/mnt/bb/$USER]) and activate there [unset]
-#     LBP_REQUIRE_GPU  [rocm]: the job refuses to start when torch is not a ROCm build
-#                      (torch.version.hip) or sees no GCDs, instead of running on CPU
-#     MASTER_ADDR [this node's IP]  MASTER_PORT [3442]
-#   Paths (required)
-#     DATA_PATH        data prefix(es) of .bin/.idx (a blend "w1 p1 w2 p2" works)
-#     VOCAB_FILE MERGE_FILE  GPT-2 BPE files (TOKENIZER_TYPE [GPT2BPETokenizer]; for
-#                      SentencePieceTokenizer/HuggingFaceTokenizer set TOKENIZER_MODEL)
-#     CHECKPOINT_DIR   --save and --load
-#   Job shape
-#     NNODES [allocation's node count; dry run: the #SBATCH -N above]  TASKS_PER_NODE [8]  CPUS_PER_TASK [7]
-#     GPUS_PER_TASK [1]  GPU_BIND [closest]  SRUN_EXTRA_ARGS []  GCD_MEMORY_GB [64]
-#   Model and training
-#     NUM_LAYERS [44] HIDDEN_SIZE [6144] NUM_ATTENTION_HEADS [64] SEQ_LENGTH [2048]
-#     VOCAB_SIZE_PADDED [50304] GLOBAL_BATCH_SIZE [1536 = 3.1 M tokens]
-#     MICRO_BATCH_SIZE [auto]  RECOMPUTE [auto; full, selective, none]: with HIER_PRESET,
-#                    chosen by projected step time among what fits (see LBP_DRY_RUN below)
-#     TRAIN_ITERS [150000] LR [9.7e-5] MIN_LR [9.7e-6] LR_WARMUP_ITERS [1500]
-#     WEIGHT_DECAY [0.01] CLIP_GRAD [1.0] PRECISION [bf16]
-#     LOG_INTERVAL [10] EVAL_INTERVAL [1000] EVAL_ITERS [10]
-#     DATA_CACHE_PATH [$CHECKPOINT_DIR/data_cache] TENSORBOARD_DIR [$CHECKPOINT_DIR/tensorboard]
-#   Campaign (the dry run prints every figure)
-#     SAVE_INTERVAL [auto: ~LBP_SAVE_MINUTES=45 of training at the estimated step time,
-#                    a divisor of LBP_MILESTONE_EVERY; LBP_STEP_SECONDS replaces the estimate]
-#     EXIT_DURATION_MINS [auto: the job's time left (SLURM_JOB_END_TIME or squeue %L)
-#                    minus one save (14 B/param at LBP_WRITE_GBPS=1 per node, x2, +
-#                    LBP_SAVE_FIXED_S=60), one step and LBP_EXIT_SLACK_S=120, and at
-#                    least the --signal lead (LBP_SIGNAL_S [150]) + 60 s + one step]
-#     LBP_KEEP_LAST [2] LBP_MILESTONE_EVERY [10000] LBP_PRUNE_EVERY_S [600]
-#     LBP_CHAIN_SBATCH_ARGS [] more sbatch options for the chain's next jobs
-#     LBP_HEALTH_CHECK [1; 0: device checks only] LBP_HEALTH_MIN_FRACTION [0.25]
-#     LBP_HEALTH_EXPECT_GBPS [package=200,node=50,network=12.5: the cost model's]
-#     LBP_HEALTH_MB [64] GCD_MEMORY_GB [64] LBP_MEMORY_RESERVE_GB [4]
-#   Hierarchy (--hier-partition --hier-preset HIER_PRESET)
-#     HIER_PRESET [auto when neither it nor HIER_SECONDARY_GROUP_SIZE is given: the
-#                 fastest fitting by projected step time of lbp (S = node, package, 0), zeropp,
-#                 zero3, zero2. lbp: P = 2 (package), G = 8 (node), O = all; zeropp: P = G = O = all
-#                 with the node's secondary copy (hpZ) and int8 weight gathers (qwZ); zero3, zero2,
-#                 hsdp: no secondary copy]. Each preset implies its own defaults below.
-#     HIER_SECONDARY_GROUP_SIZE [lbp, zeropp: TASKS_PER_NODE = 8, the node; zero3, zero2,
-#                 hsdp: 0]  HIER_SECONDARY_DTYPE [int8]
-#     HIER_PRESET=ds-zero3 | ds-hpz | ds-zeropp: DeepSpeed's ZeRO-3 / hpZ / ZeRO++ (hpZ + qwZ +
-#                 qgZ) on the same model, data, tokenizer and batch: each task runs python -m
-#                 benchmarks.deepspeed.pretrain (docs/deepspeed-baseline.md) instead of
-#                 pretrain_gpt; the dry run prints its DeepSpeed config. Needs DeepSpeed in the
-#                 Python env (bash scripts/install.sh --test); saves no checkpoint (no --chain,
-#                 START_FROM, MEGATRON_LM_DIR); refuses HIER_SECONDARY_GROUP_SIZE /
-#                 HIER_GRAD_REDUCE_DTYPE and --hier-* flags; ds-hpz, ds-zeropp need >= 2 nodes.
-#   LBP_DRY_RUN=1 or --dry-run: print the srun and training commands, the parameter
-#     count, the per-GCD memory of each recomputation/micro-batch choice, the step time,
-#     save interval, checkpoint size, exit time for the #SBATCH -t (LBP_WALLTIME), the
-#     retention and the free space, launch nothing. Every run ranks the candidates
-#     (scheme x recomputation x micro-batch size at GLOBAL_BATCH_SIZE) by projected step
-#     time — the engine's committed schedule trace replayed where one matches, the cost
-#     model otherwise, each row says which — drops those that do not fit, takes the
-#     fastest that the explicit HIER_PRESET / MICRO_BATCH_SIZE / RECOMPUTE allow, and
-#     prints the top rows and the best zeropp and zero3 rows with their ratios
-#     (megatron_lbp/launch/choose.py; LBP_CHOOSE=0: the old rule, no ranking).
-#     LBP_LINKS=FILE: the step times from measured links (a job's health check writes
-#     them to $CHECKPOINT_DIR/lbp_links.json; docs/frontier.md, "Measure, then choose").
+# This model's defaults (environment variables win):
+#   NUM_LAYERS [44] HIDDEN_SIZE [6144] NUM_ATTENTION_HEADS [64] LR [9.7e-5] MIN_LR [9.7e-6]
 #
 # Why the int8 secondary copy over S = 8 (the node) and not S = 2 (the package),
 # from python -m megatron_lbp.plan for this model (GB per GCD, weights + int8
@@ -172,24 +59,9 @@ if [ -z "${LBP_REPO:-}" ]; then
 fi
 export LBP_REPO
 
-: "${LBP_PROFILE:=frontier-gpt20b}" "${LBP_SITE:=frontier}"
-: "${LBP_PROFILE_SCRIPT:=$LBP_REPO/scripts/frontier_gpt20b.sh}"
-: "${LBP_MODULES=PrgEnv-gnu/8.7.0 cpe/26.03 miniforge3/23.11.0-0 rocm/7.1.1 rccl-net-plugin craype-accel-amd-gfx90a}"
-: "${NUM_LAYERS:=44}" "${HIDDEN_SIZE:=6144}" "${NUM_ATTENTION_HEADS:=64}" "${SEQ_LENGTH:=2048}"
-: "${VOCAB_SIZE_PADDED:=50304}" "${GLOBAL_BATCH_SIZE:=1536}"
-: "${TRAIN_ITERS:=150000}" "${LR:=9.7e-5}" "${MIN_LR:=9.7e-6}" "${LR_WARMUP_ITERS:=1500}"
-# The int8 secondary copy spans the node, whatever the node holds (8 GCDs on Frontier);
-# a preset without one (zero3, zero2, hsdp) implies none: its own default, not this one.
-# Neither HIER_PRESET nor HIER_SECONDARY_GROUP_SIZE given: the launcher chooses the scheme
-# (and with RECOMPUTE/MICRO_BATCH_SIZE=auto those too) by projected step time.
-[ -n "${HIER_PRESET:-}${HIER_SECONDARY_GROUP_SIZE:-}" ] || : "${LBP_CHOOSE_SCHEME:=1}"
-: "${RECOMPUTE:=auto}"
-case "${HIER_PRESET:-lbp}" in
-  lbp|zeropp) : "${HIER_SECONDARY_GROUP_SIZE:=${TASKS_PER_NODE:-8}}" ;;
-  *) : "${HIER_SECONDARY_GROUP_SIZE:=0}" ;;
-esac
-: "${HIER_SECONDARY_DTYPE:=int8}"
+: "${LBP_PROFILE:=frontier-gpt20b}" "${LBP_PROFILE_SCRIPT:=$LBP_REPO/scripts/frontier_gpt20b.sh}"
+: "${NUM_LAYERS:=44}" "${HIDDEN_SIZE:=6144}" "${NUM_ATTENTION_HEADS:=64}"
+: "${LR:=9.7e-5}" "${MIN_LR:=9.7e-6}"
 
-# shellcheck source-path=SCRIPTDIR source=launch/lbp_launch.sh
-. "$LBP_REPO/scripts/launch/lbp_launch.sh"
-lbp_main "$@"
+# shellcheck source-path=SCRIPTDIR source=launch/frontier_body.sh
+. "$LBP_REPO/scripts/launch/frontier_body.sh"

@@ -19,8 +19,8 @@
 # The demo data is built by `bash scripts/main.sh`, or by
 #   .venv/bin/python -c 'from megatron_lbp.data import build_demo_data; build_demo_data("data")'
 #
-# Every variable of scripts/frontier_gpt20b.sh applies. What differs from the Frontier
-# profiles, and why:
+# Every variable of the Frontier profiles (scripts/launch/frontier_body.sh) applies.
+# What differs from the Frontier profiles, and why:
 #   the model and job size   NUM_LAYERS [2] HIDDEN_SIZE [128] NUM_ATTENTION_HEADS [4]
 #     SEQ_LENGTH [128] VOCAB_SIZE_PADDED [4096] MICRO_BATCH_SIZE [2]
 #     GLOBAL_BATCH_SIZE [16] TRAIN_ITERS [20] LR [3e-3] MIN_LR [3e-4] LR_WARMUP_ITERS [2]

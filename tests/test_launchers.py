@@ -443,13 +443,27 @@ def test_frontier_small_differs_only_in_its_overrides(site):
     assert sorted(named) == ["--bf16", "--hier-gcds-per-package", "env NCCL_DEBUG"], named
 
 
+def _code(text: str) -> list[str]:
+    """A script's lines that bash runs (comments and blank lines dropped)."""
+    return [l for l in text.splitlines() if l.strip() and not l.lstrip().startswith("#")]
+
+
 def test_the_three_profiles_share_one_launcher():
-    for script in (*SCRIPTS.values(), LOCAL):
+    body = LAUNCH / "frontier_body.sh"
+    for script in (LOCAL, body):   # each sources the launcher and runs it
         text = script.read_text()
-        assert 'scripts/launch/lbp_launch.sh"' in text and text.rstrip().endswith('lbp_main "$@"')
-        assert "srun " not in text.split("set -euo pipefail", 1)[1]
+        assert 'scripts/launch/lbp_launch.sh"' in text and text.rstrip().endswith('lbp_main "$@"'), script
+    for script in SCRIPTS.values():   # its model's defaults, then the Frontier body
+        assert script.read_text().rstrip().endswith('. "$LBP_REPO/scripts/launch/frontier_body.sh"'), script
+    for script in (*SCRIPTS.values(), LOCAL, body):
+        code = _code(script.read_text())
+        assert not [l for l in code if "srun " in l], script
         # Ranks are per task (lbp_task.sh), never exported from the batch script.
-        assert not re.search(r"^\s*export\s+(RANK|LOCAL_RANK)=", text, re.M)
+        assert not [l for l in code if re.match(r"\s*export\s+(RANK|LOCAL_RANK)=", l)], script
+    # One body: the two profiles' code differs only in their model's defaults.
+    a, b = (_code(SCRIPTS[m].read_text()) for m in ("20b", "10b"))
+    differ = [(x, y) for x, y in zip(a, b) if x != y]
+    assert len(a) == len(b) and all(x.startswith(": ") and y.startswith(": ") for x, y in differ), differ
     for script in SCRIPTS.values():
         head = script.read_text().split("set -euo pipefail")[0]
         for directive in ("#SBATCH -A ", "#SBATCH -J ", "#SBATCH -N ", "#SBATCH -t ",

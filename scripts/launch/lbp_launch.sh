@@ -1,7 +1,8 @@
 # shellcheck shell=bash
-# The shared launcher logic of megatron-lbp: sourced by scripts/frontier_gpt20b.sh,
-# scripts/frontier_gpt10b.sh and scripts/local_profile.sh, so that the Frontier
-# scripts and the locally tested path are the same code.
+# The shared launcher logic of megatron-lbp: sourced by the Frontier profiles' body
+# (scripts/launch/frontier_body.sh, which scripts/frontier_gpt20b.sh and
+# scripts/frontier_gpt10b.sh source) and by scripts/local_profile.sh, so that the
+# Frontier scripts and the locally tested path are the same code.
 #
 # A profile script sets its defaults (model shape, batch, site environment)
 # as `: "${VAR:=value}"`, sources this file and calls
