@@ -62,8 +62,13 @@ SCHEMES = {
     "zeropp": ("zeropp", []),          # its preset's secondary: the node's ranks
     "zero3": ("zero3", []),
 }
-MODEL = {"layers": 4, "hidden": 256, "heads": 4, "vocab": 1024, "seq": 64}
-HEALTH_MB = 4.0   # MiB per rank of the health check's all-gathers (seconds at 100 Mbit/s)
+MODEL = {"layers": 4, "hidden": 128, "heads": 4, "vocab": 1024, "seq": 64}
+HEALTH_MB = 2.0   # MiB per rank of the health check's all-gathers
+# --rate-mbit auto: the uplink at which the second scheme's (zeropp's) network bytes of one
+# micro-batch take this many times the compute of one micro-batch of the batch with the
+# most micro-batches (it cannot hide them there; the large micro-batch can).
+NETWORK_OVER_COMPUTE = 3.0
+PROBE_ROUNDS = 3
 
 
 # --------------------------------------------------------------------------- rank side
@@ -78,6 +83,19 @@ def health_rank(ns_of_rank, links_out: str, ranks_per_node: int) -> int:
                         str(GCDS_PER_PACKAGE), "--gpus-per-task", "0", "--require-gpu", "none",
                         "--min-fraction", "0", "--megabytes", str(HEALTH_MB),
                         "--links-out", links_out])
+
+
+def probe_rank(ns_of_rank, spec, train, rounds: int) -> list[float]:
+    """Seconds of one micro-batch's forward+backward, no communication, every rank at once."""
+    netns.enter(ns_of_rank[int(os.environ["RANK"])])
+    fwd_bwd, _ = compute_ops(spec, replace(train, micro_batches=1), 1)
+    fwd_bwd(0)   # warm-up
+    times = []
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        fwd_bwd(r)
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def rank_rounds(ns_of_rank, master, schemes, spec, trains, rounds, warmup, ranks_per_node):
@@ -178,6 +196,32 @@ def flops_per_micro_batch(args, micro_batch_size: int) -> float:
         MODEL["seq"] * micro_batch_size
 
 
+def derive_rate(args, net, spec, trains) -> dict[str, Any]:
+    """--rate-mbit auto: the uplink at which the second scheme's network bytes of one
+    micro-batch (the plan's, all crossing the uplink once: a world-spanning ring) take
+    NETWORK_OVER_COMPUTE x the measured compute of one micro-batch of the batch with the most
+    micro-batches. Measured first, every rank at once, so that the setting follows the
+    machine's load rather than a fixed rate."""
+    from megatron_lbp.costs import PHASES
+    from megatron_lbp.projection import project as pj
+
+    name = max(args.batches, key=lambda n: args.batches[n][1])
+    b, k = args.batches[name]
+    per_rank = _on_network(net, args, probe_rank, spec, trains[name], PROBE_ROUNDS)
+    compute = statistics.median(max(r[i] for r in per_rank) for i in range(PROBE_ROUNDS))
+    scheme = args.schemes[1]
+    model = {"num_layers": MODEL["layers"], "hidden_size": MODEL["hidden"],
+             "vocab_size": MODEL["vocab"]}
+    p = pj.plan_for(model, args.nodes * args.ranks_per_node, scheme, 1,
+                    gpus_per_node=args.ranks_per_node, gcds_per_package=GCDS_PER_PACKAGE)
+    uplink = sum(p["traffic_by_phase"][ph]["network"] * pj._uplink_multiplicity(p, ph)
+                 for ph in PHASES if ph in pj.PER_MICRO_BATCH)
+    rate = uplink * 8 / 1e6 / (NETWORK_OVER_COMPUTE * compute)
+    return {"batch": name, "compute_s": compute, "scheme": scheme,
+            "uplink_bytes_per_micro_batch": uplink, "network_over_compute": NETWORK_OVER_COMPUTE,
+            "rate_mbit": rate}
+
+
 def run(args) -> dict[str, Any]:
     import torch
 
@@ -197,7 +241,12 @@ def run(args) -> dict[str, Any]:
         "rate_mbit": args.rate_mbit, "model": MODEL, "batches": list(args.batches),
         "schemes": list(args.schemes), "rounds": args.rounds, "warmup": args.warmup,
         "loadavg_start": list(os.getloadavg())}}
-    with netns.EmulatedNetwork(args.nodes, args.rate_mbit) as net:
+    with netns.EmulatedNetwork(args.nodes, args.rate_mbit or 100.0) as net:
+        if args.rate_mbit is None:
+            out["config"]["rate_derivation"] = derive_rate(args, net, spec, trains)
+            args.rate_mbit = out["config"]["rate_mbit"] = \
+                out["config"]["rate_derivation"]["rate_mbit"]
+            net.set_rate(args.rate_mbit)
         codes = _on_network(net, args, health_rank, links, args.ranks_per_node)
         if any(codes):
             raise RuntimeError(f"the health check failed on some rank: exit codes {codes}")
@@ -283,9 +332,10 @@ def parse(argv) -> argparse.Namespace:
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=4)
-    p.add_argument("--rate-mbit", type=float, default=50.0,
-                   help="each node's uplink, Mbit/s each way")
-    p.add_argument("--batches", default="8x1,1x8",
+    p.add_argument("--rate-mbit", default="auto",
+                   help="each node's uplink, Mbit/s each way, or auto (default): derived "
+                        "from the measured compute (NETWORK_OVER_COMPUTE)")
+    p.add_argument("--batches", default="8x1,1x4",
                    help="the two batches, each micro-batch size x micro-batches per step")
     p.add_argument("--schemes", default="lbp,zeropp",
                    help=f"the two schemes compared, of {','.join(SCHEMES)}")
@@ -310,7 +360,11 @@ def parse(argv) -> argparse.Namespace:
     if args.ranks_per_node % GCDS_PER_PACKAGE:
         p.error(f"--ranks-per-node={args.ranks_per_node} must be a multiple of "
                 f"{GCDS_PER_PACKAGE}")
-    if args.warmup < 0 or not args.rate_mbit > 0:
+    try:
+        args.rate_mbit = None if args.rate_mbit == "auto" else float(args.rate_mbit)
+    except ValueError:
+        p.error(f"--rate-mbit={args.rate_mbit!r}: a rate in Mbit/s or auto")
+    if args.warmup < 0 or (args.rate_mbit is not None and not args.rate_mbit > 0):
         p.error("--warmup must be >= 0 and --rate-mbit > 0")
     return args
 
