@@ -3,7 +3,7 @@
 ``python -m benchmarks network-choice`` (benchmarks/network_choice.py) measures on two
 emulated nodes of 4 ranks: the links by the launcher's own health check (the file the
 choice reads with ``--links``), the CPU ranks' compute rate, and the real step times of
-lbp and zeropp at two batches (one micro-batch of 8 sequences per rank, and 8 micro-batches
+lbp and zeropp at two batches (one micro-batch of 8 sequences per rank, and 4 micro-batches
 of 1), interleaved in the same rank processes. The slow test asserts that the choice's projection prefers different
 schemes at the two batches and that at each batch its ranking of the two is the measured
 one. Needs root and iproute2; run it under ``flock /tmp/lbp-netns.lock``.
