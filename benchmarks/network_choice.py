@@ -85,9 +85,12 @@ def health_rank(ns_of_rank, links_out: str, ranks_per_node: int) -> int:
                         "--links-out", links_out])
 
 
-def probe_rank(ns_of_rank, spec, train, rounds: int) -> list[float]:
+def probe_rank(ns_of_rank, master, spec, train, rounds: int) -> list[float]:
     """Seconds of one micro-batch's forward+backward, no communication, every rank at once."""
-    netns.enter(ns_of_rank[int(os.environ["RANK"])])
+    from megatron_lbp.testing.tiny_gpt import init_megatron_state
+
+    _join(ns_of_rank, master)        # megatron-core builds its model under its groups
+    init_megatron_state()
     fwd_bwd, _ = compute_ops(spec, replace(train, micro_batches=1), 1)
     fwd_bwd(0)   # warm-up
     times = []
@@ -207,7 +210,8 @@ def derive_rate(args, net, spec, trains) -> dict[str, Any]:
 
     name = max(args.batches, key=lambda n: args.batches[n][1])
     b, k = args.batches[name]
-    per_rank = _on_network(net, args, probe_rank, spec, trains[name], PROBE_ROUNDS)
+    per_rank = _on_network(net, args, probe_rank, net.address(0), spec, trains[name],
+                           PROBE_ROUNDS)
     compute = statistics.median(max(r[i] for r in per_rank) for i in range(PROBE_ROUNDS))
     scheme = args.schemes[1]
     model = {"num_layers": MODEL["layers"], "hidden_size": MODEL["hidden"],
