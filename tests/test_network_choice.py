@@ -105,3 +105,15 @@ def test_bad_flags_are_usage_errors(argv):
     with pytest.raises(SystemExit) as e:
         nc.parse(argv)
     assert e.value.code == 2
+
+
+def test_gloo_reduce_scatters_cross_the_uplink_as_an_exchange():
+    """The engine's reduce-scatter on gloo is an all-to-all exchange: a world group of 8 in
+    nodes of 4 puts 4 members x 4 chunks of b/7 on each uplink (2.29 b), not a ring's b; the
+    one-member-per-node peer groups cross as a ring does (4 groups x b)."""
+    assert pj.exchange_uplink_factor(8, 4, 4) == pytest.approx(16 / 7)
+    assert pj.exchange_uplink_factor(2, 1, 4) == pj.groups_per_node(1, 4) == 4
+    p = pj.plan_for({"num_layers": 4, "hidden_size": 128, "vocab_size": 1024}, 8, "zeropp", 1,
+                    gpus_per_node=4, gcds_per_package=2)
+    assert pj._uplink_multiplicity(p, "grad_reduce") == pytest.approx(16 / 7)
+    assert pj._uplink_multiplicity(p, "forward_gather") == 1   # gloo's all-gather: a ring
