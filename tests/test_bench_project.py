@@ -131,9 +131,10 @@ def test_uplink_rule_world_peers_and_strided_groups():
     ("zero3", None, {"forward_gather": 1, "grad_reduce": 16 / 7}),
     # hsdp: the replica all-reduce over [0, 4]: 4 per node.
     ("hsdp", None, {"step_reduce": 4}),
-    # inter groups [0, 2, 4, 6]: two members in each node, 2 groups per node.
+    # inter groups [0, 2, 4, 6]: two members in each node, 2 groups per node; the gather a
+    # ring (2), the reduce-scatter an exchange (2 groups x 2 members x 2 chunks of b/3: 8/3).
     (None, ["--hier-param-group-size", "2", "--hier-grad-group-size", "2",
-            "--hier-optim-group-size", "8"], {"step_reduce": 2, "step_gather": 2}),
+            "--hier-optim-group-size", "8"], {"step_reduce": 8 / 3, "step_gather": 2}),
     # a node-contiguous group of 8 over 2 nodes of 4 in a world of 16: 1; replicas [0, 8]: 4.
     (None, ["--world-size", "16", "--hier-param-group-size", "8", "--hier-grad-group-size",
             "8", "--hier-optim-group-size", "8"], {"forward_gather": 1, "step_reduce": 4}),
