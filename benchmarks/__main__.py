@@ -1,5 +1,5 @@
 """python -m benchmarks <command> [options]; commands: overhead, traffic, project, network, report,
-trace, construction, study-network."""
+trace, construction, study-network, network-choice."""
 import importlib
 import sys
 
@@ -8,6 +8,7 @@ COMMANDS = {"overhead": "benchmarks.overhead",
             "traffic": "benchmarks.traffic",
             "project": "megatron_lbp.projection.project",
             "network": "benchmarks.network",
+            "network-choice": "benchmarks.network_choice",
             "trace": "megatron_lbp.projection.trace",
             "construction": "benchmarks.construction",
             "study-network": "benchmarks.study_network"}

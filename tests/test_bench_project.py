@@ -126,13 +126,15 @@ def test_uplink_rule_world_peers_and_strided_groups():
 @pytest.mark.parametrize("scheme,argv,expected", [
     # lbp: the 1/G -> 1/O hop runs in peer groups [0, 4]: 4 per node.
     ("lbp", None, {"step_reduce": 4, "step_gather": 4}),
-    # zero3: every network collective spans the world, contiguous by node: 1.
-    ("zero3", None, {"forward_gather": 1, "grad_reduce": 1}),
+    # zero3: every network collective spans the world, contiguous by node: a ring crosses
+    # once (1); the reduce-scatter is an exchange on gloo: 4 members x 4 chunks of b/7 (16/7).
+    ("zero3", None, {"forward_gather": 1, "grad_reduce": 16 / 7}),
     # hsdp: the replica all-reduce over [0, 4]: 4 per node.
     ("hsdp", None, {"step_reduce": 4}),
-    # inter groups [0, 2, 4, 6]: two members in each node, 2 groups per node.
+    # inter groups [0, 2, 4, 6]: two members in each node, 2 groups per node; the gather a
+    # ring (2), the reduce-scatter an exchange (2 groups x 2 members x 2 chunks of b/3: 8/3).
     (None, ["--hier-param-group-size", "2", "--hier-grad-group-size", "2",
-            "--hier-optim-group-size", "8"], {"step_reduce": 2, "step_gather": 2}),
+            "--hier-optim-group-size", "8"], {"step_reduce": 8 / 3, "step_gather": 2}),
     # a node-contiguous group of 8 over 2 nodes of 4 in a world of 16: 1; replicas [0, 8]: 4.
     (None, ["--world-size", "16", "--hier-param-group-size", "8", "--hier-grad-group-size",
             "8", "--hier-optim-group-size", "8"], {"forward_gather": 1, "step_reduce": 4}),
@@ -152,7 +154,9 @@ def test_uplink_multiplicity_from_the_plans_groups(scheme, argv, expected):
     assert plan["traffic_by_phase"][next(iter(expected))]["network"] > 0
 
 
-@pytest.mark.parametrize("scheme,multiplicity", [("lbp", 4), ("zero3", 1), ("zeropp", 1)])
+# lbp's network families are all peer groups (4); zero3's and zeropp's all-gathers are rings
+# (1) but their reduce-scatters exchanges (16/7), so they have no single multiplicity.
+@pytest.mark.parametrize("scheme,multiplicity", [("lbp", 4)])
 def test_shared_uplink_step_is_the_per_rank_step_at_uplink_over_multiplicity(scheme,
                                                                             multiplicity):
     """Network families all of multiplicity m: an uplink of U acts as U/m per rank."""

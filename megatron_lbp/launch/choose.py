@@ -111,11 +111,9 @@ def trace_for(a, label: str, c: estimate.Choice) -> str | None:
 def replayed_step_s(a, p: dict, path: str, c: estimate.Choice) -> float | None:
     """The trace at ``path`` replayed with ``p``'s bytes and link classes at this model's
     compute (None when the replay refuses it: the idealised model then)."""
-    from megatron_lbp.projection import project as pj
     from megatron_lbp.projection import project_replay as pr
 
-    compute = pj.ComputeModel(mfu=a.mfu, seq_length=a.seq_length,
-                              micro_batch_size=c.micro_batch_size, recompute=True)
+    compute = estimate.compute_model(a, c.micro_batch_size, True)
     try:
         out = pr.replay_one(list(_records(path)), p, estimate._model(a),
                             estimate.link_model(a), compute)

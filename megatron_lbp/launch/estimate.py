@@ -42,7 +42,7 @@ import functools
 import math
 import shlex
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_lbp import costs, plan
 from megatron_lbp.config import DEFAULT_BUCKET_SIZE
@@ -102,6 +102,8 @@ def plan_argv(a, world_size: int, micro_batches: int = 1) -> list[str]:
         argv += ["--ffn-hidden-size", str(a.ffn_hidden_size)]
     if a.untie_embeddings_and_output_weights:
         argv += ["--untie-embeddings-and-output-weights"]
+    if getattr(a, "swiglu", False):
+        argv += ["--swiglu"]
     return argv
 
 
@@ -129,28 +131,57 @@ def link_model(a):
     from megatron_lbp.projection import project
 
     links = getattr(a, "links", None)
+    if getattr(a, "network_model", "per_rank") == "shared_uplink":
+        # One shaped uplink per node (the emulated network, benchmarks/netns.py): a collective
+        # costs the bytes crossing it (project.uplink_bytes). The health check's network
+        # figure is per GCD with every local rank sending across at once, so the uplink
+        # carries tasks_per_node times it.
+        links = {**links, "network": links["network"] * a.tasks_per_node}
+        return project.LinkModel.from_measured(links, network="shared_uplink")
     return project.LinkModel.from_measured(links) if links else project.LinkModel()
+
+
+def compute_model(a, micro_batch_size: int, recompute: bool):
+    """The compute rate the step time uses: ``--peak-tflops`` (default: the cost model's
+    MI250X bf16 peak) x ``--mfu``; a measured rate (CPU ranks) is ``--peak-tflops R --mfu 1``."""
+    from megatron_lbp.projection import project
+
+    peak = getattr(a, "peak_tflops", None)
+    base = project.ComputeModel() if peak is None else project.ComputeModel(
+        peak_flops=peak * 1e12)
+    return replace(base, mfu=a.mfu, seq_length=a.seq_length,
+                   micro_batch_size=micro_batch_size, recompute=recompute)
 
 
 def activation_bytes(a, recompute: str, micro_batch_size: int) -> int:
     """Activations per GCD (estimate, bytes): what the backward holds besides the engine's buffers.
 
     Korthikanti et al. (2022), 16-bit activations, no tensor parallelism, micro-batch b,
-    sequence s, hidden h, heads n, layers L (unfused attention, as Megatron's local layers):
+    sequence s, hidden h, heads n, layers L (unfused attention, as Megatron's local layers),
+    with the MLP's width f (--ffn-hidden-size, default 4h) kept as a variable as Megatron's
+    own estimator does (megatron/training/theoretical_memory_usage.py: 18 + 4f/h per sbh):
+    one layer's linear part is 18sbh + 4sbf (the MLP saves its fc1 output and the
+    activation's output, 2 bytes x f each); --swiglu's fc1 has 2f outputs, saved by the
+    fused bias-SwiGLU (Megatron's default) with the f-wide product: 18sbh + 6sbf.
+    Grouped-query attention changes nothing here: the core attention expands K and V to
+    every head before it saves them. Per layer:
       full:      2sbh per layer (each layer's input) + one layer rebuilt in backward:
-                 34sbh + 5ns^2b;
-      selective: 34sbh per layer (the core attention is recomputed) + one layer's
+                 linear + 5ns^2b;
+      selective: linear per layer (the core attention is recomputed) + one layer's
                  attention scores 5ns^2b while it is rebuilt;
-      none:      (34sbh + 5ns^2b) per layer.
+      none:      (linear + 5ns^2b) per layer.
     Plus the logits (16-bit) and their fp32 softmax/gradient (~10 bytes * s*b*V), and, with
     tied embeddings, the output layer's gradient of the shared weight (V*h in the weight
     dtype), which autograd holds until the embedding's backward adds its own to it. The
     engine's gathered weights and gradient buffers are the plan's transient figure, not
-    counted here.
+    counted here. tests/test_activation_estimate.py checks the f and SwiGLU terms against
+    what a real megatron-core layer saves for its backward.
     """
     s, b, h, n, L, V = (a.seq_length, micro_batch_size, a.hidden_size,
                         a.num_attention_heads, a.num_layers, a.vocab_size)
-    linear, scores = 34 * s * b * h, 5 * n * s * s * b
+    f = a.ffn_hidden_size or 4 * h
+    linear = 18 * s * b * h + (6 if getattr(a, "swiglu", False) else 4) * s * b * f
+    scores = 5 * n * s * s * b
     acts = {"full": 2 * s * b * h * L + linear + scores,
             "selective": linear * L + scores,
             "none": (linear + scores) * L}[recompute]
@@ -194,9 +225,7 @@ def step_seconds(a, p: dict, recompute: str, micro_batch_size: int) -> float:
         return a.step_seconds
     from megatron_lbp.projection import project
 
-    compute = project.ComputeModel(mfu=a.mfu, seq_length=a.seq_length,
-                                   micro_batch_size=micro_batch_size,
-                                   recompute=recompute == "full")
+    compute = compute_model(a, micro_batch_size, recompute == "full")
     t = project.step_time(p, _model(a), links=link_model(a), compute=compute)["step_s"]
     if recompute == "selective":
         tokens = p["micro_batches"] * micro_batch_size * a.seq_length
@@ -367,7 +396,8 @@ def report(a) -> tuple[list[str], dict, str | None]:
                                    seq_length=a.seq_length,
                                    ffn_hidden_size=a.ffn_hidden_size or None,
                                    position_embedding_type=a.position_embedding_type,
-                                   tied=not a.untie_embeddings_and_output_weights)
+                                   tied=not a.untie_embeddings_and_output_weights,
+                                   swiglu=getattr(a, "swiglu", False))
     options, base = choices(a)
     if not options:
         raise EstimateError(
@@ -514,6 +544,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hier-secondary-dtype", default="int8")
     ap.add_argument("--position-embedding-type", default="rope")
     ap.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    ap.add_argument("--swiglu", action="store_true",
+                    help="gated MLP (Megatron's --swiglu): its parameters and activations")
     ap.add_argument("--params-dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     ap.add_argument("--hier-grad-reduce-dtype", default="fp32", choices=("fp32", "bf16"))
     ap.add_argument("--bucket-size", type=int, default=DEFAULT_BUCKET_SIZE)
@@ -525,6 +557,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--milestone-every", type=int, default=0)
     ap.add_argument("--step-seconds", type=float, default=0.0)
     ap.add_argument("--mfu", type=float, default=0.35)
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="peak TFLOPS per GCD the MFU applies to (default: MI250X bf16, 191.5); "
+                         "a measured rate with --mfu 1 (CPU ranks: docs/testing.md)")
+    ap.add_argument("--network-model", choices=("per_rank", "shared_uplink"),
+                    default="per_rank",
+                    help="per_rank (Frontier: every GCD its share of the network) or "
+                         "shared_uplink (one uplink per node, as the emulated network: a "
+                         "collective costs the bytes crossing it); shared_uplink needs --links")
     ap.add_argument("--write-gbps-per-node", type=float, default=1.0)
     ap.add_argument("--save-fixed-s", type=float, default=60.0)
     ap.add_argument("--compare", action="store_true",
@@ -556,6 +596,13 @@ def main(argv=None) -> int:
             return 2
     if not 0 < a.mfu <= 1:
         print(f"{PROG}: error: --mfu={a.mfu:g} must be in (0, 1]", file=sys.stderr)
+        return 2
+    if a.peak_tflops is not None and not a.peak_tflops > 0:
+        print(f"{PROG}: error: --peak-tflops={a.peak_tflops:g} must be > 0", file=sys.stderr)
+        return 2
+    if a.network_model == "shared_uplink" and not a.links:
+        print(f"{PROG}: error: --network-model shared_uplink needs --links FILE (the measured "
+              "per-GCD network figure gives the uplink)", file=sys.stderr)
         return 2
     try:
         a.links = load_links(a.links) if a.links else None

@@ -152,8 +152,31 @@ def uplink_bytes(bytes_per_rank: float, members_in_node: int, ranks_per_node: in
     return bytes_per_rank * groups_per_node(members_in_node, ranks_per_node)
 
 
-def _uplink_multiplicity(plan: Mapping[str, Any], phase: str) -> int:
-    """Groups per node of the network family of ``phase`` (uplink bytes per rank byte)."""
+# Phases whose collectives are reduce-scatters: on gloo (the emulated network) the engine
+# runs them as an all-to-all exchange (megatron_lbp.engine.comm.exchange_reduce_scatter),
+# not a ring.
+EXCHANGE_PHASES = {"grad_reduce": ("grad",), "step_reduce": ("inter",)}
+
+
+def exchange_uplink_factor(group_size: int, members_in_node: int, ranks_per_node: int) -> float:
+    """Uplink bytes per byte one rank sends, for a family of all-to-all exchanges.
+
+    Each rank sends one chunk (its bytes / (n-1)) straight to each other member; the
+    m members in a node send n-m chunks each across its uplink, and ranks_per_node / m
+    groups of the family run at once: ranks_per_node (n-m)/(n-1). A ring crosses once per
+    node instead (uplink_bytes): the same for one member per node (the peer groups), 2.3x
+    less for a world group of 8 ranks in nodes of 4 (measured by bench network-choice:
+    zeropp's step took 2.2x what the ring rule predicted).
+    """
+    if group_size < 2:
+        return 0.0
+    groups_per_node(members_in_node, ranks_per_node)   # the same evenness check
+    return ranks_per_node * (group_size - members_in_node) / (group_size - 1)
+
+
+def _uplink_multiplicity(plan: Mapping[str, Any], phase: str) -> float:
+    """Uplink bytes per rank byte of the network family of ``phase``: groups per node for a
+    ring, exchange_uplink_factor for the reduce-scatters (an exchange on gloo)."""
     rpn = plan["gpus_per_node"]
     found = set()
     for fam in PHASE_FAMILIES[phase]:
@@ -163,7 +186,10 @@ def _uplink_multiplicity(plan: Mapping[str, Any], phase: str) -> int:
             continue
         # plan["groups"][fam] is rank 0's group; rank 0 sits in the first node.
         in_node = sum(1 for r in plan["groups"][fam] if r // rpn == 0)
-        found.add(groups_per_node(in_node, rpn))
+        if fam in EXCHANGE_PHASES.get(phase, ()):
+            found.add(exchange_uplink_factor(_family_size(plan, fam), in_node, rpn))
+        else:
+            found.add(groups_per_node(in_node, rpn))
     if len(found) > 1:
         # The plan adds the families' bytes up per link class: they can't be split again.
         raise ValueError(f"{phase}: network families with different uplink multiplicities "
