@@ -498,8 +498,9 @@ def report(a) -> tuple[list[str], dict, str | None]:
         f"transient knobs: HIER_PREFETCH_UNITS={shown.prefetch_units} "
         f"HIER_MAX_PENDING_REDUCES={shown.max_pending_reduces} ("
         + ("the engine's defaults" if not shown.knob_text() else
-           f"the defaults' transient does not fit; +{shown.knob_cost_s:.3g} s exposed per "
-           "step, projection/knobs.py") + ")",
+           ("" if shown.fits else "none fits; the least transient tried, ")
+           + f"+{shown.knob_cost_s:.3g} s exposed per step against the defaults, "
+           "projection/knobs.py") + ")",
         f"memory per GCD total: state {gb(shown.state_bytes)} + transient "
         f"{gb(shown.transient_bytes)} ({shown.micro_batches} micro-batch(es) per step) + "
         f"activations {gb(shown.activation_bytes)} + margin {gb(shown.margin_bytes)} = "
