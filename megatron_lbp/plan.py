@@ -42,8 +42,13 @@ of each family), ``link_classes`` (slowest class over each family's groups;
 ``null`` for a family whose groups are single ranks: it sends nothing),
 ``quant_block_size``, ``quantize_weight_gather`` (qwZ on/off) and
 ``quantize_grad_reduce`` (the gradient families qgZ quantizes, ``[]`` when
-off), plus the inputs (dtypes, micro_batches, buckets, machine shape) and
-``warnings``.
+off), ``transient_bytes`` (the engine's transient peak by part of the step, at
+``prefetch_units`` and ``max_pending_reduces``: --hier-prefetch-units and
+--hier-max-pending-reduces) and ``transient_knobs`` (per knob setting: its transient peak,
+``saves_bytes`` against the first row, which is the setting asked for, and
+``exposed_s``/``cost_s``, the exposed seconds per step of megatron_lbp.projection.knobs at
+--micro-batch-size, --recompute and --mfu, null without a GPT shape and --seq-length),
+plus the inputs (dtypes, micro_batches, buckets, machine shape) and ``warnings``.
 """
 from __future__ import annotations
 
