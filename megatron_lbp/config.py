@@ -32,6 +32,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_lbp.engine.constants import MAX_PENDING_REDUCES
+
 __all__ = [
     "PRESETS",
     "SECONDARY_DTYPES",
@@ -93,9 +95,9 @@ GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 DEFAULT_BUCKET_SIZE = 40_000_000
 # Gather units whose all-gather runs ahead of the one being computed (FSDP2's default).
 DEFAULT_PREFETCH_UNITS = 1
-# Gradient reduce-scatters in flight before the oldest is waited for (the engine's
-# vocabulary, engine/constants.py: pure, so it is imported here without torch).
-from megatron_lbp.engine.constants import MAX_PENDING_REDUCES as DEFAULT_MAX_PENDING_REDUCES  # noqa: E402
+# Gradient reduce-scatters in flight before the oldest is waited for (the engine's own
+# figure, kept in its torch-free vocabulary).
+DEFAULT_MAX_PENDING_REDUCES = MAX_PENDING_REDUCES
 
 # Blockwise int8 (megatron_lbp.quant, which needs torch; these mirror its
 # DEFAULT_BLOCK_SIZE and KERNEL_ALIGN, and a test keeps them equal): one fp32

@@ -104,17 +104,19 @@ def test_plan_transient_within_ten_percent_tied_untied_accumulation_and_secondar
 def test_plan_transient_within_ten_percent_at_each_knobs_values():
     """The transient knobs at their other values, each against the plan's figure for them.
 
-    Within 10% for the settings the launcher's choice runs (projection/knobs.py
-    CHOICE_SETTINGS: one reduce-scatter in flight, with and without prefetch), a deeper
-    prefetch and bf16 gradients. More reduce-scatters in flight (3), or no prefetch with 2,
-    give the engine's polls time to complete reductions before the schedule must wait for
-    them (gloo on one host is quick next to a unit's compute), so the job holds less than
-    the plan's worst case there: never above it, at least 75% of it.
+    Within 10% for the settings the launcher's choice runs beside the defaults
+    (projection/knobs.py CHOICE_SETTINGS: one reduce-scatter in flight, with and without
+    prefetch): the schedule then waits for each reduce-scatter as soon as the next is
+    issued, so when they finish does not matter. With 2 or 3 in flight (a deeper prefetch,
+    bf16 gradients, 3 in flight, no prefetch with 2) a rank whose reduce-scatters finished
+    before the schedule had to wait for them (gloo on one host is quick next to a unit's
+    compute) holds less than the plan's worst case, by as much as a gradient unit: there
+    the job's peak is never above the plan's and at least 75% of it (0.79-1.000 over runs
+    on this machine).
     """
-    tight = [PENDING_1, {"--hier-prefetch-units": 2},
-             {"--hier-prefetch-units": 0, "--hier-max-pending-reduces": 1},
-             {"--hier-grad-reduce-dtype": "bf16"}]
-    loose = [{"--hier-max-pending-reduces": 3}, {"--hier-prefetch-units": 0}]
+    tight = [PENDING_1, {"--hier-prefetch-units": 0, "--hier-max-pending-reduces": 1}]
+    loose = [{"--hier-prefetch-units": 2}, {"--hier-grad-reduce-dtype": "bf16"},
+             {"--hier-max-pending-reduces": 3}, {"--hier-prefetch-units": 0}]
     shapes = ((True, 4), (False, 1))
     runs = _runs([(t, k, 4, kn) for kn in tight + loose for t, k in shapes])
     out = run_on_ranks(measure, WORLD, runs, rank_env=rank_location_env(4), timeout=1500)
