@@ -247,7 +247,8 @@ def test_memory_shrinks_with_nodes_and_matches_plan(site):
 
     totals = []
     for nodes in (2, 8, 48):
-        out = run(SCRIPTS["20b"], site, "--dry-run", NNODES=nodes).stdout
+        # one scheme at every size (left open, the choice may take another at each)
+        out = run(SCRIPTS["20b"], site, "--dry-run", NNODES=nodes, HIER_PRESET="lbp").stdout
         printed = float(re.search(r"memory per GCD \(plan\):.* = ([\d.]+) GB", out).group(1))
         peak = float(re.search(r"construction peak per GCD .*: ([\d.]+) GB", out).group(1))
         argv = re.search(r"plan: python -m megatron_lbp.plan (.*)", out).group(1).split()
