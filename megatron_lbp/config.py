@@ -32,6 +32,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_lbp.engine.constants import MAX_PENDING_REDUCES
+
 __all__ = [
     "PRESETS",
     "SECONDARY_DTYPES",
@@ -48,7 +50,9 @@ __all__ = [
     "EngineOptions",
     "engine_options_from_args",
     "prefetch_units_from_args",
+    "max_pending_reduces_from_args",
     "DEFAULT_PREFETCH_UNITS",
+    "DEFAULT_MAX_PENDING_REDUCES",
     "DEFAULT_QUANT_BLOCK_SIZE",
     "QUANT_KERNEL_ALIGN",
     "check_training_dtypes",
@@ -78,6 +82,7 @@ FLAGS = {
     "preset": "--hier-preset",
     "bucket_size": "--hier-bucket-size",
     "prefetch_units": "--hier-prefetch-units",
+    "max_pending_reduces": "--hier-max-pending-reduces",
     "grad_reduce_dtype": "--hier-grad-reduce-dtype",
     "quant_block_size": "--hier-quant-block-size",
     "quantize_weight_gather": "--hier-quantize-weight-gather",
@@ -90,6 +95,9 @@ GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 DEFAULT_BUCKET_SIZE = 40_000_000
 # Gather units whose all-gather runs ahead of the one being computed (FSDP2's default).
 DEFAULT_PREFETCH_UNITS = 1
+# Gradient reduce-scatters in flight before the oldest is waited for (the engine's own
+# figure, kept in its torch-free vocabulary).
+DEFAULT_MAX_PENDING_REDUCES = MAX_PENDING_REDUCES
 
 # Blockwise int8 (megatron_lbp.quant, which needs torch; these mirror its
 # DEFAULT_BLOCK_SIZE and KERNEL_ALIGN, and a test keeps them equal): one fp32
@@ -466,6 +474,12 @@ def add_hier_arguments(parser: argparse.ArgumentParser, *, include_world: bool =
                    help="Gather units whose all-gather is issued ahead of the unit being "
                         "computed, in forward, backward and activation recomputation "
                         f"(default {DEFAULT_PREFETCH_UNITS}; 0 = gather on demand).")
+    g.add_argument("--hier-max-pending-reduces", type=_int_arg, default=None, metavar="N",
+                   help="Gradient reduce-scatters kept in flight during backward before the "
+                        "oldest is waited for; each keeps one full gradient unit alive "
+                        f"(default {DEFAULT_MAX_PENDING_REDUCES}; at least 1; 1 saves a unit's "
+                        "gradient buffer where a reduce-scatter is shorter than a unit's "
+                        "backward).")
     g.add_argument("--hier-sharded-init", action=argparse.BooleanOptionalAction, default=True,
                    help="Build the model one module at a time and keep only this rank's "
                         "slices, so no rank ever holds the whole model (default on; the "
@@ -545,6 +559,7 @@ class EngineOptions:
     grad_reduce_dtype: str = "fp32"
     comm_report: str | None = None
     prefetch_units: int = DEFAULT_PREFETCH_UNITS
+    max_pending_reduces: int = DEFAULT_MAX_PENDING_REDUCES
     trace: str | None = None
     # Build the model without holding it whole (engine/materialize.py); off: build it
     # whole, then bucket it.
@@ -553,6 +568,7 @@ class EngineOptions:
     def __post_init__(self) -> None:
         _check_int("bucket_size", self.bucket_size, 1)
         _check_int("prefetch_units", self.prefetch_units, 0)
+        _check_int("max_pending_reduces", self.max_pending_reduces, 1)
         _check_choice("grad_reduce_dtype", self.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
 
 
@@ -564,6 +580,7 @@ def engine_options_from_args(args: Any) -> EngineOptions:
         grad_reduce_dtype=getattr(args, "hier_grad_reduce_dtype", None) or "fp32",
         comm_report=getattr(args, "hier_comm_report", None),
         prefetch_units=prefetch_units_from_args(args),
+        max_pending_reduces=max_pending_reduces_from_args(args),
         trace=getattr(args, "hier_trace", None),
         sharded_init=bool(getattr(args, "hier_sharded_init", True)),
     )
@@ -573,3 +590,10 @@ def prefetch_units_from_args(args: Any) -> int:
     """--hier-prefetch-units, checked (the plan tool reads it too)."""
     value = getattr(args, "hier_prefetch_units", None)
     return _check_int("prefetch_units", DEFAULT_PREFETCH_UNITS if value is None else value, 0)
+
+
+def max_pending_reduces_from_args(args: Any) -> int:
+    """--hier-max-pending-reduces, checked (the plan tool reads it too)."""
+    value = getattr(args, "hier_max_pending_reduces", None)
+    return _check_int("max_pending_reduces",
+                      DEFAULT_MAX_PENDING_REDUCES if value is None else value, 1)

@@ -512,6 +512,7 @@ def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16
                     tied_embedding: bool = False, quantized_grad_families: Sequence[str] = (),
                     quant_block_size: int | None = None, micro_batches: int = 1,
                     overlap: bool = True, grad_chunk_ordered: bool = True,
+                    max_pending_reduces: int = MAX_PENDING_REDUCES,
                     align: int = DEFAULT_ALIGN) -> dict[str, int]:
     """The engine's peak transient bytes per rank, by part of the step: its schedule replayed.
 
@@ -535,9 +536,12 @@ def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16
       result on every micro-batch but the step's first, the transposed copy
       where the G-group's communicator is not in chunk order, qgZ's int8
       buffers), and the oldest reduction is completed when more than
-      MAX_PENDING_REDUCES are in flight. A completed reduction frees the full
+      ``max_pending_reduces`` are in flight. A completed reduction frees the full
       gradient; on the step's last micro-batch it then issues the unit's
       network reduction, whose 1/O result stays until the optimizer step.
+      ``max_pending_reduces`` (--hier-max-pending-reduces, default
+      MAX_PENDING_REDUCES) = r: a backward holds at most r + 1 full gradient
+      units with their reduce buffers (the one just issued and r in flight).
 
     Reductions are assumed to complete only when the schedule must wait for
     them: the engine also completes those already done at each hook, which
@@ -560,6 +564,8 @@ def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16
         raise ValueError(f"prefetch_units={prefetch_units}: must be >= 0")
     if micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches}: must be >= 1")
+    if max_pending_reduces < 1:
+        raise ValueError(f"max_pending_reduces={max_pending_reduces}: must be >= 1")
     d = int(prefetch_units) if overlap else 0
     B = _block(cfg, quant_block_size)
     qwz = bool(getattr(cfg, "quantize_weight_gather", False))
@@ -663,7 +669,7 @@ def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16
             led.alloc(reduce_extra(padded[u], fresh))
             done.add(u)
             pending.append(u)
-            limit = MAX_PENDING_REDUCES if overlap else 0
+            limit = int(max_pending_reduces) if overlap else 0
             while len(pending) > limit:
                 complete_oldest()
         while pending:
@@ -678,6 +684,7 @@ def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16
             + max((step_network(N) for N in padded), default=0))
     gather_max = max((wb * N + max(in_flight(N, False), in_flight(N, True)) for N in padded),
                      default=0)
-    return {"prefetch_units": d, "unit_gather": gather_max, "prefetch": d * gather_max,
+    return {"prefetch_units": d, "max_pending_reduces": int(max_pending_reduces) if overlap else 0,
+            "unit_gather": gather_max, "prefetch": d * gather_max,
             "forward": forward, "backward": backward, "step": step,
             "peak": max(forward, backward, step)}

@@ -42,8 +42,13 @@ of each family), ``link_classes`` (slowest class over each family's groups;
 ``null`` for a family whose groups are single ranks: it sends nothing),
 ``quant_block_size``, ``quantize_weight_gather`` (qwZ on/off) and
 ``quantize_grad_reduce`` (the gradient families qgZ quantizes, ``[]`` when
-off), plus the inputs (dtypes, micro_batches, buckets, machine shape) and
-``warnings``.
+off), ``transient_bytes`` (the engine's transient peak by part of the step, at
+``prefetch_units`` and ``max_pending_reduces``: --hier-prefetch-units and
+--hier-max-pending-reduces) and ``transient_knobs`` (per knob setting: its transient peak,
+``saves_bytes`` against the first row, which is the setting asked for, and
+``exposed_s``/``cost_s``, the exposed seconds per step of megatron_lbp.projection.knobs at
+--micro-batch-size, --recompute and --mfu, null without a GPT shape and --seq-length),
+plus the inputs (dtypes, micro_batches, buckets, machine shape) and ``warnings``.
 """
 from __future__ import annotations
 
@@ -57,7 +62,8 @@ from typing import Any, Sequence
 from megatron_lbp import costs
 from megatron_lbp.config import (DEFAULT_BUCKET_SIZE, PRESETS, HierConfigError, add_hier_arguments,
                                  check_quantized_grad_families, check_training_dtypes,
-                                 prefetch_units_from_args, resolve_hier_config)
+                                 max_pending_reduces_from_args, prefetch_units_from_args,
+                                 resolve_hier_config)
 from megatron_lbp.layout import LayoutError
 from megatron_lbp.topology import (LINK_CLASSES, TopologyError, check_colocation,
                                    emulated_locations, family_link_classes, hierarchy_groups)
@@ -147,6 +153,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bucket size in elements for a model sized by --params (default: the "
                         "whole model as one bucket); a GPT shape is cut into the engine's "
                         "gather units instead (embedding, each layer, output layer)")
+    s.add_argument("--micro-batch-size", metavar="B", default="1",
+                   help="sequences per micro-batch, for the transient knobs' exposed time "
+                        "(default 1)")
+    s.add_argument("--recompute", choices=("full", "selective", "none"), default="full",
+                   help="activation recomputation, for the transient knobs' exposed time "
+                        "(default full, the launcher's)")
+    s.add_argument("--mfu", metavar="F", default="0.35",
+                   help="model FLOPs utilisation of the compute the knobs' collectives hide "
+                        "behind (default 0.35, the projection's)")
     s.add_argument("--quant-block-size", metavar="B", default=None,
                    help="elements per fp32 scale of every int8 payload (default 256); "
                         "same as --hier-quant-block-size")
@@ -270,11 +285,19 @@ def plan_from_args(args: argparse.Namespace) -> dict[str, Any]:
                 _number("--params", args.params), bucket or DEFAULT_BUCKET_SIZE),
             param_dtype=args.params_dtype, grad_dtype=args.grad_dtype)
         depth = prefetch_units_from_args(args)
-        transient = costs.transient_bytes(
-            cfg, numels, param_dtype=args.params_dtype, grad_dtype=args.grad_dtype,
-            prefetch_units=depth if args.hier_overlap else 0, overlap=args.hier_overlap,
-            tied_embedding=units[0][0] == "embedding" and not args.untie_embeddings_and_output_weights,
-            quantized_grad_families=qgz, micro_batches=k)
+        pending = max_pending_reduces_from_args(args)
+        tied = units[0][0] == "embedding" and not args.untie_embeddings_and_output_weights
+
+        def transient_of(d: int, r: int, grad_dtype: str) -> dict[str, int]:
+            return costs.transient_bytes(
+                cfg, numels, param_dtype=args.params_dtype, grad_dtype=grad_dtype,
+                prefetch_units=d if args.hier_overlap else 0, overlap=args.hier_overlap,
+                tied_embedding=tied, quantized_grad_families=qgz, micro_batches=k,
+                max_pending_reduces=r)
+
+        transient = transient_of(depth, pending, args.grad_dtype)
+        knob_rows = _knob_rows(args, cfg, units, classes, k, transient_of, depth, pending) \
+            if args.hier_overlap else []
     except (HierConfigError, TopologyError, LayoutError) as exc:
         msg = str(exc)
         # Speak the spelling the user typed.
@@ -313,7 +336,10 @@ def plan_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "units": {kind: sum(1 for k_, _ in units if k_ == kind) for kind in costs.UNIT_KINDS},
         "largest_unit": max(numels),
         "prefetch_units": transient["prefetch_units"],
-        "transient_bytes": {key: v for key, v in transient.items() if key != "prefetch_units"},
+        "max_pending_reduces": transient["max_pending_reduces"],
+        "transient_bytes": {key: v for key, v in transient.items()
+                            if key not in ("prefetch_units", "max_pending_reduces")},
+        "transient_knobs": knob_rows,
         "memory_bytes": result["memory_bytes"],
         "construction_peak_bytes": construction,
         "traffic_bytes": result["traffic_bytes"],
@@ -322,6 +348,66 @@ def plan_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "link_classes": classes,
         "warnings": warnings,
     }
+
+
+def _knob_rows(args, cfg, units, classes, k: int, transient_of, depth: int,
+               pending: int) -> list[dict[str, Any]]:
+    """The transient knobs: per setting, its transient peak, what it saves against the setting
+    asked for, and what it costs in exposed seconds per step (projection/knobs.py; None where
+    the model has no GPT shape and --seq-length to time its compute by)."""
+    from megatron_lbp.projection import knobs
+    from megatron_lbp.projection.project import ComputeModel
+
+    timed = args.params is None and args.seq_length is not None
+    model = {"hidden_size": _number("--hidden-size", args.hidden_size)} if timed else None
+    mfu = _fraction("--mfu", args.mfu)
+    compute = ComputeModel(mfu=mfu, seq_length=_number("--seq-length", args.seq_length)
+                           if timed else 2048,
+                           micro_batch_size=_number("--micro-batch-size", args.micro_batch_size),
+                           recompute=args.recompute == "full")
+    base_plan = {"group_sizes": {"param": cfg.param_group_size, "grad": cfg.grad_group_size,
+                                 "secondary": cfg.secondary_group_size},
+                 "link_classes": classes, "micro_batches": k}
+    numels = [n for _, n in units]
+    tied = units[0][0] == "embedding" and not args.untie_embeddings_and_output_weights
+
+    def exposed(d: int, r: int, grad_dtype: str) -> float | None:
+        if not timed:
+            return None
+        _, by_phase = costs.traffic_bytes(cfg, numels, classes, param_dtype=args.params_dtype,
+                                          grad_dtype=grad_dtype, micro_batches=k)
+        p = {**base_plan, "traffic_by_phase": by_phase}
+        return knobs.exposed_s(p, units, model, knobs.Knobs(d, r), compute=compute,
+                               tied=tied)["step"]
+
+    settings = [(depth, pending, args.grad_dtype, "as given")]
+    settings += [(d, r, args.grad_dtype, "") for d, r in knobs.TABLE_SETTINGS
+                 if (d, r) != (depth, pending)]
+    other = "bf16" if args.grad_dtype == "fp32" else "fp32"
+    settings.append((depth, pending, other, f"--hier-grad-reduce-dtype {other}: also the "
+                     "gradient shard; a numerics choice, never made for you"))
+    rows = []
+    for d, r, gdt, note in settings:
+        t = transient_of(d, r, gdt)
+        rows.append({"prefetch_units": d, "max_pending_reduces": r, "grad_reduce_dtype": gdt,
+                     "transient_peak": t["peak"], "transient_backward": t["backward"],
+                     "exposed_s": exposed(d, r, gdt), "note": note})
+    first = rows[0]
+    for row in rows:
+        row["saves_bytes"] = first["transient_peak"] - row["transient_peak"]
+        row["cost_s"] = (None if row["exposed_s"] is None
+                         else row["exposed_s"] - first["exposed_s"])
+    return rows
+
+
+def _fraction(flag: str, text: str) -> float:
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise UsageError(f"{flag}={text}: not a number") from None
+    if not 0 < value <= 1:
+        raise UsageError(f"{flag}={text}: must be in (0, 1]")
+    return value
 
 
 @functools.lru_cache(maxsize=64)
@@ -417,7 +503,9 @@ def render(plan: dict[str, Any]) -> str:
               f"  {'largest unit gathered':<28}{_gb(t['unit_gather'])}",
               f"  {'prefetch':<28}{_gb(t['prefetch'])}",
               f"  {'forward / backward / step':<28}{_gb(t['forward'])} {_gb(t['backward'])} "
-              f"{_gb(t['step'])}"]
+              f"{_gb(t['step'])}",
+              f"  ({plan['max_pending_reduces']} gradient reduce-scatter(s) in flight at most)"]
+    lines += _knob_lines(plan)
     lines += ["", "bytes sent per rank per optimizer step (GB)",
               f"  {'phase':<20}" + "".join(f"{c:>12}" for c in LINK_CLASSES)]
     for ph, by_cls in plan["traffic_by_phase"].items():
@@ -430,6 +518,25 @@ def render(plan: dict[str, Any]) -> str:
     for w in plan["warnings"]:
         lines.append(f"warning: {w}")
     return "\n".join(lines)
+
+
+def _knob_lines(plan: dict[str, Any]) -> list[str]:
+    rows = plan["transient_knobs"]
+    if not rows:
+        return []
+    lines = ["", "transient knobs (peak GB; saves: against the first row; exposed: seconds of "
+             "per-micro-batch communication not hidden per step, projection/knobs.py, "
+             "Frontier links)",
+             f"  {'prefetch  pending  grads':<28}{'peak':>10} {'saves':>10} {'exposed s':>10} "
+             f"{'costs s':>10}"]
+    for r in rows:
+        exp = "-" if r["exposed_s"] is None else f"{r['exposed_s']:.3f}"
+        cost = "-" if r["cost_s"] is None else f"{r['cost_s']:+.3f}"
+        lines.append(f"  {r['prefetch_units']:>8}  {r['max_pending_reduces']:>7}  "
+                     f"{r['grad_reduce_dtype']:<5}  {_gb(r['transient_peak'])} "
+                     f"{_gb(r['saves_bytes'])} {exp:>10} {cost:>10}"
+                     + (f"  {r['note']}" if r["note"] else ""))
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:

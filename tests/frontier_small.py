@@ -61,6 +61,9 @@ EXPLAINED_BY = {
     "--hier-gpus-per-node": ("TASKS_PER_NODE",),
     "--hier-secondary-group-size": ("TASKS_PER_NODE",) + CHOICE,   # the node, or the choice's
     "--hier-preset": CHOICE, "--hier-secondary-dtype": CHOICE,
+    # the transient knobs: the first setting that fits the chosen row (at this size)
+    "--hier-prefetch-units": ("HIER_PREFETCH_UNITS",) + CHOICE + SIZE,
+    "--hier-max-pending-reduces": ("HIER_MAX_PENDING_REDUCES",) + CHOICE + SIZE,
     "--recompute-granularity": CHOICE, "--recompute-method": CHOICE,
     "--recompute-num-layers": CHOICE,
     # SAVE_INTERVAL=auto: about 45 min at the step time estimated for this size

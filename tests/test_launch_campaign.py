@@ -96,7 +96,9 @@ def test_total_is_plan_state_plus_plan_transient_plus_activations_plus_the_margi
         p = plan.make_plan(["--world-size", str(world), "--num-layers", str(a.num_layers),
                             "--hidden-size", str(a.hidden_size), "--vocab-size", "50304",
                             "--seq-length", "2048", "--hier-secondary-group-size", "8",
-                            "--micro-batches", str(c.micro_batches)])
+                            "--micro-batches", str(c.micro_batches),
+                            "--hier-prefetch-units", str(c.prefetch_units),
+                            "--hier-max-pending-reduces", str(c.max_pending_reduces)])
         want = (p["memory_bytes"]["total"] + p["transient_bytes"]["peak"]
                 + estimate.activation_bytes(a, c.recompute, c.micro_batch_size) + 4 * 10**9)
         assert c.total_bytes == want, (c, want)

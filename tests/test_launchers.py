@@ -186,6 +186,16 @@ def test_dry_run_frontier(site, model, nodes):
     assert flag(cmd, "--hier-gcds-per-package") == "2"
     assert flag(cmd, "--hier-secondary-group-size") == str(secondary)
     assert secondary == 0 or flag(cmd, "--hier-secondary-dtype") == "int8"
+    # The transient knobs the estimate resolved reach the command, said only when they are not
+    # the engine's defaults (1 unit ahead, 2 reduce-scatters in flight). At 20B on 48 nodes
+    # the chosen row fits only with one reduce-scatter in flight (tests/test_transient_knobs.py).
+    m = re.search(r"transient knobs: HIER_PREFETCH_UNITS=(\d+) HIER_MAX_PENDING_REDUCES=(\d+)", out)
+    assert m, out
+    for name, default, value in (("--hier-prefetch-units", "1", m.group(1)),
+                                 ("--hier-max-pending-reduces", "2", m.group(2))):
+        assert (flag(cmd, name) if name in cmd else default) == value, (name, value)
+        assert name not in cmd or value != default, name
+    assert (model, nodes) != ("20b", 48) or m.groups() == ("1", "1"), m.group(0)
     ckpt = site["env"]["CHECKPOINT_DIR"]
     assert flag(cmd, "--save") == ckpt and flag(cmd, "--load") == ckpt
     assert flag(cmd, "--ckpt-format") == "torch_dist"
@@ -237,7 +247,8 @@ def test_memory_shrinks_with_nodes_and_matches_plan(site):
 
     totals = []
     for nodes in (2, 8, 48):
-        out = run(SCRIPTS["20b"], site, "--dry-run", NNODES=nodes).stdout
+        # one scheme at every size (left open, the choice may take another at each)
+        out = run(SCRIPTS["20b"], site, "--dry-run", NNODES=nodes, HIER_PRESET="lbp").stdout
         printed = float(re.search(r"memory per GCD \(plan\):.* = ([\d.]+) GB", out).group(1))
         peak = float(re.search(r"construction peak per GCD .*: ([\d.]+) GB", out).group(1))
         argv = re.search(r"plan: python -m megatron_lbp.plan (.*)", out).group(1).split()

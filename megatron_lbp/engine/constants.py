@@ -13,7 +13,9 @@ PHASES = ("forward_gather", "backward_gather", "grad_reduce", "step_reduce", "st
 # What a gather unit is (engine/grouping.py:UnitSpec.kind; costs.py:gpt_units counts them).
 UNIT_KINDS = ("embedding", "layer", "output", "other")
 
-# Gradient reduce-scatters kept in flight before the oldest is waited for (the
+# Gradient reduce-scatters kept in flight before the oldest is waited for, by default (the
 # engine's bound on full gradient buffers alive at once during backward;
-# engine/schedule.py applies it, costs.py:transient_bytes prices it).
+# --hier-max-pending-reduces sets it, engine/schedule.py applies it,
+# costs.py:transient_bytes prices it). Each one more keeps one more full gradient unit
+# alive; each one less leaves a reduce-scatter less compute to hide behind.
 MAX_PENDING_REDUCES = 2

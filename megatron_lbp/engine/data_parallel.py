@@ -98,7 +98,8 @@ class HierDataParallel(mcore.base_data_parallel()):
             self.units.append(GatherUnit(index, plan.kind, plan.layer, bucket, self.ctx))
         self.buckets: list[FlatBucket] = [u.bucket for u in self.units]
         self.schedule = UnitSchedule(self.units, unit_map, self.comm, overlap=options.overlap,
-                                     prefetch_units=options.prefetch_units)
+                                     prefetch_units=options.prefetch_units,
+                                     max_pending_reduces=options.max_pending_reduces)
         # The step refreshes the updated weights in the order the next forward uses them.
         self.ctx.step.forward_order = self.schedule.forward_order
         if materialize is not None:

@@ -19,7 +19,8 @@ backward    the first backward hook opens the pass. A module's pre-backward (a
             backward hook does, prefetching as well. When a unit's last
             gradient has arrived its weights are freed and its gradient
             reduce-scatter is issued, asynchronously when overlap is on, at
-            most MAX_PENDING_REDUCES of them in flight before the oldest is
+            most ``max_pending_reduces`` (--hier-max-pending-reduces, default
+            MAX_PENDING_REDUCES) of them in flight before the oldest is
             waited for. Weight gathers and reductions run on separate
             communicators, so a gather never queues behind a reduce-scatter.
 between     the next forward (or finish_grad_sync) first completes what the
@@ -91,11 +92,16 @@ def in_autograd_backward() -> bool:
 
 class UnitSchedule:
     def __init__(self, units: list[GatherUnit], unit_map: UnitMap, comm: Collectives, *,
-                 overlap: bool, prefetch_units: int) -> None:
+                 overlap: bool, prefetch_units: int,
+                 max_pending_reduces: int = MAX_PENDING_REDUCES) -> None:
+        if max_pending_reduces < 1:
+            raise ValueError(f"max_pending_reduces={max_pending_reduces}: must be >= 1")
         self.units = units
         self.comm = comm
         self.overlap = overlap
         self.depth = prefetch_units if overlap else 0
+        # Without overlap every reduction completes at once (the bound is moot).
+        self.max_pending_reduces = max_pending_reduces if overlap else 0
         self.uses = {m: [units[i] for i in idx] for m, idx in unit_map.uses.items()}
         self.home = {m: units[i] for m, i in unit_map.home.items()}
         self._users = [len(plan.users) for plan in unit_map.units]
@@ -224,7 +230,7 @@ class UnitSchedule:
         # Without overlap the step's reductions wait for the optimizer step, as before.
         self._pending_reduces.append(unit.start_reduce(
             async_op=self.overlap, last=self._backward_is_last and self.overlap))
-        limit = MAX_PENDING_REDUCES if self.overlap else 0
+        limit = self.max_pending_reduces
         while len(self._pending_reduces) + len(self._polled_reduces) > limit:
             if self._polled_reduces:   # older than any still pending: it would be waited for
                 need(self._polled_reduces.pop(0))

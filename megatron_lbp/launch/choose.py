@@ -3,7 +3,9 @@
 For the user's model, node count and global batch, every candidate — scheme (lbp with the
 node's int8 secondary copy, with the package's, with none; zeropp; zero3; zero2; and the
 user's own preset when it is none of these) x recomputation (none, selective, full) x
-micro-batch size with the micro-batches per step that keep the global batch — gets:
+micro-batch size with the micro-batches per step that keep the global batch, each with the
+first transient knob setting that fits (``estimate.knob_settings``: the engine's defaults,
+then fewer reduce-scatters in flight, then no prefetch) — gets:
 
 - its memory per GCD from the one memory model (``estimate.choices``: plan state + plan
   transient + activations + margin, and the construction peak); rows that do not fit are
@@ -13,7 +15,9 @@ micro-batch size with the micro-batches per step that keep the global batch — 
   the trace's micro-batches per step, full recomputation (the traces are recorded with it),
   the architecture the replay times (tied embedding, ffn 4h, bf16 weights, fp32 gradients),
   Frontier's 8 GCDs per node in packages of 2 — and the idealised cost model
-  (``megatron_lbp.projection.project.step_time``) otherwise. Every row says which.
+  (``megatron_lbp.projection.project.step_time``) otherwise. Every row says which. A row
+  whose knobs are not the defaults adds their exposed seconds (``projection/knobs.py``),
+  which neither of the two sees.
 
 The choice is the fastest fitting row among those the user left open: an explicit
 ``--preset`` (HIER_PRESET, with its secondary size), ``--micro-batch-size`` or
@@ -141,9 +145,9 @@ def rank(a) -> list[Row]:
             path = None if a.step_seconds else trace_for(b, label, c)
             if path:
                 t = replayed_step_s(b, estimate.cached_plan(estimate.plan_argv(
-                    b, world, c.micro_batches)), path, c)
+                    b, world, c.micro_batches, c.knobs)), path, c)
                 if t is not None:
-                    c, source = replace(c, step_s=t), "replay"
+                    c, source = replace(c, step_s=t + c.knob_cost_s), "replay"
             rows.append(Row(label, preset, secondary, c, source))
     # Ties (--step-seconds: one figure for all) keep the old rule: the least recomputation,
     # the largest micro-batch, the schemes in their listed order.
@@ -169,7 +173,7 @@ def choose(a) -> tuple[Row | None, list[Row]]:
 def row_text(r: Row, chosen_s: float) -> str:
     c = r.choice
     return (f"{r.scheme:<14} RECOMPUTE={c.recompute:<9} MICRO_BATCH_SIZE={c.micro_batch_size:<2}"
-            f" ({c.micro_batches} per step): step {c.step_s:.4g} s ({r.source}), "
+            f" ({c.micro_batches} per step){c.knob_text()}: step {c.step_s:.4g} s ({r.source}), "
             f"{c.step_s / chosen_s:.3f}x the chosen's, total {estimate.gb(c.total_bytes)}"
             f"{'' if c.fits else ' DOES NOT FIT'}")
 
@@ -197,7 +201,7 @@ def ranking_lines(a, rows: list[Row], chosen: Row, top: int = 5) -> list[str]:
         c = faster.choice
         lines.append(f"projected faster: HIER_PRESET={faster.preset} HIER_SECONDARY_GROUP_SIZE="
                      f"{faster.secondary} RECOMPUTE={c.recompute} MICRO_BATCH_SIZE="
-                     f"{c.micro_batch_size}, {c.step_s:.4g} s per step ({faster.source}) against "
+                     f"{c.micro_batch_size}{c.knob_text()}, {c.step_s:.4g} s per step ({faster.source}) against "
                      f"{t:.4g} s for the chosen {chosen.scheme} (your explicit settings win)")
     return lines
 

@@ -18,6 +18,13 @@ Choice (``auto``): the least recomputation that fits (none, then selective, then
 and with it the largest micro-batch that fits and divides the global batch over the
 ranks. An explicit value is kept and refused (exit 3) when it does not fit.
 
+Transient knobs (``--hier-prefetch-units``, ``--hier-max-pending-reduces``; ``auto`` by
+default): each (recomputation, micro-batch) takes the first setting of
+``projection.knobs.CHOICE_SETTINGS`` that fits — the engine's default (prefetch 1, 2
+reduce-scatters in flight), then 1 in flight, then no prefetch as well — and its step time
+gains what that setting adds in exposed communication (``projection.knobs.cost_s``). A
+number keeps that setting.
+
 Step time: the Frontier cost model (``megatron_lbp.projection.project.step_time``, MI250X
 bf16 peak at an assumed MFU, the link bandwidths it assumes, the engine's overlap) for
 the chosen micro-batch count; selective recomputation adds the core attention's forward
@@ -45,7 +52,8 @@ import sys
 from dataclasses import dataclass, replace
 
 from megatron_lbp import costs, plan
-from megatron_lbp.config import DEFAULT_BUCKET_SIZE
+from megatron_lbp.config import (DEFAULT_BUCKET_SIZE, DEFAULT_MAX_PENDING_REDUCES,
+                                 DEFAULT_PREFETCH_UNITS)
 from megatron_lbp.launch._cli import PROG, Parser, write_resolved
 
 GB = 1e9
@@ -80,13 +88,31 @@ class Choice:
     transient_bytes: int = 0      # the plan's transient peak at this many micro-batches
     margin_bytes: int = 0         # the allocator margin (--reserve-gb)
     construction_bytes: int = 0   # the plan's construction peak + the margin
+    prefetch_units: int = DEFAULT_PREFETCH_UNITS              # the transient knobs it runs with
+    max_pending_reduces: int = DEFAULT_MAX_PENDING_REDUCES
+    knob_cost_s: float = 0.0      # exposed seconds per step the knobs add (in step_s)
+
+    @property
+    def knobs(self) -> tuple[int, int]:
+        return (self.prefetch_units, self.max_pending_reduces)
+
+    def knob_text(self) -> str:
+        """The knobs as launcher settings, empty for the engine's defaults."""
+        if self.knobs == (DEFAULT_PREFETCH_UNITS, DEFAULT_MAX_PENDING_REDUCES):
+            return ""
+        return (f" HIER_PREFETCH_UNITS={self.prefetch_units} "
+                f"HIER_MAX_PENDING_REDUCES={self.max_pending_reduces}")
 
 
 def gb(x: float) -> str:
     return f"{x / GB:.2f} GB" if x >= 0.1 * GB else f"{x / 1e6:.2f} MB"
 
 
-def plan_argv(a, world_size: int, micro_batches: int = 1) -> list[str]:
+def plan_argv(a, world_size: int, micro_batches: int = 1,
+              knobs: tuple[int, int] = (DEFAULT_PREFETCH_UNITS, DEFAULT_MAX_PENDING_REDUCES)
+              ) -> list[str]:
+    """The plan's argv for this job; ``knobs`` (prefetch units, reduce-scatters in flight)
+    appear only when they are not the engine's defaults."""
     argv = ["--world-size", str(world_size), "--gpus-per-node", str(a.tasks_per_node),
             "--gcds-per-package", str(a.gcds_per_package), "--preset", a.preset,
             "--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size),
@@ -104,6 +130,10 @@ def plan_argv(a, world_size: int, micro_batches: int = 1) -> list[str]:
         argv += ["--untie-embeddings-and-output-weights"]
     if getattr(a, "swiglu", False):
         argv += ["--swiglu"]
+    if knobs[0] != DEFAULT_PREFETCH_UNITS:
+        argv += ["--hier-prefetch-units", str(knobs[0])]
+    if knobs[1] != DEFAULT_MAX_PENDING_REDUCES:
+        argv += ["--hier-max-pending-reduces", str(knobs[1])]
     return argv
 
 
@@ -234,6 +264,43 @@ def step_seconds(a, p: dict, recompute: str, micro_batch_size: int) -> float:
     return t
 
 
+def knob_settings(a) -> list[tuple[int, int]]:
+    """(prefetch units, reduce-scatters in flight) to try, cheapest first: the user's, where
+    given, else projection.knobs.CHOICE_SETTINGS."""
+    from megatron_lbp.projection import knobs
+
+    d = getattr(a, "hier_prefetch_units", "auto")
+    r = getattr(a, "hier_max_pending_reduces", "auto")
+    out = []
+    for sd, sr in knobs.CHOICE_SETTINGS:
+        setting = (sd if d == "auto" else int(d), sr if r == "auto" else int(r))
+        if setting not in out:
+            out.append(setting)
+    return out
+
+
+def _units(a) -> list[tuple[str, int]]:
+    return costs.gpt_units(a.num_layers, a.hidden_size, a.vocab_size, seq_length=a.seq_length,
+                           ffn_hidden_size=a.ffn_hidden_size or None,
+                           tied=not a.untie_embeddings_and_output_weights,
+                           position_embedding_type=a.position_embedding_type)
+
+
+def knob_cost_s(a, p: dict, recompute: str, micro_batch_size: int,
+                setting: tuple[int, int]) -> float:
+    """Exposed seconds per step ``setting`` adds to the engine's defaults (projection/knobs.py;
+    0 with --step-seconds, a measured figure the knobs' model cannot amend)."""
+    from megatron_lbp.projection import knobs, project
+
+    if a.step_seconds or setting == knobs.DEFAULT:
+        return 0.0
+    compute = project.ComputeModel(mfu=a.mfu, seq_length=a.seq_length,
+                                   micro_batch_size=micro_batch_size,
+                                   recompute=recompute == "full")
+    return knobs.cost_s(p, _units(a), _model(a), knobs.Knobs(*setting), links=link_model(a),
+                        compute=compute, tied=not a.untie_embeddings_and_output_weights)
+
+
 def _micro_batch_sizes(a, world: int) -> list[int]:
     if a.micro_batch_size != "auto":
         return [int(a.micro_batch_size)]
@@ -241,30 +308,36 @@ def _micro_batch_sizes(a, world: int) -> list[int]:
 
 
 def choices(a) -> tuple[list[Choice], dict]:
-    """Every (recompute, micro-batch) this job could run with, and the plan at micro-batch count 1."""
+    """Every (recompute, micro-batch) this job could run with, each with the first transient
+    knob setting that fits (:func:`knob_settings`; the last tried when none does), and the
+    plan at micro-batch count 1."""
     world = a.nodes * a.tasks_per_node
     base = cached_plan(plan_argv(a, world, 1))
+    settings = knob_settings(a)
     limit = a.gcd_memory_gb * GB
     reserve = a.reserve_gb * GB
     state = base["memory_bytes"]["total"]
     construction = base["construction_peak_bytes"] + int(reserve)
     out = []
-    # Per micro-batch count: the traffic (so the step time) and the transient depend on it.
-    plans = {1: base}
+    # Per micro-batch count and knobs: the traffic (so the step time) and the transient
+    # depend on them; the state does not.
     for rc in RECOMPUTE_ORDER:
         for b in _micro_batch_sizes(a, world):
             k = a.global_batch_size // (b * world)
             if k < 1:
                 continue
-            if k not in plans:
-                plans[k] = cached_plan(plan_argv(a, world, k))
-            p = plans[k]
             act = activation_bytes(a, rc, b)
-            transient = p["transient_bytes"]["peak"]
-            total = state + transient + act + int(reserve)
-            out.append(Choice(rc, b, k, state, act, total,
-                              total <= limit and construction <= limit,
-                              step_seconds(a, p, rc, b), transient, int(reserve), construction))
+            for setting in settings:
+                p = cached_plan(plan_argv(a, world, k, setting))
+                transient = p["transient_bytes"]["peak"]
+                total = state + transient + act + int(reserve)
+                fits = total <= limit and construction <= limit
+                if fits or setting == settings[-1]:
+                    cost = knob_cost_s(a, p, rc, b, setting)
+                    out.append(Choice(rc, b, k, state, act, total, fits,
+                                      step_seconds(a, p, rc, b) + cost, transient, int(reserve),
+                                      construction, setting[0], setting[1], cost))
+                    break
     return out, base
 
 
@@ -296,7 +369,8 @@ def smallest_fitting_nodes(a, choice: Choice, base: dict) -> int | None:
     # The transient shrinks with more ranks (the step's 1/O gradients) and fewer micro-batches:
     # its value at the largest job with one micro-batch is a floor.
     most = max(MOST_RANKS // a.tasks_per_node, a.nodes)
-    floor = cached_plan(plan_argv(a, most * a.tasks_per_node, 1))["transient_bytes"]["peak"]
+    floor = cached_plan(plan_argv(a, most * a.tasks_per_node, 1, choice.knobs)
+                        )["transient_bytes"]["peak"]
     if fixed + floor > limit:
         return None
     n = a.nodes + 1
@@ -306,7 +380,7 @@ def smallest_fitting_nodes(a, choice: Choice, base: dict) -> int | None:
     for n in range(n, min(most, n + 64) + 1):
         world = n * a.tasks_per_node
         k = max(1, a.global_batch_size // (choice.micro_batch_size * world))
-        p = cached_plan(plan_argv(a, world, k))
+        p = cached_plan(plan_argv(a, world, k, choice.knobs))
         total = (p["memory_bytes"]["total"] + p["transient_bytes"]["peak"]
                  + choice.activation_bytes + choice.margin_bytes)
         if total <= limit and p["construction_peak_bytes"] + choice.margin_bytes <= limit:
@@ -427,8 +501,10 @@ def report(a) -> tuple[list[str], dict, str | None]:
         == (row.choice.recompute, row.choice.micro_batch_size))
     for c in options:
         mark = "  <- chosen" if c is chosen else ""
+        knob = (f" with{c.knob_text()} (+{c.knob_cost_s:.3g} s exposed)" if c.knob_text()
+                else "")
         lines.append(f"  RECOMPUTE={c.recompute:<9} MICRO_BATCH_SIZE={c.micro_batch_size:<2} "
-                     f"({c.micro_batches} per step): transient {gb(c.transient_bytes)}, "
+                     f"({c.micro_batches} per step){knob}: transient {gb(c.transient_bytes)}, "
                      f"activations {gb(c.activation_bytes)}, "
                      f"total {gb(c.total_bytes)}, step {c.step_s:.3g} s "
                      f"{'fits' if c.fits else 'DOES NOT FIT'}{mark}")
@@ -449,6 +525,12 @@ def report(a) -> tuple[list[str], dict, str | None]:
         f"choice: RECOMPUTE={shown.recompute} MICRO_BATCH_SIZE={shown.micro_batch_size} ({how})",
         f"memory per GCD (activations, {RC_TEXT[shown.recompute]}, micro-batch "
         f"{shown.micro_batch_size}, estimate): {gb(shown.activation_bytes)}",
+        f"transient knobs: HIER_PREFETCH_UNITS={shown.prefetch_units} "
+        f"HIER_MAX_PENDING_REDUCES={shown.max_pending_reduces} ("
+        + ("the engine's defaults" if not shown.knob_text() else
+           ("" if shown.fits else "none fits; the least transient tried, ")
+           + f"+{shown.knob_cost_s:.3g} s exposed per step against the defaults, "
+           "projection/knobs.py") + ")",
         f"memory per GCD total: state {gb(shown.state_bytes)} + transient "
         f"{gb(shown.transient_bytes)} ({shown.micro_batches} micro-batch(es) per step) + "
         f"activations {gb(shown.activation_bytes)} + margin {gb(shown.margin_bytes)} = "
@@ -502,6 +584,8 @@ def report(a) -> tuple[list[str], dict, str | None]:
     elif a.compare:
         lines += comparison_lines(a, chosen)
     resolved = {"MICRO_BATCH_SIZE": chosen.micro_batch_size, "RECOMPUTE": chosen.recompute,
+                "HIER_PREFETCH_UNITS": chosen.prefetch_units,
+                "HIER_MAX_PENDING_REDUCES": chosen.max_pending_reduces,
                 "SAVE_INTERVAL": interval, "LBP_STEP_S": f"{step:.6g}",
                 "LBP_CKPT_BYTES": ckpt, "LBP_SAVE_S": f"{save_s:.6g}", "LBP_PARAMS": params}
     if asked.preset == "auto":
@@ -517,12 +601,13 @@ def _choice(name: str, allowed: tuple[str, ...]):
     return parse
 
 
-def _auto_or_int(name: str):
+def _auto_or_int(name: str, minimum: int = 1):
     def parse(text: str):
         if text == "auto":
             return text
-        if not text.isdigit() or int(text) < 1:
-            raise argparse.ArgumentTypeError(f"{name}={text}: use auto or an integer >= 1")
+        if not text.isdigit() or int(text) < minimum:
+            raise argparse.ArgumentTypeError(
+                f"{name}={text}: use auto or an integer >= {minimum}")
         return int(text)
     return parse
 
@@ -548,6 +633,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="gated MLP (Megatron's --swiglu): its parameters and activations")
     ap.add_argument("--params-dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     ap.add_argument("--hier-grad-reduce-dtype", default="fp32", choices=("fp32", "bf16"))
+    ap.add_argument("--hier-prefetch-units", type=_auto_or_int("HIER_PREFETCH_UNITS", 0),
+                    default="auto", help="auto (default): the first of the choice's settings "
+                    "that fits, else this many units gathered ahead")
+    ap.add_argument("--hier-max-pending-reduces",
+                    type=_auto_or_int("HIER_MAX_PENDING_REDUCES"), default="auto",
+                    help="auto (default): the first of the choice's settings that fits, else "
+                    "this many gradient reduce-scatters in flight (>= 1)")
     ap.add_argument("--bucket-size", type=int, default=DEFAULT_BUCKET_SIZE)
     ap.add_argument("--gcd-memory-gb", type=float, default=64.0)
     ap.add_argument("--reserve-gb", type=float, default=0.0)

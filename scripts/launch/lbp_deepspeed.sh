@@ -8,7 +8,8 @@
 #
 # What does not apply to a DeepSpeed run is refused before any work, not ignored: the
 # engine's hierarchy variables (HIER_SECONDARY_GROUP_SIZE other than 0: hpZ's partition is
-# the node, set by the scheme; HIER_GRAD_REDUCE_DTYPE other than fp32; --hier-* flags in
+# the node, set by the scheme; HIER_GRAD_REDUCE_DTYPE other than fp32; HIER_PREFETCH_UNITS
+# or HIER_MAX_PENDING_REDUCES other than auto; --hier-* flags in
 # EXTRA_ARGS or on the command line), MEGATRON_LM_DIR, START_FROM and --chain > 1 (the
 # runner neither loads nor saves checkpoints), and ds-hpz / ds-zeropp on one node (hpZ's
 # node-sized partition would be the whole job). The runner is given no --save/--load/
@@ -44,6 +45,12 @@ lbp_ds_check() {
   [ "$HIER_GRAD_REDUCE_DTYPE" = fp32 ] || { lbp_die 2 "HIER_GRAD_REDUCE_DTYPE=$HIER_GRAD_REDUCE_DTYPE" \
     "does not apply to HIER_PRESET=$HIER_PRESET (DeepSpeed reduces gradients in the training dtype):" \
     "unset it"; return; }
+  local knob
+  for knob in HIER_PREFETCH_UNITS HIER_MAX_PENDING_REDUCES; do
+    [ "${!knob:-auto}" = auto ] || { lbp_die 2 "$knob=${!knob} does not apply to" \
+      "HIER_PRESET=$HIER_PRESET (a transient knob of the engine's schedule; DeepSpeed prefetches" \
+      "and reduces by its own config): unset it"; return; }
+  done
   [ -z "${MEGATRON_LM_DIR:-}" ] || { lbp_die 2 "MEGATRON_LM_DIR does not apply to HIER_PRESET=$HIER_PRESET" \
     "(the DeepSpeed runner builds the model from the megatron-core in the Python env): unset it"; return; }
   [ -z "${START_FROM:-}" ] || { lbp_die 2 "START_FROM does not apply to HIER_PRESET=$HIER_PRESET (the" \

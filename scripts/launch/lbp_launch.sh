@@ -100,6 +100,11 @@
 #                       schemes by benchmarks/deepspeed's runner, scripts/launch/lbp_deepspeed.sh)
 #   HIER_GRAD_REDUCE_DTYPE  fp32 (default) or bf16: the gradient shard and its reductions, in
 #                       training (--hier-grad-reduce-dtype) and in the memory estimate alike
+#   HIER_PREFETCH_UNITS HIER_MAX_PENDING_REDUCES  the engine's transient knobs: units gathered
+#                       ahead (--hier-prefetch-units) and gradient reduce-scatters in flight
+#                       (--hier-max-pending-reduces). [auto]: the estimate takes the engine's
+#                       defaults (1, 2) where they fit, else 1 in flight, else no prefetch as
+#                       well, and costs the exposed time (projection/knobs.py); a number is kept
 #   LBP_SETTINGS_OUT    a file: write the resolved settings there and stop (scripts/launch/lbp_study.sh)
 #   GCD_MEMORY_GB       device memory for the fit check (Frontier GCD: 64)
 #   LBP_MEMORY_RESERVE_GB  of it kept for HIP/RCCL buffers and fragmentation [4 on GPUs]
@@ -351,6 +356,10 @@ lbp_resolve_entry() {
 # Memory per choice, the choice, step time, save interval, checkpoint bytes (estimate.py).
 lbp_estimate() {
   lbp_ds_estimate_as
+  # Schemes the engine does not run (DeepSpeed's, stock distopt) have no such knobs: the
+  # estimate costs them with the engine's defaults.
+  LBP_EST_PREFETCH=$HIER_PREFETCH_UNITS LBP_EST_PENDING=$HIER_MAX_PENDING_REDUCES
+  if lbp_is_ds || [ "$HIER_PRESET" = distopt ]; then LBP_EST_PREFETCH=1 LBP_EST_PENDING=2; fi
   local args=(--nodes "$NNODES_RESOLVED" --tasks-per-node "$TASKS_PER_NODE"
               --gcds-per-package "$GCDS_PER_PACKAGE" --preset "$LBP_EST_PRESET"
               --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN_SIZE"
@@ -360,6 +369,8 @@ lbp_estimate() {
               --hier-secondary-group-size "$LBP_EST_SECONDARY"
               --hier-secondary-dtype "$LBP_EST_SECONDARY_DTYPE" --params-dtype "$PRECISION"
               --hier-grad-reduce-dtype "$HIER_GRAD_REDUCE_DTYPE"
+              --hier-prefetch-units "$LBP_EST_PREFETCH"
+              --hier-max-pending-reduces "$LBP_EST_PENDING"
               --gcd-memory-gb "$GCD_MEMORY_GB" --reserve-gb "$LBP_MEMORY_RESERVE_GB"
               --train-iters "$TRAIN_ITERS" --save-interval "$SAVE_INTERVAL"
               --save-minutes "$LBP_SAVE_MINUTES" --milestone-every "$LBP_MILESTONE_EVERY"
@@ -379,7 +390,8 @@ lbp_estimate() {
   local status=${PIPESTATUS[0]}
   [ "$status" = 0 ] || return "$status"
   lbp_read_resolved "$LBP_TMP/estimate" MICRO_BATCH_SIZE RECOMPUTE SAVE_INTERVAL LBP_STEP_S \
-    LBP_CKPT_BYTES LBP_SAVE_S HIER_PRESET HIER_SECONDARY_GROUP_SIZE
+    LBP_CKPT_BYTES LBP_SAVE_S HIER_PRESET HIER_SECONDARY_GROUP_SIZE HIER_PREFETCH_UNITS \
+    HIER_MAX_PENDING_REDUCES
 }
 
 # Seconds before the end at which Slurm signals the job: sbatch's --signal=[R:|B:]SIG[@SECONDS]
@@ -469,6 +481,11 @@ lbp_build_train_args() {
       --hier-secondary-group-size "$HIER_SECONDARY_GROUP_SIZE")
     [ "$HIER_SECONDARY_GROUP_SIZE" -gt 0 ] && TRAIN_ARGS+=(--hier-secondary-dtype "$HIER_SECONDARY_DTYPE")
     [ "$HIER_GRAD_REDUCE_DTYPE" != fp32 ] && TRAIN_ARGS+=(--hier-grad-reduce-dtype "$HIER_GRAD_REDUCE_DTYPE")
+    # The knobs the estimate resolved; the engine's defaults (1, 2) go unsaid.
+    [ "${HIER_PREFETCH_UNITS:-auto}" != auto ] && [ "$HIER_PREFETCH_UNITS" != 1 ] &&
+      TRAIN_ARGS+=(--hier-prefetch-units "$HIER_PREFETCH_UNITS")
+    [ "${HIER_MAX_PENDING_REDUCES:-auto}" != auto ] && [ "$HIER_MAX_PENDING_REDUCES" != 2 ] &&
+      TRAIN_ARGS+=(--hier-max-pending-reduces "$HIER_MAX_PENDING_REDUCES")
   fi
   [ "$PRECISION" = bf16 ] && TRAIN_ARGS+=(--bf16)
   case "$RECOMPUTE" in
@@ -557,6 +574,7 @@ lbp_defaults() {
     *) : "${HIER_SECONDARY_GROUP_SIZE:=0}" ;;
   esac
   : "${HIER_SECONDARY_DTYPE:=int8}" "${GCD_MEMORY_GB:=64}" "${HIER_GRAD_REDUCE_DTYPE:=fp32}"
+  : "${HIER_PREFETCH_UNITS:=auto}" "${HIER_MAX_PENDING_REDUCES:=auto}"
   : "${LBP_SAVE_MINUTES:=45}" "${LBP_WRITE_GBPS:=1}" "${LBP_SAVE_FIXED_S:=60}"
   : "${LBP_EXIT_SLACK_S:=120}" "${LBP_KEEP_LAST:=2}" "${LBP_MILESTONE_EVERY:=10000}"
   : "${LBP_PRUNE_EVERY_S:=600}" "${LBP_HEALTH_CHECK:=1}" "${LBP_HEALTH_MIN_FRACTION:=0.25}"
@@ -572,6 +590,11 @@ lbp_defaults() {
   case "$RECOMPUTE" in full|selective|none|auto) ;; *)
     lbp_die 2 "RECOMPUTE=$RECOMPUTE: use full, selective, none or auto"; return ;; esac
   case "$PRECISION" in bf16|fp32) ;; *) lbp_die 2 "PRECISION=$PRECISION: use bf16 or fp32"; return ;; esac
+  [ "$HIER_PREFETCH_UNITS" = auto ] || lbp_is_uint "$HIER_PREFETCH_UNITS" || {
+    lbp_die 2 "HIER_PREFETCH_UNITS=$HIER_PREFETCH_UNITS: use auto or a number of units >= 0"; return; }
+  [ "$HIER_MAX_PENDING_REDUCES" = auto ] || { lbp_is_uint "$HIER_MAX_PENDING_REDUCES" &&
+    [ "$HIER_MAX_PENDING_REDUCES" -ge 1 ]; } || {
+    lbp_die 2 "HIER_MAX_PENDING_REDUCES=$HIER_MAX_PENDING_REDUCES: use auto or a number >= 1"; return; }
   lbp_is_uint "$GPUS_PER_TASK" || { lbp_die 2 "GPUS_PER_TASK=$GPUS_PER_TASK: use 1 (GCD) or 0 (CPU)"; return; }
   if [ -z "${LBP_REQUIRE_GPU:-}" ]; then
     LBP_REQUIRE_GPU=none

@@ -1,0 +1,182 @@
+"""What the engine's transient knobs cost in exposed time: its schedule, unit by unit (pure Python).
+
+The knobs (docs/design.md, "Transient memory and its knobs") trade transient memory
+(``costs.transient_bytes``) for overlap: ``--hier-prefetch-units`` d (gathers issued ahead
+of the unit being computed) and ``--hier-max-pending-reduces`` r (gradient reduce-scatters
+in flight before the oldest is waited for). The idealised step model
+(``project.step_time``) pools a pass's communication against its compute and cannot see
+them, so this module replays megatron_lbp.engine.schedule's order over the model's gather
+units for one micro-batch, with each collective's seconds from the same cost model:
+
+- a unit's gather, reduce-scatter: the plan's per-micro-batch bytes of its phase
+  (``forward_gather``, ``backward_gather``, ``grad_reduce``) in proportion to the unit's
+  size, at its link class's bandwidth (``project.LinkModel``), plus the class's latency
+  x ceil(log2(group size));
+- collectives on one link class run one after another in issue order (the idealised
+  model's rule), on different classes concurrently;
+- a unit's compute: model FLOPs of its parameters (6 per parameter per token, plus the
+  attention's 12*h*s per token for a layer; the tied output layer computes with the
+  embedding's weights; the embedding lookup is free), a third forward, two thirds
+  backward, plus the forward again with full recomputation, at ``ComputeModel``'s rate;
+- forward: a module's unit is gathered at its need unless prefetched, then the gathers
+  of the next d units not yet used are issued, then it waits for its own and computes;
+- backward: the same in reverse order (the tied output layer also needs the
+  embedding); after a unit's compute its reduce-scatter is issued, and the oldest is
+  waited for while more than r are in flight; the pass ends when every one is done.
+
+Exposed seconds = the pass's end minus its compute. A knob's cost is the difference to
+the default's (d = 1, r = 2), times the micro-batches per step; the step's own network
+hops do not depend on the knobs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from megatron_lbp.config import DEFAULT_MAX_PENDING_REDUCES, DEFAULT_PREFETCH_UNITS
+from megatron_lbp.projection.project import ComputeModel, LinkModel
+
+DEFAULT = (DEFAULT_PREFETCH_UNITS, DEFAULT_MAX_PENDING_REDUCES)
+# The settings the launcher's choice tries, the default first (launch/estimate.py):
+# one reduce-scatter less in flight, then no prefetch as well.
+CHOICE_SETTINGS = (DEFAULT, (DEFAULT_PREFETCH_UNITS, 1), (0, 1))
+# The settings the plan's table shows beside the one asked for (prefetch, pending).
+TABLE_SETTINGS = ((DEFAULT_PREFETCH_UNITS, 1), (0, DEFAULT_MAX_PENDING_REDUCES), (0, 1),
+                  (2, DEFAULT_MAX_PENDING_REDUCES))
+
+_PHASE_FAMILY = {"forward_gather": "param", "backward_gather": None, "grad_reduce": "grad"}
+
+
+@dataclass(frozen=True)
+class Knobs:
+    prefetch_units: int = DEFAULT_PREFETCH_UNITS
+    max_pending_reduces: int = DEFAULT_MAX_PENDING_REDUCES
+
+
+def _family(plan: Mapping[str, Any], phase: str) -> str:
+    fam = _PHASE_FAMILY[phase]
+    if fam is None:
+        fam = "secondary" if plan["group_sizes"]["secondary"] else "param"
+    return fam
+
+
+def _group_size(plan: Mapping[str, Any], family: str) -> int:
+    g = plan["group_sizes"]
+    return {"param": g["param"], "secondary": g["secondary"] or 0, "grad": g["grad"]}[family]
+
+
+def unit_comm_s(plan: Mapping[str, Any], numels: Sequence[int], phase: str,
+                links: LinkModel) -> tuple[str | None, list[float]]:
+    """(link class, seconds per unit) of one per-micro-batch phase's collectives."""
+    fam = _family(plan, phase)
+    cls = plan["link_classes"].get(fam)
+    n = _group_size(plan, fam)
+    if cls is None or n <= 1:
+        return None, [0.0] * len(numels)
+    k = plan["micro_batches"]
+    per_mb = sum(plan["traffic_by_phase"][phase][c] / links.bandwidth[c]
+                 for c in plan["traffic_by_phase"][phase]) / k
+    total = sum(numels)
+    lat = links.latency[cls] * math.ceil(math.log2(n))
+    return cls, [per_mb * x / total + lat for x in numels]
+
+
+def unit_compute_s(units: Sequence[tuple[str, int]], model: Mapping[str, int],
+                   compute: ComputeModel, tied: bool) -> list[float]:
+    """Seconds of fwd+bwd model FLOPs per unit and micro-batch (the module docstring's rule)."""
+    tokens = compute.micro_batch_size * compute.seq_length
+    rate = compute.peak_flops * compute.mfu
+    attention = 12.0 * model["hidden_size"] * compute.seq_length
+    embedding = next((n for kind, n in units if kind == "embedding"), 0)
+    out = []
+    for kind, n in units:
+        if kind == "embedding":
+            flops = 0.0
+        elif kind == "layer":
+            flops = 6.0 * n + attention
+        elif kind == "output" and tied:
+            flops = 6.0 * (n + embedding)
+        else:
+            flops = 6.0 * n
+        out.append(flops * tokens / rate)
+    return out
+
+
+def _pass(order: Sequence[int], needs: Mapping[int, Sequence[int]], gather: Sequence[float],
+          gather_cls: str | None, compute: Sequence[float], depth: int,
+          reduce: Sequence[float] | None = None, reduce_cls: str | None = None,
+          pending_limit: int = 0) -> float:
+    """Exposed seconds of one pass (forward, or backward with ``reduce``) in the schedule's order."""
+    free: dict[Any, float] = {}
+    landed: dict[int, float] = {}
+    used: set[int] = set()
+    pending: list[float] = []
+    t = 0.0
+
+    def occupy(cls, at: float, seconds: float) -> float:
+        start = max(at, free.get(cls, 0.0)) if cls is not None else at
+        end = start + seconds
+        if cls is not None:
+            free[cls] = end
+        return end
+
+    for pos, u in enumerate(order):
+        for v in needs[u]:
+            if v not in landed:
+                landed[v] = occupy(gather_cls, t, gather[v])
+            used.add(v)
+        ahead = 0
+        for v in order[pos + 1:]:
+            if ahead >= depth:
+                break
+            if v in used:
+                continue
+            if v not in landed:
+                landed[v] = occupy(gather_cls, t, gather[v])
+            ahead += 1
+        t = max([t] + [landed[v] for v in needs[u]])
+        t += compute[u]
+        if reduce is not None:
+            pending.append(occupy(reduce_cls, t, reduce[u]))
+            while len(pending) > pending_limit:
+                t = max(t, pending.pop(0))
+    for end in pending:
+        t = max(t, end)
+    return t - sum(compute[u] for u in order)
+
+
+def exposed_s(plan: Mapping[str, Any], units: Sequence[tuple[str, int]],
+              model: Mapping[str, int], knobs: Knobs, *, links: LinkModel = LinkModel(),
+              compute: ComputeModel = ComputeModel(), tied: bool = True) -> dict[str, float]:
+    """Exposed seconds of the per-micro-batch collectives: {forward, backward, micro_batch, step}
+    (``step``: k micro-batches)."""
+    if knobs.prefetch_units < 0 or knobs.max_pending_reduces < 1:
+        raise ValueError(f"{knobs}: prefetch_units must be >= 0, max_pending_reduces >= 1")
+    numels = [n for _, n in units]
+    n = len(numels)
+    tied = tied and n >= 2 and units[0][0] == "embedding"
+    work = unit_compute_s(units, model, compute, tied)
+    fwd = [w / 3 for w in work]
+    bwd = [w * 2 / 3 + (w / 3 if compute.recompute else 0.0) for w in work]
+    f_cls, f_t = unit_comm_s(plan, numels, "forward_gather", links)
+    b_cls, b_t = unit_comm_s(plan, numels, "backward_gather", links)
+    r_cls, r_t = unit_comm_s(plan, numels, "grad_reduce", links)
+    needs = {u: [u] for u in range(n)}
+    forward = _pass(range(n), needs, f_t, f_cls, fwd, knobs.prefetch_units)
+    if tied:
+        needs[n - 1] = [n - 1, 0]
+    backward = _pass(list(reversed(range(n))), needs, b_t, b_cls, bwd, knobs.prefetch_units,
+                     r_t, r_cls, knobs.max_pending_reduces)
+    k = plan["micro_batches"]
+    return {"forward": forward, "backward": backward, "micro_batch": forward + backward,
+            "step": k * (forward + backward)}
+
+
+def cost_s(plan: Mapping[str, Any], units: Sequence[tuple[str, int]], model: Mapping[str, int],
+           knobs: Knobs, **kw) -> float:
+    """Seconds per optimizer step a knob setting adds to the default's exposed communication."""
+    if (knobs.prefetch_units, knobs.max_pending_reduces) == DEFAULT:
+        return 0.0
+    return (exposed_s(plan, units, model, knobs, **kw)["step"]
+            - exposed_s(plan, units, model, Knobs(*DEFAULT), **kw)["step"])
