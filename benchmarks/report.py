@@ -56,6 +56,11 @@ QUICK_OVERHEAD = ["--ranks", "4", "--runs", "1", "--steps", "1", "--hidden", "32
                   "--layers", "1", "--seq", "16"]
 QUICK_NETWORK = ["--ranks-per-node", "2", "--schemes", "zeropp", "--steps", "1", "--warmup", "1",
                  "--layers", "1", "--hidden", "64"]
+# The frontier-shaped run trains six schemes (ds-zero3 and ds-zeropp among them) in one
+# multi-rank run: on the 2-core machine that outlasts the network bench's default 900 s
+# per multi-rank run (E2's 2026-12-05 attempt failed at it under load), so that run gets
+# 45 minutes; DEFAULT_TIMEOUT_S, per sub-command, still bounds the probe and the run.
+FRONTIER_RUN_TIMEOUT_S = 2700
 QUICK_FRONTIER = ["--ranks-per-node", "2", "--schemes", "lbp,zeropp", "--steps", "1",
                   "--warmup", "1", "--layers", "2", "--hidden", "64"]
 
@@ -71,7 +76,7 @@ def section_commands(quick: bool) -> dict[str, dict[str, list[str]]]:
                      + (QUICK_OVERHEAD if quick else ["--profile"])},
         "network": {"network": BENCH + ["network", "--json"] + (QUICK_NETWORK if quick else []),
                     "network_frontier": BENCH + ["network", "--json", "--model", "frontier-shaped"]
-                    + (QUICK_FRONTIER if quick else [])},
+                    + (QUICK_FRONTIER if quick else ["--timeout", str(FRONTIER_RUN_TIMEOUT_S)])},
     }
 
 
