@@ -14,7 +14,12 @@ directory (its inputs, any --save / output / checkpoint directory and, for the
 launchers, the fake srun's marker) exactly as it was, file by file.
 
 The training entry imports Megatron (10-20 s a process), so only a few of its
-rows run in CI; the rest are marked slow.
+rows run in CI; the rest are marked slow. Its rows run forked from the multirank
+harness's server, where torch and Megatron are imported already
+(megatron_lbp.testing.entry.run_entry_captured: the entry's own main(), the row's
+whole environment and directory, stdout and stderr apart, the exit status as a
+process's); the rows marked ``fresh`` start ``python -m megatron_lbp.pretrain_gpt``
+in a new interpreter, so that its start-up stays covered.
 """
 from __future__ import annotations
 
