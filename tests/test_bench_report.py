@@ -315,6 +315,19 @@ def test_absent_command_is_a_failed_run_with_its_error():
     assert run["reason"].startswith("exit 2:") and "command nosuch is not one of" in run["reason"]
 
 
+def test_the_frontier_shaped_run_has_its_own_multi_rank_timeout():
+    """Six schemes in one multi-rank run outlast the network command's default; the report's own
+    per-command limit must still leave that run room to fail by itself (its namespaces removed)."""
+    from benchmarks import network
+
+    argv = report.section_commands(False)["network"]["network_frontier"]
+    given = float(argv[argv.index("--timeout") + 1])
+    default = network.parse(["--model", "frontier-shaped"]).timeout
+    assert default < given == report.FRONTIER_RUN_TIMEOUT_S < report.DEFAULT_TIMEOUT_S, (
+        default, given, report.DEFAULT_TIMEOUT_S)
+    assert "--timeout" not in report.section_commands(True)["network"]["network_frontier"]
+
+
 def test_bad_flags_are_one_line_errors():
     for args, msg in ((["--skip", "speed"], "--skip: speed not in"),
                       (["--skip", "project", "--reuse", "project"], "both skipped and reused"),
