@@ -2,6 +2,7 @@
 
     python -m benchmarks report [--quick] [--out BENCHMARKS.md]
         [--plots-dir docs/benchmarks] [--skip network,...] [--reuse overhead,...] [--timeout S]
+        [--only network_frontier,...]
 
 Each section is produced by running the command's ``--json`` form in a fresh
 subprocess (the exact argv is recorded): traffic at K=1 and K=4, project (with
@@ -17,7 +18,8 @@ A sub-command that fails, times out or does not exist is reported in its
 section as "not run: <reason>" and makes this command exit 1, unless that
 section was named in ``--skip``. ``--reuse`` takes named sections from the
 existing results.json instead of running them again (their original
-provenance is kept and printed). ``--quick`` is the reduced CI form (8 traffic
+provenance is kept and printed); ``--only`` runs just the named runs (run keys, e.g.
+``network_frontier``) and takes every other one from results.json the same way. ``--quick`` is the reduced CI form (8 traffic
 ranks, 3 schemes, a one-step overhead on 4 ranks, one-step network runs of
 lbp and zeropp on 2 nodes x 2 ranks, default and frontier-shaped); without
 ``--out`` it writes
@@ -56,6 +58,14 @@ QUICK_OVERHEAD = ["--ranks", "4", "--runs", "1", "--steps", "1", "--hidden", "32
                   "--layers", "1", "--seq", "16"]
 QUICK_NETWORK = ["--ranks-per-node", "2", "--schemes", "zeropp", "--steps", "1", "--warmup", "1",
                  "--layers", "1", "--hidden", "64"]
+# The frontier-shaped run trains six schemes (ds-zero3 and ds-zeropp among them) in one
+# multi-rank run: on the 2-core machine that outlasts the network bench's default 900 s
+# per multi-rank run (E2's 2026-12-05 attempt failed at it under load), so that run gets
+# 45 minutes; DEFAULT_TIMEOUT_S, per sub-command, still bounds the probe and the run.
+# It also times 2 rounds after the 2 warm-up ones, not 4: one round of the six took ~11 min
+# at load average ~100 (2026-12-05). Every scheme trains the same rounds in the same run.
+FRONTIER_RUN_TIMEOUT_S = 2700
+FRONTIER_STEPS = 2
 QUICK_FRONTIER = ["--ranks-per-node", "2", "--schemes", "lbp,zeropp", "--steps", "1",
                   "--warmup", "1", "--layers", "2", "--hidden", "64"]
 
@@ -71,7 +81,8 @@ def section_commands(quick: bool) -> dict[str, dict[str, list[str]]]:
                      + (QUICK_OVERHEAD if quick else ["--profile"])},
         "network": {"network": BENCH + ["network", "--json"] + (QUICK_NETWORK if quick else []),
                     "network_frontier": BENCH + ["network", "--json", "--model", "frontier-shaped"]
-                    + (QUICK_FRONTIER if quick else [])},
+                    + (QUICK_FRONTIER if quick else ["--steps", str(FRONTIER_STEPS),
+                                                       "--timeout", str(FRONTIER_RUN_TIMEOUT_S)])},
     }
 
 
@@ -177,9 +188,23 @@ def _load_previous(path: Path) -> dict[str, Any]:
         raise SystemExit(f"python -m benchmarks report: error: --reuse needs {path}: {e}")
 
 
+def run_keys(quick: bool = False) -> list[str]:
+    """Every run's key, in report order."""
+    return [key for section, commands in section_commands(quick).items()
+            for key in list(commands) + (["overhead_plan"] if section == "overhead" else [])]
+
+
+def _reused(previous: dict[str, Any] | None, key: str) -> dict[str, Any]:
+    old = (previous or {}).get("runs", {}).get(key)
+    return dict(old, reused=True) if old else {
+        "status": "failed", "reason": f"--reuse: no {key} in the previous results"}
+
+
 def collect(quick: bool, skip: set[str], reuse: set[str], previous: dict[str, Any] | None,
-            timeout: float, log=print) -> dict[str, dict[str, Any]]:
-    """Every run record by key, in report order; skipped and reused ones marked as such."""
+            timeout: float, log=print, only: set[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Every run record by key, in report order; skipped and reused ones marked as such.
+
+    ``only``: run just these keys; every other run is reused from ``previous``."""
     runs: dict[str, dict[str, Any]] = {}
     for section, commands in section_commands(quick).items():
         keys = list(commands) + (["overhead_plan"] if section == "overhead" else [])
@@ -189,11 +214,12 @@ def collect(quick: bool, skip: set[str], reuse: set[str], previous: dict[str, An
             continue
         if section in reuse:
             for key in keys:
-                old = (previous or {}).get("runs", {}).get(key)
-                runs[key] = dict(old, reused=True) if old else {
-                    "status": "failed", "reason": f"--reuse: no {key} in the previous results"}
+                runs[key] = _reused(previous, key)
             continue
         for key, argv in commands.items():
+            if only is not None and key not in only:
+                runs[key] = _reused(previous, key)
+                continue
             log(f"[report] {key}: {shlex.join(_display(argv))}")
             runs[key] = run_command(argv, timeout)
             log(f"[report] {key}: {runs[key]['status']} in {runs[key]['wall_s']:.0f} s"
@@ -203,7 +229,9 @@ def collect(quick: bool, skip: set[str], reuse: set[str], previous: dict[str, An
             if stale:
                 log(f"[report] WARNING: {stale}; then run this report again")
         if section == "overhead":
-            if runs["overhead"]["status"] == "ok":
+            if only is not None and not {"overhead", "overhead_plan"} & only:
+                runs["overhead_plan"] = _reused(previous, "overhead_plan")
+            elif runs["overhead"]["status"] == "ok":
                 runs["overhead_plan"] = run_command(
                     overhead_plan_argv(runs["overhead"]["result"]), timeout)
             else:
@@ -224,6 +252,8 @@ def main(argv=None) -> int:
                    "docs/benchmarks, or next to --out with --quick)")
     p.add_argument("--skip", default="", help=f"comma-separated sections of {','.join(SECTIONS)}")
     p.add_argument("--reuse", default="", help="sections taken from the existing results.json")
+    p.add_argument("--only", default=None, help="comma-separated run keys to run (e.g. "
+                   "network_frontier); every other run taken from the existing results.json")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help="seconds per sub-command")
     args = p.parse_args(argv)
@@ -237,6 +267,14 @@ def main(argv=None) -> int:
         p.error(f"{','.join(sorted(skip & reuse))} both skipped and reused")
     if args.timeout <= 0:
         p.error(f"--timeout={args.timeout:g} must be > 0")
+    only = None
+    if args.only is not None:
+        only = {k for k in args.only.split(",") if k}
+        if skip or reuse:
+            p.error("--only takes every other run from results.json: not with --skip or --reuse")
+        if not only or only - set(run_keys(args.quick)):
+            p.error(f"--only: {','.join(sorted(only - set(run_keys(args.quick)))) or '(none)'} "
+                    f"not in {','.join(run_keys(args.quick))}")
     if args.out is None:
         base = Path(tempfile.mkdtemp(prefix="lbp-report-")) if args.quick else REPO
         out = base / "BENCHMARKS.md"
@@ -245,14 +283,14 @@ def main(argv=None) -> int:
     plots = Path(args.plots_dir).resolve() if args.plots_dir else (
         out.parent / "benchmarks" if args.quick else REPO / "docs" / "benchmarks")
     results_path = plots / "results.json"
-    previous = _load_previous(results_path) if reuse else None
+    previous = _load_previous(results_path) if reuse or only else None
 
     started = _utc()
     report = {"command": shlex.join(["python", "-m", "benchmarks", "report",
                                      *(sys.argv[1:] if argv is None else argv)]),
               "quick": args.quick, "started_utc": started, "machine": machine(),
               "versions": versions(), "git": git_state()}
-    report["runs"] = collect(args.quick, skip, reuse, previous, args.timeout)
+    report["runs"] = collect(args.quick, skip, reuse, previous, args.timeout, only=only)
     report["finished_utc"] = _utc()
     plots.mkdir(parents=True, exist_ok=True)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,12 @@ directory (its inputs, any --save / output / checkpoint directory and, for the
 launchers, the fake srun's marker) exactly as it was, file by file.
 
 The training entry imports Megatron (10-20 s a process), so only a few of its
-rows run in CI; the rest are marked slow.
+rows run in CI; the rest are marked slow. Its rows run forked from the multirank
+harness's server, where torch and Megatron are imported already
+(megatron_lbp.testing.entry.run_entry_captured: the entry's own main(), the row's
+whole environment and directory, stdout and stderr apart, the exit status as a
+process's); the rows marked ``fresh`` start ``python -m megatron_lbp.pretrain_gpt``
+in a new interpreter, so that its start-up stays covered.
 """
 from __future__ import annotations
 
@@ -59,6 +64,7 @@ class Case:
     slow: bool = False
     code: int | None = -1          # expected exit status; -1: the entry's usual one (EXIT), None: any non-zero
     in_process: bool = False       # preprocess: call its main() here (its imports cost ~4 s a process)
+    fresh: bool = False            # pretrain: a fresh interpreter (else forked warm, see _run)
 
 
 class Ctx:
@@ -351,8 +357,9 @@ def _other_version(c):
     return tree
 
 
-def train(name, build, needles, env=None, slow=True):
-    return Case("pretrain " + name, "pretrain", build, tuple(needles), env=env or {}, slow=slow)
+def train(name, build, needles, env=None, slow=True, fresh=False):
+    return Case("pretrain " + name, "pretrain", build, tuple(needles), env=env or {}, slow=slow,
+                fresh=fresh)
 
 
 def _base(c, *extra, data=None):
@@ -429,7 +436,7 @@ SLURM_ONE_TASK = {"RANK": None, "LOCAL_RANK": None, "WORLD_SIZE": None, "LOCAL_W
 PRETRAIN = [
     # data and tokenizer
     train("missing data", lambda c: _base(c, data=str(c.tmp / "nothing")),
-          ["--data-path", "nothing.bin does not exist"], slow=False),
+          ["--data-path", "nothing.bin does not exist"], slow=False, fresh=True),
     train("empty data files", lambda c: _base(c, data=(c.write("empty.bin", b""), c.write("empty.idx", b""),
                                                        str(c.tmp / "empty"))[2]), ["--data-path", "is empty"]),
     train("corrupt data index", lambda c: _base(c, data=(c.write("bad.bin", b"\0" * 64),
@@ -601,6 +608,14 @@ def _run(case: Case, ctx: Ctx, argv: list, env_over: dict, site_env: dict | None
         single = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}   # no peer needs it
         cmd, env = [PY, "-m", "megatron_lbp.pretrain_gpt", *argv], _env(single, base)
+        if not case.fresh:
+            # Forked from the harness's server with torch and Megatron imported (~5 s of CPU a
+            # fresh interpreter spends before it reads an argument): the entry's own main(),
+            # the whole environment and the working directory as exec gives them. The
+            # interpreter start-up itself is covered by the rows marked fresh.
+            from megatron_lbp.testing.entry import run_entry_captured
+
+            return run_entry_captured(argv, _env(env_over, env), ctx.tmp, timeout=600)
     else:
         raise AssertionError(case.entry)
     env = _env(env_over, env)

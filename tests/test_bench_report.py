@@ -308,6 +308,28 @@ def test_failing_subcommand_is_reported_and_fails_the_command(tmp_path):
     assert skipped.returncode == 0, skipped.stderr[-2000:]
 
 
+@pytest.mark.slow  # renders the whole committed report again: ~80 s at load ~100
+def test_only_runs_the_named_run_and_reuses_every_other(tmp_path):
+    """--only overhead_plan: the plan tool runs again for the committed overhead run; every other
+    run is the committed one, marked reused, its provenance kept."""
+    committed = json.loads((REPO / "docs" / "benchmarks" / "results.json").read_text())
+    (tmp_path / "plots").mkdir()
+    shutil.copy(REPO / "docs" / "benchmarks" / "results.json", tmp_path / "plots" / "results.json")
+    out = _report("--only", "overhead_plan", "--out", str(tmp_path / "B.md"),
+                  "--plots-dir", str(tmp_path / "plots"), timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rec = json.loads((tmp_path / "plots" / "results.json").read_text())
+    assert "reused" not in rec["runs"]["overhead_plan"], rec["runs"]["overhead_plan"]
+    assert rec["runs"]["overhead_plan"]["started_utc"] != \
+        committed["runs"]["overhead_plan"]["started_utc"]
+    assert rec["runs"]["overhead_plan"]["status"] == "ok", rec["runs"]["overhead_plan"]
+    assert rec["runs"]["overhead_plan"]["result"]["world_size"] == \
+        committed["runs"]["overhead"]["result"]["ranks"]
+    for key in set(report.run_keys()) - {"overhead_plan"}:
+        assert rec["runs"][key]["reused"], key
+        assert rec["runs"][key]["started_utc"] == committed["runs"][key]["started_utc"], key
+
+
 def test_absent_command_is_a_failed_run_with_its_error():
     run = report.run_command([sys.executable, "-m", "benchmarks", "nosuch", "--json"],
                              timeout=120)
@@ -315,10 +337,25 @@ def test_absent_command_is_a_failed_run_with_its_error():
     assert run["reason"].startswith("exit 2:") and "command nosuch is not one of" in run["reason"]
 
 
+def test_the_frontier_shaped_run_has_its_own_multi_rank_timeout():
+    """Six schemes in one multi-rank run outlast the network command's default; the report's own
+    per-command limit must still leave that run room to fail by itself (its namespaces removed)."""
+    from benchmarks import network
+
+    argv = report.section_commands(False)["network"]["network_frontier"]
+    given = float(argv[argv.index("--timeout") + 1])
+    default = network.parse(["--model", "frontier-shaped"]).timeout
+    assert default < given == report.FRONTIER_RUN_TIMEOUT_S < report.DEFAULT_TIMEOUT_S, (
+        default, given, report.DEFAULT_TIMEOUT_S)
+    assert "--timeout" not in report.section_commands(True)["network"]["network_frontier"]
+
+
 def test_bad_flags_are_one_line_errors():
     for args, msg in ((["--skip", "speed"], "--skip: speed not in"),
                       (["--skip", "project", "--reuse", "project"], "both skipped and reused"),
-                      (["--timeout", "0"], "--timeout=0 must be > 0")):
+                      (["--timeout", "0"], "--timeout=0 must be > 0"),
+                      (["--only", "network_default"], "--only: network_default not in"),
+                      (["--only", "project", "--reuse", "traffic"], "not with --skip or --reuse")):
         out = _report(*args, timeout=120)
         assert out.returncode == 2 and msg in out.stderr, (args, out.stderr[-500:])
 

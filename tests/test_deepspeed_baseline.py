@@ -22,6 +22,7 @@ virtual environment's torch-extensions/ the first time and is reused afterwards
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import traceback
 
 import importlib.util
@@ -33,7 +34,8 @@ import torch.distributed as dist
 from megatron_lbp.testing.multirank import rank_location_env, run_on_ranks
 from megatron_lbp.testing.tiny_gpt import TinyGPTSpec, TrainSpec, train_hier, train_stock_megatron
 from tests.test_engine_equivalence import (FP32_REL, assert_ranks_hold_the_same_weights,
-                                           assert_same_grad_norms, assert_same_training)
+                                           assert_same_grad_norms, assert_same_losses,
+                                           assert_same_training)
 from tests.test_quant_training import MIN_GAP, REL, WARMUP
 
 # find_spec, not importorskip: importing deepspeed here (the ranks import this module too)
@@ -92,26 +94,29 @@ def dropped_micro_batch(micro_batches: int, dropped: int = 0):
         trainer.tiny_gpt.forward_loss = orig
 
 
-def train_runs(spec, train, configs: dict, ranks_per_node: int, faults: dict | None = None):
+def train_runs(spec, train, configs: dict, ranks_per_node: int, faults: dict | None = None,
+               steps: dict | None = None):
     """Per configuration, its TrainResult (or the traceback it raised), one after another.
 
     ``configs``: name -> None (stock Megatron), a list (the engine's --hier-* argv),
     a DeepSpeed scheme name, or (scheme name, zero_optimization overrides).
+    ``steps``: name -> steps, for configurations that train fewer than ``train.steps``.
     """
     from benchmarks.deepspeed.trainer import train_deepspeed
 
     out = {}
     for name, what in configs.items():
+        own = dataclasses.replace(train, steps=(steps or {}).get(name, train.steps))
         fault = (faults or {}).get(name)
         try:
             with fault() if fault else contextlib.nullcontext():
                 if what is None:
-                    out[name] = train_stock_megatron(spec, train)
+                    out[name] = train_stock_megatron(spec, own)
                 elif isinstance(what, list):
-                    out[name] = train_hier(spec, train, what)
+                    out[name] = train_hier(spec, own, what)
                 else:
                     scheme, overrides = (what, None) if isinstance(what, str) else what
-                    out[name] = train_deepspeed(spec, train, scheme, ranks_per_node=ranks_per_node,
+                    out[name] = train_deepspeed(spec, own, scheme, ranks_per_node=ranks_per_node,
                                                 zero_overrides=overrides)
         except Exception:  # noqa: BLE001 - reported as this configuration's result
             out[name] = f"{name} raised on rank {dist.get_rank()}:\n{traceback.format_exc()}"
@@ -129,6 +134,16 @@ def trained(result, name):
 FAST_WORLD, FAST_NODE = 4, 2
 FAST_TRAIN = TrainSpec(steps=4, micro_batches=2, bucket_size=20000)
 FAST_LBP = ["--hier-preset", "lbp"]
+# The broken runners train 2 steps: a wrong learning rate shows in step 2's loss (step 1's
+# update), a dropped micro-batch in step 1's gradient norm; each step of DeepSpeed costs ~1 s
+# of the fast suite's slowest set-up.
+BROKEN_STEPS = 2
+
+
+def first_steps(result, n: int):
+    """``result`` as if it had trained ``n`` steps (its losses and gradient norms; no weights)."""
+    return dataclasses.replace(result, losses=result.losses[:n], grad_norms=result.grad_norms[:n],
+                               params={})
 
 
 def _dropped_fault():
@@ -141,6 +156,7 @@ def fast_runs():
                WRONG_LR: "ds-zero3", DROPPED: "ds-zero3"}
     return run_on_ranks(train_runs, FAST_WORLD, TinyGPTSpec(), FAST_TRAIN, configs, FAST_NODE,
                         {WRONG_LR: wrong_learning_rate, DROPPED: _dropped_fault},
+                        {WRONG_LR: BROKEN_STEPS, DROPPED: BROKEN_STEPS},
                         rank_env=rank_location_env(FAST_NODE), timeout=TIMEOUT)
 
 
@@ -156,18 +172,20 @@ def test_ds_zero3_trains_like_stock_megatron_and_lbp_fp32(fast_runs):
 def test_equivalence_check_fails_on_a_wrong_learning_rate(fast_runs):
     """The test of the test: the same runner with lr x1.5 differs from stock."""
     stock, bad = trained(fast_runs[0], "stock"), trained(fast_runs[0], WRONG_LR)
+    assert len(bad.losses) == BROKEN_STEPS, bad.losses
     with pytest.raises(AssertionError, match="losses differ"):
-        assert_same_training(bad, stock, FP32_REL, WRONG_LR)
+        assert_same_losses(bad, first_steps(stock, BROKEN_STEPS), FP32_REL, WRONG_LR)
 
 
 def test_equivalence_check_fails_on_a_dropped_micro_batch(fast_runs):
     """The test of the test: one micro-batch's gradient missing from each step."""
     stock, bad = trained(fast_runs[0], "stock"), trained(fast_runs[0], DROPPED)
+    assert len(bad.grad_norms) == BROKEN_STEPS, bad.grad_norms
     # its logged losses start equal (the dropped micro-batch still runs forward) ...
     assert abs(bad.losses[0] - stock.losses[0]) <= FP32_REL * stock.losses[0]
     # ... and the reported gradient norm shows the missing half
     with pytest.raises(AssertionError, match="grad norms differ"):
-        assert_same_grad_norms(bad, stock, FP32_REL, DROPPED)
+        assert_same_grad_norms(bad, first_steps(stock, BROKEN_STEPS), FP32_REL, DROPPED)
 
 
 # -- slow: 8 ranks as 2 nodes of 4 (hpZ's node-sized partition, qgZ's two levels) ----------

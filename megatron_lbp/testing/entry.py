@@ -20,8 +20,9 @@ has failed the others are sent SIGTERM (SIGKILL after a grace period).
 
 What this does not exercise, and where that is covered: the interpreter start-up
 and torchrun's own agent. tests/test_patches.py launches the entry with torchrun,
-tests/test_bad_input_matrix.py runs ``python -m megatron_lbp.pretrain_gpt`` once per
-row, and the real Slurm test starts it with srun.
+tests/test_bad_input_matrix.py runs ``python -m megatron_lbp.pretrain_gpt`` in a fresh
+interpreter for the rows that say so (the others through :func:`run_entry_captured`),
+and the real Slurm test starts it with srun.
 """
 from __future__ import annotations
 
@@ -96,6 +97,46 @@ def _entry_rank(argv: list[str], environ: dict[str, str], cwd: str, log_path: st
     sys.stdout = os.fdopen(1, "w", buffering=1)
     sys.stderr = os.fdopen(2, "w", buffering=1)
     as_entry_process(argv, environ, cwd)
+
+
+def _captured_rank(argv: list[str], environ: dict[str, str], cwd: str, out_path: str,
+                   err_path: str) -> None:
+    for fd, path in ((1, out_path), (2, err_path)):
+        f = os.open(path, os.O_WRONLY | os.O_TRUNC)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.stdout = os.fdopen(1, "w", buffering=1)
+    sys.stderr = os.fdopen(2, "w", buffering=1)
+    as_entry_process(argv, environ, cwd)
+
+
+def run_entry_captured(argv: Sequence[str], environ: Mapping[str, str], cwd: str | os.PathLike,
+                       *, timeout: float = 600) -> subprocess.CompletedProcess:
+    """One rank of ``python -m megatron_lbp.pretrain_gpt argv``, forked warm, stdout and stderr apart.
+
+    For checks of what the entry says and does before it trains (the bad-input matrix):
+    ``environ`` is the whole environment (as exec gets it), ``cwd`` the working
+    directory. The exit status is the process's: SystemExit's code, 1 (and the
+    traceback on stderr) for an uncaught exception, as in a fresh interpreter.
+    """
+    import tempfile
+
+    ctx = forkserver_context()
+    with tempfile.TemporaryDirectory(prefix="lbp-entry-") as tmp:
+        out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        for path in (out_path, err_path):
+            Path(path).write_text("")
+        p = ctx.Process(target=_captured_rank, name="lbp-entry",
+                        args=(list(argv), dict(environ), str(cwd), out_path, err_path))
+        p.start()
+        p.join(timeout)
+        if p.exitcode is None:
+            _signal(p.pid, signal.SIGKILL)
+            p.join()
+            raise subprocess.TimeoutExpired("megatron_lbp.pretrain_gpt", timeout)
+        return subprocess.CompletedProcess(
+            ["python", "-m", "megatron_lbp.pretrain_gpt", *argv], p.exitcode,
+            Path(out_path).read_text(errors="replace"), Path(err_path).read_text(errors="replace"))
 
 
 class EntryJob:
