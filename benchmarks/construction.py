@@ -31,7 +31,7 @@ from typing import Any
 
 def measure_rank(spec, train, hier_argv) -> dict[str, Any]:
     """On one rank: construction peak and first-step losses, sharded and whole-model."""
-    from megatron_lbp import costs
+    from megatron_lbp.core import costs
     from megatron_lbp.engine.memory import AllocationPeak
     from megatron_lbp.testing.tiny_gpt import setup_hier
 

@@ -33,7 +33,7 @@ micro-batch of 8 sequences outlasts zeropp's per-micro-batch gradient traffic (w
 then hide, while lbp's optimizer-step traffic cannot hide) and one of 1 sequence does not.
 
 The result says, per batch, which scheme the projection prefers and which was measured
-faster. tests/test_network_choice.py asserts that they agree at both batches, and that the
+faster. tests/bench/test_network_choice.py asserts that they agree at both batches, and that the
 projection prefers different schemes at the two.
 
 Needs root and iproute2; run it under ``flock /tmp/lbp-netns.lock``.
@@ -205,7 +205,7 @@ def derive_rate(args, net, spec, trains) -> dict[str, Any]:
     NETWORK_OVER_COMPUTE x the measured compute of one micro-batch of the batch with the most
     micro-batches. Measured first, every rank at once, so that the setting follows the
     machine's load rather than a fixed rate."""
-    from megatron_lbp.costs import PHASES
+    from megatron_lbp.core.costs import PHASES
     from megatron_lbp.projection import project as pj
 
     name = max(args.batches, key=lambda n: args.batches[n][1])

@@ -30,7 +30,7 @@ from __future__ import annotations
 import bisect
 from typing import Any, Iterable, Mapping, Sequence
 
-from megatron_lbp.costs import PHASES
+from megatron_lbp.core.costs import PHASES
 
 PHASES_ALL = PHASES + ("control",)
 

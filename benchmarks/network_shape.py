@@ -73,7 +73,7 @@ def zero3_uplink_bytes(model: Mapping[str, int], world: int, ranks_per_node: int
                        micro_batches: int, gcds_per_package: int) -> float:
     """Bytes zero3 puts on one node's uplink per optimizer step, each way (the plan's bytes)."""
     from megatron_lbp.projection import project as pj
-    from megatron_lbp.costs import PHASES
+    from megatron_lbp.core.costs import PHASES
 
     plan = pj.plan_for(model, world, "zero3", micro_batches, gpus_per_node=ranks_per_node,
                        gcds_per_package=gcds_per_package)

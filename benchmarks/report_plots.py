@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.report_goals import result, traffic_bytes
-from megatron_lbp.costs import LINK_CLASS_ORDER
+from megatron_lbp.core.costs import LINK_CLASS_ORDER
 
 
 def _pyplot():

@@ -1,7 +1,7 @@
 """BENCHMARKS.md from the report's saved record (results.json): nothing is measured here.
 
 Every table cell is formatted from the record by the functions below, so
-``tests/test_bench_report.py`` can read the tables back and compare them with
+``tests/bench/test_bench_report.py`` can read the tables back and compare them with
 the JSON.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 from benchmarks import cpu_share
 from megatron_lbp.projection.project_replay import settings_text
 from benchmarks.report_goals import calibration_rows, fmt_ratio, result, traffic_bytes
-from megatron_lbp.costs import LINK_CLASS_ORDER
+from megatron_lbp.core.costs import LINK_CLASS_ORDER
 
 NOT_RUN = "not run: "
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"

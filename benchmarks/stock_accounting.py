@@ -43,9 +43,9 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_lbp.costs import LINK_CLASS_ORDER, number, ring_sent
+from megatron_lbp.core.costs import LINK_CLASS_ORDER, number, ring_sent
 from megatron_lbp.engine.dist_api import nbytes as _nbytes
-from megatron_lbp.topology import link_class
+from megatron_lbp.core.topology import link_class
 
 CONTROL_MAX_ELEMENTS = 16
 BULK, CONTROL = "bulk", "control"

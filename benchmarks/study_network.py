@@ -15,7 +15,7 @@ crossed the node uplinks, measured, beside the engine's ledger. gloo binds to ``
 Weak scaling: ``--micro-batches`` per rank at every node count. The same GPT (megatron-core,
 bf16), data (the shipped demo corpus), tokenizer, seed and settings in every run. A run that
 fails or times out is recorded as failed with its reason and the study goes on
-(megatron_lbp.study.result.record_failure). At the end ``python -m megatron_lbp.study report``'s
+(megatron_lbp.integration.study_result.record_failure). At the end ``python -m megatron_lbp.study report``'s
 report is written into ``DIR/runs/`` (report.md and PNGs); ``DIR/network.json`` holds the
 network's settings. Needs root and iproute2; the namespaces are removed after every run.
 
@@ -84,7 +84,7 @@ def _why(log: str) -> str:
 
 def run_one(args, nodes: int, scheme: str, data: str, run_dir: Path) -> str:
     """One run on a fresh emulated network; its status ('ok' or 'failed: ...')."""
-    from megatron_lbp.study import result
+    from megatron_lbp.integration import study_result as result
 
     run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / "result.json"
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
     netns.sweep_stale()
     out = Path(args.out).resolve()
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    from megatron_lbp.data import build_demo_data
+    from megatron_lbp.integration.data import build_demo_data
 
     data = build_demo_data(str(out / "data"), quiet=True)
     (out / "network.json").write_text(json.dumps({

@@ -32,7 +32,7 @@ import argparse
 import sys
 from typing import Any
 
-from megatron_lbp.costs import LINK_CLASS_ORDER
+from megatron_lbp.core.costs import LINK_CLASS_ORDER
 from megatron_lbp.projection.schemes import (ENGINE_SCHEMES, GCDS_PER_PACKAGE, STOCK_SCHEMES,
                                              engine_argv, schemes_from)
 
@@ -68,7 +68,7 @@ def setup_fsdp(spec, train):
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
     from megatron.core.optimizer import get_megatron_optimizer, get_standard_config_overrides
 
-    from megatron_lbp import compat
+    from megatron_lbp.integration import compat
     from megatron_lbp.testing import tiny_gpt
 
     compat.megatron_fsdp_on_gloo()
@@ -104,7 +104,7 @@ def rank_traffic(scheme: str, micro_batches: int, bucket_size: int | None,
 
     from benchmarks.stock_accounting import count_collectives
     from megatron_lbp.testing.tiny_gpt import setup_hier, setup_stock
-    from megatron_lbp.topology import emulated_locations
+    from megatron_lbp.core.topology import emulated_locations
 
     spec, train = _specs(micro_batches, bucket_size)
     locations = emulated_locations(dist.get_world_size(), gpus_per_node, GCDS_PER_PACKAGE)

@@ -1,6 +1,6 @@
 """megatron-lbp: Low-Bandwidth Partitioning (three-level, topology-aware ZeRO) for Megatron-LM."""
 
-from megatron_lbp import compat as _compat
+from megatron_lbp.integration import compat as _compat
 
 # Only the Python-version shim runs at import (it is needed before any
 # megatron.training import); the CPU runtime is switched on by compat.enable().

@@ -8,7 +8,7 @@
 # is installed; when it matches, the script returns at once.
 #
 # The one Python 3.11 workaround lives here (and its runtime half in
-# megatron_lbp/compat.py): megatron-core 0.19.2 declares Requires-Python >= 3.12
+# megatron_lbp/integration/compat.py): megatron-core 0.19.2 declares Requires-Python >= 3.12
 # but ships cp311 wheels, so on 3.11 it is installed with --no-deps
 # --ignore-requires-python and its real dependencies come from requirements.txt.
 # On Python >= 3.12 (Frontier's miniforge) the plain `pip install -r` path runs.
@@ -89,7 +89,7 @@ fi
 
 "${pip[@]}" install --no-deps -e "$repo"
 check_log=$(mktemp)
-if ! "$py" -W ignore -c 'import megatron_lbp.compat as c; c.enable(); import megatron.core, megatron.training.training' \
+if ! "$py" -W ignore -c 'import megatron_lbp.integration.compat as c; c.enable(); import megatron.core, megatron.training.training' \
     >"$check_log" 2>&1; then
   cat "$check_log" >&2
   echo "[install] import check failed (output above)" >&2

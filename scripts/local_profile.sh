@@ -17,7 +17,7 @@
 #   bash scripts/local_profile.sh --dry-run
 #
 # The demo data is built by `bash scripts/main.sh`, or by
-#   .venv/bin/python -c 'from megatron_lbp.data import build_demo_data; build_demo_data("data")'
+#   .venv/bin/python -c 'from megatron_lbp.integration.data import build_demo_data; build_demo_data("data")'
 #
 # Every variable of the Frontier profiles (scripts/launch/frontier_body.sh) applies.
 # What differs from the Frontier profiles, and why:

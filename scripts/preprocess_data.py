@@ -33,7 +33,7 @@ pretraining needs document separators; ``--no-append-eod`` turns it off),
 
 Errors in the input (missing or empty input, no documents, a bad JSON line, a
 missing key, a tokenizer that cannot be built here offline from local files
-(megatron_lbp/tokenizer_check.py, the training entry's check), an unwritable output directory) end
+(megatron_lbp/integration/tokenizer_check.py, the training entry's check), an unwritable output directory) end
 the run with exit status 1 or 2 and one line on stderr naming the input. Outputs
 are written to temporary files and renamed into place only on success, so a
 failed or killed run never leaves a partial .bin/.idx (nor replaces an old one).
@@ -85,7 +85,7 @@ def _import_megatron():
         from megatron.core.datasets import indexed_dataset
         from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
         from megatron.training.arguments import _add_tokenizer_args
-        from megatron_lbp import megatron_adapter
+        from megatron_lbp.integration import megatron_adapter
 
         megatron_adapter.install_gpt2_bpe_from_files()  # as training builds it: offline, from the files
     return _add_tokenizer_args, build_tokenizer, indexed_dataset
@@ -297,7 +297,7 @@ class Progress:
 
 def _check_tokenizer_args(args: argparse.Namespace) -> None:
     """The training entry's check: the tokenizer can be built here, offline, from local files."""
-    from megatron_lbp import tokenizer_check
+    from megatron_lbp.integration import tokenizer_check
 
     try:
         tokenizer_check.check(args)

@@ -12,7 +12,7 @@ def demo_dataset(tmp_path_factory) -> str:
 
     Tests only read it; Megatron's index cache next to it is keyed by each run's settings.
     """
-    from tests.pretrain_runner import demo_data
+    from tests.helpers.pretrain_runner import demo_data
 
     return demo_data(tmp_path_factory.mktemp("demo-data"))
 
@@ -28,7 +28,7 @@ def local_slurm(tmp_path_factory):
     import shutil
     import subprocess
 
-    from tests.test_launchers import LOCAL_SLURM, _gpt2_data
+    from tests.launch.test_launchers import LOCAL_SLURM, _gpt2_data
 
     if os.geteuid() != 0 or (shutil.which("apt-get") is None and shutil.which("slurmctld") is None):
         pytest.skip("needs root and Debian's slurm packages (or apt-get)")

@@ -3,14 +3,14 @@
 Takes Megatron-LM's ``pretrain_gpt.py`` flags, exactly what
 ``python -m megatron_lbp.pretrain_gpt`` takes without ``--hier-*``, and:
 
-- resolves them as that entry does (megatron_lbp.training_hooks.resolve_flags:
+- resolves them as that entry does (megatron_lbp.integration.training_hooks.resolve_flags:
   local layers without Transformer Engine, gloo on CPU ranks) and lets
   megatron.training parse and validate them and initialize distributed state;
 - builds the model with megatron.training's own GPT builder from those flags
   (``GPTModelBuilder.build_distributed_models`` without the DDP wrapper: same
   layers, same seed, so the same initial weights as the stock run);
 - reads the data through megatron.training's iterators over
-  ``megatron_lbp.pretrain_gpt.train_valid_test_datasets_provider`` (same
+  ``megatron_lbp.integration.pretrain_gpt.train_valid_test_datasets_provider`` (same
   indexed dataset, split, shuffling and order) and computes each micro-batch's
   loss with that entry's ``forward_step`` / ``loss_func``;
 - trains under ``deepspeed.initialize`` with the named scheme (see
@@ -20,7 +20,7 @@ Takes Megatron-LM's ``pretrain_gpt.py`` flags, exactly what
   norm: ... |``) so the same log readers work on both.
 
 With ``LBP_RESULT_FILE=PATH`` the run writes the study's result file
-(megatron_lbp/study/result.py: step time, tokens/s, TFLOPS/GCD by Megatron's FLOP
+(megatron_lbp/integration/study_result.py: step time, tokens/s, TFLOPS/GCD by Megatron's FLOP
 formula, peak memory on GPU, loss curve; on CPU ranks memory and ledger bytes are
 "not measured", DeepSpeed keeping no ledger), the same file pretrain_gpt writes.
 
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
                      "baseline partitions with DeepSpeed (--ds-scheme)")
     sys.argv = [sys.argv[0]] + rest
 
-    from megatron_lbp import capabilities, compat, pretrain_gpt, training_hooks
+    from megatron_lbp.integration import capabilities, compat, pretrain_gpt, training_hooks
 
     pretrain_gpt._env_rank_from_slurm()
     try:
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     compat.enable_training()
     # --tokenizer-type GPT2BPETokenizer from --vocab-file/--merge-file offline, as pretrain_gpt
     # builds it (megatron-core's own path asks transformers' AutoTokenizer for the hub's gpt2)
-    from megatron_lbp import megatron_adapter
+    from megatron_lbp.integration import megatron_adapter
 
     megatron_adapter.install_gpt2_bpe_from_files()
 
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         if os.environ.get("RANK", "0") == "0":
             print(json.dumps({"scheme": own.ds_scheme, "deepspeed_config": config}, indent=1))
         return
-    from megatron_lbp.study import result
+    from megatron_lbp.integration import study_result as result
 
     try:
         train(args, own.ds_scheme, config, node)
@@ -135,9 +135,9 @@ def _result_args():
 
 
 def _result_start(args, scheme: str, config: dict, local_rank: int | None) -> None:
-    """Open the run's result file (megatron_lbp/study/result.py: the same file as
+    """Open the run's result file (megatron_lbp/integration/study_result.py: the same file as
     pretrain_gpt's, so the study's report puts DeepSpeed beside lbp)."""
-    from megatron_lbp.study import result
+    from megatron_lbp.integration import study_result as result
 
     zero = config["zero_optimization"]
     result.start(args, scheme=scheme,
@@ -198,7 +198,7 @@ def train(args, scheme: str, config: dict, node: int) -> None:
     from megatron.training.initialize import initialize_megatron
     from megatron.training.training import (build_train_valid_test_data_iterators,
                                             get_optimizer_param_scheduler)
-    from megatron_lbp import pretrain_gpt
+    from megatron_lbp.integration import pretrain_gpt
 
     deepspeed = import_deepspeed(node)
     if features(scheme)["qwz"] or features(scheme)["qgz"]:
@@ -238,7 +238,7 @@ def train(args, scheme: str, config: dict, node: int) -> None:
 
     rerun = get_rerun_state_machine()
     engine.train()
-    from megatron_lbp.study import result
+    from megatron_lbp.integration import study_result as result
 
     _result_start(args, scheme, config, local_rank)  # the clock of the first iteration starts here
     for iteration in range(1, args.train_iters + 1):

@@ -25,7 +25,7 @@ from typing import Any
 
 from benchmarks.deepspeed.schemes import SCHEMES as DS_SCHEMES
 from benchmarks import traffic as engine_traffic
-from megatron_lbp.costs import LINK_CLASS_ORDER
+from megatron_lbp.core.costs import LINK_CLASS_ORDER
 
 ENGINE_SCHEMES = ("lbp", "zero3", "zeropp")
 SCHEMES = ENGINE_SCHEMES + DS_SCHEMES
@@ -59,7 +59,7 @@ def ds_rank_traffic(scheme: str, micro_batches: int, bucket_size: int | None,
 
     from benchmarks.deepspeed.trainer import setup_deepspeed
     from benchmarks.stock_accounting import count_collectives
-    from megatron_lbp.topology import emulated_locations
+    from megatron_lbp.core.topology import emulated_locations
 
     spec, train = engine_traffic._specs(micro_batches, bucket_size)
     locations = emulated_locations(dist.get_world_size(), gpus_per_node,

@@ -33,7 +33,7 @@ A bucket owns three kinds of memory:
   are rewritten from ``full`` in every forward (:meth:`FlatBucket.build_secondary`),
   so they always come from the weights that forward used.
 
-Slices come from :mod:`megatron_lbp.layout`; nothing here talks to other ranks.
+Slices come from :mod:`megatron_lbp.core.layout`; nothing here talks to other ranks.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_lbp.engine.memory import TransientLedger
-from megatron_lbp.layout import BucketLayout, plan_bucket
+from megatron_lbp.core.layout import BucketLayout, plan_bucket
 from megatron_lbp.engine.quantized import quantize_into
 from megatron_lbp.quant import DEFAULT_BLOCK_SIZE, quantized_nbytes
 
@@ -280,7 +280,7 @@ class FlatBucket:
         torch.distributed sorted the group: rank (q, p) owns chunk q of primary
         chunk p, but reduce_scatter_tensor gives chunk i to sorted group rank
         i = P*q + p, so the bucket is viewed as (P, G/P, N/G) and its first two
-        axes swapped (a copy; see megatron_lbp.layout).
+        axes swapped (a copy; see megatron_lbp.core.layout).
         """
         if self.grad_chunk_ordered or self.layout.grad_scatter_is_identity:
             return self.grad_full

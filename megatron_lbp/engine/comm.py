@@ -4,7 +4,7 @@ One small interface (:class:`Collectives`) wraps the five torch.distributed
 calls the engine needs. Each call names the group *family* it runs in
 ("param", "grad", "inter", ...) and the *phase* of the step it belongs to;
 the ledger then charges the bytes this rank sends to that family's link
-class. The accounting is the same as the plan tool's (megatron_lbp.costs):
+class. The accounting is the same as the plan tool's (megatron_lbp.core.costs):
 
 - all-gather producing T bytes over n ranks: T·(n-1)/n sent per rank;
 - reduce-scatter consuming T bytes over n ranks: T·(n-1)/n (on gloo run as an
@@ -16,7 +16,7 @@ class. The accounting is the same as the plan tool's (megatron_lbp.costs):
 Bulk phases are those the plan predicts; "control" holds the scalar
 collectives (gradient norm, inf/nan flags, start-up broadcast) that it does not.
 
-Each family has one communicator per *channel* (megatron_lbp.process_groups):
+Each family has one communicator per *channel* (megatron_lbp.engine.process_groups):
 all-gathers run on its "gather" communicator, reduce-scatters, all-to-alls and
 all-reduces on its "reduce" one, so a weight gather never waits behind a
 gradient reduction over the same ranks.
@@ -46,7 +46,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from megatron_lbp.costs import LINK_CLASS_ORDER, number, ring_sent
+from megatron_lbp.core.costs import LINK_CLASS_ORDER, number, ring_sent
 from megatron_lbp.engine.constants import PHASES
 from megatron_lbp.engine import faults
 from megatron_lbp.engine.dist_api import all_gather_single, nbytes as _nbytes
@@ -327,7 +327,7 @@ class PremulSum:
     for reduce-scatters (and AVG's division after the sum would round
     differently); there the caller scales in a pass it makes anyway
     (megatron_lbp.engine.unit). The CPU tests replace :data:`PREMUL_SUM` with an
-    exact gloo emulation (tests/premul_sum_gloo.py) to run the branch a GPU takes.
+    exact gloo emulation (tests/helpers/premul_sum_gloo.py) to run the branch a GPU takes.
     """
 
     def available(self, backend: str) -> bool:
@@ -357,7 +357,7 @@ def exchange_reduce_scatter(backend: str) -> bool:
     needs and what NCCL/RCCL send, and its ring sums every chunk on every rank
     (measured with 4 ranks on one host: 1.50 x the input's bytes per rank on the
     loopback against 0.75 for all_to_all_single, and 151 ms against 50 ms for a
-    38 MB fp32 input; tests/test_comm_exchange.py checks the bytes). The exchange sends
+    38 MB fp32 input; tests/engine/test_comm_exchange.py checks the bytes). The exchange sends
     the (n-1)/n the ledger charges, so on gloo the emulated links carry the bytes the
     plan and a GPU run move. NCCL keeps its native reduce-scatter.
     """

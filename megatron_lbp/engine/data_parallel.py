@@ -37,8 +37,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from megatron_lbp import costs
-from megatron_lbp.config import (EngineOptions, check_quantized_grad_families,
+from megatron_lbp.core import costs
+from megatron_lbp.core.config import (EngineOptions, check_quantized_grad_families,
                                  check_training_dtypes)
 from megatron_lbp.engine.buckets import FlatBucket
 from megatron_lbp.engine.comm import CONTROL, Collectives, CommLedger
@@ -49,8 +49,8 @@ from megatron_lbp.engine.schedule import UnitSchedule
 from megatron_lbp.engine.trace import ScheduleTrace, output_path
 from megatron_lbp.engine import checkpoint, mcore
 from megatron_lbp.engine.unit import GatherUnit, UnitContext
-from megatron_lbp.process_groups import HierGroups
-from megatron_lbp.topology import family_link_classes, hierarchy_groups
+from megatron_lbp.engine.process_groups import HierGroups
+from megatron_lbp.core.topology import family_link_classes, hierarchy_groups
 
 _GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -201,7 +201,7 @@ class HierDataParallel(mcore.base_data_parallel()):
         part: leaving it marks the next backward as the step's last, whose units
         start their reduction to the optimizer slices as soon as their G-group
         reduce-scatter is done (megatron.training sets it as ``no_sync_func``:
-        megatron_lbp.megatron_adapter.wrap_model).
+        megatron_lbp.integration.megatron_adapter.wrap_model).
         """
         self.schedule.mark_last_micro_batch(False)
         try:
@@ -376,7 +376,7 @@ def _bucketed(v, keys: Mapping[int, list[str]]) -> bool:
 
 
 def _widest_link(hier: HierGroups) -> str:
-    from megatron_lbp.topology import link_class
+    from megatron_lbp.core.topology import link_class
 
     return link_class(hier.dp_ranks, hier.locations)
 

@@ -80,8 +80,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_lbp import patching
-from megatron_lbp.argv import flag_value, given
+from megatron_lbp.core import patching
+from megatron_lbp.core.argv import flag_value, given
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
 DEFAULT_CHECKIN_S = 15.0

@@ -1,7 +1,7 @@
 """Cutting a model into gather units, and which module's forward needs which unit.
 
 The model declares its units (:class:`UnitSpec`, built for megatron-core by
-megatron_lbp.megatron_adapter.gather_units): a GPT's embedding, each
+megatron_lbp.integration.megatron_adapter.gather_units): a GPT's embedding, each
 transformer layer and the output layer are one unit each, whatever their size,
 so one all-gather brings in everything a layer computes with and a layer's
 biases and norms travel with its matrices instead of as separately padded

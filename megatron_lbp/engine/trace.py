@@ -50,7 +50,7 @@ import os
 import time
 from typing import Any
 
-from megatron_lbp.costs import number
+from megatron_lbp.core.costs import number
 
 PASSES = ("forward", "recompute", "backward", "optimizer")
 

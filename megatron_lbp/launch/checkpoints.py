@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_lbp.costs import gb_text
+from megatron_lbp.core.costs import gb_text
 from megatron_lbp.launch._cli import PROG, Parser, write_resolved
 
 TRACKER = "latest_checkpointed_iteration.txt"

@@ -33,7 +33,7 @@ from argparse import Namespace
 from dataclasses import dataclass, replace
 from typing import Any
 
-from megatron_lbp import plan
+from megatron_lbp.launch import plan
 from megatron_lbp.launch import estimate
 
 # (label, preset, secondary: "node", "package" or 0) — the schemes every ranking covers.

@@ -3,7 +3,7 @@
     python -m megatron_lbp.launch contents --tokenizer-type T [--vocab-file F --merge-file F |
         --tokenizer-model M] [--vocab-size-padded V] [--data-path PREFIX ... | --mock-data]
 
-The training entry's own preflight (megatron_lbp.preflight.check_data_and_tokenizer),
+The training entry's own preflight (megatron_lbp.integration.preflight.check_data_and_tokenizer),
 run before anything is submitted: the tokenizer can be built here, offline, from local
 files (megatron_lbp.tokenizer_check); every --data-path prefix (blend weights skipped) is
 a readable Megatron indexed dataset with documents, whose .bin has the bytes its .idx
@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     ap.add_argument("--data-path", nargs="*", default=[])
     ap.add_argument("--mock-data", action="store_true")
     a = ap.parse_args(argv)
-    from megatron_lbp import preflight, tokenizer_check
+    from megatron_lbp.integration import preflight, tokenizer_check
 
     # The names preflight and tokenizer_check read (Megatron's parsed arguments).
     args = argparse.Namespace(tokenizer_type=a.tokenizer_type, vocab_file=a.vocab_file,

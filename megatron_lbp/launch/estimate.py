@@ -51,8 +51,9 @@ import shlex
 import sys
 from dataclasses import dataclass, replace
 
-from megatron_lbp import costs, plan
-from megatron_lbp.config import (DEFAULT_BUCKET_SIZE, DEFAULT_MAX_PENDING_REDUCES,
+from megatron_lbp.core import costs
+from megatron_lbp.launch import plan
+from megatron_lbp.core.config import (DEFAULT_BUCKET_SIZE, DEFAULT_MAX_PENDING_REDUCES,
                                  DEFAULT_PREFETCH_UNITS)
 from megatron_lbp.launch._cli import PROG, Parser, write_resolved
 
@@ -204,7 +205,7 @@ def activation_bytes(a, recompute: str, micro_batch_size: int) -> int:
     tied embeddings, the output layer's gradient of the shared weight (V*h in the weight
     dtype), which autograd holds until the embedding's backward adds its own to it. The
     engine's gathered weights and gradient buffers are the plan's transient figure, not
-    counted here. tests/test_activation_estimate.py checks the f and SwiGLU terms against
+    counted here. tests/launch/test_activation_estimate.py checks the f and SwiGLU terms against
     what a real megatron-core layer saves for its backward.
     """
     s, b, h, n, L, V = (a.seq_length, micro_batch_size, a.hidden_size,

@@ -3,7 +3,7 @@
     python -m megatron_lbp.launch placement --tasks-per-node 8 --gcds-per-package 2 \\
         --gpus-per-task 1 [--exchange-root /tmp] [--allow-non-colocated]
 
-The hierarchy's groups assume (megatron_lbp.topology) that ranks node*T .. node*T+T-1 are
+The hierarchy's groups assume (megatron_lbp.core.topology) that ranks node*T .. node*T+T-1 are
 the T tasks of one node and that local ranks P*k .. P*k+P-1 share one package (on
 Frontier's MI250X, local ranks 2k and 2k+1 one OAM). ``srun --gpu-bind=closest`` gives
 that (local ranks 0..7 on GCDs 4,5,2,3,6,7,0,1); other ``-c``/``--gpu-bind`` values or

@@ -13,7 +13,7 @@ bytes), one training step (``--step-s``: Megatron checks the clock between steps
 may send it early plus one step, so that the computed exit always comes first and the
 signal (Megatron's ``--exit-signal-handler``) stays the backstop. Megatron's clock
 starts when this command reads the time left: the launcher passes that moment to the
-tasks as LBP_LAUNCH_TIME (megatron_lbp.training_hooks.start_clock_at_launch), so the
+tasks as LBP_LAUNCH_TIME (megatron_lbp.integration.training_hooks.start_clock_at_launch), so the
 imports before Megatron's own clock, minutes at scale, do not eat the margin.
 ``--exit-duration-in-mins`` takes whole minutes: the exit time is rounded down to one.
 

@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from megatron_lbp.config import DEFAULT_MAX_PENDING_REDUCES, DEFAULT_PREFETCH_UNITS
+from megatron_lbp.core.config import DEFAULT_MAX_PENDING_REDUCES, DEFAULT_PREFETCH_UNITS
 from megatron_lbp.projection.project import ComputeModel, LinkModel
 
 DEFAULT = (DEFAULT_PREFETCH_UNITS, DEFAULT_MAX_PENDING_REDUCES)

@@ -1,8 +1,8 @@
 """Frontier projection: step time and TFLOPS per GCD from a per-link cost model (pure Python).
 
 The engine's collective schedule per optimizer step is replayed from the plan
-tool's exact per-phase bytes (``megatron_lbp.plan.make_plan`` over
-``megatron_lbp.costs``: buckets padded as the engine pads them, every group's
+tool's exact per-phase bytes (``megatron_lbp.launch.plan.make_plan`` over
+``megatron_lbp.core.costs``: buckets padded as the engine pads them, every group's
 link class from the emulated Frontier placement of 8 GCDs per node in packages
 of 2). Each collective costs
 
@@ -54,8 +54,8 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
-from megatron_lbp.config import DEFAULT_BUCKET_SIZE
-from megatron_lbp.costs import LINK_CLASS_ORDER, PHASES
+from megatron_lbp.core.config import DEFAULT_BUCKET_SIZE
+from megatron_lbp.core.costs import LINK_CLASS_ORDER, PHASES
 from megatron_lbp.projection.schemes import ENGINE_SCHEMES
 
 GB = 1e9
@@ -224,7 +224,7 @@ def plan_for(model: Mapping[str, int], gcds: int, scheme: str, micro_batches: in
     ``gpus_per_node``/``gcds_per_package`` default to Frontier; the emulated
     network's calibration passes its own node shape.
     """
-    from megatron_lbp.plan import make_plan
+    from megatron_lbp.launch.plan import make_plan
 
     argv = ["--world-size", str(gcds), "--num-layers", str(model["num_layers"]),
             "--hidden-size", str(model["hidden_size"]), "--vocab-size", str(model["vocab_size"]),

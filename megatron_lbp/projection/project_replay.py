@@ -56,7 +56,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Mapping, Sequence
 
-from megatron_lbp import costs
+from megatron_lbp.core import costs
 from megatron_lbp.projection import project as pj
 from megatron_lbp.projection.replay import ReplayError, explain, replay
 
@@ -71,7 +71,7 @@ RECORD_DEFAULTS = {"layers": (44, 32), "schemes": pj.DEFAULT_SCHEMES, "ranks": 1
                    "gpus_per_node": 8, "hidden": 64, "heads": 4, "vocab": 512, "seq": 32,
                    "micro_batch_size": 1, "micro_batches": 2, "steps": 3, "prefetch_units": 1}
 # The reference trace: the committed traces' settings on 2 nodes of 4 GCDs and 2 layers, which
-# tests/test_schedule.py records afresh in the ranks it starts anyway (seconds, not minutes).
+# tests/engine/test_schedule.py records afresh in the ranks it starts anyway (seconds, not minutes).
 REFERENCE = {"file": "reference-L2-lbp.jsonl.gz", "scheme": "lbp", "layers": 2, "ranks": 8,
              "gpus_per_node": 4}
 

@@ -59,7 +59,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from megatron_lbp.costs import PHASES
+from megatron_lbp.core.costs import PHASES
 
 # engine/comm.py's ALL_PHASES, without importing torch: the replay is pure Python.
 ALL_PHASES = PHASES + ("control",)

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "plan":
         return plan.main(args, p)
-    from megatron_lbp.study.result import record_failure
+    from megatron_lbp.integration.study_result import record_failure
 
     try:
         fields = dict(kv.split("=", 1) for kv in args.field)

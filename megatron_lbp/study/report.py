@@ -1,6 +1,6 @@
 """``python -m megatron_lbp.study report DIR``: one Markdown table and PNGs from a study's result files.
 
-Reads every ``*.json`` result (megatron_lbp/study/result.py) under DIR, writes
+Reads every ``*.json`` result (megatron_lbp/integration/study_result.py) under DIR, writes
 DIR/report.md and DIR/*.png. Nothing is recomputed from logs: each figure in the
 table is a field of a result file (or a ratio of two, named in the header).
 """
@@ -13,7 +13,7 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
-from megatron_lbp.study.result import SCHEMA
+from megatron_lbp.integration.study_result import SCHEMA
 
 BASE = "lbp"
 DISAGREE = 0.15       # projection vs measurement, relative, before the report names it

@@ -13,14 +13,14 @@ multirank harness's server (those modules already imported, see _preload.py), gi
 - stdout and stderr on one log file that every rank appends to (torchrun's
   merged output);
 
-and then runs ``megatron_lbp.pretrain_gpt.main(argv)``, the function
+and then runs ``megatron_lbp.integration.pretrain_gpt.main(argv)``, the function
 ``python -m megatron_lbp.pretrain_gpt`` runs. Exit status as torchrun reports it:
 0 when every rank exited 0, otherwise the first failed rank's status; once a rank
 has failed the others are sent SIGTERM (SIGKILL after a grace period).
 
 What this does not exercise, and where that is covered: the interpreter start-up
-and torchrun's own agent. tests/test_patches.py launches the entry with torchrun,
-tests/test_bad_input_matrix.py runs ``python -m megatron_lbp.pretrain_gpt`` in a fresh
+and torchrun's own agent. tests/unit/test_patches.py launches the entry with torchrun,
+tests/e2e/test_bad_input_matrix.py runs ``python -m megatron_lbp.pretrain_gpt`` in a fresh
 interpreter for the rows that say so (the others through :func:`run_entry_captured`),
 and the real Slurm test starts it with srun.
 """
@@ -75,7 +75,7 @@ def as_entry_process(argv: Sequence[str], environ: Mapping[str, str] | None, cwd
 
     import torch
 
-    from megatron_lbp import pretrain_gpt
+    from megatron_lbp.integration import pretrain_gpt
 
     # A fresh interpreter's default start method (fork on Linux), not the server's:
     # Megatron's data-loader workers are not picklable.

@@ -58,7 +58,7 @@ def fp16_model(spec: TinyGPTSpec, sharded: bool = False):
     config = dataclasses.replace(tiny_gpt_config(spec), fp16=True)
     provide = tiny_gpt_provider(spec, config)
     if sharded:
-        from megatron_lbp import megatron_adapter
+        from megatron_lbp.integration import megatron_adapter
 
         model = megatron_adapter.build_sharded(provide, config)
     else:

@@ -16,7 +16,7 @@ import torch
 
 def parse_flags(flags: list[str], seq_length: int):
     """megatron.training's parsed and validated args for ``flags`` (plus a micro-batch) on this rank."""
-    from megatron_lbp import capabilities, compat
+    from megatron_lbp.integration import capabilities, compat
 
     compat.enable()
     compat.enable_training()
@@ -42,7 +42,7 @@ def build_from_flags(flags: list[str], seq_length: int, vocab_size: int):
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.training.models.gpt import GPTModelBuilder
 
-    from megatron_lbp.megatron_adapter import gpt_model_config
+    from megatron_lbp.integration.megatron_adapter import gpt_model_config
 
     from megatron_lbp.testing.tiny_gpt import init_megatron_state
 

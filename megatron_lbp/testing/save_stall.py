@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from megatron_lbp import patching
+from megatron_lbp.core import patching
 
 SAVE_CONFIG = patching.declare(
     __name__, "test stall before metadata.json", "megatron.core.dist_checkpointing.serialization:save_config",

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_lbp import compat
+from megatron_lbp.integration import compat
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class TinyGPTSpec:
     recompute: bool = False
     # Megatron's two weight-init paths: the whole weight drawn from the CPU
     # generator (--use-cpu-initialization), or on the device under the CUDA
-    # RNG tracker (on CPU ranks through megatron_lbp.compat's mappings).
+    # RNG tracker (on CPU ranks through megatron_lbp.integration.compat's mappings).
     use_cpu_initialization: bool = True
     # Megatron's --gradient-accumulation-fusion: the linear layers' weight
     # gradients go through fused_weight_gradient_mlp_cuda into param.main_grad.
@@ -178,7 +178,7 @@ def build_tiny_gpt(spec: TinyGPTSpec = TinyGPTSpec(), sharded: bool = False):
     config = tiny_gpt_config(spec)
     provide = tiny_gpt_provider(spec, config)
     if sharded:
-        from megatron_lbp import megatron_adapter
+        from megatron_lbp.integration import megatron_adapter
 
         model = megatron_adapter.build_sharded(provide, config)
     else:
@@ -219,7 +219,7 @@ def text_tokens(min_tokens: int) -> torch.Tensor:
 
     Documents of data_src/python-docs-3.11.jsonl.gz in file order, each encoded
     by tokenizer/lbp_bpe.model (SentencePiece BPE, vocabulary 4096) and ended by
-    its ``</s>``: the same stream megatron_lbp.data's demo dataset holds. Once
+    its ``</s>``: the same stream megatron_lbp.integration.data's demo dataset holds. Once
     per process and length (~0.3 s per 100k tokens); deterministic.
     """
     import gzip
@@ -227,7 +227,7 @@ def text_tokens(min_tokens: int) -> torch.Tensor:
 
     import sentencepiece as spm
 
-    from megatron_lbp.data import CORPUS, ensure_tokenizer
+    from megatron_lbp.integration.data import CORPUS, ensure_tokenizer
 
     sp = spm.SentencePieceProcessor(model_file=str(ensure_tokenizer()))
     want = -(-min_tokens // _TEXT_CHUNK) * _TEXT_CHUNK
@@ -386,9 +386,9 @@ def setup_hier(spec: TinyGPTSpec, train: TrainSpec, hier_argv: list[str], *,
     and its optimizer config (the fp16 runs use a Float16Module model and a loss scaler)."""
     import argparse
 
-    from megatron_lbp import megatron_adapter
-    from megatron_lbp.config import add_hier_arguments, engine_options_from_args
-    from megatron_lbp.process_groups import build_hier_groups
+    from megatron_lbp.integration import megatron_adapter
+    from megatron_lbp.core.config import add_hier_arguments, engine_options_from_args
+    from megatron_lbp.engine.process_groups import build_hier_groups
 
     init_megatron_state(seed=spec.seed)
     argv = list(hier_argv)

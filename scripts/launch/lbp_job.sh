@@ -120,7 +120,7 @@ lbp_launch_job() {
   fi
   lbp_log "launching at $(date -u +%FT%TZ)"
   # Megatron's clock for --exit-duration-in-mins starts when the time left was measured,
-  # not after the imports (megatron_lbp.training_hooks.start_clock_at_launch).
+  # not after the imports (megatron_lbp.integration.training_hooks.start_clock_at_launch).
   export LBP_LAUNCH_TIME=$LBP_EXIT_MEASURED_AT
   local status=0
   "${SRUN[@]}" "${ENTRY[@]}" "${TRAIN_ARGS[@]}" || status=$?

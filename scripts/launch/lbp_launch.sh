@@ -59,7 +59,7 @@
 #   TOKENIZER_TYPE      GPT2BPETokenizer (needs VOCAB_FILE, MERGE_FILE),
 #                       SentencePieceTokenizer / HuggingFaceTokenizer (need TOKENIZER_MODEL:
 #                       a .model file / a local save_pretrained directory), NullTokenizer;
-#                       all built offline (megatron_lbp/tokenizer_check.py says what each needs)
+#                       all built offline (megatron_lbp/integration/tokenizer_check.py says what each needs)
 #   VOCAB_SIZE_PADDED   Megatron's padded vocabulary (for the parameter count and memory)
 #   CHECKPOINT_DIR      --save and --load (resume from the latest checkpoint there)
 #   START_FROM          a directory made by `python -m megatron_lbp.hf import <HF dir> DIR`:

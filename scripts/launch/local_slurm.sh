@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A real two-node Slurm on one machine, for testing the launchers under sbatch
-# (tests/test_launchers.py::test_local_slurm_job and tests/test_study.py::test_local_slurm_study,
+# (tests/launch/test_launchers.py::test_local_slurm_job and tests/bench/test_study.py::test_local_slurm_study,
 # marked slow, on one cluster: tests/conftest.py's local_slurm). Debian 12 /
 # Slurm 22.05, root, no systemd. What it sets up and why: docs/local-slurm.md.
 #

@@ -1,0 +1,562 @@
+"""Plan a hierarchy before launching it: ``python -m megatron_lbp.plan``.
+
+Resolves the --hier-* flags exactly as training does (megatron_lbp.core.config),
+places W ranks consecutively on emulated nodes and packages
+(megatron_lbp.core.topology), builds every group family, takes the slowest link
+each family's groups cross, and prints the memory per rank by state and the
+bytes each rank sends per optimizer step per link class (megatron_lbp.core.costs).
+
+Example (the paper's 20B model on 384 GCDs, int8 secondary copy per node)::
+
+    python -m megatron_lbp.plan --world-size 384 --params 20e9 --preset lbp \\
+        --hier-secondary-group-size 8 --json
+
+The model size is either ``--params M`` or a GPT shape
+(``--num-layers --hidden-size --vocab-size`` [``--ffn-hidden-size``
+``--seq-length --position-embedding-type --untie-embeddings-and-output-weights``
+``--swiglu --num-attention-heads --num-query-groups --normalization --disable-bias-linear``,
+Megatron's spellings], counted by ``costs.gpt_param_count``). ``--gpus-per-node``/``--gcds-per-package``
+and ``--preset`` are short spellings of ``--hier-gpus-per-node``,
+``--hier-gcds-per-package`` and ``--hier-preset``; giving both spellings with
+different values is an error.
+
+``--choose`` (with the launcher estimate's flags: ``--num-attention-heads``,
+``--seq-length``, ``--global-batch-size`` ...) ranks the configurations for this machine
+and batch by projected step time under memory and prints the choice
+(``megatron_lbp.launch.choose``).
+
+Every user error exits with status 2 and one line on stderr that names the
+flag, the value and the rule; ``main(argv)`` returns that status instead of
+exiting, for in-process callers.
+
+JSON output (``--json``): one object with ``world_size``, ``group_sizes``
+{param, grad, optim, secondary, replicas}, ``preset``, ``memory_bytes``
+{primary, secondary, grad, optimizer, total} (steady state), ``construction_peak_bytes``
+(the most a rank holds while the model, engine and optimizer are built, with
+--hier-sharded-init: ``costs.construction_peak_bytes`` for the model's gather units,
+or, with --params, buckets of --bucket-size or the engine's default 40M),
+``traffic_bytes`` {package, node,
+network}, ``traffic_by_phase`` {phase: {class: bytes}}, ``params`` (model
+size), ``padded_params`` (sum of padded buckets), ``groups`` (rank 0's group
+of each family), ``link_classes`` (slowest class over each family's groups;
+``null`` for a family whose groups are single ranks: it sends nothing),
+``quant_block_size``, ``quantize_weight_gather`` (qwZ on/off) and
+``quantize_grad_reduce`` (the gradient families qgZ quantizes, ``[]`` when
+off), ``transient_bytes`` (the engine's transient peak by part of the step, at
+``prefetch_units`` and ``max_pending_reduces``: --hier-prefetch-units and
+--hier-max-pending-reduces) and ``transient_knobs`` (per knob setting: its transient peak,
+``saves_bytes`` against the first row, which is the setting asked for, and
+``exposed_s``/``cost_s``, the exposed seconds per step of megatron_lbp.projection.knobs at
+--micro-batch-size, --recompute and --mfu, null without a GPT shape and --seq-length),
+plus the inputs (dtypes, micro_batches, buckets, machine shape) and ``warnings``.
+"""
+from __future__ import annotations
+
+import argparse
+import decimal
+import functools
+import json
+import sys
+from typing import Any, Sequence
+
+from megatron_lbp.core import costs
+from megatron_lbp.core.config import (DEFAULT_BUCKET_SIZE, PRESETS, HierConfigError, add_hier_arguments,
+                                 check_quantized_grad_families, check_training_dtypes,
+                                 max_pending_reduces_from_args, prefetch_units_from_args,
+                                 resolve_hier_config)
+from megatron_lbp.core.layout import LayoutError
+from megatron_lbp.core.topology import (LINK_CLASSES, TopologyError, check_colocation,
+                                   emulated_locations, family_link_classes, hierarchy_groups)
+
+PROG = "python -m megatron_lbp.plan"
+FAMILY_LABELS = {
+    "param": "param (P)", "secondary": "secondary (S)", "grad": "grad (G)",
+    "optim": "optim (O)", "inter": "inter (O/G)", "grad_to_param": "grad_to_param (G/P)",
+    "replica": "replica (R)",
+}
+GB = 1e9
+
+
+class UsageError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage block
+        raise UsageError(message)
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def _number(flag: str, text: str, *, minimum: int = 1) -> int:
+    """A whole number written as 20e9, 2.5e9 or 20000000000 (exact, no float rounding)."""
+    try:
+        value = decimal.Decimal(text.strip())
+    except (decimal.InvalidOperation, AttributeError):
+        raise UsageError(f"{flag}={text}: not a number") from None
+    if not value.is_finite():
+        raise UsageError(f"{flag}={text}: must be a finite number")
+    if value != value.to_integral_value():
+        raise UsageError(f"{flag}={text}: must be a whole number")
+    if value < minimum:
+        raise UsageError(f"{flag}={text}: must be >= {minimum}")
+    return int(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, allow_abbrev=False, description=(
+        "Memory per rank and bytes sent per link class for a hierarchical "
+        "(P, S, G, O) partitioning, before launching it."))
+    p.add_argument("--world-size", required=True, metavar="W",
+                   help="data-parallel ranks W (required)")
+    p.add_argument("--gpus-per-node", metavar="N", default=None,
+                   help="data-parallel ranks per node (default 8); same as --hier-gpus-per-node")
+    p.add_argument("--gcds-per-package", metavar="N", default=None,
+                   help="data-parallel ranks per package (default 2); "
+                        "same as --hier-gcds-per-package")
+    p.add_argument("--preset", choices=PRESETS, default=None,
+                   help="same as --hier-preset (default lbp)")
+    m = p.add_argument_group("model size (give --params or a GPT shape)")
+    m.add_argument("--params", metavar="M", default=None,
+                   help="parameter count, e.g. 20e9")
+    m.add_argument("--num-layers", metavar="L", default=None)
+    m.add_argument("--hidden-size", metavar="H", default=None)
+    m.add_argument("--vocab-size", metavar="V", default=None,
+                   help="(padded) vocabulary size")
+    m.add_argument("--ffn-hidden-size", metavar="F", default=None, help="default 4*hidden")
+    m.add_argument("--seq-length", metavar="S", default=None,
+                   help="sequence length (counts a position table with "
+                        "--position-embedding-type learned_absolute)")
+    m.add_argument("--position-embedding-type", choices=("rope", "learned_absolute", "none"),
+                   default="rope", help="default rope (no position table)")
+    m.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="separate output layer (V*h more parameters)")
+    m.add_argument("--swiglu", action="store_true", help="gated MLP (linear_fc1 has 2*F outputs)")
+    m.add_argument("--num-attention-heads", metavar="N", default=None,
+                   help="attention heads (needed with --num-query-groups)")
+    m.add_argument("--num-query-groups", metavar="G", default=None,
+                   help="grouped-query attention: key/value heads")
+    m.add_argument("--group-query-attention", action="store_true",
+                   help="accepted as Megatron spells it; --num-query-groups sets the groups")
+    m.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    m.add_argument("--disable-bias-linear", action="store_true", help="no linear biases")
+    s = p.add_argument_group("training step")
+    s.add_argument("--params-dtype", choices=tuple(costs.WEIGHT_BYTES), default="bf16",
+                   help="weight dtype (default bf16)")
+    s.add_argument("--grad-dtype", choices=tuple(costs.GRAD_BYTES), default=None,
+                   help="gradient shard / reduction dtype (default fp32); same as "
+                        "--hier-grad-reduce-dtype")
+    s.add_argument("--micro-batches", metavar="K", default="1",
+                   help="micro-batches per optimizer step (default 1)")
+    s.add_argument("--bucket-size", metavar="ELEMS", default=None,
+                   help="bucket size in elements for a model sized by --params (default: the "
+                        "whole model as one bucket); a GPT shape is cut into the engine's "
+                        "gather units instead (embedding, each layer, output layer)")
+    s.add_argument("--micro-batch-size", metavar="B", default="1",
+                   help="sequences per micro-batch, for the transient knobs' exposed time "
+                        "(default 1)")
+    s.add_argument("--recompute", choices=("full", "selective", "none"), default="full",
+                   help="activation recomputation, for the transient knobs' exposed time "
+                        "(default full, the launcher's)")
+    s.add_argument("--mfu", metavar="F", default="0.35",
+                   help="model FLOPs utilisation of the compute the knobs' collectives hide "
+                        "behind (default 0.35, the projection's)")
+    s.add_argument("--quant-block-size", metavar="B", default=None,
+                   help="elements per fp32 scale of every int8 payload (default 256); "
+                        "same as --hier-quant-block-size")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_hier_arguments(p)
+    # One setting, two spellings: "not given" must be told from the default (_pick_alias).
+    p.set_defaults(hier_grad_reduce_dtype=None)
+    return p
+
+
+def _pick_alias(args, short: str, long: str, default):
+    """Value of a flag that has two spellings; error if both are given and differ.
+
+    Integer flags are compared as integers (the short spelling is parsed here,
+    the --hier-* one by config's argparse type).
+    """
+    values = {}
+    for flag in (short, long):
+        v = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if v is not None and not isinstance(default, str) and default is not None:
+            v = _number(flag, str(v))
+        if v is not None:
+            values[flag] = v
+    if len(values) == 2 and values[short] != values[long]:
+        raise UsageError(f"{short}={values[short]} and {long}={values[long]} disagree: "
+                         "give one of them (they are the same setting)")
+    return next(iter(values.values()), default)
+
+
+def _model_units(args, bucket: int | None) -> list[tuple[str, int]]:
+    """(kind, numel) of each gather unit: a GPT shape's units, or --params cut into buckets."""
+    shape_flags = ("--num-layers", "--hidden-size", "--vocab-size")
+    extra_flags = ("--ffn-hidden-size", "--seq-length")
+    given = {f: getattr(args, f[2:].replace("-", "_")) for f in shape_flags + extra_flags}
+    if args.params is not None:
+        both = [f for f, v in given.items() if v is not None]
+        if both:
+            raise UsageError(f"--params={args.params} and {both[0]}={given[both[0]]} both "
+                             "given: give --params or a model shape, not both")
+        return [("other", n) for n in costs.split_buckets(_number("--params", args.params),
+                                                           bucket)]
+    missing = [f for f in shape_flags if given[f] is None]
+    if len(missing) == len(shape_flags):
+        extras = [f for f in extra_flags if given[f] is not None]
+        hint = f" ({extras[0]} alone does not size a model)" if extras else ""
+        raise UsageError("--params is missing: give --params M or --num-layers, "
+                         f"--hidden-size and --vocab-size{hint}")
+    if missing:
+        raise UsageError(f"{missing[0]} is missing: a model shape needs --num-layers, "
+                         "--hidden-size and --vocab-size")
+    num = {f: _number(f, given[f]) for f in shape_flags}
+    ffn = None if given["--ffn-hidden-size"] is None else \
+        _number("--ffn-hidden-size", given["--ffn-hidden-size"])
+    seq = None if given["--seq-length"] is None else _number("--seq-length", given["--seq-length"])
+    pe = args.position_embedding_type
+    if pe == "learned_absolute" and seq is None:
+        raise UsageError("--position-embedding-type=learned_absolute needs --seq-length "
+                         "(the position table has seq-length rows)")
+    heads = _int_or_none("--num-attention-heads", args.num_attention_heads)
+    groups = _int_or_none("--num-query-groups", args.num_query_groups)
+    try:
+        return costs.gpt_units(num["--num-layers"], num["--hidden-size"], num["--vocab-size"],
+                               seq_length=seq, ffn_hidden_size=ffn,
+                               tied=not args.untie_embeddings_and_output_weights,
+                               position_embedding_type=pe, swiglu=args.swiglu,
+                               num_attention_heads=heads, num_query_groups=groups,
+                               normalization=args.normalization,
+                               add_bias_linear=not args.disable_bias_linear)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _int_or_none(flag: str, value) -> int | None:
+    return None if value is None else _number(flag, str(value))
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def make_plan(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Parse ``argv`` and return the plan as the JSON-ready dict; raises UsageError."""
+    return plan_from_args(build_parser().parse_args(argv))
+
+
+def plan_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The plan for parsed arguments (see build_parser); raises UsageError."""
+    world = _number("--world-size", args.world_size)
+    gpn = _pick_alias(args, "--gpus-per-node", "--hier-gpus-per-node", 8)
+    gpp = _pick_alias(args, "--gcds-per-package", "--hier-gcds-per-package", 2)
+    preset = _pick_alias(args, "--preset", "--hier-preset", None)
+    k = _number("--micro-batches", args.micro_batches)
+    args.grad_dtype = _pick_alias(args, "--grad-dtype", "--hier-grad-reduce-dtype", "fp32")
+    block = _pick_alias(args, "--quant-block-size", "--hier-quant-block-size",
+                        costs.DEFAULT_QUANT_BLOCK)
+    bucket = _int_or_none("--bucket-size", args.bucket_size)
+    units = _model_units(args, bucket)
+    numels = [n for _, n in units]
+
+    try:
+        cfg = resolve_hier_config(
+            world, gpus_per_node=gpn, gcds_per_package=gpp, preset=preset,
+            param_group_size=args.hier_param_group_size,
+            grad_group_size=args.hier_grad_group_size,
+            optim_group_size=args.hier_optim_group_size,
+            secondary_group_size=args.hier_secondary_group_size,
+            secondary_dtype=args.hier_secondary_dtype, quant_block_size=block,
+            quantize_weight_gather=args.hier_quantize_weight_gather,
+            quantize_grad_reduce=args.hier_quantize_grad_reduce)
+        check_training_dtypes(cfg, args.params_dtype)
+        groups, warnings, classes = _topology(world, gpn, gpp, cfg,
+                                              bool(args.hier_allow_non_colocated))
+        warnings, classes = list(warnings), dict(classes)
+        qgz = costs.quantized_grad_families(cfg, classes)
+        check_quantized_grad_families(cfg, qgz)
+        result = costs.estimate(cfg, numels, classes, param_dtype=args.params_dtype,
+                                grad_dtype=args.grad_dtype, micro_batches=k)
+        # Construction's transient buffers are one unit's: the model's units, or with
+        # --params buckets of the engine's size (its default when none is given).
+        construction = costs.construction_peak_bytes(
+            cfg, numels if args.params is None else costs.split_buckets(
+                _number("--params", args.params), bucket or DEFAULT_BUCKET_SIZE),
+            param_dtype=args.params_dtype, grad_dtype=args.grad_dtype)
+        depth = prefetch_units_from_args(args)
+        pending = max_pending_reduces_from_args(args)
+        tied = units[0][0] == "embedding" and not args.untie_embeddings_and_output_weights
+
+        def transient_of(d: int, r: int, grad_dtype: str) -> dict[str, int]:
+            return costs.transient_bytes(
+                cfg, numels, param_dtype=args.params_dtype, grad_dtype=grad_dtype,
+                prefetch_units=d if args.hier_overlap else 0, overlap=args.hier_overlap,
+                tied_embedding=tied, quantized_grad_families=qgz, micro_batches=k,
+                max_pending_reduces=r)
+
+        transient = transient_of(depth, pending, args.grad_dtype)
+        knob_rows = _knob_rows(args, cfg, units, classes, k, transient_of, depth, pending) \
+            if args.hier_overlap else []
+    except (HierConfigError, TopologyError, LayoutError) as exc:
+        msg = str(exc)
+        # Speak the spelling the user typed.
+        if args.gpus_per_node is not None:
+            msg = msg.replace("--hier-gpus-per-node", "--gpus-per-node")
+        if args.gcds_per_package is not None:
+            msg = msg.replace("--hier-gcds-per-package", "--gcds-per-package")
+        if args.preset is not None:
+            msg = msg.replace("--hier-preset", "--preset")
+        msg = msg.replace("train in bf16 (--bf16)", "plan bf16 weights (--params-dtype bf16)")
+        if args.quant_block_size is not None:
+            msg = msg.replace("--hier-quant-block-size", "--quant-block-size")
+        if getattr(args, "hier_grad_reduce_dtype", None) is None:
+            msg = msg.replace("--hier-grad-reduce-dtype", "--grad-dtype")
+        raise UsageError(msg.replace("--hier-world-size", "--world-size")) from None
+
+    return {
+        "world_size": world,
+        "gpus_per_node": gpn,
+        "gcds_per_package": gpp,
+        "preset": cfg.preset,
+        "group_sizes": {"param": cfg.param_group_size, "grad": cfg.grad_group_size,
+                        "optim": cfg.optim_group_size, "secondary": cfg.secondary_group_size,
+                        "replicas": cfg.replicas},
+        "secondary_dtype": cfg.secondary_dtype if cfg.secondary_group_size else None,
+        "params_dtype": args.params_dtype,
+        "grad_dtype": args.grad_dtype,
+        "micro_batches": k,
+        "quant_block_size": block,
+        "quantize_weight_gather": cfg.quantize_weight_gather,
+        "quantize_grad_reduce": list(qgz),
+        "params": result["params"],
+        "padded_params": result["padded_params"],
+        "padding": result["padded_params"] - result["params"],
+        "buckets": len(result["bucket_numels"]),
+        "units": {kind: sum(1 for k_, _ in units if k_ == kind) for kind in costs.UNIT_KINDS},
+        "largest_unit": max(numels),
+        "prefetch_units": transient["prefetch_units"],
+        "max_pending_reduces": transient["max_pending_reduces"],
+        "transient_bytes": {key: v for key, v in transient.items()
+                            if key not in ("prefetch_units", "max_pending_reduces")},
+        "transient_knobs": knob_rows,
+        "memory_bytes": result["memory_bytes"],
+        "construction_peak_bytes": construction,
+        "traffic_bytes": result["traffic_bytes"],
+        "traffic_by_phase": result["traffic_by_phase"],
+        "groups": {fam: list(_group_of(0, gs)) for fam, gs in groups.items()},
+        "link_classes": classes,
+        "warnings": warnings,
+    }
+
+
+def _knob_rows(args, cfg, units, classes, k: int, transient_of, depth: int,
+               pending: int) -> list[dict[str, Any]]:
+    """The transient knobs: per setting, its transient peak, what it saves against the setting
+    asked for, and what it costs in exposed seconds per step (projection/knobs.py; None where
+    the model has no GPT shape and --seq-length to time its compute by)."""
+    from megatron_lbp.projection import knobs
+    from megatron_lbp.projection.project import ComputeModel
+
+    timed = args.params is None and args.seq_length is not None
+    model = {"hidden_size": _number("--hidden-size", args.hidden_size)} if timed else None
+    mfu = _fraction("--mfu", args.mfu)
+    compute = ComputeModel(mfu=mfu, seq_length=_number("--seq-length", args.seq_length)
+                           if timed else 2048,
+                           micro_batch_size=_number("--micro-batch-size", args.micro_batch_size),
+                           recompute=args.recompute == "full")
+    base_plan = {"group_sizes": {"param": cfg.param_group_size, "grad": cfg.grad_group_size,
+                                 "secondary": cfg.secondary_group_size},
+                 "link_classes": classes, "micro_batches": k}
+    numels = [n for _, n in units]
+    tied = units[0][0] == "embedding" and not args.untie_embeddings_and_output_weights
+
+    def exposed(d: int, r: int, grad_dtype: str) -> float | None:
+        if not timed:
+            return None
+        _, by_phase = costs.traffic_bytes(cfg, numels, classes, param_dtype=args.params_dtype,
+                                          grad_dtype=grad_dtype, micro_batches=k)
+        p = {**base_plan, "traffic_by_phase": by_phase}
+        return knobs.exposed_s(p, units, model, knobs.Knobs(d, r), compute=compute,
+                               tied=tied)["step"]
+
+    settings = [(depth, pending, args.grad_dtype, "as given")]
+    settings += [(d, r, args.grad_dtype, "") for d, r in knobs.TABLE_SETTINGS
+                 if (d, r) != (depth, pending)]
+    other = "bf16" if args.grad_dtype == "fp32" else "fp32"
+    settings.append((depth, pending, other, f"--hier-grad-reduce-dtype {other}: also the "
+                     "gradient shard; a numerics choice, never made for you"))
+    rows = []
+    for d, r, gdt, note in settings:
+        t = transient_of(d, r, gdt)
+        rows.append({"prefetch_units": d, "max_pending_reduces": r, "grad_reduce_dtype": gdt,
+                     "transient_peak": t["peak"], "transient_backward": t["backward"],
+                     "exposed_s": exposed(d, r, gdt), "note": note})
+    first = rows[0]
+    for row in rows:
+        row["saves_bytes"] = first["transient_peak"] - row["transient_peak"]
+        row["cost_s"] = (None if row["exposed_s"] is None
+                         else row["exposed_s"] - first["exposed_s"])
+    return rows
+
+
+def _fraction(flag: str, text: str) -> float:
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise UsageError(f"{flag}={text}: not a number") from None
+    if not 0 < value <= 1:
+        raise UsageError(f"{flag}={text}: must be in (0, 1]")
+    return value
+
+
+@functools.lru_cache(maxsize=64)
+def _topology(world: int, gpn: int, gpp: int, cfg, allow: bool):
+    """(groups, colocation warnings, link class per family) of one hierarchy on the emulated
+    placement. Cached: it is most of a plan's time at hundreds of ranks, and a ranking plans
+    each scheme at several micro-batch counts (megatron_lbp.launch.choose); callers copy
+    what they hand out."""
+    locations = emulated_locations(world, gpn, gpp)
+    groups = hierarchy_groups(range(world), cfg)
+    warnings = check_colocation(groups, locations, allow=allow)
+    return groups, tuple(warnings), family_link_classes(groups, locations)
+
+
+def _group_of(rank: int, fam_groups: list[tuple[int, ...]]) -> tuple[int, ...]:
+    return next(g for g in fam_groups if rank in g)
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    ranks = list(ranks)
+    if len(ranks) <= 6:
+        return ",".join(map(str, ranks))
+    step = ranks[1] - ranks[0]
+    if all(b - a == step for a, b in zip(ranks, ranks[1:])):
+        if step == 1:
+            return f"{ranks[0]}-{ranks[-1]}"
+        return f"{ranks[0]},{ranks[1]},{ranks[2]},...,{ranks[-1]} (step {step})"
+    return ",".join(map(str, ranks[:5])) + f",... ({len(ranks)} ranks)"
+
+
+_gb = functools.partial(costs.gb_text, digits=3, width=10, unit=False)  # the table's GB column
+
+
+def _bytes(x) -> str:
+    return f"{x:,.0f}" if isinstance(x, float) and not float(x).is_integer() else f"{int(x):,}"
+
+
+def _units_text(counts: dict[str, int]) -> str:
+    names = {"embedding": "embedding", "layer": "layer", "output": "output", "other": "bucket"}
+    return ", ".join(f"{n} {names[k]}{'s' if n > 1 and k in ('layer', 'other') else ''}"
+                     for k, n in counts.items() if n)
+
+
+def _uses_int8(plan: dict[str, Any]) -> bool:
+    return bool((plan["group_sizes"]["secondary"] and plan["secondary_dtype"] == "int8")
+                or plan["quantize_weight_gather"] or plan["quantize_grad_reduce"])
+
+
+def render(plan: dict[str, Any]) -> str:
+    """Human-readable report of a plan dict."""
+    gs = plan["group_sizes"]
+    W = plan["world_size"]
+    nodes = -(-W // plan["gpus_per_node"])
+    lines = [
+        f"megatron-lbp plan: W={W} data-parallel ranks on {nodes} node(s) of "
+        f"{plan['gpus_per_node']} ranks, {plan['gcds_per_package']} ranks per package; "
+        f"preset {plan['preset']}",
+        f"group sizes: P={gs['param']}  S={gs['secondary'] or 0}"
+        f"{' (' + plan['secondary_dtype'] + ')' if gs['secondary'] else ' (off)'}"
+        f"  G={gs['grad']}  O={gs['optim']}  R={gs['replicas']} replica(s)",
+        f"model: {plan['params']:,} parameters in {plan['buckets']} gather unit(s)"
+        f" ({_units_text(plan['units'])}), padded to "
+        f"{plan['padded_params']:,} (+{plan['padding']:,} padding elements, "
+        f"{100 * plan['padding'] / plan['params']:.4f}%)",
+        f"step: weights {plan['params_dtype']}, gradients {plan['grad_dtype']}, "
+        f"{plan['micro_batches']} micro-batch(es) per optimizer step"
+        + (f", int8 scale block {plan['quant_block_size']}"
+           if _uses_int8(plan) else "")
+        + (", int8 weight gathers (qwZ)" if plan["quantize_weight_gather"] else "")
+        + (f", int8 gradient all-to-all (qgZ) in {'+'.join(plan['quantize_grad_reduce'])}"
+           if plan["quantize_grad_reduce"] else ""),
+        "",
+        "groups (rank 0's)        size  link     ranks",
+    ]
+    for fam, ranks in plan["groups"].items():
+        cls = plan["link_classes"][fam] or "-"
+        lines.append(f"  {FAMILY_LABELS.get(fam, fam):<22}{len(ranks):>5}  {cls:<8} "
+                     f"{_ranks_text(ranks)}")
+    lines += ["", "memory per rank (GB = 1e9 bytes)     GB             bytes"]
+    for state in costs.MEMORY_STATES:
+        v = plan["memory_bytes"][state]
+        if state == "total":
+            lines.append("  " + "-" * 52)
+        lines.append(f"  {state:<28}{_gb(v)}  {_bytes(v):>18}")
+    v = plan["construction_peak_bytes"]
+    lines.append(f"  {'construction peak':<28}{_gb(v)}  {_bytes(v):>18}"
+                 "  (model built module by module)")
+    t = plan["transient_bytes"]
+    lines += ["", f"transient per rank, at most (GB; prefetch {plan['prefetch_units']} unit(s) ahead)",
+              f"  {'largest unit gathered':<28}{_gb(t['unit_gather'])}",
+              f"  {'prefetch':<28}{_gb(t['prefetch'])}",
+              f"  {'forward / backward / step':<28}{_gb(t['forward'])} {_gb(t['backward'])} "
+              f"{_gb(t['step'])}",
+              f"  ({plan['max_pending_reduces']} gradient reduce-scatter(s) in flight at most)"]
+    lines += _knob_lines(plan)
+    lines += ["", "bytes sent per rank per optimizer step (GB)",
+              f"  {'phase':<20}" + "".join(f"{c:>12}" for c in LINK_CLASSES)]
+    for ph, by_cls in plan["traffic_by_phase"].items():
+        lines.append(f"  {ph:<20}" + "".join(f"{by_cls[c] / GB:12.3f}" for c in LINK_CLASSES))
+    lines.append("  " + "-" * 56)
+    lines.append(f"  {'total':<20}" + "".join(f"{plan['traffic_bytes'][c] / GB:12.3f}"
+                                              for c in LINK_CLASSES))
+    for c in LINK_CLASSES:
+        lines.append(f"  {c + ' bytes':<20}{_bytes(plan['traffic_bytes'][c]):>36}")
+    for w in plan["warnings"]:
+        lines.append(f"warning: {w}")
+    return "\n".join(lines)
+
+
+def _knob_lines(plan: dict[str, Any]) -> list[str]:
+    rows = plan["transient_knobs"]
+    if not rows:
+        return []
+    lines = ["", "transient knobs (peak GB; saves: against the first row; exposed: seconds of "
+             "per-micro-batch communication not hidden per step, projection/knobs.py, "
+             "Frontier links)",
+             f"  {'prefetch  pending  grads':<28}{'peak':>10} {'saves':>10} {'exposed s':>10} "
+             f"{'costs s':>10}"]
+    for r in rows:
+        exp = "-" if r["exposed_s"] is None else f"{r['exposed_s']:.3f}"
+        cost = "-" if r["cost_s"] is None else f"{r['cost_s']:+.3f}"
+        lines.append(f"  {r['prefetch_units']:>8}  {r['max_pending_reduces']:>7}  "
+                     f"{r['grad_reduce_dtype']:<5}  {_gb(r['transient_peak'])} "
+                     f"{_gb(r['saves_bytes'])} {exp:>10} {cost:>10}"
+                     + (f"  {r['note']}" if r["note"] else ""))
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status (2 for any user error)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--choose" in argv:   # the configuration by projected step time (launch/choose.py)
+        from megatron_lbp.launch import choose
+
+        return choose.main(argv)
+    try:
+        args = build_parser().parse_args(argv)
+        plan = plan_from_args(args)
+    except UsageError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    print(json.dumps(plan) if args.json else render(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""The Frontier launcher starts a run from an imported Hugging Face model (START_FROM), dry run."""
+from __future__ import annotations
+
+from megatron_lbp.hf.importer import import_model
+from tests.helpers import hf_models
+from tests.launch.test_launchers import SCRIPTS, flag, run, site, training_line  # noqa: F401  (site: fixture)
+
+
+def test_start_from_an_import_keeps_save_and_load_on_the_run_directory(site):
+    hf_dir, start = site["tmp"] / "llama-hf", site["tmp"] / "llama-imported"
+    hf_models.make("llama_gqa_untied", str(hf_dir))
+    report = import_model(str(hf_dir), str(start))
+    r = run(SCRIPTS["20b"], site, "--dry-run", NNODES=2, START_FROM=start)
+    assert r.returncode == 0, r.stdout + r.stderr
+    words = training_line(r.stdout)
+    assert flag(words, "--pretrained-checkpoint") == str(start)
+    ckpt = str(site["tmp"] / "ckpt")
+    assert flag(words, "--save") == ckpt and flag(words, "--load") == ckpt
+    # the import's flags come after the profile's, so its architecture and tokenizer are the ones used
+    tail = words[words.index("--pretrained-checkpoint") + 2:]
+    assert tail[:len(report.flags)] == report.flags, (tail, report.flags)
+    last = {w: words[len(words) - 1 - words[::-1].index(w) + 1]
+            for w in ("--num-layers", "--hidden-size", "--tokenizer-type", "--num-query-groups")}
+    assert last == {"--num-layers": "2", "--hidden-size": "64", "--tokenizer-type": "HuggingFaceTokenizer",
+                    "--num-query-groups": "2"}, last
+    assert f"start: the weights of {start}" in r.stdout
+
+
+def test_start_from_a_directory_that_is_not_an_import_is_one_line(site):
+    r = run(SCRIPTS["20b"], site, "--dry-run", NNODES=2, START_FROM=site["tmp"])
+    assert r.returncode == 2
+    lines = [line for line in r.stderr.splitlines() if "START_FROM" in line]
+    assert len(lines) == 1 and "python -m megatron_lbp.hf import" in lines[0], r.stderr

@@ -1,0 +1,100 @@
+"""The transient knobs in the plan and the launcher's choice (engine side: tests/engine/test_transient_model.py).
+
+The plan's knob table against the formulas it quotes (costs.transient_bytes for the bytes,
+projection/knobs.py for the exposed time), that exposure model against a schedule worked by
+hand, and the choice: a row the engine's defaults do not fit takes a knob setting, and the
+setting reaches the training command.
+"""
+from __future__ import annotations
+
+import pytest
+
+from megatron_lbp.core import costs
+from megatron_lbp.launch import plan
+from megatron_lbp.launch import estimate
+from megatron_lbp.projection import knobs
+from megatron_lbp.projection.project import ComputeModel
+from tests.launch.test_launch_campaign import _shape
+
+
+def test_one_pass_by_hand():
+    """Three units, gathers of 1 s, compute of 2 s each, one link."""
+    order, needs = [0, 1, 2], {u: [u] for u in range(3)}
+    # depth 1: only the first gather is exposed (the next lands under the compute)
+    assert knobs._pass(order, needs, [1.0] * 3, "node", [2.0] * 3, depth=1) == 1.0
+    # depth 0: every gather waits for its need
+    assert knobs._pass(order, needs, [1.0] * 3, "node", [2.0] * 3, depth=0) == 3.0
+    # backward with reduce-scatters of 3 s on their own link, one in flight: they queue,
+    # so the pass ends with the last one at 12 s against 6 s of compute
+    back = [2, 1, 0]
+    assert knobs._pass(back, needs, [1.0] * 3, "node", [2.0] * 3, 1, [3.0] * 3, "grad",
+                       pending_limit=1) == 6.0
+    # the tied output layer (unit 2) also needs unit 0: both gathered at its need
+    tied = {0: [0], 1: [1], 2: [2, 0]}
+    assert knobs._pass(back, tied, [1.0] * 3, "node", [2.0] * 3, depth=0) == 2.0 + 1.0
+
+
+SHAPE = ["--world-size", "64", "--num-layers", "6", "--hidden-size", "1024",
+         "--vocab-size", "8192", "--seq-length", "512", "--hier-secondary-group-size", "8",
+         "--micro-batches", "2", "--micro-batch-size", "2", "--json"]
+
+
+def test_the_plans_knob_table_is_the_formula():
+    got = plan.make_plan(SHAPE)
+    rows = got["transient_knobs"]
+    first = rows[0]
+    assert (first["prefetch_units"], first["max_pending_reduces"], first["note"]) == (1, 2, "as given")
+    assert first["transient_peak"] == got["transient_bytes"]["peak"]
+    assert {(r["prefetch_units"], r["max_pending_reduces"]) for r in rows} >= {
+        (1, 1), (0, 2), (0, 1), (2, 2)}
+    units = costs.gpt_units(6, 1024, 8192, 512, position_embedding_type="rope")
+    compute = ComputeModel(micro_batch_size=2, seq_length=512, recompute=True)
+    for r in rows:
+        # each setting planned on its own: the table's bytes are that plan's transient peak
+        own = plan.make_plan(SHAPE + ["--hier-prefetch-units", str(r["prefetch_units"]),
+                                      "--hier-max-pending-reduces", str(r["max_pending_reduces"]),
+                                      "--grad-dtype", r["grad_reduce_dtype"]])
+        assert r["transient_peak"] == own["transient_bytes"]["peak"], r
+        assert r["saves_bytes"] == first["transient_peak"] - r["transient_peak"], r
+        want = knobs.exposed_s(own, units, {"hidden_size": 1024},
+                               knobs.Knobs(r["prefetch_units"], r["max_pending_reduces"]),
+                               compute=compute)["step"]
+        assert r["exposed_s"] == pytest.approx(want, rel=1e-12), r
+        assert r["cost_s"] == pytest.approx(want - first["exposed_s"], abs=1e-12), r
+    by = {(r["prefetch_units"], r["max_pending_reduces"], r["grad_reduce_dtype"]): r for r in rows}
+    assert by[(1, 1, "fp32")]["saves_bytes"] > 0 and by[(0, 1, "fp32")]["saves_bytes"] > \
+        by[(1, 1, "fp32")]["saves_bytes"], "fewer buffers in flight hold less"
+    assert by[(2, 2, "fp32")]["saves_bytes"] < 0, "a deeper prefetch holds more"
+    assert by[(0, 2, "fp32")]["cost_s"] > 0, "without prefetch every gather is exposed"
+    assert by[(1, 2, "bf16")]["saves_bytes"] > 0, "bf16 gradient buffers are half the bytes"
+    text = plan.render(got)
+    assert "transient knobs" in text and "as given" in text, text
+    # A model given by --params has no compute to time: bytes only.
+    bare = plan.make_plan(["--world-size", "8", "--params", "1e8", "--json"])
+    assert all(r["exposed_s"] is None and r["cost_s"] is None for r in bare["transient_knobs"])
+
+
+def _row(options):
+    return next(c for c in options if (c.recompute, c.micro_batch_size) == ("selective", 1))
+
+
+def test_the_choice_takes_a_knob_where_the_defaults_do_not_fit():
+    """20B, lbp without a secondary copy, 48 nodes, selective recomputation at micro-batch 1:
+    the engine's defaults leave it over the GCD; one reduce-scatter in flight fits it, at no
+    exposed time (a layer's reduce-scatter is shorter than its backward), and the resolved
+    settings carry the knob to the launcher."""
+    a = _shape(preset="lbp", hier_secondary_group_size=0, recompute="selective",
+               micro_batch_size=1)
+    row = _row(estimate.choices(a)[0])
+    assert row.fits and row.knobs == (1, 1) and row.knob_cost_s == 0.0, row
+    default = estimate.cached_plan(estimate.plan_argv(a, 384, row.micro_batches))
+    over = (row.state_bytes + default["transient_bytes"]["peak"] + row.activation_bytes
+            + row.margin_bytes)
+    assert over > 64e9 >= row.total_bytes, (over, row.total_bytes)
+    _, resolved, refusal = estimate.report(a)
+    assert refusal is None and (resolved["HIER_PREFETCH_UNITS"],
+                                resolved["HIER_MAX_PENDING_REDUCES"]) == (1, 1), resolved
+    # An explicit setting is kept: the defaults, which do not fit, are refused.
+    kept = _row(estimate.choices(_shape(**{**vars(a), "hier_max_pending_reduces": 2,
+                                           "hier_prefetch_units": 1}))[0])
+    assert kept.knobs == (1, 2) and not kept.fits
