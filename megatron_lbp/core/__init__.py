@@ -1,0 +1,1 @@
+"""The pure core: no torch, no megatron-core (docs/architecture.md, "The layers")."""

@@ -1,0 +1,1 @@
+"""The README's main job: `python -m megatron_lbp.demo`."""

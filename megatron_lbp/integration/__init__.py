@@ -1,0 +1,1 @@
+"""megatron-core plugged in: adapter, training hooks, runtime patches, the entry's checks."""
