@@ -140,7 +140,7 @@ def plan_argv(a, world_size: int, micro_batches: int = 1,
 
 @functools.lru_cache(maxsize=256)
 def _plan(argv: tuple[str, ...]) -> dict:
-    return plan.make_plan(list(argv))
+    return plan.make_plan(list(argv), knob_table=False)
 
 
 def cached_plan(argv: list[str]) -> dict:

@@ -241,13 +241,15 @@ def _int_or_none(flag: str, value) -> int | None:
 # --------------------------------------------------------------------------- planning
 
 
-def make_plan(argv: Sequence[str] | None = None) -> dict[str, Any]:
+def make_plan(argv: Sequence[str] | None = None, *, knob_table: bool = True) -> dict[str, Any]:
     """Parse ``argv`` and return the plan as the JSON-ready dict; raises UsageError."""
-    return plan_from_args(build_parser().parse_args(argv))
+    return plan_from_args(build_parser().parse_args(argv), knob_table=knob_table)
 
 
-def plan_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The plan for parsed arguments (see build_parser); raises UsageError."""
+def plan_from_args(args: argparse.Namespace, *, knob_table: bool = True) -> dict[str, Any]:
+    """The plan for parsed arguments (see build_parser); raises UsageError. ``knob_table=False``
+    leaves ``transient_knobs`` empty: the launcher's ranking asks ~50 plans and prices the
+    knobs it tries itself, and the table is most of a plan's time."""
     world = _number("--world-size", args.world_size)
     gpn = _pick_alias(args, "--gpus-per-node", "--hier-gpus-per-node", 8)
     gpp = _pick_alias(args, "--gcds-per-package", "--hier-gcds-per-package", 2)
@@ -297,7 +299,7 @@ def plan_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
         transient = transient_of(depth, pending, args.grad_dtype)
         knob_rows = _knob_rows(args, cfg, units, classes, k, transient_of, depth, pending) \
-            if args.hier_overlap else []
+            if args.hier_overlap and knob_table else []
     except (HierConfigError, TopologyError, LayoutError) as exc:
         msg = str(exc)
         # Speak the spelling the user typed.
