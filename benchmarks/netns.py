@@ -24,6 +24,7 @@ command does before it builds anything.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
@@ -256,3 +257,22 @@ class EmulatedNetwork:
         self.created.clear()
         self.shaped.clear()
         self.uplinks.clear()
+
+
+def _terminate(signum, frame):
+    # SIGTERM unwinds like Ctrl-C, through every cleanup on the way out.
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def signals_unwind():
+    """SIGTERM and SIGINT raise KeyboardInterrupt inside the block, so a command unwinds (and
+    removes its namespaces) when sent one; SIGINT too, because a shell starts background jobs
+    with SIGINT ignored. The previous handlers come back on the way out."""
+    previous = {sig: signal.signal(sig, handler) for sig, handler in (
+        (signal.SIGTERM, _terminate), (signal.SIGINT, signal.default_int_handler))}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

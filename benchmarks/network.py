@@ -62,7 +62,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -666,11 +665,6 @@ def parse(argv) -> argparse.Namespace:
     return args
 
 
-def _terminate(signum, frame):
-    # SIGTERM unwinds like Ctrl-C, through every cleanup on the way out.
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv=None) -> int:
     args = parse(argv)
     why = netns.missing_requirements()
@@ -684,26 +678,20 @@ def main(argv=None) -> int:
         return 0
     from megatron_lbp.testing.multirank import MultiRankError
 
-    # SIGINT too: a shell starts background jobs with SIGINT ignored, and this
-    # command must still unwind (and remove its namespaces) when sent one.
-    previous = {sig: signal.signal(sig, handler) for sig, handler in (
-        (signal.SIGTERM, _terminate), (signal.SIGINT, signal.default_int_handler))}
-    try:
-        out = run(args)
-    except MultiRankError as e:
-        print(f"python -m benchmarks network: error: a rank failed; emulated network "
-              f"removed\n{e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("python -m benchmarks network: interrupted; emulated network removed",
-              file=sys.stderr)
-        return 130
-    except netns.NetworkSetupError as e:
-        print(f"python -m benchmarks network: error: {e}", file=sys.stderr)
-        return 1
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with netns.signals_unwind():
+        try:
+            out = run(args)
+        except MultiRankError as e:
+            print(f"python -m benchmarks network: error: a rank failed; emulated network "
+                  f"removed\n{e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("python -m benchmarks network: interrupted; emulated network removed",
+                  file=sys.stderr)
+            return 130
+        except netns.NetworkSetupError as e:
+            print(f"python -m benchmarks network: error: {e}", file=sys.stderr)
+            return 1
     json_out.emit(out) if args.json else print(render(out))
     return 0
 

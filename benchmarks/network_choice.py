@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -373,10 +372,6 @@ def parse(argv) -> argparse.Namespace:
     return args
 
 
-def _terminate(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv=None) -> int:
     args = parse(argv)
     why = netns.missing_requirements()
@@ -386,20 +381,16 @@ def main(argv=None) -> int:
     netns.sweep_stale()
     from megatron_lbp.testing.multirank import MultiRankError
 
-    previous = {sig: signal.signal(sig, h) for sig, h in (
-        (signal.SIGTERM, _terminate), (signal.SIGINT, signal.default_int_handler))}
-    try:
-        out = run(args)
-    except (MultiRankError, RuntimeError, netns.NetworkSetupError) as e:
-        print(f"python -m benchmarks network-choice: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("python -m benchmarks network-choice: interrupted; emulated network removed",
-              file=sys.stderr)
-        return 130
-    finally:
-        for sig, h in previous.items():
-            signal.signal(sig, h)
+    with netns.signals_unwind():
+        try:
+            out = run(args)
+        except (MultiRankError, RuntimeError, netns.NetworkSetupError) as e:
+            print(f"python -m benchmarks network-choice: error: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("python -m benchmarks network-choice: interrupted; emulated network removed",
+                  file=sys.stderr)
+            return 130
     json_out.emit(out) if args.json else print(render(out))
     return 0
 
