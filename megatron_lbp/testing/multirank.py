@@ -108,7 +108,20 @@ def wait_for_store_port(port_box, timeout_s: float = 300.0) -> int:
 
 
 def forkserver_context():
-    """The multiprocessing context whose server has _PRELOAD imported (one per process)."""
+    """The multiprocessing context whose server has _PRELOAD imported (one per process).
+
+    Python keeps one forkserver per process, started by the first ``Process.start`` of any
+    forkserver context with the preload list of that moment. If something started it
+    without ours, every rank would import torch and megatron cold (seconds per rank, on
+    every rank of every later run): refuse rather than run the whole session slowly."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if server._forkserver_pid is not None and server._preload_modules != _PRELOAD:
+        raise RuntimeError(
+            f"this process's forkserver was started with preload {server._preload_modules!r}, "
+            f"not {_PRELOAD!r}, so ranks would start cold: start forkserver processes with "
+            f"megatron_lbp.testing.multirank.forkserver_context(), not mp.get_context('forkserver')")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx

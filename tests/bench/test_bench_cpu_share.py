@@ -1,5 +1,4 @@
 """bench/cpu_share: other processes' CPU time told from this process tree's, on real processes."""
-import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -8,6 +7,7 @@ import time
 import pytest
 
 from benchmarks import cpu_share
+from megatron_lbp.testing.multirank import forkserver_context
 
 # Spins for an amount of CPU time, not of wall time: on a busy machine a wall-time spin gets
 # only its share of the cores, and the assertions below would measure the machine's load.
@@ -53,7 +53,9 @@ def test_a_process_outside_the_tree_is_counted_as_others():
 
 def test_forkserver_ranks_and_reaped_children_count_as_the_runs_own():
     # Ranks come from a forkserver, which reaps them itself (megatron_lbp.testing.multirank).
-    ctx = mp.get_context("forkserver")
+    # The harness's own context: a bare mp.get_context("forkserver") started first would
+    # start the process's one server without the preload, and every later rank cold.
+    ctx = forkserver_context()
 
     def run():
         proc = ctx.Process(target=_spin, args=(1.4,))

@@ -34,7 +34,7 @@ def _network_runnable() -> str:
         return "not root"
     if not (shutil.which("ip") and shutil.which("tc")):
         return "iproute2 (ip, tc) missing"
-    if not (REPO / "megatron_lbp" / "bench" / "network.py").exists():
+    if not (REPO / "benchmarks" / "network.py").exists():
         return "benchmarks/network.py not in this checkout"
     return ""
 

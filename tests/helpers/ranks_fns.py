@@ -37,3 +37,11 @@ def abort_in_native_code_on_rank(bad_rank: int):
     if dist.get_rank() == bad_rank:
         os.abort()
     dist.barrier()
+
+
+def started_warm():
+    """Whether this rank's forkserver had megatron imported before the rank began (nothing in
+    this module or the harness imports it)."""
+    import sys
+
+    return "megatron.training.training" in sys.modules

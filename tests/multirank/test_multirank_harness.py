@@ -1,4 +1,6 @@
 """The harness must turn every way ranks go wrong into a fast, clear test failure."""
+import subprocess
+import sys
 import time
 
 import pytest
@@ -10,6 +12,23 @@ from tests.helpers import ranks_fns
 def test_collects_every_rank_result_in_rank_order():
     out = run_on_ranks(ranks_fns.rank_and_sum, 4, env={"LBP_TEST_TAG": "x"}, timeout=60)
     assert out == [(r, 4, 10.0, "x") for r in range(4)], f"per-rank results were {out}"
+
+
+def test_ranks_start_from_the_preloaded_forkserver():
+    # Every rank of the session forks from one server; cold, each would import megatron
+    # itself (seconds per rank, on every run of the suite).
+    assert run_on_ranks(ranks_fns.started_warm, 2, timeout=120) == [True, True], \
+        "ranks started without megatron imported: the forkserver runs without its preload"
+
+
+def test_a_forkserver_started_without_the_preload_is_refused():
+    code = ("import multiprocessing as mp, os\n"
+            "p = mp.get_context('forkserver').Process(target=os.getpid); p.start(); p.join()\n"
+            "from megatron_lbp.testing.multirank import forkserver_context\n"
+            "forkserver_context()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "ranks would start cold" in out.stderr, \
+        (out.returncode, out.stderr[-1500:])
 
 
 def test_exception_carries_rank_and_traceback_and_peers_are_killed():
