@@ -8,7 +8,7 @@ from tests.launch.test_launchers import SCRIPTS, flag, run, site, training_line 
 
 def test_start_from_an_import_keeps_save_and_load_on_the_run_directory(site):
     hf_dir, start = site["tmp"] / "llama-hf", site["tmp"] / "llama-imported"
-    hf_models.make("llama_gqa_untied", str(hf_dir))
+    model = hf_models.make("llama_gqa_untied", str(hf_dir))
     report = import_model(str(hf_dir), str(start))
     r = run(SCRIPTS["20b"], site, "--dry-run", NNODES=2, START_FROM=start)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -24,6 +24,11 @@ def test_start_from_an_import_keeps_save_and_load_on_the_run_directory(site):
     assert last == {"--num-layers": "2", "--hidden-size": "64", "--tokenizer-type": "HuggingFaceTokenizer",
                     "--num-query-groups": "2"}, last
     assert f"start: the weights of {start}" in r.stdout
+    # the estimate counts the model the import's flags build (GQA, SwiGLU, RMSNorm, no biases,
+    # untied): the Hugging Face model's own parameter count, which the import maps one to one
+    line = next(x for x in r.stdout.splitlines() if x.startswith("[lbp] model: "))
+    assert line.endswith(f": {sum(p.numel() for p in model.parameters()):,} parameters"), line
+    assert "heads 4/2 query groups, swiglu, RMSNorm, no linear biases, untied" in line, line
 
 
 def test_start_from_a_directory_that_is_not_an_import_is_one_line(site):
