@@ -70,6 +70,13 @@
 #                       flags, and NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS FFN_HIDDEN_SIZE
 #                       VOCAB_SIZE_PADDED and the TOKENIZER_* variables are taken from it
 #   NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS SEQ_LENGTH FFN_HIDDEN_SIZE
+#                       the estimate's model also takes Megatron's model flags where the
+#                       training command does (START_FROM's flags, EXTRA_ARGS, the extras after
+#                       the script's name; the last wins): --swiglu, --group-query-attention
+#                       --num-query-groups, --kv-channels, --normalization, --disable-bias-linear,
+#                       --add-qkv-bias, --untie-embeddings-and-output-weights,
+#                       --position-embedding-type and the four shape flags (lbp_model_flags);
+#                       the dry run prints the model it counted in one line
 #   MICRO_BATCH_SIZE    an integer, or auto: the largest that fits
 #   RECOMPUTE           full | selective | none | auto (the least that fits)
 #   GLOBAL_BATCH_SIZE TRAIN_ITERS LR MIN_LR LR_WARMUP_ITERS
