@@ -256,7 +256,11 @@ def activation_bytes(a, recompute: str, micro_batch_size: int) -> int:
     activation's output, 2 bytes x f each); --swiglu's fc1 has 2f outputs, saved by the
     fused bias-SwiGLU (Megatron's default) with the f-wide product: 18sbh + 6sbf.
     Grouped-query attention changes nothing here: the core attention expands K and V to
-    every head before it saves them. Per layer:
+    every head before it saves them. RMSNorm and --disable-bias-linear are counted as the
+    default layer (the formula's terms are tensors of the layer's widths, which neither
+    changes). --kv-channels
+    other than h/n is taken as h/n (its q/k/v and projection input are n*d wide, not h).
+    Per layer:
       full:      2sbh per layer (each layer's input) + one layer rebuilt in backward:
                  linear + 5ns^2b;
       selective: linear per layer (the core attention is recomputed) + one layer's
