@@ -141,7 +141,7 @@ def plan_argv(a, world_size: int, micro_batches: int = 1,
 ARCHITECTURE = {"untie_embeddings_and_output_weights": False, "swiglu": False,
                 "group_query_attention": False, "num_query_groups": None, "kv_channels": None,
                 "normalization": "LayerNorm", "disable_bias_linear": False,
-                "add_qkv_bias": False}
+                "add_qkv_bias": False, "max_position_embeddings": 0}
 
 
 def _arch(a, name: str):
@@ -175,12 +175,15 @@ def architecture_argv(a) -> list[str]:
             argv += ["--" + flag.replace("_", "-"), str(_arch(a, flag))]
     if _arch(a, "normalization") != "LayerNorm":
         argv += ["--normalization", _arch(a, "normalization")]
+    if _arch(a, "max_position_embeddings") not in (0, a.seq_length):
+        argv += ["--max-position-embeddings", str(_arch(a, "max_position_embeddings"))]
     return argv
 
 
 def units(a) -> list[tuple[str, int]]:
     """The model's gather units (costs.gpt_units): the one count of its parameters."""
-    return costs.gpt_units(a.num_layers, a.hidden_size, a.vocab_size, seq_length=a.seq_length,
+    return costs.gpt_units(a.num_layers, a.hidden_size, a.vocab_size,
+                           seq_length=_arch(a, "max_position_embeddings") or a.seq_length,
                            ffn_hidden_size=a.ffn_hidden_size or None, **architecture(a))
 
 
@@ -196,7 +199,10 @@ def model_line(a) -> str:
             f"{'no linear biases' if _arch(a, 'disable_bias_linear') else 'linear biases'}"
             + (" (qkv bias)" if _arch(a, "add_qkv_bias") else "")
             + f", {'untied' if _arch(a, 'untie_embeddings_and_output_weights') else 'tied'} "
-            f"output, {a.position_embedding_type} positions: {params:,} parameters")
+            f"output, {a.position_embedding_type} positions"
+            + (f" ({_arch(a, 'max_position_embeddings') or a.seq_length} rows)"
+               if a.position_embedding_type == "learned_absolute" else "")
+            + f": {params:,} parameters")
 
 
 @functools.lru_cache(maxsize=256)
@@ -684,6 +690,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hier-secondary-dtype", default="int8")
     ap.add_argument("--position-embedding-type", choices=("rope", "learned_absolute", "none"),
                     default="rope")
+    ap.add_argument("--max-position-embeddings", type=int, default=0,
+                    help="rows of the learned position table (default --seq-length)")
     ap.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     # Megatron's architecture flags, spelt and read as Megatron does (the plan's too).
     ap.add_argument("--swiglu", action="store_true",

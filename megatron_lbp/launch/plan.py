@@ -13,7 +13,8 @@ Example (the paper's 20B model on 384 GCDs, int8 secondary copy per node)::
 
 The model size is either ``--params M`` or a GPT shape
 (``--num-layers --hidden-size --vocab-size`` [``--ffn-hidden-size``
-``--seq-length --position-embedding-type --untie-embeddings-and-output-weights``
+``--seq-length --max-position-embeddings --position-embedding-type
+--untie-embeddings-and-output-weights``
 ``--swiglu --num-attention-heads --group-query-attention --num-query-groups --kv-channels
 --normalization --disable-bias-linear --add-qkv-bias``, Megatron's spellings and meanings], counted by ``costs.gpt_param_count``). ``--gpus-per-node``/``--gcds-per-package``
 and ``--preset`` are short spellings of ``--hier-gpus-per-node``,
@@ -128,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seq-length", metavar="S", default=None,
                    help="sequence length (counts a position table with "
                         "--position-embedding-type learned_absolute)")
+    m.add_argument("--max-position-embeddings", metavar="P", default=None,
+                   help="rows of the learned position table (default --seq-length), as "
+                        "Megatron's flag")
     m.add_argument("--position-embedding-type", choices=("rope", "learned_absolute", "none"),
                    default="rope", help="default rope (no position table)")
     m.add_argument("--untie-embeddings-and-output-weights", action="store_true",
@@ -199,7 +203,7 @@ def _pick_alias(args, short: str, long: str, default):
 def _model_units(args, bucket: int | None) -> list[tuple[str, int]]:
     """(kind, numel) of each gather unit: a GPT shape's units, or --params cut into buckets."""
     shape_flags = ("--num-layers", "--hidden-size", "--vocab-size")
-    extra_flags = ("--ffn-hidden-size", "--seq-length")
+    extra_flags = ("--ffn-hidden-size", "--seq-length", "--max-position-embeddings")
     given = {f: getattr(args, f[2:].replace("-", "_")) for f in shape_flags + extra_flags}
     if args.params is not None:
         both = [f for f, v in given.items() if v is not None]
@@ -221,10 +225,12 @@ def _model_units(args, bucket: int | None) -> list[tuple[str, int]]:
     ffn = None if given["--ffn-hidden-size"] is None else \
         _number("--ffn-hidden-size", given["--ffn-hidden-size"])
     seq = None if given["--seq-length"] is None else _number("--seq-length", given["--seq-length"])
+    if given["--max-position-embeddings"] is not None:   # Megatron's table has these rows
+        seq = _number("--max-position-embeddings", given["--max-position-embeddings"])
     pe = args.position_embedding_type
     if pe == "learned_absolute" and seq is None:
-        raise UsageError("--position-embedding-type=learned_absolute needs --seq-length "
-                         "(the position table has seq-length rows)")
+        raise UsageError("--position-embedding-type=learned_absolute needs --seq-length or "
+                         "--max-position-embeddings (the position table's rows)")
     heads = _int_or_none("--num-attention-heads", args.num_attention_heads)
     groups = query_groups(args.group_query_attention,
                           _int_or_none("--num-query-groups", args.num_query_groups))

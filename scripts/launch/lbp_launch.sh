@@ -75,7 +75,8 @@
 #                       the script's name; the last wins): --swiglu, --group-query-attention
 #                       --num-query-groups, --kv-channels, --normalization, --disable-bias-linear,
 #                       --add-qkv-bias, --untie-embeddings-and-output-weights,
-#                       --position-embedding-type and the four shape flags (lbp_model_flags);
+#                       --position-embedding-type, --max-position-embeddings and the four
+#                       shape flags (lbp_model_flags);
 #                       the dry run prints the model it counted in one line
 #   MICRO_BATCH_SIZE    an integer, or auto: the largest that fits
 #   RECOMPUTE           full | selective | none | auto (the least that fits)
@@ -373,7 +374,8 @@ lbp_model_flags() {
   words+=("${LBP_CLI_EXTRA[@]}")
   local -A val=([--num-layers]=$NUM_LAYERS [--hidden-size]=$HIDDEN_SIZE
                 [--num-attention-heads]=$NUM_ATTENTION_HEADS
-                [--ffn-hidden-size]=$FFN_HIDDEN_SIZE [--position-embedding-type]=rope)
+                [--ffn-hidden-size]=$FFN_HIDDEN_SIZE [--position-embedding-type]=rope
+                [--max-position-embeddings]=$SEQ_LENGTH)
   local -A on=()
   local i f v
   for ((i = 0; i < ${#words[@]}; i++)); do
@@ -381,7 +383,8 @@ lbp_model_flags() {
     case "$f" in --*=*) v=${f#*=} f=${f%%=*} ;; esac
     case "$f" in
       --num-layers | --hidden-size | --num-attention-heads | --ffn-hidden-size | \
-        --num-query-groups | --kv-channels | --normalization | --position-embedding-type)
+        --num-query-groups | --kv-channels | --normalization | --position-embedding-type | \
+        --max-position-embeddings)
         val[$f]=$v ;;
       --swiglu | --group-query-attention | --disable-bias-linear | --add-qkv-bias | \
         --untie-embeddings-and-output-weights)
@@ -393,7 +396,7 @@ lbp_model_flags() {
   done
   LBP_MODEL_ARGS=()
   for f in --num-layers --hidden-size --num-attention-heads --ffn-hidden-size --kv-channels \
-           --normalization --position-embedding-type; do
+           --normalization --position-embedding-type --max-position-embeddings; do
     [ -n "${val[$f]:-}" ] && LBP_MODEL_ARGS+=("$f" "${val[$f]}")
   done
   for f in --swiglu --group-query-attention --disable-bias-linear --add-qkv-bias \

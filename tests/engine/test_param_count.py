@@ -114,3 +114,8 @@ def test_bad_architecture_values_are_one_line_errors():
            "--num-attention-heads", "8", "--group-query-attention"]
     assert plan.make_plan(one)["params"] == costs.gpt_param_count(
         2, 64, 96, num_attention_heads=8, num_query_groups=1)
+    # the learned position table has --max-position-embeddings rows, as Megatron's
+    table = ["--world-size", "8", "--num-layers", "2", "--hidden-size", "64", "--vocab-size",
+             "96", "--seq-length", "16", "--position-embedding-type", "learned_absolute"]
+    assert plan.make_plan(table + ["--max-position-embeddings", "32"])["params"] \
+        == plan.make_plan(table)["params"] + 16 * 64

@@ -31,6 +31,21 @@ def test_start_from_an_import_keeps_save_and_load_on_the_run_directory(site):
     assert "heads 4/2 query groups, swiglu, RMSNorm, no linear biases, untied" in line, line
 
 
+def test_start_from_a_gpt2_import_estimates_its_position_table_and_layers(site):
+    # GPT-2's flags: learned positions with a table of the model's 64 rows (not SEQ_LENGTH's
+    # 32), LayerNorm, biases, GELU, tied; the import's padded vocabulary
+    hf_dir, start = site["tmp"] / "gpt2-hf", site["tmp"] / "gpt2-imported"
+    model = hf_models.make("gpt2", str(hf_dir))
+    import_model(str(hf_dir), str(start))
+    r = run(SCRIPTS["20b"], site, "--dry-run", NNODES=2, START_FROM=start, SEQ_LENGTH=32,
+            LBP_CHOOSE=0)
+    assert r.returncode == 0, r.stdout + r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("[lbp] model: "))
+    assert line.endswith(f": {sum(p.numel() for p in model.parameters()):,} parameters"), line
+    assert "gelu, LayerNorm, linear biases, tied output, learned_absolute positions (64 rows)" \
+        in line, line
+
+
 def test_start_from_a_directory_that_is_not_an_import_is_one_line(site):
     r = run(SCRIPTS["20b"], site, "--dry-run", NNODES=2, START_FROM=site["tmp"])
     assert r.returncode == 2
