@@ -1,6 +1,8 @@
 """The Frontier launcher starts a run from an imported Hugging Face model (START_FROM), dry run."""
 from __future__ import annotations
 
+import pytest
+
 from megatron_lbp.hf.importer import import_model
 from tests.helpers import hf_models
 from tests.launch.test_launchers import SCRIPTS, flag, run, site, training_line  # noqa: F401  (site: fixture)
@@ -31,6 +33,7 @@ def test_start_from_an_import_keeps_save_and_load_on_the_run_directory(site):
     assert "heads 4/2 query groups, swiglu, RMSNorm, no linear biases, untied" in line, line
 
 
+@pytest.mark.slow   # an import and a dry run (~3 s): the fast suite's budget
 def test_start_from_a_gpt2_import_estimates_its_position_table_and_layers(site):
     # GPT-2's flags: learned positions with a table of the model's 64 rows (not SEQ_LENGTH's
     # 32), LayerNorm, biases, GELU, tied; the import's padded vocabulary

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from megatron_lbp.testing.multirank import run_single
 from tests.engine.test_param_count import DEFAULT, H, HEADS, L, S, V, _count_models
 from tests.launch.test_launchers import SCRIPTS, run, site, training_line  # noqa: F401  (site: fixture)
@@ -44,6 +46,7 @@ def test_llama_flags_from_extra_args_and_the_command_line_reach_the_estimate(sit
                              f"GPTModel with these flags has {built:,} (GPT-2-style: {gpt2:,})")
 
 
+@pytest.mark.slow   # one more dry run (~3 s): the fast suite's budget
 def test_group_count_without_group_query_attention_is_multi_head_as_in_megatron(site):
     # Megatron ignores --num-query-groups without --group-query-attention; so does the estimate.
     r = run(SCRIPTS["20b"], site, "--dry-run", "--num-query-groups", "2", **SHAPE,
