@@ -417,7 +417,8 @@ def gpt_units(num_layers: int, hidden_size: int, vocab_size: int,
               tied: bool = True, *, position_embedding_type: str | None = None,
               swiglu: bool = False, num_attention_heads: int | None = None,
               num_query_groups: int | None = None, normalization: str = "LayerNorm",
-              add_bias_linear: bool = True) -> list[tuple[str, int]]:
+              add_bias_linear: bool = True, kv_channels: int | None = None,
+              add_qkv_bias: bool = False) -> list[tuple[str, int]]:
     """The engine's gather units of a megatron-core ``GPTModel``: (kind, numel), forward order.
 
     One unit is what one all-gather brings in (megatron_lbp.integration.megatron_adapter's
@@ -444,13 +445,16 @@ def gpt_units(num_layers: int, hidden_size: int, vocab_size: int,
     Megatron's other architecture flags change the layer as follows (n heads of
     d = h/n channels, g query groups; ``normalization`` "RMSNorm" has a weight and
     no bias, so each norm is h; ``add_bias_linear=False`` (--disable-bias-linear)
-    drops every linear bias; ``swiglu`` (--swiglu) gates the MLP: linear_fc1 has
-    2f outputs; ``num_query_groups`` (--group-query-attention --num-query-groups g)
-    shrinks linear_qkv to h + 2*g*d outputs and needs ``num_attention_heads``)::
+    drops every linear bias; ``add_qkv_bias`` (--add-qkv-bias, Qwen2) keeps
+    linear_qkv's; ``swiglu`` (--swiglu) gates the MLP: linear_fc1 has 2f outputs;
+    ``num_query_groups`` (--group-query-attention --num-query-groups g) shrinks
+    linear_qkv to n*d + 2*g*d outputs; ``kv_channels`` (--kv-channels) sets d,
+    default h/n; both need ``num_attention_heads``)::
 
-        layer = 2*norm + h*(h + 2gd) [+ h + 2gd] + h*h [+ h] + h*f*m [+ f*m] + f*h [+ h]
+        layer = 2*norm + h*(nd + 2gd) [+ nd + 2gd] + nd*h [+ h] + h*f*m [+ f*m] + f*h [+ h]
 
-    with m = 2 for SwiGLU, else 1, and the bracketed terms only with linear biases.
+    with m = 2 for SwiGLU, else 1, and the bracketed terms only with linear biases
+    (linear_qkv's also with ``add_qkv_bias``).
 
     ``position_embedding_type``: None means "learned_absolute" when
     ``seq_length`` is given and "rope" (no position table) otherwise;
@@ -475,19 +479,25 @@ def gpt_units(num_layers: int, hidden_size: int, vocab_size: int,
     if normalization not in ("LayerNorm", "RMSNorm"):
         raise ValueError(f"normalization={normalization!r}: must be LayerNorm or RMSNorm")
     norm = 2 * h if normalization == "LayerNorm" else h
-    qkv_out = 3 * h
-    if num_query_groups is not None:
-        if not num_attention_heads or h % int(num_attention_heads):
-            raise ValueError(f"num_query_groups={num_query_groups} needs num_attention_heads "
-                             f"dividing hidden_size={h}")
-        n, g = int(num_attention_heads), int(num_query_groups)
+    query, qkv_out = h, 3 * h
+    if num_query_groups is not None or kv_channels is not None:
+        what = (f"num_query_groups={num_query_groups}" if num_query_groups is not None
+                else f"kv_channels={kv_channels}")
+        n = int(num_attention_heads or 0)
+        if n <= 0 or (kv_channels is None and h % n):
+            raise ValueError(f"{what} needs num_attention_heads dividing hidden_size={h}")
+        g = n if num_query_groups is None else int(num_query_groups)
         if g <= 0 or n % g:
             raise ValueError(f"num_query_groups={g}: must divide num_attention_heads={n}")
-        qkv_out = h + 2 * g * (h // n)
+        d = h // n if kv_channels is None else int(kv_channels)
+        if d <= 0:
+            raise ValueError(f"kv_channels={d}: must be > 0")
+        query, qkv_out = n * d, (n + 2 * g) * d
     m = 2 if swiglu else 1
     bias = 1 if add_bias_linear else 0
-    per_layer = (2 * norm + h * qkv_out + h * h + h * f * m + f * h
-                 + bias * (qkv_out + h + f * m + h))
+    per_layer = (2 * norm + h * qkv_out + query * h + h * f * m + f * h
+                 + (1 if add_bias_linear or add_qkv_bias else 0) * qkv_out
+                 + bias * (h + f * m + h))
     output = norm + (0 if tied else V * h)
     return [("embedding", embedding)] + [("layer", per_layer)] * L + [("output", output)]
 
@@ -498,7 +508,7 @@ def gpt_param_count(num_layers: int, hidden_size: int, vocab_size: int,
                     **architecture) -> int:
     """Parameters of a megatron-core ``GPTModel``: the sum of :func:`gpt_units` (see there;
     ``architecture``: its swiglu, num_attention_heads, num_query_groups, normalization,
-    add_bias_linear)."""
+    add_bias_linear, kv_channels, add_qkv_bias)."""
     return sum(n for _, n in gpt_units(num_layers, hidden_size, vocab_size, seq_length,
                                        ffn_hidden_size, tied,
                                        position_embedding_type=position_embedding_type,

@@ -13,7 +13,8 @@ then fewer reduce-scatters in flight, then no prefetch) — gets:
 - its projected step time: the engine's committed schedule trace replayed at this shape
   (``megatron_lbp.projection.project_replay``) where one matches — same scheme and layer count,
   the trace's micro-batches per step, full recomputation (the traces are recorded with it),
-  the architecture the replay times (tied embedding, ffn 4h, bf16 weights, fp32 gradients),
+  the architecture the replay times (GPT-2's layers: GELU, LayerNorm, biases, multi-head
+  attention; tied embedding, ffn 4h, bf16 weights, fp32 gradients),
   Frontier's 8 GCDs per node in packages of 2 — and the idealised cost model
   (``megatron_lbp.projection.project.step_time``) otherwise. Every row says which. A row
   whose knobs are not the defaults adds their exposed seconds (``projection/knobs.py``),
@@ -95,7 +96,7 @@ def _committed() -> dict[str, dict[int, Any]]:
 def trace_for(a, label: str, c: estimate.Choice) -> str | None:
     """The committed trace whose replay times this row, or None (then: the idealised model)."""
     if (label not in TRACED or c.recompute != "full" or a.tasks_per_node != 8
-            or a.gcds_per_package != 2 or a.untie_embeddings_and_output_weights
+            or a.gcds_per_package != 2 or estimate.architecture_argv(a)   # not GPT-2's
             or a.ffn_hidden_size not in (0, 4 * a.hidden_size) or a.params_dtype != "bf16"
             or a.hier_grad_reduce_dtype != "fp32" or a.position_embedding_type != "rope"
             or (label == "lbp S=node" and a.hier_secondary_dtype != "int8")):

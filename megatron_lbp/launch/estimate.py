@@ -127,15 +127,82 @@ def plan_argv(a, world_size: int, micro_batches: int = 1,
         argv += ["--hier-secondary-dtype", a.hier_secondary_dtype]
     if a.ffn_hidden_size:
         argv += ["--ffn-hidden-size", str(a.ffn_hidden_size)]
-    if a.untie_embeddings_and_output_weights:
-        argv += ["--untie-embeddings-and-output-weights"]
-    if getattr(a, "swiglu", False):
-        argv += ["--swiglu"]
+    argv += architecture_argv(a)
     if knobs[0] != DEFAULT_PREFETCH_UNITS:
         argv += ["--hier-prefetch-units", str(knobs[0])]
     if knobs[1] != DEFAULT_MAX_PENDING_REDUCES:
         argv += ["--hier-max-pending-reduces", str(knobs[1])]
     return argv
+
+
+# Megatron's architecture flags this estimate reads (the model its parameter count, state,
+# transient and step time are for), with Megatron's defaults; a namespace built in code
+# (choose.py, benchmarks) may leave them out.
+ARCHITECTURE = {"untie_embeddings_and_output_weights": False, "swiglu": False,
+                "group_query_attention": False, "num_query_groups": None, "kv_channels": None,
+                "normalization": "LayerNorm", "disable_bias_linear": False,
+                "add_qkv_bias": False, "max_position_embeddings": 0}
+
+
+def _arch(a, name: str):
+    return getattr(a, name, ARCHITECTURE[name])
+
+
+def architecture(a) -> dict:
+    """The architecture as costs.gpt_units' keyword arguments (the one parameter count), read
+    as Megatron reads its flags: --num-query-groups counts only with --group-query-attention."""
+    return dict(tied=not _arch(a, "untie_embeddings_and_output_weights"),
+                position_embedding_type=a.position_embedding_type,
+                swiglu=_arch(a, "swiglu"), num_attention_heads=a.num_attention_heads,
+                num_query_groups=plan.query_groups(_arch(a, "group_query_attention"),
+                                                   _arch(a, "num_query_groups")),
+                kv_channels=_arch(a, "kv_channels"), normalization=_arch(a, "normalization"),
+                add_bias_linear=not _arch(a, "disable_bias_linear"),
+                add_qkv_bias=_arch(a, "add_qkv_bias"))
+
+
+def architecture_argv(a) -> list[str]:
+    """The plan's flags for the architecture; the defaults go unsaid."""
+    argv = []
+    for flag in ("untie_embeddings_and_output_weights", "swiglu", "group_query_attention",
+                 "disable_bias_linear", "add_qkv_bias"):
+        if _arch(a, flag):
+            argv.append("--" + flag.replace("_", "-"))
+    if _arch(a, "group_query_attention") or _arch(a, "kv_channels"):
+        argv += ["--num-attention-heads", str(a.num_attention_heads)]
+    for flag in ("num_query_groups", "kv_channels"):
+        if _arch(a, flag):
+            argv += ["--" + flag.replace("_", "-"), str(_arch(a, flag))]
+    if _arch(a, "normalization") != "LayerNorm":
+        argv += ["--normalization", _arch(a, "normalization")]
+    if _arch(a, "max_position_embeddings") not in (0, a.seq_length):
+        argv += ["--max-position-embeddings", str(_arch(a, "max_position_embeddings"))]
+    return argv
+
+
+def units(a) -> list[tuple[str, int]]:
+    """The model's gather units (costs.gpt_units): the one count of its parameters."""
+    return costs.gpt_units(a.num_layers, a.hidden_size, a.vocab_size,
+                           seq_length=_arch(a, "max_position_embeddings") or a.seq_length,
+                           ffn_hidden_size=a.ffn_hidden_size or None, **architecture(a))
+
+
+def model_line(a) -> str:
+    """The model this estimate is for, in one line (the dry run prints it)."""
+    groups = architecture(a)["num_query_groups"]
+    params = sum(n for _, n in units(a))
+    return (f"model: {a.num_layers} layers, hidden {a.hidden_size}, ffn "
+            f"{a.ffn_hidden_size or 4 * a.hidden_size}, heads {a.num_attention_heads}/"
+            f"{groups or a.num_attention_heads} query groups"
+            + (f", kv-channels {_arch(a, 'kv_channels')}" if _arch(a, "kv_channels") else "")
+            + f", {'swiglu' if _arch(a, 'swiglu') else 'gelu'}, {_arch(a, 'normalization')}, "
+            f"{'no linear biases' if _arch(a, 'disable_bias_linear') else 'linear biases'}"
+            + (" (qkv bias)" if _arch(a, "add_qkv_bias") else "")
+            + f", {'untied' if _arch(a, 'untie_embeddings_and_output_weights') else 'tied'} "
+            f"output, {a.position_embedding_type} positions"
+            + (f" ({_arch(a, 'max_position_embeddings') or a.seq_length} rows)"
+               if a.position_embedding_type == "learned_absolute" else "")
+            + f": {params:,} parameters")
 
 
 @functools.lru_cache(maxsize=256)
@@ -195,7 +262,11 @@ def activation_bytes(a, recompute: str, micro_batch_size: int) -> int:
     activation's output, 2 bytes x f each); --swiglu's fc1 has 2f outputs, saved by the
     fused bias-SwiGLU (Megatron's default) with the f-wide product: 18sbh + 6sbf.
     Grouped-query attention changes nothing here: the core attention expands K and V to
-    every head before it saves them. Per layer:
+    every head before it saves them. RMSNorm and --disable-bias-linear are counted as the
+    default layer (the formula's terms are tensors of the layer's widths, which neither
+    changes). --kv-channels
+    other than h/n is taken as h/n (its q/k/v and projection input are n*d wide, not h).
+    Per layer:
       full:      2sbh per layer (each layer's input) + one layer rebuilt in backward:
                  linear + 5ns^2b;
       selective: linear per layer (the core attention is recomputed) + one layer's
@@ -280,13 +351,6 @@ def knob_settings(a) -> list[tuple[int, int]]:
     return out
 
 
-def _units(a) -> list[tuple[str, int]]:
-    return costs.gpt_units(a.num_layers, a.hidden_size, a.vocab_size, seq_length=a.seq_length,
-                           ffn_hidden_size=a.ffn_hidden_size or None,
-                           tied=not a.untie_embeddings_and_output_weights,
-                           position_embedding_type=a.position_embedding_type)
-
-
 def knob_cost_s(a, p: dict, recompute: str, micro_batch_size: int,
                 setting: tuple[int, int]) -> float:
     """Exposed seconds per step ``setting`` adds to the engine's defaults (projection/knobs.py;
@@ -298,7 +362,7 @@ def knob_cost_s(a, p: dict, recompute: str, micro_batch_size: int,
     compute = project.ComputeModel(mfu=a.mfu, seq_length=a.seq_length,
                                    micro_batch_size=micro_batch_size,
                                    recompute=recompute == "full")
-    return knobs.cost_s(p, _units(a), _model(a), knobs.Knobs(*setting), links=link_model(a),
+    return knobs.cost_s(p, units(a), _model(a), knobs.Knobs(*setting), links=link_model(a),
                         compute=compute, tied=not a.untie_embeddings_and_output_weights)
 
 
@@ -467,12 +531,7 @@ def report(a) -> tuple[list[str], dict, str | None]:
             (a.preset, a.hier_secondary_group_size) if a.preset != "auto" else
             ("lbp", a.tasks_per_node))
         a = argparse.Namespace(**{**vars(a), "preset": preset, "hier_secondary_group_size": sec})
-    params = costs.gpt_param_count(a.num_layers, a.hidden_size, a.vocab_size,
-                                   seq_length=a.seq_length,
-                                   ffn_hidden_size=a.ffn_hidden_size or None,
-                                   position_embedding_type=a.position_embedding_type,
-                                   tied=not a.untie_embeddings_and_output_weights,
-                                   swiglu=getattr(a, "swiglu", False))
+    params = sum(n for _, n in units(a))
     options, base = choices(a)
     if not options:
         raise EstimateError(
@@ -482,6 +541,7 @@ def report(a) -> tuple[list[str], dict, str | None]:
     m, g = base["memory_bytes"], base["group_sizes"]
     size = f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params / 1e6:.2f} M"
     lines = [
+        model_line(a),
         f"parameters: {params:,} ({size}), padded vocabulary {a.vocab_size}",
         f"hierarchy: W={base['world_size']} ranks, P={g['param']} G={g['grad']} O={g['optim']} "
         f"S={g['secondary']} ({base['secondary_dtype'] if g['secondary'] else 'no secondary'}), "
@@ -628,10 +688,25 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a preset, or auto: chosen by projected step time (needs --choose)")
     ap.add_argument("--hier-secondary-group-size", type=int, default=0)
     ap.add_argument("--hier-secondary-dtype", default="int8")
-    ap.add_argument("--position-embedding-type", default="rope")
+    ap.add_argument("--position-embedding-type", choices=("rope", "learned_absolute", "none"),
+                    default="rope")
+    ap.add_argument("--max-position-embeddings", type=int, default=0,
+                    help="rows of the learned position table (default --seq-length)")
     ap.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    # Megatron's architecture flags, spelt and read as Megatron does (the plan's too).
     ap.add_argument("--swiglu", action="store_true",
                     help="gated MLP (Megatron's --swiglu): its parameters and activations")
+    ap.add_argument("--group-query-attention", action="store_true",
+                    help="grouped-query attention with --num-query-groups key/value heads "
+                         "(default 1, as Megatron's)")
+    ap.add_argument("--num-query-groups", type=int, default=None,
+                    help="key/value heads; as in Megatron, only with --group-query-attention")
+    ap.add_argument("--kv-channels", type=int, default=None,
+                    help="channels per attention head (default hidden/heads)")
+    ap.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    ap.add_argument("--disable-bias-linear", action="store_true", help="no linear biases")
+    ap.add_argument("--add-qkv-bias", action="store_true",
+                    help="linear_qkv keeps its bias under --disable-bias-linear (Qwen2)")
     ap.add_argument("--params-dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     ap.add_argument("--hier-grad-reduce-dtype", default="fp32", choices=("fp32", "bf16"))
     ap.add_argument("--hier-prefetch-units", type=_auto_or_int("HIER_PREFETCH_UNITS", 0),
@@ -692,6 +767,11 @@ def main(argv=None) -> int:
         return 2
     if a.peak_tflops is not None and not a.peak_tflops > 0:
         print(f"{PROG}: error: --peak-tflops={a.peak_tflops:g} must be > 0", file=sys.stderr)
+        return 2
+    try:   # the architecture, before any plan is made (groups dividing the heads, ...)
+        units(a)
+    except (plan.UsageError, ValueError) as exc:
+        print(f"{PROG}: error: the model: {exc}", file=sys.stderr)
         return 2
     if a.network_model == "shared_uplink" and not a.links:
         print(f"{PROG}: error: --network-model shared_uplink needs --links FILE (the measured "

@@ -13,9 +13,10 @@ Example (the paper's 20B model on 384 GCDs, int8 secondary copy per node)::
 
 The model size is either ``--params M`` or a GPT shape
 (``--num-layers --hidden-size --vocab-size`` [``--ffn-hidden-size``
-``--seq-length --position-embedding-type --untie-embeddings-and-output-weights``
-``--swiglu --num-attention-heads --num-query-groups --normalization --disable-bias-linear``,
-Megatron's spellings], counted by ``costs.gpt_param_count``). ``--gpus-per-node``/``--gcds-per-package``
+``--seq-length --max-position-embeddings --position-embedding-type
+--untie-embeddings-and-output-weights``
+``--swiglu --num-attention-heads --group-query-attention --num-query-groups --kv-channels
+--normalization --disable-bias-linear --add-qkv-bias``, Megatron's spellings and meanings], counted by ``costs.gpt_param_count``). ``--gpus-per-node``/``--gcds-per-package``
 and ``--preset`` are short spellings of ``--hier-gpus-per-node``,
 ``--hier-gcds-per-package`` and ``--hier-preset``; giving both spellings with
 different values is an error.
@@ -128,19 +129,27 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seq-length", metavar="S", default=None,
                    help="sequence length (counts a position table with "
                         "--position-embedding-type learned_absolute)")
+    m.add_argument("--max-position-embeddings", metavar="P", default=None,
+                   help="rows of the learned position table (default --seq-length), as "
+                        "Megatron's flag")
     m.add_argument("--position-embedding-type", choices=("rope", "learned_absolute", "none"),
                    default="rope", help="default rope (no position table)")
     m.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="separate output layer (V*h more parameters)")
     m.add_argument("--swiglu", action="store_true", help="gated MLP (linear_fc1 has 2*F outputs)")
     m.add_argument("--num-attention-heads", metavar="N", default=None,
-                   help="attention heads (needed with --num-query-groups)")
-    m.add_argument("--num-query-groups", metavar="G", default=None,
-                   help="grouped-query attention: key/value heads")
+                   help="attention heads (needed with --group-query-attention, --kv-channels)")
     m.add_argument("--group-query-attention", action="store_true",
-                   help="accepted as Megatron spells it; --num-query-groups sets the groups")
+                   help="grouped-query attention with --num-query-groups key/value heads "
+                        "(default 1, as Megatron's)")
+    m.add_argument("--num-query-groups", metavar="G", default=None,
+                   help="key/value heads; as in Megatron, only with --group-query-attention")
+    m.add_argument("--kv-channels", metavar="D", default=None,
+                   help="channels per attention head (default hidden/heads)")
     m.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
     m.add_argument("--disable-bias-linear", action="store_true", help="no linear biases")
+    m.add_argument("--add-qkv-bias", action="store_true",
+                   help="linear_qkv keeps its bias under --disable-bias-linear (Qwen2)")
     s = p.add_argument_group("training step")
     s.add_argument("--params-dtype", choices=tuple(costs.WEIGHT_BYTES), default="bf16",
                    help="weight dtype (default bf16)")
@@ -194,7 +203,7 @@ def _pick_alias(args, short: str, long: str, default):
 def _model_units(args, bucket: int | None) -> list[tuple[str, int]]:
     """(kind, numel) of each gather unit: a GPT shape's units, or --params cut into buckets."""
     shape_flags = ("--num-layers", "--hidden-size", "--vocab-size")
-    extra_flags = ("--ffn-hidden-size", "--seq-length")
+    extra_flags = ("--ffn-hidden-size", "--seq-length", "--max-position-embeddings")
     given = {f: getattr(args, f[2:].replace("-", "_")) for f in shape_flags + extra_flags}
     if args.params is not None:
         both = [f for f, v in given.items() if v is not None]
@@ -216,12 +225,16 @@ def _model_units(args, bucket: int | None) -> list[tuple[str, int]]:
     ffn = None if given["--ffn-hidden-size"] is None else \
         _number("--ffn-hidden-size", given["--ffn-hidden-size"])
     seq = None if given["--seq-length"] is None else _number("--seq-length", given["--seq-length"])
+    if given["--max-position-embeddings"] is not None:   # Megatron's table has these rows
+        seq = _number("--max-position-embeddings", given["--max-position-embeddings"])
     pe = args.position_embedding_type
     if pe == "learned_absolute" and seq is None:
-        raise UsageError("--position-embedding-type=learned_absolute needs --seq-length "
-                         "(the position table has seq-length rows)")
+        raise UsageError("--position-embedding-type=learned_absolute needs --seq-length or "
+                         "--max-position-embeddings (the position table's rows)")
     heads = _int_or_none("--num-attention-heads", args.num_attention_heads)
-    groups = _int_or_none("--num-query-groups", args.num_query_groups)
+    groups = query_groups(args.group_query_attention,
+                          _int_or_none("--num-query-groups", args.num_query_groups))
+    kv = _int_or_none("--kv-channels", args.kv_channels)
     try:
         return costs.gpt_units(num["--num-layers"], num["--hidden-size"], num["--vocab-size"],
                                seq_length=seq, ffn_hidden_size=ffn,
@@ -229,9 +242,23 @@ def _model_units(args, bucket: int | None) -> list[tuple[str, int]]:
                                position_embedding_type=pe, swiglu=args.swiglu,
                                num_attention_heads=heads, num_query_groups=groups,
                                normalization=args.normalization,
-                               add_bias_linear=not args.disable_bias_linear)
+                               add_bias_linear=not args.disable_bias_linear,
+                               kv_channels=kv, add_qkv_bias=args.add_qkv_bias)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+def query_groups(group_query_attention: bool, num_query_groups: int | None) -> int | None:
+    """Key/value heads as Megatron reads its flags: --num-query-groups (default 1) counts only
+    with --group-query-attention, else the attention is multi-head (None). Given alone it
+    is refused: Megatron would silently train multi-head attention."""
+    if not group_query_attention:
+        if num_query_groups is not None:
+            raise UsageError(f"--num-query-groups={num_query_groups} without "
+                             "--group-query-attention: Megatron ignores it; give both for "
+                             "grouped-query attention")
+        return None
+    return 1 if num_query_groups is None else num_query_groups
 
 
 def _int_or_none(flag: str, value) -> int | None:

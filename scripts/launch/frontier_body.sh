@@ -29,7 +29,10 @@
 # bandwidth and refuses named slow nodes. Keep TRAIN_ITERS and the LR settings across
 # resubmissions (Megatron checks the checkpoint's LR schedule;
 # EXTRA_ARGS=--override-opt_param-scheduler to change it on purpose). Extra
-# arguments (or EXTRA_ARGS) are appended to the training command line.
+# arguments (or EXTRA_ARGS) are appended to the training command line; the model flags
+# among them (e.g. a Llama-style --swiglu --group-query-attention --num-query-groups 8
+# --normalization RMSNorm --disable-bias-linear --untie-embeddings-and-output-weights)
+# reach the memory and step-time estimate too (lbp_launch.sh: lbp_model_flags).
 #
 # At small size on CPU ranks (a one-machine Slurm, the tests): scripts/frontier_small.env
 # holds the only values that differ (model and batch size, node and task counts, the

@@ -70,6 +70,14 @@
 #                       flags, and NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS FFN_HIDDEN_SIZE
 #                       VOCAB_SIZE_PADDED and the TOKENIZER_* variables are taken from it
 #   NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS SEQ_LENGTH FFN_HIDDEN_SIZE
+#                       the estimate's model also takes Megatron's model flags where the
+#                       training command does (START_FROM's flags, EXTRA_ARGS, the extras after
+#                       the script's name; the last wins): --swiglu, --group-query-attention
+#                       --num-query-groups, --kv-channels, --normalization, --disable-bias-linear,
+#                       --add-qkv-bias, --untie-embeddings-and-output-weights,
+#                       --position-embedding-type, --max-position-embeddings and the four
+#                       shape flags (lbp_model_flags);
+#                       the dry run prints the model it counted in one line
 #   MICRO_BATCH_SIZE    an integer, or auto: the largest that fits
 #   RECOMPUTE           full | selective | none | auto (the least that fits)
 #   GLOBAL_BATCH_SIZE TRAIN_ITERS LR MIN_LR LR_WARMUP_ITERS
@@ -353,17 +361,64 @@ lbp_resolve_entry() {
 
 # --------------------------------------------------------------------------- estimates
 
+# The model the training command builds, as the estimate's flags (LBP_MODEL_ARGS): the
+# shape variables, then Megatron's model flags where the command gives them, in its order
+# (START_FROM's megatron_args.txt, EXTRA_ARGS, the command line's extras; the last of a flag
+# wins, as in Megatron's argparse). --num-query-groups counts only with
+# --group-query-attention, as in Megatron. Model flags the estimate cannot count get a
+# warning line.
+lbp_model_flags() {
+  local words=("${LBP_START_FLAGS[@]}")
+  # shellcheck disable=SC2206  # EXTRA_ARGS is a list of flags
+  [ -n "${EXTRA_ARGS:-}" ] && words+=($EXTRA_ARGS)
+  words+=("${LBP_CLI_EXTRA[@]}")
+  local -A val=([--num-layers]=$NUM_LAYERS [--hidden-size]=$HIDDEN_SIZE
+                [--num-attention-heads]=$NUM_ATTENTION_HEADS
+                [--ffn-hidden-size]=$FFN_HIDDEN_SIZE [--position-embedding-type]=rope
+                [--max-position-embeddings]=$SEQ_LENGTH)
+  local -A on=()
+  local i f v
+  for ((i = 0; i < ${#words[@]}; i++)); do
+    f=${words[i]} v=${words[i + 1]:-}
+    case "$f" in --*=*) v=${f#*=} f=${f%%=*} ;; esac
+    case "$f" in
+      --num-layers | --hidden-size | --num-attention-heads | --ffn-hidden-size | \
+        --num-query-groups | --kv-channels | --normalization | --position-embedding-type | \
+        --max-position-embeddings)
+        val[$f]=$v ;;
+      --swiglu | --group-query-attention | --disable-bias-linear | --add-qkv-bias | \
+        --untie-embeddings-and-output-weights)
+        on[$f]=1 ;;
+      --num-experts | --qk-layernorm | --multi-latent-attention | --squared-relu | --quick-geglu)
+        lbp_log "warning: $f: the estimate does not count it (parameters, memory and step" \
+          "time are for the model without it)" ;;
+    esac
+  done
+  LBP_MODEL_ARGS=()
+  for f in --num-layers --hidden-size --num-attention-heads --ffn-hidden-size --kv-channels \
+           --normalization --position-embedding-type --max-position-embeddings; do
+    [ -n "${val[$f]:-}" ] && LBP_MODEL_ARGS+=("$f" "${val[$f]}")
+  done
+  for f in --swiglu --group-query-attention --disable-bias-linear --add-qkv-bias \
+           --untie-embeddings-and-output-weights; do
+    [ -n "${on[$f]:-}" ] && LBP_MODEL_ARGS+=("$f")
+  done
+  if [ -n "${on[--group-query-attention]:-}" ] && [ -n "${val[--num-query-groups]:-}" ]; then
+    LBP_MODEL_ARGS+=(--num-query-groups "${val[--num-query-groups]}")
+  fi
+}
+
 # Memory per choice, the choice, step time, save interval, checkpoint bytes (estimate.py).
 lbp_estimate() {
   lbp_ds_estimate_as
+  lbp_model_flags
   # Schemes the engine does not run (DeepSpeed's, stock distopt) have no such knobs: the
   # estimate costs them with the engine's defaults.
   LBP_EST_PREFETCH=$HIER_PREFETCH_UNITS LBP_EST_PENDING=$HIER_MAX_PENDING_REDUCES
   if lbp_is_ds || [ "$HIER_PRESET" = distopt ]; then LBP_EST_PREFETCH=1 LBP_EST_PENDING=2; fi
   local args=(--nodes "$NNODES_RESOLVED" --tasks-per-node "$TASKS_PER_NODE"
               --gcds-per-package "$GCDS_PER_PACKAGE" --preset "$LBP_EST_PRESET"
-              --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN_SIZE"
-              --num-attention-heads "$NUM_ATTENTION_HEADS" --seq-length "$SEQ_LENGTH"
+              "${LBP_MODEL_ARGS[@]}" --seq-length "$SEQ_LENGTH"
               --vocab-size "$VOCAB_SIZE_PADDED" --global-batch-size "$GLOBAL_BATCH_SIZE"
               --micro-batch-size "$MICRO_BATCH_SIZE" --recompute "$RECOMPUTE"
               --hier-secondary-group-size "$LBP_EST_SECONDARY"
@@ -376,7 +431,6 @@ lbp_estimate() {
               --save-minutes "$LBP_SAVE_MINUTES" --milestone-every "$LBP_MILESTONE_EVERY"
               --write-gbps-per-node "$LBP_WRITE_GBPS" --save-fixed-s "$LBP_SAVE_FIXED_S"
               --resolved "$LBP_TMP/estimate")
-  [ -n "$FFN_HIDDEN_SIZE" ] && args+=(--ffn-hidden-size "$FFN_HIDDEN_SIZE")
   [ -n "${LBP_STEP_SECONDS:-}" ] && args+=(--step-seconds "$LBP_STEP_SECONDS")
   [ "${LBP_COMPARE_SCHEMES:-0}" = 1 ] && args+=(--compare)
   # The configuration by projected step time (megatron_lbp/launch/choose.py), the scheme

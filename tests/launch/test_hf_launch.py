@@ -1,6 +1,8 @@
 """The Frontier launcher starts a run from an imported Hugging Face model (START_FROM), dry run."""
 from __future__ import annotations
 
+import pytest
+
 from megatron_lbp.hf.importer import import_model
 from tests.helpers import hf_models
 from tests.launch.test_launchers import SCRIPTS, flag, run, site, training_line  # noqa: F401  (site: fixture)
@@ -8,7 +10,7 @@ from tests.launch.test_launchers import SCRIPTS, flag, run, site, training_line 
 
 def test_start_from_an_import_keeps_save_and_load_on_the_run_directory(site):
     hf_dir, start = site["tmp"] / "llama-hf", site["tmp"] / "llama-imported"
-    hf_models.make("llama_gqa_untied", str(hf_dir))
+    model = hf_models.make("llama_gqa_untied", str(hf_dir))
     report = import_model(str(hf_dir), str(start))
     r = run(SCRIPTS["20b"], site, "--dry-run", NNODES=2, START_FROM=start)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -24,6 +26,27 @@ def test_start_from_an_import_keeps_save_and_load_on_the_run_directory(site):
     assert last == {"--num-layers": "2", "--hidden-size": "64", "--tokenizer-type": "HuggingFaceTokenizer",
                     "--num-query-groups": "2"}, last
     assert f"start: the weights of {start}" in r.stdout
+    # the estimate counts the model the import's flags build (GQA, SwiGLU, RMSNorm, no biases,
+    # untied): the Hugging Face model's own parameter count, which the import maps one to one
+    line = next(x for x in r.stdout.splitlines() if x.startswith("[lbp] model: "))
+    assert line.endswith(f": {sum(p.numel() for p in model.parameters()):,} parameters"), line
+    assert "heads 4/2 query groups, swiglu, RMSNorm, no linear biases, untied" in line, line
+
+
+@pytest.mark.slow   # an import and a dry run (~3 s): the fast suite's budget
+def test_start_from_a_gpt2_import_estimates_its_position_table_and_layers(site):
+    # GPT-2's flags: learned positions with a table of the model's 64 rows (not SEQ_LENGTH's
+    # 32), LayerNorm, biases, GELU, tied; the import's padded vocabulary
+    hf_dir, start = site["tmp"] / "gpt2-hf", site["tmp"] / "gpt2-imported"
+    model = hf_models.make("gpt2", str(hf_dir))
+    import_model(str(hf_dir), str(start))
+    r = run(SCRIPTS["20b"], site, "--dry-run", NNODES=2, START_FROM=start, SEQ_LENGTH=32,
+            LBP_CHOOSE=0)
+    assert r.returncode == 0, r.stdout + r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("[lbp] model: "))
+    assert line.endswith(f": {sum(p.numel() for p in model.parameters()):,} parameters"), line
+    assert "gelu, LayerNorm, linear biases, tied output, learned_absolute positions (64 rows)" \
+        in line, line
 
 
 def test_start_from_a_directory_that_is_not_an_import_is_one_line(site):

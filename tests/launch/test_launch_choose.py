@@ -91,7 +91,7 @@ def test_the_ranking_is_the_projections_step_times_in_order():
         else:
             want = pj.step_time(p, model, compute=compute)["step_s"]
         # a row run with other transient knobs than the engine's defaults adds their exposed time
-        want += knobs.cost_s(p, estimate._units(a), model, knobs.Knobs(*c.knobs), compute=compute)
+        want += knobs.cost_s(p, estimate.units(a), model, knobs.Knobs(*c.knobs), compute=compute)
         assert c.step_s == pytest.approx(want, rel=1e-12), (r, want)
     assert any(k[0] == "replay" for k in checked) and any(k[0] == "idealised" for k in checked)
 
