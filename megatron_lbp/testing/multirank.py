@@ -23,6 +23,7 @@ import os
 import pickle
 import queue
 import socket
+import shutil
 import tempfile
 import time
 import traceback
@@ -259,10 +260,15 @@ def run_on_ranks(
 
     failed = {r: o for r, o in outcomes.items() if not o.ok}
     missing = [r for r in range(world_size) if r not in outcomes]
-    if failed or missing:
-        raise MultiRankError(_describe_failure(failed, missing, stack_dir, timeout,
-                                               first_error_at is not None))
-    return [outcomes[r].value for r in range(world_size)]
+    try:
+        if failed or missing:
+            raise MultiRankError(_describe_failure(failed, missing, stack_dir, timeout,
+                                                   first_error_at is not None))
+        return [outcomes[r].value for r in range(world_size)]
+    finally:
+        # The stacks are read into the error above; a suite starts thousands of runs.
+        # A rank killed above may still hold its file open: ignore_errors.
+        shutil.rmtree(stack_dir, ignore_errors=True)
 
 
 def _stack_dump(stack_dir: str, rank: int) -> str:

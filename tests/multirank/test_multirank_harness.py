@@ -1,6 +1,7 @@
 """The harness must turn every way ranks go wrong into a fast, clear test failure."""
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -9,9 +10,14 @@ from megatron_lbp.testing.multirank import MultiRankError, rank_location_env, ru
 from tests.helpers import ranks_fns
 
 
-def test_collects_every_rank_result_in_rank_order():
+def test_collects_every_rank_result_in_rank_order(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     out = run_on_ranks(ranks_fns.rank_and_sum, 4, env={"LBP_TEST_TAG": "x"}, timeout=60)
     assert out == [(r, 4, 10.0, "x") for r in range(4)], f"per-rank results were {out}"
+    with pytest.raises(MultiRankError):
+        run_on_ranks(ranks_fns.fail_on_rank, 2, 1, timeout=60)
+    # the per-run directory of stack files goes with the run, failed or not
+    assert list(tmp_path.glob("lbp-ranks-*")) == [], list(tmp_path.iterdir())
 
 
 def test_ranks_start_from_the_preloaded_forkserver():
