@@ -10,7 +10,7 @@ completes those already done at its hooks, so a rank whose peers were quick hold
 less. The job's peak (the largest over its ranks) is what must fit in memory.
 
 The transient knobs (--hier-max-pending-reduces, --hier-prefetch-units,
---hier-grad-reduce-dtype) are held to the same bound at their non-default values, and a
+--hier-grad-reduce-dtype, --hier-embedding-backward-gather) are held to the same bound at their non-default values, and a
 knob must move the engine's measured peak the way the plan says (not a no-op flag).
 """
 import pytest
@@ -44,7 +44,9 @@ def _knobs(argv):
     given = dict(zip(argv[::2], argv[1::2]))
     return {"prefetch_units": int(given.get("--hier-prefetch-units", 1)),
             "max_pending_reduces": int(given.get("--hier-max-pending-reduces", 2)),
-            "grad_dtype": given.get("--hier-grad-reduce-dtype", "fp32")}
+            "grad_dtype": given.get("--hier-grad-reduce-dtype", "fp32"),
+            "embedding_backward_gather": given.get("--hier-embedding-backward-gather",
+                                                   "gather")}
 
 
 def _check(runs, floor, out=None):
@@ -71,14 +73,15 @@ def _check(runs, floor, out=None):
 
 
 PENDING_1 = {"--hier-max-pending-reduces": 1}
+SKIP = {"--hier-embedding-backward-gather": "skip"}
 
 
 def test_plan_transient_is_the_engine_peak_never_below_it():
-    # One launch, three runs: tied with accumulation and the node-wide secondary copy, the
-    # same with one reduce-scatter in flight, untied without. The floor is loose here (the
-    # default suite runs on a shared machine); the slow matrix below holds the 10% the plan
-    # promises.
-    runs = _runs([(True, 4, 4), (True, 4, 4, PENDING_1), (False, 1, 2)])
+    # One launch, four runs: tied with accumulation and the node-wide secondary copy, the
+    # same with one reduce-scatter in flight, untied without, and tied without the
+    # embedding's backward gather. The floor is loose here (the default suite runs on a
+    # shared machine); the slow matrix below holds the 10% the plan promises.
+    runs = _runs([(True, 4, 4), (True, 4, 4, PENDING_1), (False, 1, 2), (True, 4, 4, SKIP)])
     out = run_on_ranks(measure, WORLD, runs, rank_env=rank_location_env(4), timeout=900)
     _check(runs, floor=0.75, out=out)
     # The knob is real: one reduce-scatter less in flight holds less, by what the plan says
@@ -92,6 +95,14 @@ def test_plan_transient_is_the_engine_peak_never_below_it():
     assert fewer < default, (
         f"--hier-max-pending-reduces 1 peaked at {fewer} bytes, the default 2 at {default}: "
         f"the plan says {plans[1]['peak']} against {plans[0]['peak']}")
+    # So is the embedding's: the tied weights freed after the output layer's backward.
+    skip = max(res[list(runs)[3]][0] for res in out)
+    planned = costs.transient_bytes(HierConfig(**config), numels, param_dtype="bf16",
+                                    tied_embedding=True, micro_batches=4,
+                                    embedding_backward_gather="skip")["peak"]
+    assert planned < plans[0]["peak"] and skip < default, (
+        f"--hier-embedding-backward-gather skip peaked at {skip} bytes, the default at "
+        f"{default}: the plan says {planned} against {plans[0]['peak']}")
 
 
 @pytest.mark.slow
