@@ -32,7 +32,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_lbp.engine.constants import MAX_PENDING_REDUCES
+from megatron_lbp.engine.constants import (DEFAULT_EMBEDDING_BACKWARD_GATHER,
+                                           EMBEDDING_BACKWARD_GATHERS, MAX_PENDING_REDUCES)
 
 __all__ = [
     "PRESETS",
@@ -51,6 +52,8 @@ __all__ = [
     "engine_options_from_args",
     "prefetch_units_from_args",
     "max_pending_reduces_from_args",
+    "EMBEDDING_BACKWARD_GATHERS",
+    "DEFAULT_EMBEDDING_BACKWARD_GATHER",
     "DEFAULT_PREFETCH_UNITS",
     "DEFAULT_MAX_PENDING_REDUCES",
     "DEFAULT_QUANT_BLOCK_SIZE",
@@ -83,6 +86,7 @@ FLAGS = {
     "bucket_size": "--hier-bucket-size",
     "prefetch_units": "--hier-prefetch-units",
     "max_pending_reduces": "--hier-max-pending-reduces",
+    "embedding_backward_gather": "--hier-embedding-backward-gather",
     "grad_reduce_dtype": "--hier-grad-reduce-dtype",
     "quant_block_size": "--hier-quant-block-size",
     "quantize_weight_gather": "--hier-quantize-weight-gather",
@@ -480,6 +484,13 @@ def add_hier_arguments(parser: argparse.ArgumentParser, *, include_world: bool =
                         f"(default {DEFAULT_MAX_PENDING_REDUCES}; at least 1; 1 saves a unit's "
                         "gradient buffer where a reduce-scatter is shorter than a unit's "
                         "backward).")
+    g.add_argument("--hier-embedding-backward-gather", choices=EMBEDDING_BACKWARD_GATHERS,
+                   default=DEFAULT_EMBEDDING_BACKWARD_GATHER,
+                   help="What the embedding unit's backward gathers: 'gather' (default) "
+                        "regathers it like every unit and keeps a tied embedding gathered "
+                        "from the output layer's backward to the embedding's; 'skip' gathers "
+                        "nothing for the lookup's backward (it reads no weight values) and "
+                        "frees a tied embedding right after the output layer's backward.")
     g.add_argument("--hier-sharded-init", action=argparse.BooleanOptionalAction, default=True,
                    help="Build the model one module at a time and keep only this rank's "
                         "slices, so no rank ever holds the whole model (default on; the "
@@ -560,6 +571,7 @@ class EngineOptions:
     comm_report: str | None = None
     prefetch_units: int = DEFAULT_PREFETCH_UNITS
     max_pending_reduces: int = DEFAULT_MAX_PENDING_REDUCES
+    embedding_backward_gather: str = DEFAULT_EMBEDDING_BACKWARD_GATHER
     trace: str | None = None
     # Build the model without holding it whole (engine/materialize.py); off: build it
     # whole, then bucket it.
@@ -570,6 +582,8 @@ class EngineOptions:
         _check_int("prefetch_units", self.prefetch_units, 0)
         _check_int("max_pending_reduces", self.max_pending_reduces, 1)
         _check_choice("grad_reduce_dtype", self.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
+        _check_choice("embedding_backward_gather", self.embedding_backward_gather,
+                      EMBEDDING_BACKWARD_GATHERS)
 
 
 def engine_options_from_args(args: Any) -> EngineOptions:
@@ -581,6 +595,8 @@ def engine_options_from_args(args: Any) -> EngineOptions:
         comm_report=getattr(args, "hier_comm_report", None),
         prefetch_units=prefetch_units_from_args(args),
         max_pending_reduces=max_pending_reduces_from_args(args),
+        embedding_backward_gather=(getattr(args, "hier_embedding_backward_gather", None)
+                                   or DEFAULT_EMBEDDING_BACKWARD_GATHER),
         trace=getattr(args, "hier_trace", None),
         sharded_init=bool(getattr(args, "hier_sharded_init", True)),
     )

@@ -73,7 +73,9 @@ from fractions import Fraction
 from typing import Any, Mapping, Sequence
 
 # The engine's own names for what it does; pure, so the cost model stays torch-free.
-from megatron_lbp.engine.constants import MAX_PENDING_REDUCES, PHASES, UNIT_KINDS
+from megatron_lbp.engine.constants import (DEFAULT_EMBEDDING_BACKWARD_GATHER,
+                                           EMBEDDING_BACKWARD_GATHERS, MAX_PENDING_REDUCES,
+                                           PHASES, UNIT_KINDS)
 from megatron_lbp.core.layout import plan_bucket
 
 LINK_CLASS_ORDER = ("package", "node", "network")
@@ -297,8 +299,12 @@ def _group_sizes_by_family(cfg) -> dict[str, int]:
 def traffic_bytes(cfg, bucket_numels: Sequence[int], link_classes: Mapping[str, str], *,
                   param_dtype: str = "bf16", grad_dtype: str = "fp32", micro_batches: int = 1,
                   quant_block_size: int | None = None, align: int = DEFAULT_ALIGN,
+                  no_backward_gather: Sequence[int] = (),
                   ) -> tuple[dict[str, int | float], dict[str, dict[str, int | float]]]:
     """Bytes sent per rank per optimizer step: (by link class, by phase -> by link class).
+
+    ``no_backward_gather``: indices of units the backward never gathers (an untied
+    embedding with --hier-embedding-backward-gather skip: :func:`backward_gather_skipped`).
 
     ``link_classes`` maps a family name ("param", "secondary", "grad", "inter",
     "grad_to_param", "replica") to "package" | "node" | "network"; only families
@@ -323,10 +329,13 @@ def traffic_bytes(cfg, bucket_numels: Sequence[int], link_classes: Mapping[str, 
                              f"{sizes[family]}) is {cls!r}: must be one of {LINK_CLASS_ORDER}")
         by_phase[phase][cls] += nbytes
 
-    for numel in bucket_numels:
+    skipped = set(no_backward_gather)
+    for i, numel in enumerate(bucket_numels):
         for (phase, family), nbytes in unit_collective_bytes(
                 cfg, numel, link_classes, param_dtype=param_dtype, grad_dtype=grad_dtype,
                 quant_block_size=B, align=align).items():
+            if phase == "backward_gather" and i in skipped:
+                continue
             charge(phase, family, (k if phase in PER_MICRO_BATCH_PHASES else 1) * nbytes)
 
     by_class = {c: number(sum(by_phase[ph][c] for ph in PHASES)) for c in LINK_CLASS_ORDER}
@@ -335,6 +344,16 @@ def traffic_bytes(cfg, bucket_numels: Sequence[int], link_classes: Mapping[str, 
 
 
 PER_MICRO_BATCH_PHASES = ("forward_gather", "backward_gather", "grad_reduce")
+
+
+def backward_gather_skipped(unit_kinds: Sequence[str], tied_embedding: bool,
+                            embedding_backward_gather: str) -> tuple[int, ...]:
+    """Units the backward gathers for nobody: with ``embedding_backward_gather="skip"`` the
+    embedding unit, unless tied (the output layer's backward then gathers it, once, as
+    the default schedule does)."""
+    if embedding_backward_gather != "skip" or tied_embedding:
+        return ()
+    return tuple(i for i, kind in enumerate(unit_kinds) if kind == "embedding")
 
 
 def unit_collective_bytes(cfg, numel: int, link_classes: Mapping[str, str | None], *,
@@ -384,7 +403,7 @@ def _grad_reduce_bytes(total: int, elems: int, n: int, quantized: bool, block: i
 def estimate(cfg, bucket_numels: Sequence[int], link_classes: Mapping[str, str], *,
              param_dtype: str = "bf16", grad_dtype: str = "fp32", micro_batches: int = 1,
              quant_block_size: int | None = None,
-             align: int = DEFAULT_ALIGN) -> dict[str, Any]:
+             align: int = DEFAULT_ALIGN, no_backward_gather: Sequence[int] = ()) -> dict[str, Any]:
     """Everything at once, as plain data.
 
     Returns {"params": sum of bucket numels, "padded_params": sum of padded numels,
@@ -395,7 +414,8 @@ def estimate(cfg, bucket_numels: Sequence[int], link_classes: Mapping[str, str],
     padded = [padded_numel(n, cfg, align) for n in buckets]
     by_class, by_phase = traffic_bytes(
         cfg, buckets, link_classes, param_dtype=param_dtype, grad_dtype=grad_dtype,
-        micro_batches=micro_batches, quant_block_size=quant_block_size, align=align)
+        micro_batches=micro_batches, quant_block_size=quant_block_size, align=align,
+        no_backward_gather=no_backward_gather)
     return {
         "params": sum(buckets),
         "padded_params": sum(padded),
@@ -523,6 +543,7 @@ def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16
                     quant_block_size: int | None = None, micro_batches: int = 1,
                     overlap: bool = True, grad_chunk_ordered: bool = True,
                     max_pending_reduces: int = MAX_PENDING_REDUCES,
+                    embedding_backward_gather: str = DEFAULT_EMBEDDING_BACKWARD_GATHER,
                     align: int = DEFAULT_ALIGN) -> dict[str, int]:
     """The engine's peak transient bytes per rank, by part of the step: its schedule replayed.
 
@@ -552,6 +573,11 @@ def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16
       ``max_pending_reduces`` (--hier-max-pending-reduces, default
       MAX_PENDING_REDUCES) = r: a backward holds at most r + 1 full gradient
       units with their reduce buffers (the one just issued and r in flight).
+      ``embedding_backward_gather="skip"`` (--hier-embedding-backward-gather;
+      unit 0 is the embedding): unit 0 is neither gathered nor prefetched for
+      its own backward, and, tied, its weights gathered for the output layer are
+      freed once the output layer's backward is done, before the output unit's
+      gradient (the V·h weights no longer live across every layer's backward).
 
     Reductions are assumed to complete only when the schedule must wait for
     them: the engine also completes those already done at each hook, which
@@ -576,6 +602,9 @@ def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16
         raise ValueError(f"micro_batches={micro_batches}: must be >= 1")
     if max_pending_reduces < 1:
         raise ValueError(f"max_pending_reduces={max_pending_reduces}: must be >= 1")
+    if embedding_backward_gather not in EMBEDDING_BACKWARD_GATHERS:
+        raise ValueError(f"embedding_backward_gather={embedding_backward_gather!r}: must be "
+                         f"one of {EMBEDDING_BACKWARD_GATHERS}")
     d = int(prefetch_units) if overlap else 0
     B = _block(cfg, quant_block_size)
     qwz = bool(getattr(cfg, "quantize_weight_gather", False))
@@ -585,6 +614,7 @@ def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16
     n_units = len(padded)
     n_inter = O // G
     tied = bool(tied_embedding) and n_units >= 2
+    skip = embedding_backward_gather == "skip"
 
     def in_flight(N: int, backward: bool) -> int:
         """Receive (and send) buffers of a gather, alive until the unit's need waits for it."""
@@ -629,6 +659,8 @@ def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16
         done: set[int] = set()           # freed after its last user (forward) or reduced
         pending: list[int] = []
         lives_on = {0} if tied else set()
+        # the embedding's own backward gathers nothing (skip)
+        no_gather = {0} if backward and skip and n_units else set()
 
         def gather(u: int) -> None:
             if u not in gathered:
@@ -652,7 +684,7 @@ def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16
                 led.alloc(step_grad(N) + step_network(N))
 
         for pos, u in enumerate(order):
-            needs = [u] + ([0] if tied and u == n_units - 1 else [])
+            needs = ([] if u in no_gather else [u]) + ([0] if tied and u == n_units - 1 else [])
             for v in needs:
                 used.add(v)
                 gather(v)
@@ -660,12 +692,14 @@ def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16
             for v in order[pos + 1:]:
                 if ahead >= d:
                     break
-                if v in used or v in done:
+                if v in used or v in done or v in no_gather:
                     continue
                 gather(v)
                 ahead += 1
             for v in needs:
                 wait(v)
+            if backward and skip and tied and u == n_units - 1:
+                free_weights(0)           # after the output layer's backward
             if not backward:
                 if u not in lives_on:
                     free_weights(u)
@@ -675,7 +709,8 @@ def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16
                     done.add(0)
                 continue
             led.alloc(gb * padded[u])         # the unit's full gradient, from its first one
-            free_weights(u)
+            if u in gathered:
+                free_weights(u)
             led.alloc(reduce_extra(padded[u], fresh))
             done.add(u)
             pending.append(u)

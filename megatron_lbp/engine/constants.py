@@ -19,3 +19,12 @@ UNIT_KINDS = ("embedding", "layer", "output", "other")
 # core/costs.py:transient_bytes prices it). Each one more keeps one more full gradient unit
 # alive; each one less leaves a reduce-scatter less compute to hide behind.
 MAX_PENDING_REDUCES = 2
+
+# What the embedding unit's backward does (--hier-embedding-backward-gather; engine/schedule.py
+# applies it, core/costs.py:transient_bytes and traffic_bytes price it). An embedding lookup's
+# backward reads the indices and the weight's shape, never its values, so "skip" gathers
+# nothing for the embedding's own backward and frees a tied embedding's gathered weights as
+# soon as the output layer's backward is done; "gather" (the default, and every recorded
+# trace's) regathers it like any unit and keeps a tied one until its last gradient.
+EMBEDDING_BACKWARD_GATHERS = ("gather", "skip")
+DEFAULT_EMBEDDING_BACKWARD_GATHER = "gather"

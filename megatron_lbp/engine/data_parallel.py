@@ -45,7 +45,7 @@ from megatron_lbp.engine.comm import CONTROL, Collectives, CommLedger
 from megatron_lbp.engine.grouping import UnitSpec, group_into_units
 from megatron_lbp.engine.memory import TransientLedger, tensor_bytes
 from megatron_lbp.engine.comm import Pending
-from megatron_lbp.engine.schedule import UnitSchedule
+from megatron_lbp.engine.schedule import UnitSchedule, in_autograd_backward
 from megatron_lbp.engine.trace import ScheduleTrace, output_path
 from megatron_lbp.engine import checkpoint, mcore
 from megatron_lbp.engine.unit import GatherUnit, UnitContext
@@ -99,7 +99,8 @@ class HierDataParallel(mcore.base_data_parallel()):
         self.buckets: list[FlatBucket] = [u.bucket for u in self.units]
         self.schedule = UnitSchedule(self.units, unit_map, self.comm, overlap=options.overlap,
                                      prefetch_units=options.prefetch_units,
-                                     max_pending_reduces=options.max_pending_reduces)
+                                     max_pending_reduces=options.max_pending_reduces,
+                                     embedding_backward_gather=options.embedding_backward_gather)
         # The step refreshes the updated weights in the order the next forward uses them.
         self.ctx.step.forward_order = self.schedule.forward_order
         if materialize is not None:
@@ -170,8 +171,25 @@ class HierDataParallel(mcore.base_data_parallel()):
             self._hooks.append(m.register_forward_pre_hook(
                 lambda module, args: schedule.pre_forward(module)))
             self._hooks.append(m.register_forward_hook(self._post_forward))
+        for m in schedule.release_after_backward:
+            self._hooks.append(m.register_forward_pre_hook(self._hook_inputs_backward))
         for _, p in self._params:
             self._hooks.append(p.register_post_accumulate_grad_hook(schedule.grad_ready))
+
+    def _hook_inputs_backward(self, module, args):
+        """The module's backward is done when every input's gradient is (schedule.post_backward)."""
+        if not torch.is_grad_enabled() or in_autograd_backward():
+            return
+        inputs = [t for t in _tensors(args) if t.requires_grad]
+        left = [len(inputs)]
+
+        def arrived(grad, module=module) -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                self.schedule.post_backward(module)
+
+        for t in inputs:
+            t.register_hook(arrived)
 
     def _post_forward(self, module, args, output):
         self.schedule.post_forward(module)

@@ -23,6 +23,15 @@ backward    the first backward hook opens the pass. A module's pre-backward (a
             MAX_PENDING_REDUCES) of them in flight before the oldest is
             waited for. Weight gathers and reductions run on separate
             communicators, so a gather never queues behind a reduce-scatter.
+            With ``embedding_backward_gather="skip"``
+            (--hier-embedding-backward-gather skip) the embedding unit is not
+            gathered (nor prefetched) for its own modules' backward: a lookup's
+            backward reads only the indices and the weight's shape. A module
+            computing with it from another unit (the tied output layer) still
+            gathers it, and frees it once that module's backward is done
+            (:meth:`UnitSchedule.post_backward`: the gradients of its inputs
+            are ready), not at the embedding's last gradient. The gradient
+            path is unchanged.
 between     the next forward (or finish_grad_sync) first completes what the
             backward left: units whose gradients never came are reduced anyway
             (every rank takes part in every collective), every reduce-scatter is
@@ -69,7 +78,8 @@ from typing import Any
 
 import torch
 
-from megatron_lbp.engine.constants import MAX_PENDING_REDUCES
+from megatron_lbp.engine.constants import (DEFAULT_EMBEDDING_BACKWARD_GATHER,
+                                           EMBEDDING_BACKWARD_GATHERS, MAX_PENDING_REDUCES)
 from megatron_lbp.engine.buckets import ParamSlot
 from megatron_lbp.engine.comm import Collectives
 from megatron_lbp.engine.grouping import UnitMap
@@ -93,9 +103,13 @@ def in_autograd_backward() -> bool:
 class UnitSchedule:
     def __init__(self, units: list[GatherUnit], unit_map: UnitMap, comm: Collectives, *,
                  overlap: bool, prefetch_units: int,
-                 max_pending_reduces: int = MAX_PENDING_REDUCES) -> None:
+                 max_pending_reduces: int = MAX_PENDING_REDUCES,
+                 embedding_backward_gather: str = DEFAULT_EMBEDDING_BACKWARD_GATHER) -> None:
         if max_pending_reduces < 1:
             raise ValueError(f"max_pending_reduces={max_pending_reduces}: must be >= 1")
+        if embedding_backward_gather not in EMBEDDING_BACKWARD_GATHERS:
+            raise ValueError(f"embedding_backward_gather={embedding_backward_gather!r}: must be "
+                             f"one of {EMBEDDING_BACKWARD_GATHERS}")
         self.units = units
         self.comm = comm
         self.overlap = overlap
@@ -108,6 +122,15 @@ class UnitSchedule:
         self._home_modules = [0] * len(units)
         for u in self.home.values():
             self._home_modules[u.index] += 1
+        # Units whose own modules' backward needs no gathered weights (embedding lookups), and
+        # per module computing with one of them from another unit, those it frees after its
+        # backward.
+        self.no_backward_gather = {u.index for u in units if u.kind == "embedding"} \
+            if embedding_backward_gather == "skip" else set()
+        self.release_after_backward = {
+            m: rel for m, us in self.uses.items()
+            if (rel := [u for u in us if u.index in self.no_backward_gather
+                        and self.home.get(m) is not u])}
         self.slot_of: dict[int, tuple[GatherUnit, ParamSlot]] = {
             id(s.param): (u, s) for u in units for s in u.bucket.slots}
         n = len(units)
@@ -192,12 +215,22 @@ class UnitSchedule:
         """Gradients of ``module``'s outputs are ready: its backward is next."""
         self._enter_backward()
         self._poll()
-        units = [u for u in self.uses.get(module, []) if u.index not in self._reduced]
-        self._need(module, units, "backward_gather", BACKWARD)
         home = self.home.get(module)
+        units = [u for u in self.uses.get(module, []) if u.index not in self._reduced
+                 and not (u.index in self.no_backward_gather and u is home)]
+        self._need(module, units, "backward_gather", BACKWARD)
         if home is not None and home.index not in self._open_backward \
                 and home.index not in self._reduced:
             self._open_backward[home.index] = self._open_interval(home, "backward")
+
+    def post_backward(self, module: torch.nn.Module) -> None:
+        """The gradients of ``module``'s inputs are ready, so its backward has run: free the
+        units it computed with that their own backward does not need (the tied embedding
+        after the output layer's; a linear layer's weight gradient reads the input, not
+        the weight)."""
+        for u in self.release_after_backward.get(module, ()):
+            if u.index not in self._reduced and u.state is not WeightState.SHARDED:
+                u.reshard()
 
     def grad_ready(self, param: torch.nn.Parameter) -> None:
         """One parameter's gradient of this backward is complete, by either route (unit.py)."""
@@ -334,6 +367,8 @@ class UnitSchedule:
                 return
             if index in self._used or index in self._reduced:
                 continue
+            if kind == BACKWARD and index in self.no_backward_gather:
+                continue  # gathered only by a module that computes with it (post_backward)
             unit = self.units[index]
             if (phase == "backward_gather" and unit.bucket.has_secondary
                     and not unit.bucket.secondary_is_current()):

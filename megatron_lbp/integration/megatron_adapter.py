@@ -11,7 +11,7 @@ import torch
 
 from megatron_lbp.core import patching
 from megatron_lbp.integration.capabilities import META_DEVICE_MESSAGE, conflicting_flag_message
-from megatron_lbp.core.config import EngineOptions
+from megatron_lbp.core.config import EngineOptions, HierConfigError
 
 # Megatron flags that pick another data-parallel implementation.
 CONFLICTING_FLAGS = (
@@ -93,6 +93,35 @@ def gather_units(model: torch.nn.Module) -> list:
     return specs
 
 
+def check_lookup_only_embeddings(units: list) -> None:
+    """Refuse --hier-embedding-backward-gather skip unless every parameter of the embedding
+    units is a plain lookup's table, whose backward reads no weight values.
+
+    megatron-core 0.19.2: VocabParallelEmbedding.forward is ``F.embedding`` (or
+    ``weight[ids]`` in deterministic mode), whose backward needs the indices and the
+    table's shape only, unless GTP wraps the weight (``gtp_remat_size > 1``:
+    GTPEmbeddingWeight, a custom autograd function); position and token-type tables
+    are ``torch.nn.Embedding``.
+    """
+    from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
+
+    for spec in units:
+        if spec.kind != "embedding":
+            continue
+        for top in spec.modules:
+            for name, m in top.named_modules():
+                if not any(True for _ in m.parameters(recurse=False)):
+                    continue
+                lookup = (isinstance(m, torch.nn.Embedding) and not m.sparse
+                          or isinstance(m, VocabParallelEmbedding)
+                          and getattr(m, "gtp_remat_size", 1) <= 1)
+                if not lookup:
+                    raise HierConfigError(
+                        f"--hier-embedding-backward-gather skip: the embedding unit's module "
+                        f"{name or type(top).__name__} ({type(m).__name__}) is not a plain "
+                        "lookup table, so its backward may read the weights; use 'gather'")
+
+
 def optimizer_param_groups(model_chunks: Iterable[torch.nn.Module], opt_config: Any) -> list[dict]:
     """Megatron's own parameter groups (weight-decay and lr multipliers per parameter)."""
     from megatron.core.optimizer import _get_param_groups, get_standard_config_overrides
@@ -131,8 +160,11 @@ def wrap_model(config: Any, model: torch.nn.Module, hier, options: EngineOptions
                 raise materialize.ShardedInitError(
                     f"parameter {name} holds no values and no sharded construction is recorded "
                     "for this model (was it built by megatron_adapter.build_sharded?)")
+    units = gather_units(model)
+    if options.embedding_backward_gather == "skip":
+        check_lookup_only_embeddings(units)
     ddp = HierDataParallel(config, model, hier, options, extra_weight_users=extra_weight_users(model),
-                           units=gather_units(model), materialize=fill)
+                           units=units, materialize=fill)
     if construction is not None:
         materialize.forget(model)
     if getattr(config, "no_sync_func", None) is None and hasattr(config, "no_sync_func"):

@@ -44,8 +44,9 @@ of each family), ``link_classes`` (slowest class over each family's groups;
 ``quant_block_size``, ``quantize_weight_gather`` (qwZ on/off) and
 ``quantize_grad_reduce`` (the gradient families qgZ quantizes, ``[]`` when
 off), ``transient_bytes`` (the engine's transient peak by part of the step, at
-``prefetch_units`` and ``max_pending_reduces``: --hier-prefetch-units and
---hier-max-pending-reduces) and ``transient_knobs`` (per knob setting: its transient peak,
+``prefetch_units``, ``max_pending_reduces`` and ``embedding_backward_gather``:
+--hier-prefetch-units, --hier-max-pending-reduces, --hier-embedding-backward-gather) and
+``transient_knobs`` (per knob setting: its transient peak,
 ``saves_bytes`` against the first row, which is the setting asked for, and
 ``exposed_s``/``cost_s``, the exposed seconds per step of megatron_lbp.projection.knobs at
 --micro-batch-size, --recompute and --mfu, null without a GPT shape and --seq-length),
@@ -305,8 +306,12 @@ def plan_from_args(args: argparse.Namespace, *, knob_table: bool = True) -> dict
         warnings, classes = list(warnings), dict(classes)
         qgz = costs.quantized_grad_families(cfg, classes)
         check_quantized_grad_families(cfg, qgz)
+        embedding = args.hier_embedding_backward_gather
+        tied = units[0][0] == "embedding" and not args.untie_embeddings_and_output_weights
         result = costs.estimate(cfg, numels, classes, param_dtype=args.params_dtype,
-                                grad_dtype=args.grad_dtype, micro_batches=k)
+                                grad_dtype=args.grad_dtype, micro_batches=k,
+                                no_backward_gather=costs.backward_gather_skipped(
+                                    [kind for kind, _ in units], tied, embedding))
         # Construction's transient buffers are one unit's: the model's units, or with
         # --params buckets of the engine's size (its default when none is given).
         construction = costs.construction_peak_bytes(
@@ -315,14 +320,14 @@ def plan_from_args(args: argparse.Namespace, *, knob_table: bool = True) -> dict
             param_dtype=args.params_dtype, grad_dtype=args.grad_dtype)
         depth = prefetch_units_from_args(args)
         pending = max_pending_reduces_from_args(args)
-        tied = units[0][0] == "embedding" and not args.untie_embeddings_and_output_weights
 
-        def transient_of(d: int, r: int, grad_dtype: str) -> dict[str, int]:
+        def transient_of(d: int, r: int, grad_dtype: str, emb: str = embedding) -> dict[str, int]:
             return costs.transient_bytes(
                 cfg, numels, param_dtype=args.params_dtype, grad_dtype=grad_dtype,
                 prefetch_units=d if args.hier_overlap else 0, overlap=args.hier_overlap,
                 tied_embedding=tied, quantized_grad_families=qgz, micro_batches=k,
-                max_pending_reduces=r)
+                max_pending_reduces=r,
+                embedding_backward_gather=emb if units[0][0] == "embedding" else "gather")
 
         transient = transient_of(depth, pending, args.grad_dtype)
         knob_rows = _knob_rows(args, cfg, units, classes, k, transient_of, depth, pending) \
@@ -366,6 +371,7 @@ def plan_from_args(args: argparse.Namespace, *, knob_table: bool = True) -> dict
         "largest_unit": max(numels),
         "prefetch_units": transient["prefetch_units"],
         "max_pending_reduces": transient["max_pending_reduces"],
+        "embedding_backward_gather": args.hier_embedding_backward_gather,
         "transient_bytes": {key: v for key, v in transient.items()
                             if key not in ("prefetch_units", "max_pending_reduces")},
         "transient_knobs": knob_rows,
@@ -400,27 +406,35 @@ def _knob_rows(args, cfg, units, classes, k: int, transient_of, depth: int,
     numels = [n for _, n in units]
     tied = units[0][0] == "embedding" and not args.untie_embeddings_and_output_weights
 
-    def exposed(d: int, r: int, grad_dtype: str) -> float | None:
+    def exposed(d: int, r: int, grad_dtype: str, emb: str) -> float | None:
         if not timed:
             return None
+        # Every unit's backward gather, priced per unit (knobs.exposed_s leaves out the ones
+        # the setting skips).
         _, by_phase = costs.traffic_bytes(cfg, numels, classes, param_dtype=args.params_dtype,
                                           grad_dtype=grad_dtype, micro_batches=k)
         p = {**base_plan, "traffic_by_phase": by_phase}
-        return knobs.exposed_s(p, units, model, knobs.Knobs(d, r), compute=compute,
+        return knobs.exposed_s(p, units, model, knobs.Knobs(d, r, emb), compute=compute,
                                tied=tied)["step"]
 
-    settings = [(depth, pending, args.grad_dtype, "as given")]
-    settings += [(d, r, args.grad_dtype, "") for d, r in knobs.TABLE_SETTINGS
+    emb = args.hier_embedding_backward_gather
+    settings = [(depth, pending, args.grad_dtype, emb, "as given")]
+    settings += [(d, r, args.grad_dtype, emb, "") for d, r in knobs.TABLE_SETTINGS
                  if (d, r) != (depth, pending)]
     other = "bf16" if args.grad_dtype == "fp32" else "fp32"
-    settings.append((depth, pending, other, f"--hier-grad-reduce-dtype {other}: also the "
-                     "gradient shard; a numerics choice, never made for you"))
+    settings.append((depth, pending, other, emb, f"--hier-grad-reduce-dtype {other}: also "
+                     "the gradient shard; a numerics choice, never made for you"))
+    if units[0][0] == "embedding":
+        flip = "skip" if emb == "gather" else "gather"
+        settings.append((depth, pending, args.grad_dtype, flip,
+                         f"--hier-embedding-backward-gather {flip}"))
     rows = []
-    for d, r, gdt, note in settings:
-        t = transient_of(d, r, gdt)
+    for d, r, gdt, e, note in settings:
+        t = transient_of(d, r, gdt, e)
         rows.append({"prefetch_units": d, "max_pending_reduces": r, "grad_reduce_dtype": gdt,
+                     "embedding_backward_gather": e,
                      "transient_peak": t["peak"], "transient_backward": t["backward"],
-                     "exposed_s": exposed(d, r, gdt), "note": note})
+                     "exposed_s": exposed(d, r, gdt, e), "note": note})
     first = rows[0]
     for row in rows:
         row["saves_bytes"] = first["transient_peak"] - row["transient_peak"]
@@ -556,13 +570,14 @@ def _knob_lines(plan: dict[str, Any]) -> list[str]:
     lines = ["", "transient knobs (peak GB; saves: against the first row; exposed: seconds of "
              "per-micro-batch communication not hidden per step, projection/knobs.py, "
              "Frontier links)",
-             f"  {'prefetch  pending  grads':<28}{'peak':>10} {'saves':>10} {'exposed s':>10} "
-             f"{'costs s':>10}"]
+             f"  {'prefetch  pending  grads  embedding':<39}{'peak':>10} {'saves':>10} "
+             f"{'exposed s':>10} {'costs s':>10}"]
     for r in rows:
         exp = "-" if r["exposed_s"] is None else f"{r['exposed_s']:.3f}"
         cost = "-" if r["cost_s"] is None else f"{r['cost_s']:+.3f}"
         lines.append(f"  {r['prefetch_units']:>8}  {r['max_pending_reduces']:>7}  "
-                     f"{r['grad_reduce_dtype']:<5}  {_gb(r['transient_peak'])} "
+                     f"{r['grad_reduce_dtype']:<5}  {r['embedding_backward_gather']:<9}  "
+                     f"{_gb(r['transient_peak'])} "
                      f"{_gb(r['saves_bytes'])} {exp:>10} {cost:>10}"
                      + (f"  {r['note']}" if r["note"] else ""))
     return lines

@@ -23,6 +23,9 @@ units for one micro-batch, with each collective's seconds from the same cost mod
 - backward: the same in reverse order (the tied output layer also needs the
   embedding); after a unit's compute its reduce-scatter is issued, and the oldest is
   waited for while more than r are in flight; the pass ends when every one is done.
+  With ``--hier-embedding-backward-gather skip`` the embedding is neither gathered nor
+  prefetched for its own backward (tied, the output layer's need still gathers it): the
+  knob only removes a collective, so it never adds exposed time.
 
 Exposed seconds = the pass's end minus its compute. A knob's cost is the difference to
 the default's (d = 1, r = 2), times the micro-batches per step; the step's own network
@@ -34,7 +37,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from megatron_lbp.core.config import DEFAULT_MAX_PENDING_REDUCES, DEFAULT_PREFETCH_UNITS
+from megatron_lbp.core.config import (DEFAULT_EMBEDDING_BACKWARD_GATHER,
+                                      DEFAULT_MAX_PENDING_REDUCES, DEFAULT_PREFETCH_UNITS)
 from megatron_lbp.projection.project import ComputeModel, LinkModel
 
 DEFAULT = (DEFAULT_PREFETCH_UNITS, DEFAULT_MAX_PENDING_REDUCES)
@@ -52,6 +56,7 @@ _PHASE_FAMILY = {"forward_gather": "param", "backward_gather": None, "grad_reduc
 class Knobs:
     prefetch_units: int = DEFAULT_PREFETCH_UNITS
     max_pending_reduces: int = DEFAULT_MAX_PENDING_REDUCES
+    embedding_backward_gather: str = DEFAULT_EMBEDDING_BACKWARD_GATHER
 
 
 def _family(plan: Mapping[str, Any], phase: str) -> str:
@@ -106,8 +111,9 @@ def unit_compute_s(units: Sequence[tuple[str, int]], model: Mapping[str, int],
 def _pass(order: Sequence[int], needs: Mapping[int, Sequence[int]], gather: Sequence[float],
           gather_cls: str | None, compute: Sequence[float], depth: int,
           reduce: Sequence[float] | None = None, reduce_cls: str | None = None,
-          pending_limit: int = 0) -> float:
-    """Exposed seconds of one pass (forward, or backward with ``reduce``) in the schedule's order."""
+          pending_limit: int = 0, never: frozenset = frozenset()) -> float:
+    """Exposed seconds of one pass (forward, or backward with ``reduce``) in the schedule's
+    order; ``never``: units not prefetched (gathered only where a need names them)."""
     free: dict[Any, float] = {}
     landed: dict[int, float] = {}
     used: set[int] = set()
@@ -130,7 +136,7 @@ def _pass(order: Sequence[int], needs: Mapping[int, Sequence[int]], gather: Sequ
         for v in order[pos + 1:]:
             if ahead >= depth:
                 break
-            if v in used:
+            if v in used or v in never:
                 continue
             if v not in landed:
                 landed[v] = occupy(gather_cls, t, gather[v])
@@ -166,8 +172,13 @@ def exposed_s(plan: Mapping[str, Any], units: Sequence[tuple[str, int]],
     forward = _pass(range(n), needs, f_t, f_cls, fwd, knobs.prefetch_units)
     if tied:
         needs[n - 1] = [n - 1, 0]
+    never = frozenset()
+    if knobs.embedding_backward_gather == "skip":
+        never = frozenset(u for u, (kind, _) in enumerate(units) if kind == "embedding")
+        for u in never:
+            needs[u] = []
     backward = _pass(list(reversed(range(n))), needs, b_t, b_cls, bwd, knobs.prefetch_units,
-                     r_t, r_cls, knobs.max_pending_reduces)
+                     r_t, r_cls, knobs.max_pending_reduces, never)
     k = plan["micro_batches"]
     return {"forward": forward, "backward": backward, "micro_batch": forward + backward,
             "step": k * (forward + backward)}
@@ -176,7 +187,7 @@ def exposed_s(plan: Mapping[str, Any], units: Sequence[tuple[str, int]],
 def cost_s(plan: Mapping[str, Any], units: Sequence[tuple[str, int]], model: Mapping[str, int],
            knobs: Knobs, **kw) -> float:
     """Seconds per optimizer step a knob setting adds to the default's exposed communication."""
-    if (knobs.prefetch_units, knobs.max_pending_reduces) == DEFAULT:
+    if knobs == Knobs(*DEFAULT):
         return 0.0
     return (exposed_s(plan, units, model, knobs, **kw)["step"]
             - exposed_s(plan, units, model, Knobs(*DEFAULT), **kw)["step"])

@@ -10,7 +10,7 @@ completes those already done at its hooks, so a rank whose peers were quick hold
 less. The job's peak (the largest over its ranks) is what must fit in memory.
 
 The transient knobs (--hier-max-pending-reduces, --hier-prefetch-units,
---hier-grad-reduce-dtype) are held to the same bound at their non-default values, and a
+--hier-grad-reduce-dtype, --hier-embedding-backward-gather) are held to the same bound at their non-default values, and a
 knob must move the engine's measured peak the way the plan says (not a no-op flag).
 """
 import pytest
@@ -44,7 +44,9 @@ def _knobs(argv):
     given = dict(zip(argv[::2], argv[1::2]))
     return {"prefetch_units": int(given.get("--hier-prefetch-units", 1)),
             "max_pending_reduces": int(given.get("--hier-max-pending-reduces", 2)),
-            "grad_dtype": given.get("--hier-grad-reduce-dtype", "fp32")}
+            "grad_dtype": given.get("--hier-grad-reduce-dtype", "fp32"),
+            "embedding_backward_gather": given.get("--hier-embedding-backward-gather",
+                                                   "gather")}
 
 
 def _check(runs, floor, out=None):
@@ -71,6 +73,7 @@ def _check(runs, floor, out=None):
 
 
 PENDING_1 = {"--hier-max-pending-reduces": 1}
+SKIP = {"--hier-embedding-backward-gather": "skip"}
 
 
 def test_plan_transient_is_the_engine_peak_never_below_it():
@@ -104,6 +107,8 @@ def test_plan_transient_within_ten_percent_tied_untied_accumulation_and_secondar
 def test_plan_transient_within_ten_percent_at_each_knobs_values():
     """The transient knobs at their other values, each against the plan's figure for them.
 
+    --hier-embedding-backward-gather skip is held with the others (with one reduce-scatter
+    in flight to 10%), and must lower the tied job's peak as the plan does.
     Within 10% for the settings the launcher's choice runs beside the defaults
     (projection/knobs.py CHOICE_SETTINGS: one reduce-scatter in flight, with and without
     prefetch): the schedule then waits for each reduce-scatter as soon as the next is
@@ -114,9 +119,10 @@ def test_plan_transient_within_ten_percent_at_each_knobs_values():
     the job's peak is never above the plan's and at least 70% of it (0.757-1.000 over three
     runs on this machine, at load 40-250).
     """
-    tight = [PENDING_1, {"--hier-prefetch-units": 0, "--hier-max-pending-reduces": 1}]
+    tight = [PENDING_1, {"--hier-prefetch-units": 0, "--hier-max-pending-reduces": 1},
+             {**PENDING_1, **SKIP}]
     loose = [{"--hier-prefetch-units": 2}, {"--hier-grad-reduce-dtype": "bf16"},
-             {"--hier-max-pending-reduces": 3}, {"--hier-prefetch-units": 0}]
+             {"--hier-max-pending-reduces": 3}, {"--hier-prefetch-units": 0}, SKIP]
     shapes = ((True, 4), (False, 1))
     runs = _runs([(t, k, 4, kn) for kn in tight + loose for t, k in shapes])
     out = run_on_ranks(measure, WORLD, runs, rank_env=rank_location_env(4), timeout=1500)
@@ -124,3 +130,14 @@ def test_plan_transient_within_ten_percent_at_each_knobs_values():
     names = list(runs)
     _check({n: runs[n] for n in names[:n_tight]}, floor=0.9, out=out)
     _check({n: runs[n] for n in names[n_tight:]}, floor=0.7, out=out)
+    # The embedding's knob moves the tied job's peak as the plan says: its gathered weights
+    # are freed after the output layer's backward (one reduce-scatter in flight: no timing).
+    pending, skipped = (max(res[names[i * len(shapes)]][0] for res in out) for i in (0, 2))
+    _, _, numels, config = out[0][names[0]]
+    planned = [costs.transient_bytes(HierConfig(**config), numels, param_dtype="bf16",
+                                     tied_embedding=True, micro_batches=4, max_pending_reduces=1,
+                                     embedding_backward_gather=e)["peak"]
+               for e in ("gather", "skip")]
+    assert planned[1] < planned[0] and skipped < pending, (
+        f"tied, 1 in flight: skip peaked at {skipped} bytes, gather at {pending}; the plan "
+        f"says {planned[1]} against {planned[0]}")

@@ -123,3 +123,19 @@ def stale_weights_on_rank(rank: int):
     with mock.patch.object(StepComm, "start_refresh", start_and_remember), \
             mock.patch.object(StepComm, "refreshed", land_and_forget):
         yield
+
+
+@contextlib.contextmanager
+def embedding_skip_ignored():
+    """--hier-embedding-backward-gather skip accepted, but the schedule gathers the embedding
+    for its backward and keeps a tied one until its last gradient, as by default."""
+    from megatron_lbp.engine.schedule import UnitSchedule
+
+    init = UnitSchedule.__init__
+
+    def ignoring(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.no_backward_gather, self.release_after_backward = set(), {}
+
+    with mock.patch.object(UnitSchedule, "__init__", ignoring):
+        yield

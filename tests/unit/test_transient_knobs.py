@@ -53,15 +53,19 @@ def test_the_plans_knob_table_is_the_formula():
         # each setting planned on its own: the table's bytes are that plan's transient peak
         own = plan.make_plan(SHAPE + ["--hier-prefetch-units", str(r["prefetch_units"]),
                                       "--hier-max-pending-reduces", str(r["max_pending_reduces"]),
-                                      "--grad-dtype", r["grad_reduce_dtype"]])
+                                      "--grad-dtype", r["grad_reduce_dtype"],
+                                      "--hier-embedding-backward-gather",
+                                      r["embedding_backward_gather"]])
         assert r["transient_peak"] == own["transient_bytes"]["peak"], r
         assert r["saves_bytes"] == first["transient_peak"] - r["transient_peak"], r
         want = knobs.exposed_s(own, units, {"hidden_size": 1024},
-                               knobs.Knobs(r["prefetch_units"], r["max_pending_reduces"]),
+                               knobs.Knobs(r["prefetch_units"], r["max_pending_reduces"],
+                                           r["embedding_backward_gather"]),
                                compute=compute)["step"]
         assert r["exposed_s"] == pytest.approx(want, rel=1e-12), r
         assert r["cost_s"] == pytest.approx(want - first["exposed_s"], abs=1e-12), r
-    by = {(r["prefetch_units"], r["max_pending_reduces"], r["grad_reduce_dtype"]): r for r in rows}
+    by = {(r["prefetch_units"], r["max_pending_reduces"], r["grad_reduce_dtype"]): r
+          for r in rows if r["embedding_backward_gather"] == "gather"}
     assert by[(1, 1, "fp32")]["saves_bytes"] > 0 and by[(0, 1, "fp32")]["saves_bytes"] > \
         by[(1, 1, "fp32")]["saves_bytes"], "fewer buffers in flight hold less"
     assert by[(2, 2, "fp32")]["saves_bytes"] < 0, "a deeper prefetch holds more"
@@ -98,3 +102,50 @@ def test_the_choice_takes_a_knob_where_the_defaults_do_not_fit():
     kept = _row(estimate.choices(_shape(**{**vars(a), "hier_max_pending_reduces": 2,
                                            "hier_prefetch_units": 1}))[0])
     assert kept.knobs == (1, 2) and not kept.fits
+
+
+def test_embedding_backward_skip_saves_the_tied_weights_and_only_removes_traffic():
+    """--hier-embedding-backward-gather skip in the plan: tied, the V*h weights gathered for the
+    output layer no longer live across every layer's backward (bf16: 2 bytes each) and the
+    collectives are the default's; untied, one backward gather fewer. Never more exposed."""
+    tied = plan.make_plan(SHAPE)
+    skip = plan.make_plan(SHAPE + ["--hier-embedding-backward-gather", "skip"])
+    embedding = costs.padded_numel(8192 * 1024, _hier(tied))
+    saved = tied["transient_bytes"]["backward"] - skip["transient_bytes"]["backward"]
+    assert saved == 2 * embedding, (saved, 2 * embedding)
+    assert skip["traffic_by_phase"] == tied["traffic_by_phase"], "tied: the same collectives"
+    row = next(r for r in tied["transient_knobs"] if r["embedding_backward_gather"] == "skip")
+    assert (row["saves_bytes"], row["cost_s"]) == (saved, 0.0), row
+    assert skip["embedding_backward_gather"] == "skip"
+
+    untied_flags = SHAPE + ["--untie-embeddings-and-output-weights"]
+    gather = plan.make_plan(untied_flags)
+    skip = plan.make_plan(untied_flags + ["--hier-embedding-backward-gather", "skip"])
+    one = costs.unit_collective_bytes(_hier(gather), 8192 * 1024, gather["link_classes"])
+    fewer = {c: gather["traffic_by_phase"]["backward_gather"][c]
+             - skip["traffic_by_phase"]["backward_gather"][c] for c in costs.LINK_CLASS_ORDER}
+    cls = gather["link_classes"]["secondary"]
+    assert fewer[cls] == 2 * one[("backward_gather", "secondary")] and sum(fewer.values()) == \
+        fewer[cls], f"untied skip: backward gather bytes fewer by {fewer}, want 2 micro-batches x {one}"
+    assert skip["transient_bytes"]["backward"] <= gather["transient_bytes"]["backward"]
+    row = next(r for r in gather["transient_knobs"] if r["embedding_backward_gather"] == "skip")
+    assert row["cost_s"] <= 0.0, row
+
+
+def _hier(p):
+    """The plan's hierarchy (SHAPE: lbp, nodes of 8, packages of 2)."""
+    from megatron_lbp.core.config import resolve_hier_config
+
+    return resolve_hier_config(p["world_size"], gpus_per_node=8, gcds_per_package=2,
+                               secondary_group_size=p["group_sizes"]["secondary"])
+
+
+def test_embedding_backward_gather_refuses_other_values():
+    from megatron_lbp.core.config import EngineOptions, HierConfigError
+
+    with pytest.raises(HierConfigError, match="--hier-embedding-backward-gather"):
+        EngineOptions(embedding_backward_gather="never")
+    with pytest.raises(ValueError, match="embedding_backward_gather"):
+        costs.transient_bytes(_hier(plan.make_plan(SHAPE)), [10, 10],
+                              embedding_backward_gather="never")
+    assert plan.main(SHAPE + ["--hier-embedding-backward-gather", "never"]) == 2
