@@ -132,6 +132,8 @@ def plan_argv(a, world_size: int, micro_batches: int = 1,
         argv += ["--hier-prefetch-units", str(knobs[0])]
     if knobs[1] != DEFAULT_MAX_PENDING_REDUCES:
         argv += ["--hier-max-pending-reduces", str(knobs[1])]
+    if getattr(a, "hier_embedding_backward_gather", "gather") != "gather":
+        argv += ["--hier-embedding-backward-gather", a.hier_embedding_backward_gather]
     return argv
 
 
@@ -716,6 +718,9 @@ def build_parser() -> argparse.ArgumentParser:
                     type=_auto_or_int("HIER_MAX_PENDING_REDUCES"), default="auto",
                     help="auto (default): the first of the choice's settings that fits, else "
                     "this many gradient reduce-scatters in flight (>= 1)")
+    ap.add_argument("--hier-embedding-backward-gather", choices=("gather", "skip"),
+                    default="gather", help="the engine's setting (HIER_EMBEDDING_BACKWARD_GATHER): "
+                    "skip frees a tied embedding after the output layer's backward")
     ap.add_argument("--bucket-size", type=int, default=DEFAULT_BUCKET_SIZE)
     ap.add_argument("--gcd-memory-gb", type=float, default=64.0)
     ap.add_argument("--reserve-gb", type=float, default=0.0)

@@ -46,6 +46,9 @@ lbp_ds_check() {
     "does not apply to HIER_PRESET=$HIER_PRESET (DeepSpeed reduces gradients in the training dtype):" \
     "unset it"; return; }
   local knob
+  [ "${HIER_EMBEDDING_BACKWARD_GATHER:-gather}" = gather ] || { lbp_die 2 \
+    "HIER_EMBEDDING_BACKWARD_GATHER=$HIER_EMBEDDING_BACKWARD_GATHER does not apply to" \
+    "HIER_PRESET=$HIER_PRESET (a setting of the engine's schedule): unset it"; return; }
   for knob in HIER_PREFETCH_UNITS HIER_MAX_PENDING_REDUCES; do
     [ "${!knob:-auto}" = auto ] || { lbp_die 2 "$knob=${!knob} does not apply to" \
       "HIER_PRESET=$HIER_PRESET (a transient knob of the engine's schedule; DeepSpeed prefetches" \

@@ -826,3 +826,22 @@ def test_local_slurm_job(tmp_path, local_slurm):
           f"(retried: {retries or 'no'}), stopped at iteration {k1} by its exit "
           f"time; second resumed, stopped at {k2}; {len(single)} losses equal to one "
           f"uninterrupted run (first {single[1]:.4f}, last {single[k2]:.4f}); kept {kept}")
+
+
+def test_embedding_backward_gather_reaches_the_estimate_and_the_command(site):
+    """HIER_EMBEDDING_BACKWARD_GATHER=skip: the flag reaches the training command and the
+    estimate's transient (the tied embedding freed after the output layer's backward) is
+    the plan's smaller figure; the default says nothing."""
+    fixed = dict(NNODES=16, HIER_PRESET="lbp", RECOMPUTE="full", MICRO_BATCH_SIZE=1)
+    transient = {}
+    for setting in ("gather", "skip"):
+        r = run(SCRIPTS["20b"], site, "--dry-run", HIER_EMBEDDING_BACKWARD_GATHER=setting, **fixed)
+        assert r.returncode == 0, r.stderr
+        cmd = training_line(r.stdout)
+        assert ("--hier-embedding-backward-gather" in cmd) == (setting == "skip"), cmd
+        assert setting == "gather" or flag(cmd, "--hier-embedding-backward-gather") == "skip"
+        m = re.search(r"transient ([\d.]+) GB, activations .* fits  <- chosen", r.stdout)
+        assert m, r.stdout[-3000:]
+        transient[setting] = float(m.group(1))
+    # 44 layers, hidden 6144, vocab 50304: the tied V*h bf16 weights, 0.62 GB
+    assert transient["gather"] - transient["skip"] == pytest.approx(0.62, abs=0.011), transient

@@ -79,6 +79,7 @@ def test_dry_run_runs_the_deepspeed_runner_with_its_config(site, scheme):
     ({"HIER_SECONDARY_GROUP_SIZE": "8"}, (), "HIER_SECONDARY_GROUP_SIZE=8 does not apply to HIER_PRESET=ds-zeropp"),
     ({"HIER_GRAD_REDUCE_DTYPE": "bf16"}, (), "HIER_GRAD_REDUCE_DTYPE=bf16 does not apply"),
     ({"HIER_MAX_PENDING_REDUCES": "1"}, (), "HIER_MAX_PENDING_REDUCES=1 does not apply"),
+    ({"HIER_EMBEDDING_BACKWARD_GATHER": "skip"}, (), "HIER_EMBEDDING_BACKWARD_GATHER=skip does not apply"),
     ({"EXTRA_ARGS": "--hier-trace /tmp/t"}, (), "--hier-trace does not apply to HIER_PRESET=ds-zeropp"),
     ({}, ("--", "--hier-overlap-grad-reduce"), "--hier-overlap-grad-reduce does not apply"),
     ({}, ("--chain", "2"), "--chain 2 does not apply"),
