@@ -21,16 +21,19 @@ large micro-batch (8 sequences per rank, 1 per step: global batch 64) and many s
    (nothing is fitted to the step times);
 3. the real step times of the schemes at both batches, in the same rank processes, stepped
    in interleaved rounds (one step of every (scheme, batch) per round, order rotated), timed
-   barrier to barrier on rank 0; the first ``--warmup`` rounds are dropped, medians kept;
+   barrier to barrier on rank 0, each step's weight refresh waited for inside its own window
+   (``settle``: it would otherwise cross the uplink under the next scheme's step); the first
+   ``--warmup`` rounds are dropped, medians kept;
 4. the choice's ranking (``megatron_lbp.launch.choose.rank``, the code behind ``python -m
    megatron_lbp.plan --choose``) at each global batch, from the link file, the measured rate
    and ``--network-model shared_uplink`` (each emulated node has one shaped uplink; the
    per-GCD model, Frontier's, is printed beside it), read for each scheme's row at the
    micro-batch size and recomputation the run used.
 
-The default uplink (50 Mbit/s) and batches are chosen so that, on this 2-core machine, one
-micro-batch of 8 sequences outlasts zeropp's per-micro-batch gradient traffic (which it can
-then hide, while lbp's optimizer-step traffic cannot hide) and one of 1 sequence does not.
+The default uplink (``--rate-mbit auto``: NETWORK_OVER_COMPUTE) and batches are chosen so
+that, on this 2-core machine, one micro-batch of 8 sequences outlasts zeropp's
+per-micro-batch gradient traffic (which the overlap model then hides, while it charges lbp's
+optimizer-step traffic in full) and one of 1 sequence does not.
 
 The result says, per batch, which scheme the projection prefers and which was measured
 faster. tests/bench/test_network_choice.py asserts that they agree at both batches, and that the
@@ -65,8 +68,13 @@ MODEL = {"layers": 4, "hidden": 128, "heads": 4, "vocab": 1024, "seq": 64}
 HEALTH_MB = 2.0   # MiB per rank of the health check's all-gathers
 # --rate-mbit auto: the uplink at which the second scheme's (zeropp's) network bytes of one
 # micro-batch take this many times the compute of one micro-batch of the batch with the
-# most micro-batches (it cannot hide them there; the large micro-batch can).
-NETWORK_OVER_COMPUTE = 3.0
+# most micro-batches (it cannot hide them there; the large micro-batch can). 5: zeropp's
+# backward bytes of one micro-batch (the exchange's 16/7, 7.4 MB) then just fit under the
+# backward of one 8-sequence micro-batch (8 x that compute x 2/3), where the projection
+# prefers zeropp at 8 x 1 by the most it ever does on this network (lbp/zeropp 1.10; 1.13
+# at the kink, 6.9; test_network_choice's sweep). It was 3.0 under the ring rule, which
+# counted 4.1 MB.
+NETWORK_OVER_COMPUTE = 5.0
 PROBE_ROUNDS = 3
 
 
@@ -125,10 +133,19 @@ def rank_rounds(ns_of_rank, master, schemes, spec, trains, rounds, warmup, ranks
         dist.barrier()
         return time.perf_counter() - t0, value
 
+    def step(key, r):
+        result = trainers[key].run([r], None, results[key])
+        # The step's weight refresh (lbp's inter and grad_to_param all-gathers, issued at the
+        # end of the step to land under the next forward) lands inside this step's window:
+        # otherwise it crosses the uplink during the next (scheme, batch) of the round and is
+        # charged to that one.
+        trainers[key].model.settle()
+        return result
+
     for r in range(warmup + rounds):
         shift = r % len(keys)
         for key in keys[shift:] + keys[:shift]:
-            t, results[key] = timed(trainers[key].run, [r], None, results[key])
+            t, results[key] = timed(step, key, r)
             if r >= warmup:
                 out["step_s"][f"{key[0]}@{key[1]}"].append(t)
         if r >= warmup:
