@@ -1,7 +1,7 @@
 """The launcher's choice against measured step times on the emulated network (issue 26 item 3).
 
     python -m benchmarks network-choice [--json] [--rate-mbit 50] [--batches 8x1,1x8]
-        [--schemes lbp,zeropp] [--rounds 3] [--warmup 1] ...
+        [--schemes lbp,zeropp] [--rounds 3] [--warmup 0] ...
 
 On the two-node emulated network (benchmarks/netns.py; 2 nodes x 4 ranks, packages of 2),
 with the tiny GPT of ``bench network``, at two global batches, each given as micro-batch
@@ -20,17 +20,21 @@ large micro-batch (8 sequences per rank, 1 per step: global batch 64) and many s
    median seconds (slowest rank), given to the choice as ``--peak-tflops RATE --mfu 1``
    (nothing is fitted to the step times);
 3. the real step times of the schemes at both batches, in the same rank processes, stepped
-   in interleaved rounds (one step of every (scheme, batch) per round, order rotated), timed
-   barrier to barrier on rank 0; the first ``--warmup`` rounds are dropped, medians kept;
+   in interleaved rounds (two consecutive steps of every (scheme, batch) per round, order
+   rotated; the second is timed, barrier to barrier on rank 0, so that the first one's weight
+   refresh lands under its forward as in a run; its own refresh is then waited for untimed,
+   ``settle``, so that it does not cross the uplink under the next scheme's step); the first
+   ``--warmup`` rounds are dropped, medians kept;
 4. the choice's ranking (``megatron_lbp.launch.choose.rank``, the code behind ``python -m
    megatron_lbp.plan --choose``) at each global batch, from the link file, the measured rate
    and ``--network-model shared_uplink`` (each emulated node has one shaped uplink; the
    per-GCD model, Frontier's, is printed beside it), read for each scheme's row at the
    micro-batch size and recomputation the run used.
 
-The default uplink (50 Mbit/s) and batches are chosen so that, on this 2-core machine, one
-micro-batch of 8 sequences outlasts zeropp's per-micro-batch gradient traffic (which it can
-then hide, while lbp's optimizer-step traffic cannot hide) and one of 1 sequence does not.
+The default uplink (``--rate-mbit auto``: NETWORK_OVER_COMPUTE) and batches are chosen so
+that, on this 2-core machine, one micro-batch of 8 sequences outlasts zeropp's
+per-micro-batch gradient traffic (which the overlap model then hides, while it charges lbp's
+optimizer-step traffic in full) and one of 1 sequence does not.
 
 The result says, per batch, which scheme the projection prefers and which was measured
 faster. tests/bench/test_network_choice.py asserts that they agree at both batches, and that the
@@ -65,8 +69,13 @@ MODEL = {"layers": 4, "hidden": 128, "heads": 4, "vocab": 1024, "seq": 64}
 HEALTH_MB = 2.0   # MiB per rank of the health check's all-gathers
 # --rate-mbit auto: the uplink at which the second scheme's (zeropp's) network bytes of one
 # micro-batch take this many times the compute of one micro-batch of the batch with the
-# most micro-batches (it cannot hide them there; the large micro-batch can).
-NETWORK_OVER_COMPUTE = 3.0
+# most micro-batches (it cannot hide them there; the large micro-batch can). 5: zeropp's
+# backward bytes of one micro-batch (the exchange's 16/7, 7.4 MB) then just fit under the
+# backward of one 8-sequence micro-batch (8 x that compute x 2/3), where the projection
+# prefers zeropp at 8 x 1 by the most it ever does on this network (lbp/zeropp 1.10; 1.13
+# at the kink, 6.9; test_network_choice's sweep). It was 3.0 under the ring rule, which
+# counted 4.1 MB.
+NETWORK_OVER_COMPUTE = 5.0
 PROBE_ROUNDS = 3
 
 
@@ -101,8 +110,9 @@ def probe_rank(ns_of_rank, master, spec, train, rounds: int) -> list[float]:
 
 
 def rank_rounds(ns_of_rank, master, schemes, spec, trains, rounds, warmup, ranks_per_node):
-    """Every (scheme, batch) stepped once per round, order rotated, plus the compute of one
-    micro-batch of each batch alone (kept rounds); seconds per kept round of each."""
+    """Every (scheme, batch) stepped twice in a row per round (the second timed), order
+    rotated, plus the compute of one micro-batch of each batch alone (kept rounds); seconds
+    per kept round of each."""
     import torch.distributed as dist
 
     from megatron_lbp.testing.tiny_gpt import setup_hier
@@ -128,7 +138,15 @@ def rank_rounds(ns_of_rank, master, schemes, spec, trains, rounds, warmup, ranks
     for r in range(warmup + rounds):
         shift = r % len(keys)
         for key in keys[shift:] + keys[:shift]:
-            t, results[key] = timed(trainers[key].run, [r], None, results[key])
+            trainer = trainers[key]
+            # The steady state of training: the untimed step's weight refresh (lbp's inter
+            # and grad_to_param all-gathers, issued at the end of a step to land under the
+            # next forward) lands under the timed step's forward, as it would in a run; the
+            # timed step's own refresh is waited for untimed, so that it crosses the uplink
+            # neither under the next (scheme, batch) of the round nor in anyone's time.
+            results[key] = trainer.run([2 * r], None, results[key])
+            t, results[key] = timed(trainer.run, [2 * r + 1], None, results[key])
+            trainer.model.settle()
             if r >= warmup:
                 out["step_s"][f"{key[0]}@{key[1]}"].append(t)
         if r >= warmup:
@@ -235,7 +253,7 @@ def run(args) -> dict[str, Any]:
                        num_attention_heads=MODEL["heads"], vocab_size=MODEL["vocab"],
                        seq_length=MODEL["seq"], params_dtype=torch.bfloat16)
     # batch name "BxK": micro-batch size B, K micro-batches per step
-    trains = {name: TrainSpec(steps=args.warmup + args.rounds, micro_batch_size=b,
+    trains = {name: TrainSpec(steps=2 * (args.warmup + args.rounds), micro_batch_size=b,
                               micro_batches=k) for name, (b, k) in args.batches.items()}
     work = tempfile.mkdtemp(prefix="lbp-network-choice-")
     links = os.path.join(work, "links.json")
@@ -343,7 +361,8 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--schemes", default="lbp,zeropp",
                    help=f"the two schemes compared, of {','.join(SCHEMES)}")
     p.add_argument("--rounds", type=int, default=3, help="kept rounds")
-    p.add_argument("--warmup", type=int, default=1, help="rounds dropped first")
+    p.add_argument("--warmup", type=int, default=0,
+                   help="rounds dropped first (each round's first step of a scheme is untimed)")
     p.add_argument("--timeout", type=float, default=1500.0, help="seconds per multi-rank run")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
