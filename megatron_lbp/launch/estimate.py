@@ -55,6 +55,8 @@ from megatron_lbp.core import costs
 from megatron_lbp.launch import plan
 from megatron_lbp.core.config import (DEFAULT_BUCKET_SIZE, DEFAULT_MAX_PENDING_REDUCES,
                                  DEFAULT_PREFETCH_UNITS)
+from megatron_lbp.engine.constants import (DEFAULT_EMBEDDING_BACKWARD_GATHER,
+                                           EMBEDDING_BACKWARD_GATHERS)
 from megatron_lbp.launch._cli import PROG, Parser, write_resolved
 
 GB = 1e9
@@ -132,8 +134,9 @@ def plan_argv(a, world_size: int, micro_batches: int = 1,
         argv += ["--hier-prefetch-units", str(knobs[0])]
     if knobs[1] != DEFAULT_MAX_PENDING_REDUCES:
         argv += ["--hier-max-pending-reduces", str(knobs[1])]
-    if getattr(a, "hier_embedding_backward_gather", "gather") != "gather":
-        argv += ["--hier-embedding-backward-gather", a.hier_embedding_backward_gather]
+    embedding = getattr(a, "hier_embedding_backward_gather", DEFAULT_EMBEDDING_BACKWARD_GATHER)
+    if embedding != DEFAULT_EMBEDDING_BACKWARD_GATHER:
+        argv += ["--hier-embedding-backward-gather", embedding]
     return argv
 
 
@@ -189,10 +192,10 @@ def units(a) -> list[tuple[str, int]]:
                            ffn_hidden_size=a.ffn_hidden_size or None, **architecture(a))
 
 
-def model_line(a) -> str:
-    """The model this estimate is for, in one line (the dry run prints it)."""
+def model_line(a, params: int) -> str:
+    """The model this estimate is for, in one line (the dry run prints it); ``params``: the
+    sum of units(a)."""
     groups = architecture(a)["num_query_groups"]
-    params = sum(n for _, n in units(a))
     return (f"model: {a.num_layers} layers, hidden {a.hidden_size}, ffn "
             f"{a.ffn_hidden_size or 4 * a.hidden_size}, heads {a.num_attention_heads}/"
             f"{groups or a.num_attention_heads} query groups"
@@ -543,7 +546,7 @@ def report(a) -> tuple[list[str], dict, str | None]:
     m, g = base["memory_bytes"], base["group_sizes"]
     size = f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params / 1e6:.2f} M"
     lines = [
-        model_line(a),
+        model_line(a, params),
         f"parameters: {params:,} ({size}), padded vocabulary {a.vocab_size}",
         f"hierarchy: W={base['world_size']} ranks, P={g['param']} G={g['grad']} O={g['optim']} "
         f"S={g['secondary']} ({base['secondary_dtype'] if g['secondary'] else 'no secondary'}), "
@@ -718,8 +721,8 @@ def build_parser() -> argparse.ArgumentParser:
                     type=_auto_or_int("HIER_MAX_PENDING_REDUCES"), default="auto",
                     help="auto (default): the first of the choice's settings that fits, else "
                     "this many gradient reduce-scatters in flight (>= 1)")
-    ap.add_argument("--hier-embedding-backward-gather", choices=("gather", "skip"),
-                    default="gather", help="the engine's setting (HIER_EMBEDDING_BACKWARD_GATHER): "
+    ap.add_argument("--hier-embedding-backward-gather", choices=EMBEDDING_BACKWARD_GATHERS,
+                    default=DEFAULT_EMBEDDING_BACKWARD_GATHER, help="the engine's setting (HIER_EMBEDDING_BACKWARD_GATHER): "
                     "skip frees a tied embedding after the output layer's backward")
     ap.add_argument("--bucket-size", type=int, default=DEFAULT_BUCKET_SIZE)
     ap.add_argument("--gcd-memory-gb", type=float, default=64.0)
