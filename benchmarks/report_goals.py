@@ -298,8 +298,9 @@ def projection_goal(runs) -> dict[str, Any]:
 
     def parts(r):
         return (f"{r['step_s']:.2f} s = compute {r['compute_s']:.2f} + exposed micro-batch comm "
-                f"{r['exposed_micro_batch_comm_s']:.2f} + optimizer-step comm "
-                f"{r['step_comm_s']:.2f} + Adam {r['adam_s']:.3f}")
+                f"{r['exposed_micro_batch_comm_s']:.2f} + exposed optimizer-step comm "
+                f"{r['exposed_step_comm_s']:.2f} (of {r['step_comm_s']:.2f} link time) + Adam "
+                f"{r['adam_s']:.3f}")
 
     a = proj["assumptions"]
     low = min(int(g) for g in proj["results"]["20B"]["lbp"])
