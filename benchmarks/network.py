@@ -339,10 +339,10 @@ def _fit_links(samples, ranks_per_node: int, tiered: bool = False) -> dict[str, 
 
 
 def _calibration(args, measured, links_fit, compute_meas) -> dict[str, Any]:
+    """The run's fit (links and compute as the cost model takes them), then predict() from it."""
     from megatron_lbp.projection import project as pj
 
-    plans = _plans(args, list(measured))
-    ref_plan = plans["lbp"]
+    ref_plan = _plans(args, ["lbp"])["lbp"]
     world = args.nodes * args.ranks_per_node
     tiered = "package" in links_fit
     fitted = {"package": links_fit["package" if tiered else "loopback"],
@@ -355,8 +355,7 @@ def _calibration(args, measured, links_fit, compute_meas) -> dict[str, Any]:
         _model(args), ref_plan["params"], args.seq, args.micro_batch_size,
         compute_meas["fwd_bwd_s"] / args.micro_batches, compute_meas["adam_s"],
         ref_plan["padded_params"] / world)
-    per_scheme = pj.calibrate(measured, plans, _model(args), links, compute)
-    return {**per_scheme, "fit": {
+    return predict(args, measured, {
         "links": {k: v for k, v in links_fit.items() if k != "samples"},
         "link_samples": links_fit["samples"],
         "model_links_MB_per_s": {c: links.bandwidth[c] / 1e6 for c in links.bandwidth},
@@ -364,15 +363,44 @@ def _calibration(args, measured, links_fit, compute_meas) -> dict[str, Any]:
         "model_latency_us": {c: links.latency[c] * 1e6 for c in links.latency},
         "compute_measured": compute_meas,
         "compute_model": asdict(compute),
-        "modelled_as": {s: MODELLED_AS.get(s, s) for s in measured},
-        "buckets": {s: p["buckets"] for s, p in plans.items()},
-        "network_bytes_per_rank": {s: p["traffic_bytes"]["network"] for s, p in plans.items()},
         "tolerance": 0.2,
         "notes": ("package: a package's loopback, node: the shaped package links, "
                   if tiered else "package and node links are both the namespace's loopback; ")
                  + "network: one node's shared uplink, each way (a collective costs the "
                  "bytes crossing it: per-rank bytes x groups of its family in the node); "
                  "only link bandwidth/latency and compute time are fitted",
+    })
+
+
+# What predict() reads from a fit; the rest of the fit is record (benchmarks.recalibrate checks
+# a stored one for these before it predicts again).
+PREDICTED_FROM = ("model_links_MB_per_s", "model_latency_us", "network_model", "compute_model",
+                  "tolerance")
+
+
+def predict(args, measured: dict[str, float], fit: dict[str, Any]) -> dict[str, Any]:
+    """Every scheme's calibration entry, and ``fit`` with the plans' figures, from the fit alone.
+
+    The prediction reads only the fit's PREDICTED_FROM and the plans of
+    ``args``'s topology, so that the report can make it again from a stored run
+    with the cost model of the report's day (benchmarks.recalibrate); the run
+    comes here too, so both are one computation.
+    """
+    from megatron_lbp.projection import project as pj
+
+    links = pj.LinkModel.from_measured(
+        {c: mb * 1e6 for c, mb in fit["model_links_MB_per_s"].items()},
+        {c: us * 1e-6 for c, us in fit["model_latency_us"].items()},
+        network=fit["network_model"])
+    compute = pj.ComputeModel(**fit["compute_model"])
+    plans = _plans(args, list(measured))
+    per_scheme = pj.calibrate(measured, plans, _model(args), links, compute,
+                              tolerance=fit["tolerance"])
+    return {**per_scheme, "fit": {
+        **fit,
+        "modelled_as": {s: MODELLED_AS.get(s, s) for s in measured},
+        "buckets": {s: p["buckets"] for s, p in plans.items()},
+        "network_bytes_per_rank": {s: p["traffic_bytes"]["network"] for s, p in plans.items()},
     }}
 
 

@@ -24,6 +24,12 @@ ranks, 3 schemes, a one-step overhead on 4 ranks, one-step network runs of
 lbp and zeropp on 2 nodes x 2 ranks, default and frontier-shaped); without
 ``--out`` it writes
 into a new temporary directory, never over the committed BENCHMARKS.md.
+
+Every emulated-network result rendered, fresh or reused, has its predictions
+made again from its stored fit with this checkout's cost model
+(benchmarks.recalibrate), recorded as ``calibration.fit.predicted_with``; a
+result that lacks an input of the prediction keeps the run's own predictions,
+marked ``not_rederived`` with the reason, and the report warns.
 """
 from __future__ import annotations
 
@@ -41,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report_goals, report_plots, report_render
+from benchmarks import recalibrate, report_goals, report_plots, report_render
 
 SECTIONS = ("traffic", "project", "overhead", "network")
 REPO = Path(__file__).resolve().parents[1]
@@ -239,6 +245,34 @@ def collect(quick: bool, skip: set[str], reuse: set[str], previous: dict[str, An
     return runs
 
 
+def rederive_predictions(runs: dict[str, dict[str, Any]], git: dict[str, Any],
+                         log=print) -> None:
+    """Every network run's predictions made with this checkout's cost model, in place.
+
+    A reused run's were made with the model of its own day; the measured figures
+    and the fit stay the run's (benchmarks.recalibrate).
+    """
+    dirty = git.get("dirty_code_paths") or []
+    model = f"the cost model at commit {git['commit']}" + (
+        f" with uncommitted changes to {', '.join(dirty)}" if dirty else "")
+    for key in section_commands(False)["network"]:
+        run = runs.get(key)
+        if not run or run.get("status") != "ok":
+            continue
+        try:
+            run["result"] = recalibrate.recalibrate(
+                run["result"], f"{model} (re-derived at report time from the run's fitted links "
+                               f"and compute)")
+            run.pop("not_rederived", None)
+        except recalibrate.NotRederivable as e:
+            # A run re-derived by an earlier report keeps that report's predictions.
+            fit = ((run["result"].get("calibration") or {}).get("fit") or {})
+            made = fit.get("predicted_with") or (
+                f"the cost model at the run's commit {(run.get('git') or {}).get('commit')}")
+            run["not_rederived"] = f"{e}; its predictions are still those of {made}"
+            log(f"[report] WARNING: {key}: {run['not_rederived']}")
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -291,6 +325,7 @@ def main(argv=None) -> int:
               "quick": args.quick, "started_utc": started, "machine": machine(),
               "versions": versions(), "git": git_state()}
     report["runs"] = collect(args.quick, skip, reuse, previous, args.timeout, only=only)
+    rederive_predictions(report["runs"], report["git"])
     report["finished_utc"] = _utc()
     plots.mkdir(parents=True, exist_ok=True)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -117,7 +117,8 @@ def network_section(report, out: Path, plots: Path) -> list[str]:
     cal = calibration_rows(net)
     if cal:
         lines += ["Calibration (the Frontier cost model with link figures fitted on this "
-                  "emulated network, predicting each scheme's step time ratio to lbp):", "",
+                  "emulated network, predicting each scheme's step time ratio to lbp)."
+                  + predicted_by(runs["network"], net), "",
                   "| scheme | measured ratio | predicted ratio | relative error | within 20% |",
                   "|---|---:|---:|---:|---|"]
         for scheme, c in cal.items():
@@ -132,6 +133,14 @@ def network_section(report, out: Path, plots: Path) -> list[str]:
     if "network.png" in report["plots"]:
         lines += [f"![step time on the emulated network]({_rel(plots / 'network.png', out)})", ""]
     return lines + frontier_section(report, out, plots)
+
+
+def predicted_by(run, net) -> str:
+    """Which cost model made the calibration's predictions (report.rederive_predictions)."""
+    if run.get("not_rederived"):
+        return f" **Predictions not re-derived:** {run['not_rederived']}."
+    made = ((net.get("calibration") or {}).get("fit") or {}).get("predicted_with")
+    return f" Predicted by {made}." if made else ""
 
 
 def exposure_cells(row) -> list[str]:

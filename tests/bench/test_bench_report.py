@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import report
-from benchmarks.report_goals import fmt_ratio
+from benchmarks.report_goals import calibration_rows, fmt_ratio
 
 REPO = Path(__file__).resolve().parents[2]
 SECTIONS = ("## Headline", "## Goals", "## Link traffic", "## Emulated network",
@@ -147,6 +147,7 @@ def check_report(md_path: Path, results_path: Path):
                                          f"{row['ratio_to_lbp']:.2f}"], (scheme, rows[scheme], row)
             if "exposed_share" in row:
                 assert rows[scheme][3:7] == exposure_cells(row), (scheme, rows[scheme], row)
+        check_calibration(text, net)
     else:
         assert f"not run: {net['reason']}" in text, text
     if "network_frontier" in runs:
@@ -186,6 +187,21 @@ def check_report(md_path: Path, results_path: Path):
 def exposure_cells(row):
     return [f"{row['compute_s']:.3f}", f"{row['link_s']:.3f}", f"{row['exposed_s']:.3f}",
             f"{row['exposed_share']:.0%}"]
+
+
+def check_calibration(text: str, run):
+    """The calibration table equals the JSON, and says which cost model predicted it."""
+    cal = calibration_rows(run["result"])
+    if not cal:
+        return
+    text = text.split("Calibration (", 1)[1].split("### Frontier-shaped")[0]
+    rows = {r[0]: r for r in table_rows(text)}
+    for scheme, c in cal.items():
+        assert rows[scheme][1:4] == [f"{c['measured_ratio']:.2f}", f"{c['predicted_ratio']:.2f}",
+                                     f"{c['rel_error']:+.1%}"], (scheme, rows[scheme], c)
+    made = run["result"]["calibration"].get("fit", {}).get("predicted_with")
+    assert not made or f"Predicted by {made}." in text, "which model predicted is not said"
+    assert not run.get("not_rederived") or run["not_rederived"] in text, run["not_rederived"]
 
 
 def check_frontier(text: str, run):
