@@ -151,10 +151,13 @@ def rank(a) -> list[Row]:
                     c, source = replace(c, step_s=t + c.knob_cost_s), "replay"
             rows.append(Row(label, preset, secondary, c, source))
     # Ties (--step-seconds: one figure for all) keep the old rule: the least recomputation,
-    # the largest micro-batch, the schemes in their listed order.
+    # the largest micro-batch, the schemes in their listed order. A projected tie otherwise
+    # (a secondary copy whose backward gathers hide either way) goes to the smaller total:
+    # the same speed with more memory left and no int8 copy the step does not need.
     return sorted(rows, key=lambda r: (r.choice.step_s,
                                        estimate.RECOMPUTE_ORDER.index(r.choice.recompute),
-                                       -r.choice.micro_batch_size))
+                                       -r.choice.micro_batch_size,
+                                       0 if a.step_seconds else r.choice.total_bytes))
 
 
 def allowed(a, r: Row) -> bool:

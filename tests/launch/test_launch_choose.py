@@ -128,6 +128,25 @@ def test_the_idealised_step_agrees_with_the_replayed_schedule(model):
         assert abs(seen[scheme] - 1) < bound, f"{scheme}: idealised / replayed {seen[scheme]:.4f}"
 
 
+def test_a_projected_tie_goes_to_the_row_with_more_memory_left():
+    """10B on 16 nodes: lbp with the package's int8 copy and without one project the same
+    step (the backward's package gathers hide either way); the choice takes the one without,
+    5.6 GB smaller. With --step-seconds every row ties and the old rule (listed order) holds."""
+    a = _auto(nodes=16, **MODELS["10b"])
+    row, rows = choose.choose(a)
+    tied = [r for r in rows if r.choice.fits and r.choice.step_s == row.choice.step_s]
+    assert {r.scheme for r in tied} >= {"lbp S=0", "lbp S=package"}, tied
+    assert row.scheme == "lbp S=0" and row.choice.total_bytes == min(
+        r.choice.total_bytes for r in tied), (row, tied)
+    b = _auto(nodes=16, step_seconds=30.0, **MODELS["10b"])
+    fixed, fixed_rows = choose.choose(b)
+    same = [r.scheme for r in fixed_rows if r.choice.fits and (
+        r.choice.recompute, r.choice.micro_batch_size) == (
+        fixed.choice.recompute, fixed.choice.micro_batch_size)]
+    labels = [label for label, _, _ in choose._schemes(b)]
+    assert same[0] == fixed.scheme and same == sorted(same, key=labels.index), same
+
+
 def test_the_ranking_replays_the_committed_traces_without_torch():
     # Every dry run of the launcher ranks the candidates and replays the committed traces
     # (projection/trace_records.py reads them): importing torch there costs seconds per run.
