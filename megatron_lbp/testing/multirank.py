@@ -227,6 +227,7 @@ def run_on_ranks(
     outcomes: dict[int, _Outcome] = {}
     deadline = time.monotonic() + timeout
     first_error_at = None
+    cut_by_grace = False   # whether the ranks left were stopped by the grace period
     try:
         while len(outcomes) < world_size:
             now = time.monotonic()
@@ -234,6 +235,7 @@ def run_on_ranks(
             if first_error_at is not None:
                 limit = min(limit, first_error_at + ERROR_GRACE_S)
             if now >= limit:
+                cut_by_grace = limit < deadline
                 break
             try:
                 item = pickle.loads(results.get(timeout=min(1.0, limit - now)))
@@ -263,7 +265,7 @@ def run_on_ranks(
     try:
         if failed or missing:
             raise MultiRankError(_describe_failure(failed, missing, stack_dir, timeout,
-                                                   first_error_at is not None))
+                                                   first_error_at is not None, cut_by_grace))
         return [outcomes[r].value for r in range(world_size)]
     finally:
         # The stacks are read into the error above; a suite starts thousands of runs.
@@ -276,12 +278,15 @@ def _stack_dump(stack_dir: str, rank: int) -> str:
     return open(path).read().strip() if os.path.exists(path) else ""
 
 
-def _describe_failure(failed, missing, stack_dir, timeout, had_error) -> str:
+def _describe_failure(failed, missing, stack_dir, timeout, had_error,
+                      cut_by_grace=False) -> str:
     lines = []
     if failed:
         lines.append(f"{len(failed)} rank(s) raised: {sorted(failed)}")
     if missing:
-        why = ("killed after another rank failed" if had_error
+        why = ((f"killed {ERROR_GRACE_S:.0f} s after another rank failed (the grace period)"
+                if cut_by_grace else f"killed at the {timeout:.0f} s timeout after another "
+                "rank failed") if had_error
                else f"did not finish within {timeout:.0f} s (hang?)")
         lines.append(f"rank(s) {missing} {why}")
     for r in sorted(failed):

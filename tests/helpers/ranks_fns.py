@@ -15,8 +15,9 @@ def rank_and_sum():
 def fail_on_rank(bad_rank):
     if dist.get_rank() == bad_rank:
         raise ValueError(f"deliberate failure on rank {bad_rank}")
-    # The others wait in a collective the failed rank never joins: a real hang.
-    dist.barrier()
+    # The others wait for data the failed rank never sends: a real hang. (Not a barrier: the
+    # harness's exit barrier on the failed rank would match it and let them finish.)
+    dist.recv(torch.zeros(1), src=bad_rank)
     return dist.get_rank()
 
 
