@@ -104,7 +104,9 @@ def test_the_idealised_step_agrees_with_the_replayed_schedule(model):
     and its refresh under the next forward, as the engine's StepComm issues them (charged in
     full, lbp's step was 7% over the replay at 20B, and zeropp looked faster at one
     micro-batch of 4). zeropp within 2.5%; zero3's idealised step is 11-14% over the replay
-    (its backward regathers hide better than one pooled window says) and is not pinned."""
+    and is not pinned: its backward regathers and gradient reduce-scatters both cross the
+    network, which the replay runs at once at full speed each (different communicators) and
+    the idealised model one after another (one link class), as one NIC would."""
     a = _auto(nodes=48, **MODELS[model])
     layers = a.num_layers
     shape = {"num_layers": layers, "hidden_size": a.hidden_size,
