@@ -176,6 +176,7 @@ def run_on_ranks(
     rank_env: Callable[[int], Mapping[str, str]] | None = None,
     init_process_group: bool = True,
     host_store: bool = True,
+    error_grace_s: float = ERROR_GRACE_S,
     **kwargs: Any,
 ) -> list[Any]:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank values.
@@ -187,6 +188,8 @@ def run_on_ranks(
     ``host_store=False``: no store here, MASTER_PORT is a free port, for ``fn``s
     that host their own inside private network namespaces (bench network), where
     nobody else can take it.
+    ``error_grace_s``: how long the others may still report after a rank failed (their own
+    errors name what they saw) before they are killed.
     Raises MultiRankError naming every failed or unfinished rank.
     """
     if world_size < 1:
@@ -233,7 +236,7 @@ def run_on_ranks(
             now = time.monotonic()
             limit = deadline
             if first_error_at is not None:
-                limit = min(limit, first_error_at + ERROR_GRACE_S)
+                limit = min(limit, first_error_at + error_grace_s)
             if now >= limit:
                 cut_by_grace = limit < deadline
                 break
@@ -265,7 +268,8 @@ def run_on_ranks(
     try:
         if failed or missing:
             raise MultiRankError(_describe_failure(failed, missing, stack_dir, timeout,
-                                                   first_error_at is not None, cut_by_grace))
+                                                   first_error_at is not None,
+                                                   error_grace_s if cut_by_grace else None))
         return [outcomes[r].value for r in range(world_size)]
     finally:
         # The stacks are read into the error above; a suite starts thousands of runs.
@@ -279,13 +283,13 @@ def _stack_dump(stack_dir: str, rank: int) -> str:
 
 
 def _describe_failure(failed, missing, stack_dir, timeout, had_error,
-                      cut_by_grace=False) -> str:
+                      grace_s: float | None = None) -> str:
     lines = []
     if failed:
         lines.append(f"{len(failed)} rank(s) raised: {sorted(failed)}")
     if missing:
-        why = ((f"killed {ERROR_GRACE_S:.0f} s after another rank failed (the grace period)"
-                if cut_by_grace else f"killed at the {timeout:.0f} s timeout after another "
+        why = ((f"killed {grace_s:g} s after another rank failed (the grace period)"
+                if grace_s is not None else f"killed at the {timeout:.0f} s timeout after another "
                 "rank failed") if had_error
                else f"did not finish within {timeout:.0f} s (hang?)")
         lines.append(f"rank(s) {missing} {why}")

@@ -29,6 +29,7 @@ def result():
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow   # the module's reduced overhead run: 15 s of the CI's 20 minutes
 def test_pairs_follow_from_the_step_times(result):
     assert set(result["pairs"]) == {"zero2/megatron-distopt", "zero3/megatron-fsdp",
                                     "lbp/megatron-distopt"}
@@ -47,6 +48,7 @@ def test_pairs_follow_from_the_step_times(result):
     assert len(result["loadavg_start"]) == 3 and len(result["loadavg_end"]) == 3
 
 
+@pytest.mark.slow   # the module's reduced overhead run: 15 s of the CI's 20 minutes
 def test_pairs_train_the_same_model_with_several_buckets(result):
     losses = result["losses"]
     ref = losses[overhead.STOCK]
@@ -65,6 +67,7 @@ def test_pairs_train_the_same_model_with_several_buckets(result):
     assert b[overhead.FSDP] >= LAYERS, b
 
 
+@pytest.mark.slow   # the module's reduced overhead run: 15 s of the CI's 20 minutes
 def test_profile_adds_up(result):
     profiles = result["profiles"]
     assert set(profiles) == set(overhead.SCHEMES)

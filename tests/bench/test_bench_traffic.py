@@ -137,7 +137,8 @@ def test_traffic_reduced_engine_rows_equal_the_plan():
     assert all(math.isfinite(x) for r in result.values() for x in r["losses"])
 
 
-def test_traffic_cli_json_and_errors():
+@pytest.mark.slow   # a 4-rank run (10 s); the engine rows' bytes stay in CI (reduced_engine_rows)
+def test_traffic_cli_json():
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks", "traffic", "--ranks", "4",
          "--gpus-per-node", "2", "--schemes", "lbp,zero3", "--json"],
@@ -148,6 +149,9 @@ def test_traffic_cli_json_and_errors():
     assert "WARNING:" in out.stderr or "INFO:" in out.stderr, "the ranks' logs went missing"
     _check_json_shape(obj, ["lbp", "zero3"])
     assert 0 < obj["lbp"]["network"] < obj["zero3"]["network"], obj
+
+
+def test_traffic_cli_errors():
     for bad, message in ((["--schemes", "zero4"], "--schemes: zero4"),
                          (["--ranks", "12"], "--ranks=12 must be")):
         r = subprocess.run([sys.executable, "-m", "benchmarks", "traffic", *bad],
