@@ -53,10 +53,9 @@ from dataclasses import dataclass, replace
 
 from megatron_lbp.core import costs
 from megatron_lbp.launch import plan
-from megatron_lbp.core.config import (DEFAULT_BUCKET_SIZE, DEFAULT_MAX_PENDING_REDUCES,
-                                 DEFAULT_PREFETCH_UNITS)
-from megatron_lbp.engine.constants import (DEFAULT_EMBEDDING_BACKWARD_GATHER,
-                                           EMBEDDING_BACKWARD_GATHERS)
+from megatron_lbp.core.config import (DEFAULT_BUCKET_SIZE, DEFAULT_EMBEDDING_BACKWARD_GATHER,
+                                      DEFAULT_MAX_PENDING_REDUCES, DEFAULT_PREFETCH_UNITS,
+                                      EMBEDDING_BACKWARD_GATHERS)
 from megatron_lbp.launch._cli import PROG, Parser, write_resolved
 
 GB = 1e9

@@ -87,7 +87,6 @@ PHASE_FAMILIES = {
     "step_gather": ("inter", "grad_to_param"),
 }
 PER_MICRO_BATCH = ("forward_gather", "backward_gather", "grad_reduce")
-STEP_PHASES = ("step_reduce", "step_gather")
 
 
 NETWORK_MODES = ("per_rank", "shared_uplink")
@@ -297,17 +296,17 @@ def step_time(plan: Mapping[str, Any], model: Mapping[str, int], links: LinkMode
     ph = _phase_times(plan, links)
     fwd = {c: ph["forward_gather"][c] / k for c in LINK_CLASS_ORDER}
     bwd = {c: (ph["backward_gather"][c] + ph["grad_reduce"][c]) / k for c in LINK_CLASS_ORDER}
-    reduce = ph["step_reduce"]
-    refresh = ph["step_gather"]
+    fwd_comm, bwd_comm = max(fwd.values()), max(bwd.values())
+    reduce, refresh = ph["step_reduce"], ph["step_gather"]
     step_comm = sum(reduce[c] + refresh[c] for c in LINK_CLASS_ORDER)
     if overlap:
-        plain_fwd = _window(max(fwd.values()), t_fwd, buckets)
-        plain_bwd = _window(max(bwd.values()), t_bwd, buckets)
+        plain_fwd = _window(fwd_comm, t_fwd, buckets)
+        plain_bwd = _window(bwd_comm, t_bwd, buckets)
         exposed_mb = k * (plain_fwd + plain_bwd)
         first_fwd = _window(max(fwd[c] + refresh[c] for c in LINK_CLASS_ORDER), t_fwd, buckets,
-                            (max(fwd.values()) + sum(refresh.values())) / buckets)
+                            (fwd_comm + sum(refresh.values())) / buckets)
         last_bwd = _window(max(bwd[c] + reduce[c] for c in LINK_CLASS_ORDER), t_bwd, buckets,
-                           (max(bwd.values()) + sum(reduce.values())) / buckets)
+                           (bwd_comm + sum(reduce.values())) / buckets)
         exposed_step = first_fwd - plain_fwd + last_bwd - plain_bwd
     else:
         exposed_mb = sum(ph[p][c] for p in PER_MICRO_BATCH for c in LINK_CLASS_ORDER)
