@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_lbp.engine.constants import (DEFAULT_EMBEDDING_BACKWARD_GATHER,
-                                           EMBEDDING_BACKWARD_GATHERS, MAX_PENDING_REDUCES)
+                                           DEFAULT_LAYER_UNIT, EMBEDDING_BACKWARD_GATHERS,
+                                           LAYER_UNITS, MAX_PENDING_REDUCES)
 
 __all__ = [
     "PRESETS",
@@ -54,6 +55,8 @@ __all__ = [
     "max_pending_reduces_from_args",
     "EMBEDDING_BACKWARD_GATHERS",
     "DEFAULT_EMBEDDING_BACKWARD_GATHER",
+    "LAYER_UNITS",
+    "DEFAULT_LAYER_UNIT",
     "DEFAULT_PREFETCH_UNITS",
     "DEFAULT_MAX_PENDING_REDUCES",
     "DEFAULT_QUANT_BLOCK_SIZE",
@@ -87,6 +90,7 @@ FLAGS = {
     "prefetch_units": "--hier-prefetch-units",
     "max_pending_reduces": "--hier-max-pending-reduces",
     "embedding_backward_gather": "--hier-embedding-backward-gather",
+    "layer_unit": "--hier-layer-unit",
     "grad_reduce_dtype": "--hier-grad-reduce-dtype",
     "quant_block_size": "--hier-quant-block-size",
     "quantize_weight_gather": "--hier-quantize-weight-gather",
@@ -491,6 +495,13 @@ def add_hier_arguments(parser: argparse.ArgumentParser, *, include_world: bool =
                         "from the output layer's backward to the embedding's; 'skip' gathers "
                         "nothing for the lookup's backward (it reads no weight values) and "
                         "frees a tied embedding right after the output layer's backward.")
+    g.add_argument("--hier-layer-unit", choices=LAYER_UNITS, default=DEFAULT_LAYER_UNIT,
+                   help="What one transformer layer is to the engine: 'whole' (default) "
+                        "gathers and reduces it as one unit; 'split' makes its attention and "
+                        "its MLP two units, so its weights and full gradient are in memory "
+                        "half at a time, for one collective more per layer and phase. Not "
+                        "with --recompute-granularity full, whose recomputed layer needs both "
+                        "halves at once.")
     g.add_argument("--hier-sharded-init", action=argparse.BooleanOptionalAction, default=True,
                    help="Build the model one module at a time and keep only this rank's "
                         "slices, so no rank ever holds the whole model (default on; the "
@@ -572,6 +583,7 @@ class EngineOptions:
     prefetch_units: int = DEFAULT_PREFETCH_UNITS
     max_pending_reduces: int = DEFAULT_MAX_PENDING_REDUCES
     embedding_backward_gather: str = DEFAULT_EMBEDDING_BACKWARD_GATHER
+    layer_unit: str = DEFAULT_LAYER_UNIT
     trace: str | None = None
     # Build the model without holding it whole (engine/materialize.py); off: build it
     # whole, then bucket it.
@@ -584,6 +596,7 @@ class EngineOptions:
         _check_choice("grad_reduce_dtype", self.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
         _check_choice("embedding_backward_gather", self.embedding_backward_gather,
                       EMBEDDING_BACKWARD_GATHERS)
+        _check_choice("layer_unit", self.layer_unit, LAYER_UNITS)
 
 
 def engine_options_from_args(args: Any) -> EngineOptions:
@@ -597,6 +610,7 @@ def engine_options_from_args(args: Any) -> EngineOptions:
         max_pending_reduces=max_pending_reduces_from_args(args),
         embedding_backward_gather=(getattr(args, "hier_embedding_backward_gather", None)
                                    or DEFAULT_EMBEDDING_BACKWARD_GATHER),
+        layer_unit=getattr(args, "hier_layer_unit", None) or DEFAULT_LAYER_UNIT,
         trace=getattr(args, "hier_trace", None),
         sharded_init=bool(getattr(args, "hier_sharded_init", True)),
     )

@@ -75,7 +75,7 @@ from typing import Any, Mapping, Sequence
 # The engine's own names for what it does; pure, so the cost model stays torch-free.
 from megatron_lbp.engine.constants import (DEFAULT_EMBEDDING_BACKWARD_GATHER,
                                            EMBEDDING_BACKWARD_GATHERS, MAX_PENDING_REDUCES,
-                                           PHASES, UNIT_KINDS)
+                                           PHASES, SPLIT_KINDS, UNIT_KINDS)
 from megatron_lbp.core.layout import plan_bucket
 
 LINK_CLASS_ORDER = ("package", "node", "network")
@@ -438,7 +438,7 @@ def gpt_units(num_layers: int, hidden_size: int, vocab_size: int,
               swiglu: bool = False, num_attention_heads: int | None = None,
               num_query_groups: int | None = None, normalization: str = "LayerNorm",
               add_bias_linear: bool = True, kv_channels: int | None = None,
-              add_qkv_bias: bool = False) -> list[tuple[str, int]]:
+              add_qkv_bias: bool = False, split_layers: bool = False) -> list[tuple[str, int]]:
     """The engine's gather units of a megatron-core ``GPTModel``: (kind, numel), forward order.
 
     One unit is what one all-gather brings in (megatron_lbp.integration.megatron_adapter's
@@ -475,6 +475,10 @@ def gpt_units(num_layers: int, hidden_size: int, vocab_size: int,
 
     with m = 2 for SwiGLU, else 1, and the bracketed terms only with linear biases
     (linear_qkv's also with ``add_qkv_bias``).
+
+    ``split_layers`` (--hier-layer-unit split): each layer is two units, "attention"
+    (input norm, linear_qkv, linear_proj) and "mlp" (pre-MLP norm, linear_fc1,
+    linear_fc2), whose sum is the layer above.
 
     ``position_embedding_type``: None means "learned_absolute" when
     ``seq_length`` is given and "rope" (no position table) otherwise;
@@ -515,11 +519,13 @@ def gpt_units(num_layers: int, hidden_size: int, vocab_size: int,
         query, qkv_out = n * d, (n + 2 * g) * d
     m = 2 if swiglu else 1
     bias = 1 if add_bias_linear else 0
-    per_layer = (2 * norm + h * qkv_out + query * h + h * f * m + f * h
-                 + (1 if add_bias_linear or add_qkv_bias else 0) * qkv_out
-                 + bias * (h + f * m + h))
+    attention = (norm + h * qkv_out + query * h
+                 + (1 if add_bias_linear or add_qkv_bias else 0) * qkv_out + bias * h)
+    mlp = norm + h * f * m + f * h + bias * (f * m + h)
+    layer = ([("attention", attention), ("mlp", mlp)] if split_layers
+             else [("layer", attention + mlp)])
     output = norm + (0 if tied else V * h)
-    return [("embedding", embedding)] + [("layer", per_layer)] * L + [("output", output)]
+    return [("embedding", embedding)] + layer * L + [("output", output)]
 
 
 def gpt_param_count(num_layers: int, hidden_size: int, vocab_size: int,
@@ -544,6 +550,7 @@ def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16
                     overlap: bool = True, grad_chunk_ordered: bool = True,
                     max_pending_reduces: int = MAX_PENDING_REDUCES,
                     embedding_backward_gather: str = DEFAULT_EMBEDDING_BACKWARD_GATHER,
+                    unit_kinds: Sequence[str] | None = None, linear_biases: bool = True,
                     align: int = DEFAULT_ALIGN) -> dict[str, int]:
     """The engine's peak transient bytes per rank, by part of the step: its schedule replayed.
 
@@ -578,6 +585,14 @@ def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16
       its own backward, and, tied, its weights gathered for the output layer are
       freed once the output layer's backward is done, before the output unit's
       gradient (the V·h weights no longer live across every layer's backward).
+      ``unit_kinds`` (None: no unit is split): an "attention" unit (--hier-layer-unit
+      split) stays gathered in forward until the next unit, its layer's MLP, has been
+      needed and its prefetch issued (the layer adds linear_proj's bias after
+      self-attention returns; the engine frees it after the pre-MLP norm's forward).
+      In backward, with ``linear_biases`` (not --disable-bias-linear), an "attention" or
+      "mlp" unit's full gradient exists before its need: the layer's bias-dropout-add
+      hands autograd the bias's gradient (linear_proj's, linear_fc2's) first, before the
+      half's backward begins, while its gather may still be in flight.
 
     Reductions are assumed to complete only when the schedule must wait for
     them: the engine also completes those already done at each hook, which
@@ -659,6 +674,10 @@ def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16
         done: set[int] = set()           # freed after its last user (forward) or reduced
         pending: list[int] = []
         lives_on = {0} if tied else set()
+        held_into_next = {u for u, kind in enumerate(unit_kinds or ()) if kind == "attention"}
+        held: list[int] = []             # a forward unit freed after the next one's need
+        early_grad = ({u for u, kind in enumerate(unit_kinds or ()) if kind in SPLIT_KINDS}
+                      if backward and linear_biases else set())
         # the embedding's own backward gathers nothing (skip)
         no_gather = {0} if backward and skip and n_units else set()
 
@@ -684,6 +703,8 @@ def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16
                 led.alloc(step_grad(N) + step_network(N))
 
         for pos, u in enumerate(order):
+            if u in early_grad:
+                led.alloc(gb * padded[u])     # the bias's gradient: before the half's need
             needs = ([] if u in no_gather else [u]) + ([0] if tied and u == n_units - 1 else [])
             for v in needs:
                 used.add(v)
@@ -698,17 +719,24 @@ def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16
                 ahead += 1
             for v in needs:
                 wait(v)
+            while held:
+                v = held.pop()
+                free_weights(v)
+                done.add(v)
             if backward and skip and tied and u == n_units - 1:
                 free_weights(0)           # after the output layer's backward
             if not backward:
-                if u not in lives_on:
+                if u in held_into_next:
+                    held.append(u)
+                elif u not in lives_on:
                     free_weights(u)
                     done.add(u)
                 if tied and u == n_units - 1:
                     free_weights(0)
                     done.add(0)
                 continue
-            led.alloc(gb * padded[u])         # the unit's full gradient, from its first one
+            if u not in early_grad:
+                led.alloc(gb * padded[u])     # the unit's full gradient, from its first one
             if u in gathered:
                 free_weights(u)
             led.alloc(reduce_extra(padded[u], fresh))

@@ -11,7 +11,9 @@ from __future__ import annotations
 PHASES = ("forward_gather", "backward_gather", "grad_reduce", "step_reduce", "step_gather")
 
 # What a gather unit is (engine/grouping.py:UnitSpec.kind; core/costs.py:gpt_units counts them).
-UNIT_KINDS = ("embedding", "layer", "output", "other")
+# "attention" and "mlp": a transformer layer's two halves with --hier-layer-unit split.
+UNIT_KINDS = ("embedding", "layer", "attention", "mlp", "output", "other")
+SPLIT_KINDS = ("attention", "mlp")
 
 # Gradient reduce-scatters kept in flight before the oldest is waited for, by default (the
 # engine's bound on full gradient buffers alive at once during backward;
@@ -28,3 +30,13 @@ MAX_PENDING_REDUCES = 2
 # trace's) regathers it like any unit and keeps a tied one until its last gradient.
 EMBEDDING_BACKWARD_GATHERS = ("gather", "skip")
 DEFAULT_EMBEDDING_BACKWARD_GATHER = "gather"
+
+# What one transformer layer is to the engine (--hier-layer-unit; integration/megatron_adapter.py
+# declares it, engine/schedule.py frees by it, core/costs.py:gpt_units and transient_bytes
+# price it). "whole": one gather unit per layer. "split": its attention (input norm and
+# self-attention) and its MLP (pre-MLP norm and MLP) are two units, so a layer's weights
+# and its full gradient are in memory half at a time; the attention unit stays gathered
+# into the MLP's norm, because the layer adds linear_proj's bias after self-attention
+# returns. Each layer then costs one collective more per phase (a latency each).
+LAYER_UNITS = ("whole", "split")
+DEFAULT_LAYER_UNIT = "whole"

@@ -171,6 +171,10 @@ class HierDataParallel(mcore.base_data_parallel()):
             self._hooks.append(m.register_forward_pre_hook(
                 lambda module, args: schedule.pre_forward(module)))
             self._hooks.append(m.register_forward_hook(self._post_forward))
+        for m in schedule.releases:
+            if m not in schedule.uses:   # holds a unit it does not compute with (a split layer)
+                self._hooks.append(m.register_forward_hook(
+                    lambda module, args, output: schedule.post_forward(module)))
         for m in schedule.release_after_backward:
             self._hooks.append(m.register_forward_pre_hook(self._hook_inputs_backward))
         for _, p in self._params:
@@ -198,7 +202,9 @@ class HierDataParallel(mcore.base_data_parallel()):
             # module's backward (also for a forward recomputed inside the backward).
             hook = functools.partial(_pre_backward, self.schedule, module)
             for t in _tensors(output):
-                if t.requires_grad:
+                # Not a parameter handed back (a linear module's skip_bias_add bias): a hook on
+                # a leaf would stay for every later backward.
+                if t.requires_grad and t.grad_fn is not None:
                     t.register_hook(hook)
 
     def reduce_scatter_grad(self, out: torch.Tensor, inp: torch.Tensor, family: str,

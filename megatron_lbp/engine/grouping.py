@@ -16,7 +16,11 @@ mixing dtypes becomes one unit per dtype run, with the same kind and layer.
 
 Users: the declared modules of a unit bracket every use of its weights (a
 transformer layer adds the biases its linear modules hand back), so their
-forward and backward hooks gather it; an "other" unit is used by the modules
+forward and backward hooks gather it. Where a unit's last use comes after its
+modules' forward (a layer split in two: the layer adds the attention's
+linear_proj bias after self-attention returns, the MLP's linear_fc2 bias after
+the MLP), the spec names ``held_by``: modules whose post-forward, too, must
+come before the unit is freed, without gathering it; an "other" unit is used by the modules
 that register its parameters. A module may also use a weight of another unit
 (the output layer computing with the tied embedding), which the caller passes
 as ``extra_weight_users``. A module's *home* unit is the one it was declared
@@ -40,6 +44,7 @@ class UnitSpec:
     kind: str
     modules: tuple[torch.nn.Module, ...]
     layer: int | None = None
+    held_by: tuple[torch.nn.Module, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in UNIT_KINDS:
@@ -54,6 +59,7 @@ class UnitPlan:
     layer: int | None
     params: list[tuple[str, torch.nn.Parameter]]
     users: list[torch.nn.Module] = field(default_factory=list)
+    holders: list[torch.nn.Module] = field(default_factory=list)   # see UnitSpec.held_by
 
 
 @dataclass
@@ -61,6 +67,7 @@ class UnitMap:
     units: list[UnitPlan]
     uses: dict[torch.nn.Module, list[int]]     # module -> units its forward needs gathered
     home: dict[torch.nn.Module, int]           # module -> the unit its compute belongs to
+    held: dict[torch.nn.Module, list[int]] = field(default_factory=dict)  # module -> units it holds
 
 
 def split_into_buckets(named_params: list[tuple[str, torch.nn.Parameter]],
@@ -107,13 +114,13 @@ def group_into_units(root: torch.nn.Module, specs: Iterable[UnitSpec], bucket_si
                     claimed.setdefault(id(p), i)
 
     # Declared units: their parameters in model order; the rest in consecutive runs.
-    groups: list[tuple[int, str, int | None, list, list[torch.nn.Module]]] = []
+    groups: list[tuple[int, str, int | None, list, list[torch.nn.Module], list]] = []
     declared: dict[int, list] = {}
     run: list = []
 
     def close_run() -> None:
         if run:
-            groups.append((position[id(run[0][1])], "other", None, list(run), []))
+            groups.append((position[id(run[0][1])], "other", None, list(run), [], []))
             run.clear()
 
     for name, p in named:
@@ -125,29 +132,32 @@ def group_into_units(root: torch.nn.Module, specs: Iterable[UnitSpec], bucket_si
         if i not in declared:
             declared[i] = []
             groups.append((position[id(p)], specs[i].kind, specs[i].layer, declared[i],
-                           list(specs[i].modules)))
+                           list(specs[i].modules), list(specs[i].held_by)))
         declared[i].append((name, p))
     close_run()
     groups.sort(key=lambda g: g[0])
 
     owner = _registering_modules(root)
     units: list[UnitPlan] = []
-    for _, kind, layer, params, modules in groups:
+    for _, kind, layer, params, modules, holders in groups:
         pieces = (split_into_buckets(params, bucket_size) if kind == "other" else [params])
         for piece in pieces:
             for same in same_dtype_runs(piece):
                 users = list(modules) if modules else _unique(owner[id(p)] for _, p in same)
-                units.append(UnitPlan(kind, layer, same, users))
+                units.append(UnitPlan(kind, layer, same, users, list(holders)))
 
     unit_of = {id(p): u for u, plan in enumerate(units) for _, p in plan.params}
     uses: dict[torch.nn.Module, list[int]] = {}
     home: dict[torch.nn.Module, int] = {}
+    held: dict[torch.nn.Module, list[int]] = {}
     for u, plan in enumerate(units):
         for m in plan.users:
             uses.setdefault(m, [])
             if u not in uses[m]:
                 uses[m].append(u)
             home.setdefault(m, u)
+        for m in plan.holders:
+            held.setdefault(m, []).append(u)
     for m, params in (extra_weight_users or {}).items():
         for p in params:
             u = unit_of[id(p)]
@@ -156,7 +166,7 @@ def group_into_units(root: torch.nn.Module, specs: Iterable[UnitSpec], bucket_si
             uses.setdefault(m, [])
             if u not in uses[m]:
                 uses[m].append(u)
-    return UnitMap(units, uses, home)
+    return UnitMap(units, uses, home, held)
 
 
 def _registering_modules(root: torch.nn.Module) -> dict[int, torch.nn.Module]:

@@ -10,7 +10,12 @@ forward     the root module's pre-forward opens the pass. A module's pre-forward
             does the module wait for its own units and compute. So the next
             unit's all-gather is in flight while the current one computes. The
             first need of a unit in a forward also keeps its 1/S secondary copy
-            (S > 0). A unit is freed after its last user's post-forward.
+            (S > 0). A unit is freed after its last user's post-forward, or, where
+            modules hold it (grouping.UnitSpec.held_by), after theirs: a split
+            layer's attention unit is held by the pre-MLP norm, its MLP unit by
+            the layer, because the layer adds each half's last bias after the
+            half's module returns (a user called twice, megatron-core's chunked
+            MLP, then frees nothing early).
 backward    the first backward hook opens the pass. A module's pre-backward (a
             hook on its outputs' gradients) needs its units again, in backward
             order and with the same look-ahead; the gathers read the secondary
@@ -118,7 +123,13 @@ class UnitSchedule:
         self.max_pending_reduces = max_pending_reduces if overlap else 0
         self.uses = {m: [units[i] for i in idx] for m, idx in unit_map.uses.items()}
         self.home = {m: units[i] for m, i in unit_map.home.items()}
-        self._users = [len(plan.users) for plan in unit_map.units]
+        # Per module, the units whose forward use its post-forward ends (see the docstring).
+        held = {i for idx in unit_map.held.values() for i in idx}
+        self.releases = {m: [units[i] for i in idx if i not in held]
+                         for m, idx in unit_map.uses.items()}
+        for m, idx in unit_map.held.items():
+            self.releases.setdefault(m, []).extend(units[i] for i in idx)
+        self._users = [len(plan.holders) or len(plan.users) for plan in unit_map.units]
         self._home_modules = [0] * len(units)
         for u in self.home.values():
             self._home_modules[u.index] += 1
@@ -205,7 +216,7 @@ class UnitSchedule:
         self._poll()
         if recompute:
             return  # the weights stay gathered for the backward that follows
-        for u in self.uses.get(module, []):
+        for u in self.releases.get(module, []):
             self._users_left[u.index] -= 1
             if self._users_left[u.index] == 0:
                 u.reshard()

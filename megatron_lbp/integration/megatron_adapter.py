@@ -36,6 +36,12 @@ def check_megatron_args(args: Any) -> None:
     if (getattr(args, "expert_model_parallel_size", 1) or 1) > 1 or getattr(args, "num_experts", None):
         raise ValueError("--hier-partition does not support expert-parallel (MoE) models yet "
                          "(--num-experts / --expert-model-parallel-size)")
+    if (getattr(args, "hier_layer_unit", "whole") == "split"
+            and getattr(args, "recompute_granularity", None) == "full"):
+        raise ValueError("--hier-layer-unit split with --recompute-granularity full: the "
+                         "recomputed layer needs both halves gathered at once, so splitting "
+                         "saves nothing in the backward; use selective or no recomputation, "
+                         "or --hier-layer-unit whole")
     for attr, flag in (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
                        ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
                        ("context_parallel_size", "--context-parallel-size")):
@@ -61,7 +67,7 @@ def extra_weight_users(model: torch.nn.Module) -> dict[torch.nn.Module, list[tor
     return users
 
 
-def gather_units(model: torch.nn.Module) -> list:
+def gather_units(model: torch.nn.Module, layer_unit: str = "whole") -> list:
     """The gather units of a megatron-core model: embedding, each transformer layer, output.
 
     A transformer layer is one unit because its forward brackets every use of
@@ -71,6 +77,9 @@ def gather_units(model: torch.nn.Module) -> list:
     layer (which, with tied embeddings, owns no weight and computes with the
     embedding unit's, declared by :func:`extra_weight_users`). Anything else
     that holds parameters is left to the engine's "other" units.
+
+    ``layer_unit="split"`` (--hier-layer-unit) declares each layer as two units
+    (:func:`split_layer_units`).
     """
     from megatron.core.models.common.embeddings.language_model_embedding import (
         LanguageModelEmbedding)
@@ -84,13 +93,54 @@ def gather_units(model: torch.nn.Module) -> list:
             specs.append(UnitSpec("embedding", (m,)))
         elif isinstance(m, BaseTransformerLayer):
             number = getattr(m, "layer_number", None)
-            specs.append(UnitSpec("layer", (m,), None if number is None else number - 1))
+            layer = None if number is None else number - 1
+            if layer_unit == "split":
+                specs += split_layer_units(m, layer)
+            else:
+                specs.append(UnitSpec("layer", (m,), layer))
         elif hasattr(m, "output_layer") and hasattr(m, "decoder"):
             norm = getattr(m.decoder, "final_layernorm", None)
             modules = tuple(x for x in (norm, m.output_layer) if x is not None)
             if modules:
                 specs.append(UnitSpec("output", modules))
     return specs
+
+
+# megatron-core 0.19.2 TransformerLayer, in forward order: _forward_attention runs these, then
+# self_attn_bda (adds linear_proj's bias); _forward_mlp runs pre_mlp_layernorm, mlp, mlp_bda
+# (adds linear_fc2's bias).
+ATTENTION_HALF = ("input_layernorm", "self_attention", "pre_cross_attn_layernorm", "cross_attention")
+MLP_HALF = ("pre_mlp_layernorm", "mlp")
+
+
+def split_layer_units(layer: torch.nn.Module, number: int | None) -> list:
+    """A transformer layer as two gather units (--hier-layer-unit split), in forward order.
+
+    attention: the input norm and self-attention (and cross-attention's modules, GPT's
+    are parameterless identities); the layer adds linear_proj's bias in self_attn_bda,
+    after self-attention returns, so the unit is held until the pre-MLP norm has run.
+    mlp: the pre-MLP norm and the MLP; the layer adds linear_fc2's bias in mlp_bda, so
+    the unit is held until the layer's forward ends. Refused unless these modules own
+    every parameter of the layer (another layer class would need its own halves).
+    """
+    from megatron_lbp.engine.grouping import UnitSpec
+
+    missing = [n for n in ATTENTION_HALF + MLP_HALF if not isinstance(getattr(layer, n, None),
+                                                                      torch.nn.Module)]
+    halves = [[getattr(layer, n) for n in names if getattr(layer, n, None) is not None]
+              for names in (ATTENTION_HALF, MLP_HALF)]
+    covered = {id(p) for half in halves for m in half for p in m.parameters()}
+    stray = [n for n, p in layer.named_parameters() if id(p) not in covered]
+    if missing or stray:
+        raise HierConfigError(
+            f"--hier-layer-unit split: {type(layer).__name__} "
+            + (f"has no {', '.join(missing)}" if missing else
+               f"holds parameters outside its attention and MLP halves ({', '.join(stray[:3])})")
+            + "; use --hier-layer-unit whole")
+    attention, mlp = (tuple(m for m in half if any(True for _ in m.parameters()))
+                      for half in halves)
+    return [UnitSpec("attention", attention, number, held_by=(layer.pre_mlp_layernorm,)),
+            UnitSpec("mlp", mlp, number, held_by=(layer,))]
 
 
 def check_lookup_only_embeddings(units: list) -> None:
@@ -160,7 +210,7 @@ def wrap_model(config: Any, model: torch.nn.Module, hier, options: EngineOptions
                 raise materialize.ShardedInitError(
                     f"parameter {name} holds no values and no sharded construction is recorded "
                     "for this model (was it built by megatron_adapter.build_sharded?)")
-    units = gather_units(model)
+    units = gather_units(model, options.layer_unit)
     if options.embedding_backward_gather == "skip":
         check_lookup_only_embeddings(units)
     ddp = HierDataParallel(config, model, hier, options, extra_weight_users=extra_weight_users(model),

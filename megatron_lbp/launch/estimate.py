@@ -54,8 +54,9 @@ from dataclasses import dataclass, replace
 from megatron_lbp.core import costs
 from megatron_lbp.launch import plan
 from megatron_lbp.core.config import (DEFAULT_BUCKET_SIZE, DEFAULT_EMBEDDING_BACKWARD_GATHER,
-                                      DEFAULT_MAX_PENDING_REDUCES, DEFAULT_PREFETCH_UNITS,
-                                      EMBEDDING_BACKWARD_GATHERS)
+                                      DEFAULT_LAYER_UNIT, DEFAULT_MAX_PENDING_REDUCES,
+                                      DEFAULT_PREFETCH_UNITS, EMBEDDING_BACKWARD_GATHERS,
+                                      LAYER_UNITS)
 from megatron_lbp.launch._cli import PROG, Parser, write_resolved
 
 GB = 1e9
@@ -136,7 +137,17 @@ def plan_argv(a, world_size: int, micro_batches: int = 1,
     embedding = getattr(a, "hier_embedding_backward_gather", DEFAULT_EMBEDDING_BACKWARD_GATHER)
     if embedding != DEFAULT_EMBEDDING_BACKWARD_GATHER:
         argv += ["--hier-embedding-backward-gather", embedding]
+    if split_layers(a):
+        # The plan refuses split layers with its default --recompute full; its --recompute
+        # prices only the knob table, which the estimate does not ask for, and
+        # :func:`choices` never runs split layers with full recomputation.
+        argv += ["--hier-layer-unit", "split", "--recompute", "selective"]
     return argv
+
+
+def split_layers(a) -> bool:
+    """HIER_LAYER_UNIT=split: each layer's attention and MLP are two gather units."""
+    return getattr(a, "hier_layer_unit", DEFAULT_LAYER_UNIT) == "split"
 
 
 # Megatron's architecture flags this estimate reads (the model its parameter count, state,
@@ -188,7 +199,8 @@ def units(a) -> list[tuple[str, int]]:
     """The model's gather units (costs.gpt_units): the one count of its parameters."""
     return costs.gpt_units(a.num_layers, a.hidden_size, a.vocab_size,
                            seq_length=_arch(a, "max_position_embeddings") or a.seq_length,
-                           ffn_hidden_size=a.ffn_hidden_size or None, **architecture(a))
+                           ffn_hidden_size=a.ffn_hidden_size or None,
+                           split_layers=split_layers(a), **architecture(a))
 
 
 def model_line(a, params: int) -> str:
@@ -391,6 +403,8 @@ def choices(a) -> tuple[list[Choice], dict]:
     # Per micro-batch count and knobs: the traffic (so the step time) and the transient
     # depend on them; the state does not.
     for rc in RECOMPUTE_ORDER:
+        if rc == "full" and split_layers(a):
+            continue   # the engine refuses it: the recomputed layer needs both halves at once
         for b in _micro_batch_sizes(a, world):
             k = a.global_batch_size // (b * world)
             if k < 1:
@@ -723,6 +737,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hier-embedding-backward-gather", choices=EMBEDDING_BACKWARD_GATHERS,
                     default=DEFAULT_EMBEDDING_BACKWARD_GATHER, help="the engine's setting (HIER_EMBEDDING_BACKWARD_GATHER): "
                     "skip frees a tied embedding after the output layer's backward")
+    ap.add_argument("--hier-layer-unit", choices=LAYER_UNITS, default=DEFAULT_LAYER_UNIT,
+                    help="the engine's setting (HIER_LAYER_UNIT): split makes each layer's "
+                    "attention and MLP two gather units; never with full recomputation")
     ap.add_argument("--bucket-size", type=int, default=DEFAULT_BUCKET_SIZE)
     ap.add_argument("--gcd-memory-gb", type=float, default=64.0)
     ap.add_argument("--reserve-gb", type=float, default=0.0)
@@ -774,6 +791,11 @@ def main(argv=None) -> int:
         return 2
     if a.peak_tflops is not None and not a.peak_tflops > 0:
         print(f"{PROG}: error: --peak-tflops={a.peak_tflops:g} must be > 0", file=sys.stderr)
+        return 2
+    if split_layers(a) and a.recompute == "full":
+        print(f"{PROG}: error: HIER_LAYER_UNIT=split with RECOMPUTE=full: the recomputed "
+              "layer needs both halves gathered at once, so the engine refuses it; use "
+              "RECOMPUTE=selective, none or auto", file=sys.stderr)
         return 2
     try:   # the architecture, before any plan is made (groups dividing the heads, ...)
         units(a)

@@ -201,8 +201,10 @@ def _pick_alias(args, short: str, long: str, default):
     return next(iter(values.values()), default)
 
 
-def _model_units(args, bucket: int | None) -> list[tuple[str, int]]:
-    """(kind, numel) of each gather unit: a GPT shape's units, or --params cut into buckets."""
+def _model_units(args, bucket: int | None, layer_unit: str | None = None) -> list[tuple[str, int]]:
+    """(kind, numel) of each gather unit: a GPT shape's units, or --params cut into buckets.
+    ``layer_unit``: --hier-layer-unit, None for the one given."""
+    layer_unit = layer_unit or args.hier_layer_unit
     shape_flags = ("--num-layers", "--hidden-size", "--vocab-size")
     extra_flags = ("--ffn-hidden-size", "--seq-length", "--max-position-embeddings")
     given = {f: getattr(args, f[2:].replace("-", "_")) for f in shape_flags + extra_flags}
@@ -211,6 +213,9 @@ def _model_units(args, bucket: int | None) -> list[tuple[str, int]]:
         if both:
             raise UsageError(f"--params={args.params} and {both[0]}={given[both[0]]} both "
                              "given: give --params or a model shape, not both")
+        if layer_unit == "split":
+            raise UsageError("--hier-layer-unit split needs a GPT shape (--num-layers, "
+                             "--hidden-size, --vocab-size): --params has no layers to split")
         return [("other", n) for n in costs.split_buckets(_number("--params", args.params),
                                                            bucket)]
     missing = [f for f in shape_flags if given[f] is None]
@@ -244,7 +249,8 @@ def _model_units(args, bucket: int | None) -> list[tuple[str, int]]:
                                num_attention_heads=heads, num_query_groups=groups,
                                normalization=args.normalization,
                                add_bias_linear=not args.disable_bias_linear,
-                               kv_channels=kv, add_qkv_bias=args.add_qkv_bias)
+                               kv_channels=kv, add_qkv_bias=args.add_qkv_bias,
+                               split_layers=layer_unit == "split")
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -287,6 +293,11 @@ def plan_from_args(args: argparse.Namespace, *, knob_table: bool = True) -> dict
     block = _pick_alias(args, "--quant-block-size", "--hier-quant-block-size",
                         costs.DEFAULT_QUANT_BLOCK)
     bucket = _int_or_none("--bucket-size", args.bucket_size)
+    if args.hier_layer_unit == "split" and args.recompute == "full":
+        raise UsageError("--hier-layer-unit split with --recompute full: the recomputed layer "
+                         "needs both halves gathered at once, so splitting saves nothing in "
+                         "the backward (the engine refuses it); plan --recompute selective or "
+                         "none")
     units = _model_units(args, bucket)
     numels = [n for _, n in units]
 
@@ -321,13 +332,16 @@ def plan_from_args(args: argparse.Namespace, *, knob_table: bool = True) -> dict
         depth = prefetch_units_from_args(args)
         pending = max_pending_reduces_from_args(args)
 
-        def transient_of(d: int, r: int, grad_dtype: str, emb: str = embedding) -> dict[str, int]:
+        def transient_of(d: int, r: int, grad_dtype: str, emb: str = embedding,
+                         layers: list[tuple[str, int]] = units) -> dict[str, int]:
             return costs.transient_bytes(
-                cfg, numels, param_dtype=args.params_dtype, grad_dtype=grad_dtype,
-                prefetch_units=d if args.hier_overlap else 0, overlap=args.hier_overlap,
-                tied_embedding=tied, quantized_grad_families=qgz, micro_batches=k,
-                max_pending_reduces=r,
-                embedding_backward_gather=emb if units[0][0] == "embedding" else "gather")
+                cfg, [n for _, n in layers], param_dtype=args.params_dtype,
+                grad_dtype=grad_dtype, prefetch_units=d if args.hier_overlap else 0,
+                overlap=args.hier_overlap, tied_embedding=tied, quantized_grad_families=qgz,
+                micro_batches=k, max_pending_reduces=r,
+                embedding_backward_gather=emb if units[0][0] == "embedding" else "gather",
+                unit_kinds=[kind for kind, _ in layers],
+                linear_biases=not args.disable_bias_linear)
 
         transient = transient_of(depth, pending, args.grad_dtype)
         knob_rows = _knob_rows(args, cfg, units, classes, k, transient_of, depth, pending) \
@@ -367,11 +381,14 @@ def plan_from_args(args: argparse.Namespace, *, knob_table: bool = True) -> dict
         "padded_params": result["padded_params"],
         "padding": result["padded_params"] - result["params"],
         "buckets": len(result["bucket_numels"]),
-        "units": {kind: sum(1 for k_, _ in units if k_ == kind) for kind in costs.UNIT_KINDS},
+        # A split layer's two kinds only when split: the counts keep their keys otherwise.
+        "units": {kind: sum(1 for k_, _ in units if k_ == kind) for kind in costs.UNIT_KINDS
+                  if kind not in costs.SPLIT_KINDS or args.hier_layer_unit == "split"},
         "largest_unit": max(numels),
         "prefetch_units": transient["prefetch_units"],
         "max_pending_reduces": transient["max_pending_reduces"],
         "embedding_backward_gather": args.hier_embedding_backward_gather,
+        "layer_unit": args.hier_layer_unit,
         "transient_bytes": {key: v for key, v in transient.items()
                             if key not in ("prefetch_units", "max_pending_reduces")},
         "transient_knobs": knob_rows,
@@ -406,35 +423,45 @@ def _knob_rows(args, cfg, units, classes, k: int, transient_of, depth: int,
     numels = [n for _, n in units]
     tied = units[0][0] == "embedding" and not args.untie_embeddings_and_output_weights
 
-    def exposed(d: int, r: int, grad_dtype: str, emb: str) -> float | None:
+    def exposed(d: int, r: int, grad_dtype: str, emb: str, layers) -> float | None:
         if not timed:
             return None
         # Every unit's backward gather, priced per unit (knobs.exposed_s leaves out the ones
         # the setting skips).
-        _, by_phase = costs.traffic_bytes(cfg, numels, classes, param_dtype=args.params_dtype,
-                                          grad_dtype=grad_dtype, micro_batches=k)
+        _, by_phase = costs.traffic_bytes(cfg, [n for _, n in layers], classes,
+                                          param_dtype=args.params_dtype, grad_dtype=grad_dtype,
+                                          micro_batches=k)
         p = {**base_plan, "traffic_by_phase": by_phase}
-        return knobs.exposed_s(p, units, model, knobs.Knobs(d, r, emb), compute=compute,
+        return knobs.exposed_s(p, layers, model, knobs.Knobs(d, r, emb), compute=compute,
                                tied=tied)["step"]
 
-    emb = args.hier_embedding_backward_gather
-    settings = [(depth, pending, args.grad_dtype, emb, "as given")]
-    settings += [(d, r, args.grad_dtype, emb, "") for d, r in knobs.TABLE_SETTINGS
+    emb, lu = args.hier_embedding_backward_gather, args.hier_layer_unit
+    settings = [(depth, pending, args.grad_dtype, emb, lu, "as given")]
+    settings += [(d, r, args.grad_dtype, emb, lu, "") for d, r in knobs.TABLE_SETTINGS
                  if (d, r) != (depth, pending)]
     other = "bf16" if args.grad_dtype == "fp32" else "fp32"
-    settings.append((depth, pending, other, emb, f"--hier-grad-reduce-dtype {other}: also "
+    settings.append((depth, pending, other, emb, lu, f"--hier-grad-reduce-dtype {other}: also "
                      "the gradient shard; a numerics choice, never made for you"))
     if units[0][0] == "embedding":
         flip = "skip" if emb == "gather" else "gather"
-        settings.append((depth, pending, args.grad_dtype, flip,
+        settings.append((depth, pending, args.grad_dtype, flip, lu,
                          f"--hier-embedding-backward-gather {flip}"))
+        # Splitting the largest units, where the engine can: not under full recomputation.
+        if args.recompute != "full" or lu == "split":
+            other_lu = "whole" if lu == "split" else "split"
+            settings.append((depth, pending, args.grad_dtype, emb, other_lu,
+                             f"--hier-layer-unit {other_lu}"))
+    layers_of = {lu: units}
     rows = []
-    for d, r, gdt, e, note in settings:
-        t = transient_of(d, r, gdt, e)
+    for d, r, gdt, e, layer_unit, note in settings:
+        if layer_unit not in layers_of:
+            layers_of[layer_unit] = _model_units(args, None, layer_unit)
+        layers = layers_of[layer_unit]
+        t = transient_of(d, r, gdt, e, layers)
         rows.append({"prefetch_units": d, "max_pending_reduces": r, "grad_reduce_dtype": gdt,
-                     "embedding_backward_gather": e,
+                     "embedding_backward_gather": e, "layer_unit": layer_unit,
                      "transient_peak": t["peak"], "transient_backward": t["backward"],
-                     "exposed_s": exposed(d, r, gdt, e), "note": note})
+                     "exposed_s": exposed(d, r, gdt, e, layers), "note": note})
     first = rows[0]
     for row in rows:
         row["saves_bytes"] = first["transient_peak"] - row["transient_peak"]
@@ -492,8 +519,11 @@ def _bytes(x) -> str:
 
 
 def _units_text(counts: dict[str, int]) -> str:
-    names = {"embedding": "embedding", "layer": "layer", "output": "output", "other": "bucket"}
-    return ", ".join(f"{n} {names[k]}{'s' if n > 1 and k in ('layer', 'other') else ''}"
+    names = {"embedding": "embedding", "layer": "layer", "attention": "attention half",
+             "mlp": "MLP half", "output": "output", "other": "bucket"}
+    plural = {"layer": "layers", "attention": "attention halves", "mlp": "MLP halves",
+              "other": "buckets"}
+    return ", ".join(f"{n} {plural[k] if n > 1 and k in plural else names[k]}"
                      for k, n in counts.items() if n)
 
 
@@ -570,13 +600,14 @@ def _knob_lines(plan: dict[str, Any]) -> list[str]:
     lines = ["", "transient knobs (peak GB; saves: against the first row; exposed: seconds of "
              "per-micro-batch communication not hidden per step, projection/knobs.py, "
              "Frontier links)",
-             f"  {'prefetch  pending  grads  embedding':<39}{'peak':>10} {'saves':>10} "
+             f"  {'prefetch  pending  grads  embedding  layers':<47}{'peak':>10} {'saves':>10} "
              f"{'exposed s':>10} {'costs s':>10}"]
     for r in rows:
         exp = "-" if r["exposed_s"] is None else f"{r['exposed_s']:.3f}"
         cost = "-" if r["cost_s"] is None else f"{r['cost_s']:+.3f}"
         lines.append(f"  {r['prefetch_units']:>8}  {r['max_pending_reduces']:>7}  "
                      f"{r['grad_reduce_dtype']:<5}  {r['embedding_backward_gather']:<9}  "
+                     f"{r['layer_unit']:<6}  "
                      f"{_gb(r['transient_peak'])} "
                      f"{_gb(r['saves_bytes'])} {exp:>10} {cost:>10}"
                      + (f"  {r['note']}" if r["note"] else ""))

@@ -98,7 +98,7 @@ def unit_compute_s(units: Sequence[tuple[str, int]], model: Mapping[str, int],
     for kind, n in units:
         if kind == "embedding":
             flops = 0.0
-        elif kind == "layer":
+        elif kind in ("layer", "attention"):   # a split layer's attention computes its scores
             flops = 6.0 * n + attention
         elif kind == "output" and tied:
             flops = 6.0 * (n + embedding)

@@ -117,6 +117,9 @@
 #                       gathered for its own backward (a lookup's backward reads no weights) and a
 #                       tied embedding is freed after the output layer's backward
 #                       (--hier-embedding-backward-gather); the estimate counts it either way
+#   HIER_LAYER_UNIT     whole (default) or split: split makes each layer's attention and MLP two
+#                       gather units, half a layer's weights and gradient in memory at a time
+#                       (--hier-layer-unit); not with RECOMPUTE=full (auto then never picks it)
 #   LBP_SETTINGS_OUT    a file: write the resolved settings there and stop (scripts/launch/lbp_study.sh)
 #   GCD_MEMORY_GB       device memory for the fit check (Frontier GCD: 64)
 #   LBP_MEMORY_RESERVE_GB  of it kept for HIP/RCCL buffers and fragmentation [4 on GPUs]
@@ -419,9 +422,9 @@ lbp_estimate() {
   # Schemes the engine does not run (DeepSpeed's, stock distopt) have no such knobs: the
   # estimate costs them with the engine's defaults.
   LBP_EST_PREFETCH=$HIER_PREFETCH_UNITS LBP_EST_PENDING=$HIER_MAX_PENDING_REDUCES
-  LBP_EST_EMBEDDING=$HIER_EMBEDDING_BACKWARD_GATHER
+  LBP_EST_EMBEDDING=$HIER_EMBEDDING_BACKWARD_GATHER LBP_EST_LAYER_UNIT=$HIER_LAYER_UNIT
   if lbp_is_ds || [ "$HIER_PRESET" = distopt ]; then
-    LBP_EST_PREFETCH=1 LBP_EST_PENDING=2 LBP_EST_EMBEDDING=gather
+    LBP_EST_PREFETCH=1 LBP_EST_PENDING=2 LBP_EST_EMBEDDING=gather LBP_EST_LAYER_UNIT=whole
   fi
   local args=(--nodes "$NNODES_RESOLVED" --tasks-per-node "$TASKS_PER_NODE"
               --gcds-per-package "$GCDS_PER_PACKAGE" --preset "$LBP_EST_PRESET"
@@ -434,6 +437,7 @@ lbp_estimate() {
               --hier-prefetch-units "$LBP_EST_PREFETCH"
               --hier-max-pending-reduces "$LBP_EST_PENDING"
               --hier-embedding-backward-gather "$LBP_EST_EMBEDDING"
+              --hier-layer-unit "$LBP_EST_LAYER_UNIT"
               --gcd-memory-gb "$GCD_MEMORY_GB" --reserve-gb "$LBP_MEMORY_RESERVE_GB"
               --train-iters "$TRAIN_ITERS" --save-interval "$SAVE_INTERVAL"
               --save-minutes "$LBP_SAVE_MINUTES" --milestone-every "$LBP_MILESTONE_EVERY"
@@ -550,6 +554,7 @@ lbp_build_train_args() {
       TRAIN_ARGS+=(--hier-max-pending-reduces "$HIER_MAX_PENDING_REDUCES")
     [ "$HIER_EMBEDDING_BACKWARD_GATHER" = skip ] &&
       TRAIN_ARGS+=(--hier-embedding-backward-gather skip)
+    [ "$HIER_LAYER_UNIT" = split ] && TRAIN_ARGS+=(--hier-layer-unit split)
   fi
   [ "$PRECISION" = bf16 ] && TRAIN_ARGS+=(--bf16)
   case "$RECOMPUTE" in
@@ -639,7 +644,7 @@ lbp_defaults() {
   esac
   : "${HIER_SECONDARY_DTYPE:=int8}" "${GCD_MEMORY_GB:=64}" "${HIER_GRAD_REDUCE_DTYPE:=fp32}"
   : "${HIER_PREFETCH_UNITS:=auto}" "${HIER_MAX_PENDING_REDUCES:=auto}"
-  : "${HIER_EMBEDDING_BACKWARD_GATHER:=gather}"
+  : "${HIER_EMBEDDING_BACKWARD_GATHER:=gather}" "${HIER_LAYER_UNIT:=whole}"
   : "${LBP_SAVE_MINUTES:=45}" "${LBP_WRITE_GBPS:=1}" "${LBP_SAVE_FIXED_S:=60}"
   : "${LBP_EXIT_SLACK_S:=120}" "${LBP_KEEP_LAST:=2}" "${LBP_MILESTONE_EVERY:=10000}"
   : "${LBP_PRUNE_EVERY_S:=600}" "${LBP_HEALTH_CHECK:=1}" "${LBP_HEALTH_MIN_FRACTION:=0.25}"
@@ -663,6 +668,12 @@ lbp_defaults() {
   case "$HIER_EMBEDDING_BACKWARD_GATHER" in gather|skip) ;; *)
     lbp_die 2 "HIER_EMBEDDING_BACKWARD_GATHER=$HIER_EMBEDDING_BACKWARD_GATHER: use gather or skip"
     return ;; esac
+  case "$HIER_LAYER_UNIT" in whole|split) ;; *)
+    lbp_die 2 "HIER_LAYER_UNIT=$HIER_LAYER_UNIT: use whole or split"; return ;; esac
+  if [ "$HIER_LAYER_UNIT" = split ] && [ "$RECOMPUTE" = full ]; then
+    lbp_die 2 "HIER_LAYER_UNIT=split with RECOMPUTE=full: the recomputed layer needs both halves gathered at once; use RECOMPUTE=selective, none or auto"
+    return
+  fi
   lbp_is_uint "$GPUS_PER_TASK" || { lbp_die 2 "GPUS_PER_TASK=$GPUS_PER_TASK: use 1 (GCD) or 0 (CPU)"; return; }
   if [ -z "${LBP_REQUIRE_GPU:-}" ]; then
     LBP_REQUIRE_GPU=none

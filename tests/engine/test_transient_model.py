@@ -10,7 +10,7 @@ completes those already done at its hooks, so a rank whose peers were quick hold
 less. The job's peak (the largest over its ranks) is what must fit in memory.
 
 The transient knobs (--hier-max-pending-reduces, --hier-prefetch-units,
---hier-grad-reduce-dtype, --hier-embedding-backward-gather) are held to the same bound at their non-default values, and a
+--hier-grad-reduce-dtype, --hier-embedding-backward-gather, --hier-layer-unit) are held to the same bound at their non-default values, and a
 knob must move the engine's measured peak the way the plan says (not a no-op flag).
 """
 import pytest
@@ -53,11 +53,12 @@ def _check(runs, floor, out=None):
     out = out or run_on_ranks(measure, WORLD, runs, rank_env=rank_location_env(4), timeout=900)
     ratios = {}
     for name, (_, k, tied, argv) in runs.items():
-        _, _, numels, config = out[0][name]
+        _, _, numels, config, kinds = out[0][name]
         plan = costs.transient_bytes(HierConfig(**config), numels, param_dtype="bf16",
-                                     tied_embedding=tied, micro_batches=k, **_knobs(argv))
+                                     tied_embedding=tied, micro_batches=k, unit_kinds=kinds,
+                                     **_knobs(argv))
         for rank, res in enumerate(out):
-            ledger, storages, _, _ = res[name]
+            ledger, storages, *_ = res[name]
             assert storages == ledger, (
                 f"{name} rank {rank}: the storages peaked at {storages} bytes, the ledger at "
                 f"{ledger}")
@@ -74,20 +75,33 @@ def _check(runs, floor, out=None):
 
 PENDING_1 = {"--hier-max-pending-reduces": 1}
 SKIP = {"--hier-embedding-backward-gather": "skip"}
+SPLIT = {"--hier-layer-unit": "split"}
 
 
 def test_plan_transient_is_the_engine_peak_never_below_it():
-    # One launch, three runs: tied with accumulation and the node-wide secondary copy, the
-    # same with one reduce-scatter in flight, untied without. The floor is loose here (the
-    # default suite runs on a shared machine); the slow matrix below holds the 10% the plan
-    # promises.
-    runs = _runs([(True, 4, 4), (True, 4, 4, PENDING_1), (False, 1, 2)])
+    # One launch, four runs: tied with accumulation and the node-wide secondary copy, the
+    # same with one reduce-scatter in flight, and with its layers split in two as well,
+    # untied without. The floor is loose here (the default suite runs on a shared
+    # machine); the slow matrix below holds the 10% the plan promises.
+    runs = _runs([(True, 4, 4), (True, 4, 4, PENDING_1), (False, 1, 2),
+                  (True, 4, 4, {**PENDING_1, **SPLIT})])
     out = run_on_ranks(measure, WORLD, runs, rank_env=rank_location_env(4), timeout=900)
     _check(runs, floor=0.75, out=out)
+    # Split layers hold half a layer's weights and gradient at a time: less, as planned.
+    names = list(runs)
+    whole, split = (max(res[names[i]][0] for res in out) for i in (1, 3))
+    _, _, numels, config, kinds = out[0][names[3]]
+    planned = [costs.transient_bytes(HierConfig(**config), n, param_dtype="bf16",
+                                     tied_embedding=True, micro_batches=4, max_pending_reduces=1,
+                                     unit_kinds=k)["peak"]
+               for n, k in ((out[0][names[1]][2], None), (numels, kinds))]
+    assert planned[1] < planned[0] and split < whole, (
+        f"tied, 1 in flight: split layers peaked at {split} bytes, whole at {whole}; the plan "
+        f"says {planned[1]} against {planned[0]}")
     # The knob is real: one reduce-scatter less in flight holds less, by what the plan says
     # (the job's peak: every rank's, the largest).
     default, fewer = (max(res[name][0] for res in out) for name in list(runs)[:2])
-    _, _, numels, config = out[0][list(runs)[0]]
+    _, _, numels, config, _ = out[0][list(runs)[0]]
     plans = [costs.transient_bytes(HierConfig(**config), numels, param_dtype="bf16",
                                    tied_embedding=True, micro_batches=4, max_pending_reduces=r)
              for r in (2, 1)]
@@ -120,9 +134,9 @@ def test_plan_transient_within_ten_percent_at_each_knobs_values():
     runs on this machine, at load 40-250).
     """
     tight = [PENDING_1, {"--hier-prefetch-units": 0, "--hier-max-pending-reduces": 1},
-             {**PENDING_1, **SKIP}]
+             {**PENDING_1, **SKIP}, {**PENDING_1, **SPLIT}]
     loose = [{"--hier-prefetch-units": 2}, {"--hier-grad-reduce-dtype": "bf16"},
-             {"--hier-max-pending-reduces": 3}, {"--hier-prefetch-units": 0}, SKIP]
+             {"--hier-max-pending-reduces": 3}, {"--hier-prefetch-units": 0}, SKIP, SPLIT]
     shapes = ((True, 4), (False, 1))
     runs = _runs([(t, k, 4, kn) for kn in tight + loose for t, k in shapes])
     out = run_on_ranks(measure, WORLD, runs, rank_env=rank_location_env(4), timeout=1500)
@@ -133,7 +147,7 @@ def test_plan_transient_within_ten_percent_at_each_knobs_values():
     # The embedding's knob moves the tied job's peak as the plan says: its gathered weights
     # are freed after the output layer's backward (one reduce-scatter in flight: no timing).
     pending, skipped = (max(res[names[i * len(shapes)]][0] for res in out) for i in (0, 2))
-    _, _, numels, config = out[0][names[0]]
+    _, _, numels, config, _ = out[0][names[0]]
     planned = [costs.transient_bytes(HierConfig(**config), numels, param_dtype="bf16",
                                      tied_embedding=True, micro_batches=4, max_pending_reduces=1,
                                      embedding_backward_gather=e)["peak"]

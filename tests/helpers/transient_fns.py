@@ -83,7 +83,8 @@ def live_transient_bytes(model, extra=()) -> int:
 
 
 def measure(runs: dict) -> dict:
-    """{name: (ledger peak, storage peak, unit numels, config)} of the last of two steps."""
+    """{name: (ledger peak, storage peak, unit numels, config, unit kinds)} of the last of two
+    steps."""
     out = {}
     for name, (spec, k, tied, argv) in runs.items():
         trainer = setup_hier(spec, TrainSpec(steps=2, micro_batch_size=1, micro_batches=k),
@@ -97,17 +98,24 @@ def measure(runs: dict) -> dict:
             peak[0] = max(peak[0], live_transient_bytes(model))
         model.transient.alloc = alloc
         for u in model.units:
-            start = u.start_reduce
+            start, unshard = u.start_reduce, u.unshard
 
             def start_reduce(*a, start=start, model=model, **kw):
                 r = start(*a, **kw)
                 peak[0] = max(peak[0], live_transient_bytes(model, (r,)))
                 return r
-            u.start_reduce = start_reduce
+
+            # Also once a gather is issued: its receive buffer is allocated before the unit
+            # holds the pending gather that reaches it.
+            def unshard_(*a, unshard=unshard, model=model, **kw):
+                unshard(*a, **kw)
+                peak[0] = max(peak[0], live_transient_bytes(model))
+            u.start_reduce, u.unshard = start_reduce, unshard_
         trainer.run([0])
         peak[0] = 0
         result = trainer.run([1])
         ledger = result.step_reports[-1]["memory_bytes"]["peak_transient"]
-        out[name] = (ledger, peak[0], model.bucket_numels(), trainer.hier.config.as_dict())
+        out[name] = (ledger, peak[0], model.bucket_numels(), trainer.hier.config.as_dict(),
+                     [u.kind for u in model.units])
         del trainer, model
     return out

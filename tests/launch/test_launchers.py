@@ -848,3 +848,33 @@ def test_embedding_backward_gather_reaches_the_estimate_and_the_command(site):
         transient[setting] = float(m.group(1))
     # 44 layers, hidden 6144, vocab 50304: the tied V*h bf16 weights, 0.62 GB
     assert transient["gather"] - transient["skip"] == pytest.approx(0.62, abs=0.011), transient
+
+
+def test_layer_unit_split_reaches_the_estimate_and_the_command_and_full_recompute_is_refused(site):
+    """HIER_LAYER_UNIT=split: the flag reaches the training command and the estimate's
+    transient is the plan's for split layers (half a layer's weights and gradient at a time);
+    with RECOMPUTE=full the launcher refuses it in one line, before any estimate."""
+    fixed = dict(NNODES=48, HIER_PRESET="lbp", RECOMPUTE="selective", MICRO_BATCH_SIZE=1,
+                 GCD_MEMORY_GB=80)
+    transient = {}
+    for setting in ("whole", "split"):
+        r = run(SCRIPTS["20b"], site, "--dry-run", HIER_LAYER_UNIT=setting, **fixed)
+        assert r.returncode == 0, r.stderr
+        cmd = training_line(r.stdout)
+        assert ("--hier-layer-unit" in cmd) == (setting == "split"), cmd
+        m = re.search(r"\((\d+) per step\).*transient ([\d.]+) GB, activations .* fits  "
+                      r"<- chosen", r.stdout)
+        assert m, r.stdout[-3000:]
+        k, transient[setting] = m.group(1), float(m.group(2))
+    from megatron_lbp.launch import plan
+
+    shape = ["--world-size", "384", "--num-layers", "44", "--hidden-size", "6144",
+             "--vocab-size", "50304", "--seq-length", "2048", "--hier-secondary-group-size", "8",
+             "--recompute", "selective", "--micro-batches", k]
+    planned = {u: plan.make_plan(shape + ["--hier-layer-unit", u], knob_table=False)
+               ["transient_bytes"]["peak"] / 1e9 for u in ("whole", "split")}
+    assert transient["whole"] - transient["split"] == pytest.approx(
+        planned["whole"] - planned["split"], abs=0.011), (transient, planned)
+    r = run(SCRIPTS["20b"], site, "--dry-run", HIER_LAYER_UNIT="split",
+            **{**fixed, "RECOMPUTE": "full"})
+    assert r.returncode == 2 and "HIER_LAYER_UNIT=split with RECOMPUTE=full" in r.stderr, r.stderr

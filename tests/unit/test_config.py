@@ -350,7 +350,7 @@ def test_megatron_parser_accepts_our_flags():
     megatron_dests = {a.dest for a in megatron._actions}
     p = add_hier_arguments(megatron)  # argparse raises on a clashing option string
     ours = {a.dest for a in p._actions if a.dest.startswith("hier_")}
-    assert len(ours) == 24 and not ours & megatron_dests, ours & megatron_dests
+    assert len(ours) == 25 and not ours & megatron_dests, ours & megatron_dests
     clash = ours & {f.name for f in dataclasses.fields(ddp_config)}
     assert not clash, f"get_megatron_ddp_config would copy {clash}"
     args = p.parse_args(["--hier-partition", "--hier-preset", "hsdp",
