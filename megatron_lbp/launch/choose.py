@@ -4,8 +4,9 @@ For the user's model, node count and global batch, every candidate — scheme (l
 node's int8 secondary copy, with the package's, with none; zeropp; zero3; zero2; and the
 user's own preset when it is none of these) x recomputation (none, selective, full) x
 micro-batch size with the micro-batches per step that keep the global batch, each with the
-first transient knob setting that fits (``estimate.knob_settings``: the engine's defaults,
-then fewer reduce-scatters in flight, then no prefetch) — gets:
+first transient knob setting that fits (``estimate.knob_trials``: the engine's defaults,
+then fewer reduce-scatters in flight, then the same with split layers where the
+recomputation is not full, then no prefetch) — gets:
 
 - its memory per GCD from the one memory model (``estimate.choices``: plan state + plan
   transient + activations + margin, and the construction peak); rows that do not fit are

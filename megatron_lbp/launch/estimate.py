@@ -23,7 +23,10 @@ default): each (recomputation, micro-batch) takes the first setting of
 ``projection.knobs.CHOICE_SETTINGS`` that fits — the engine's default (prefetch 1, 2
 reduce-scatters in flight), then 1 in flight, then no prefetch as well — and its step time
 gains what that setting adds in exposed communication (``projection.knobs.cost_s``). A
-number keeps that setting.
+number keeps that setting. ``--hier-layer-unit`` (``auto`` by default) adds, where the
+recomputation is not full and the engine runs the scheme, each of those with a layer's
+attention and MLP as two gather units (``split``), tried after whole layers and before
+the settings without prefetch (:func:`knob_trials`).
 
 Step time: the Frontier cost model (``megatron_lbp.projection.project.step_time``, MI250X
 bf16 peak at an assumed MFU, the link bandwidths it assumes, the engine's overlap) for
@@ -56,7 +59,7 @@ from megatron_lbp.launch import plan
 from megatron_lbp.core.config import (DEFAULT_BUCKET_SIZE, DEFAULT_EMBEDDING_BACKWARD_GATHER,
                                       DEFAULT_LAYER_UNIT, DEFAULT_MAX_PENDING_REDUCES,
                                       DEFAULT_PREFETCH_UNITS, EMBEDDING_BACKWARD_GATHERS,
-                                      LAYER_UNITS)
+                                      LAYER_UNITS, PRESETS)
 from megatron_lbp.launch._cli import PROG, Parser, write_resolved
 
 GB = 1e9
@@ -94,6 +97,7 @@ class Choice:
     prefetch_units: int = DEFAULT_PREFETCH_UNITS              # the transient knobs it runs with
     max_pending_reduces: int = DEFAULT_MAX_PENDING_REDUCES
     knob_cost_s: float = 0.0      # exposed seconds per step the knobs add (in step_s)
+    layer_unit: str = DEFAULT_LAYER_UNIT   # --hier-layer-unit it runs with
 
     @property
     def knobs(self) -> tuple[int, int]:
@@ -101,10 +105,11 @@ class Choice:
 
     def knob_text(self) -> str:
         """The knobs as launcher settings, empty for the engine's defaults."""
-        if self.knobs == (DEFAULT_PREFETCH_UNITS, DEFAULT_MAX_PENDING_REDUCES):
-            return ""
-        return (f" HIER_PREFETCH_UNITS={self.prefetch_units} "
+        text = ("" if self.knobs == (DEFAULT_PREFETCH_UNITS, DEFAULT_MAX_PENDING_REDUCES) else
+                f" HIER_PREFETCH_UNITS={self.prefetch_units} "
                 f"HIER_MAX_PENDING_REDUCES={self.max_pending_reduces}")
+        return text + (f" HIER_LAYER_UNIT={self.layer_unit}"
+                       if self.layer_unit != DEFAULT_LAYER_UNIT else "")
 
 
 def gb(x: float) -> str:
@@ -112,10 +117,11 @@ def gb(x: float) -> str:
 
 
 def plan_argv(a, world_size: int, micro_batches: int = 1,
-              knobs: tuple[int, int] = (DEFAULT_PREFETCH_UNITS, DEFAULT_MAX_PENDING_REDUCES)
-              ) -> list[str]:
+              knobs: tuple[int, int] = (DEFAULT_PREFETCH_UNITS, DEFAULT_MAX_PENDING_REDUCES),
+              layer_unit: str | None = None) -> list[str]:
     """The plan's argv for this job; ``knobs`` (prefetch units, reduce-scatters in flight)
-    appear only when they are not the engine's defaults."""
+    appear only when they are not the engine's defaults, ``layer_unit`` (None: the one
+    given, whole for auto) only when split."""
     argv = ["--world-size", str(world_size), "--gpus-per-node", str(a.tasks_per_node),
             "--gcds-per-package", str(a.gcds_per_package), "--preset", a.preset,
             "--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size),
@@ -137,7 +143,7 @@ def plan_argv(a, world_size: int, micro_batches: int = 1,
     embedding = getattr(a, "hier_embedding_backward_gather", DEFAULT_EMBEDDING_BACKWARD_GATHER)
     if embedding != DEFAULT_EMBEDDING_BACKWARD_GATHER:
         argv += ["--hier-embedding-backward-gather", embedding]
-    if split_layers(a):
+    if (layer_unit or given_layer_unit(a)) == "split":
         # The plan refuses split layers with its default --recompute full; its --recompute
         # prices only the knob table, which the estimate does not ask for, and
         # :func:`choices` never runs split layers with full recomputation.
@@ -145,9 +151,22 @@ def plan_argv(a, world_size: int, micro_batches: int = 1,
     return argv
 
 
-def split_layers(a) -> bool:
-    """HIER_LAYER_UNIT=split: each layer's attention and MLP are two gather units."""
-    return getattr(a, "hier_layer_unit", DEFAULT_LAYER_UNIT) == "split"
+def given_layer_unit(a) -> str:
+    """HIER_LAYER_UNIT as given, whole for auto (a namespace built in code may leave it out)."""
+    unit = getattr(a, "hier_layer_unit", DEFAULT_LAYER_UNIT)
+    return DEFAULT_LAYER_UNIT if unit == "auto" else unit
+
+
+def layer_units(a, recompute: str) -> list[str]:
+    """The layer units a candidate may run with: the one given, else (auto) whole, then split
+    where the engine runs the scheme and the recomputation is not full (the recomputed layer
+    needs both halves at once)."""
+    given = getattr(a, "hier_layer_unit", DEFAULT_LAYER_UNIT)
+    if given != "auto":
+        return [given]
+    if recompute == "full" or a.preset not in PRESETS:   # PRESETS: the engine's schemes
+        return [DEFAULT_LAYER_UNIT]
+    return list(LAYER_UNITS)
 
 
 # Megatron's architecture flags this estimate reads (the model its parameter count, state,
@@ -195,12 +214,14 @@ def architecture_argv(a) -> list[str]:
     return argv
 
 
-def units(a) -> list[tuple[str, int]]:
-    """The model's gather units (costs.gpt_units): the one count of its parameters."""
+def units(a, layer_unit: str | None = None) -> list[tuple[str, int]]:
+    """The model's gather units (costs.gpt_units): the one count of its parameters.
+    ``layer_unit``: None for the one given (whole for auto)."""
     return costs.gpt_units(a.num_layers, a.hidden_size, a.vocab_size,
                            seq_length=_arch(a, "max_position_embeddings") or a.seq_length,
                            ffn_hidden_size=a.ffn_hidden_size or None,
-                           split_layers=split_layers(a), **architecture(a))
+                           split_layers=(layer_unit or given_layer_unit(a)) == "split",
+                           **architecture(a))
 
 
 def model_line(a, params: int) -> str:
@@ -368,18 +389,34 @@ def knob_settings(a) -> list[tuple[int, int]]:
 
 
 def knob_cost_s(a, p: dict, recompute: str, micro_batch_size: int,
-                setting: tuple[int, int]) -> float:
-    """Exposed seconds per step ``setting`` adds to the engine's defaults (projection/knobs.py;
-    0 with --step-seconds, a measured figure the knobs' model cannot amend)."""
+                setting: tuple[int, int], layer_unit: str = DEFAULT_LAYER_UNIT) -> float:
+    """Exposed seconds per step ``setting`` and ``layer_unit`` add to the engine's defaults
+    (projection/knobs.py; 0 with --step-seconds, a measured figure the knobs' model cannot
+    amend). Negative where smaller units pipeline closer than whole layers."""
     from megatron_lbp.projection import knobs, project
 
-    if a.step_seconds or setting == knobs.DEFAULT:
+    if a.step_seconds or (setting == knobs.DEFAULT and layer_unit == DEFAULT_LAYER_UNIT):
         return 0.0
     compute = project.ComputeModel(mfu=a.mfu, seq_length=a.seq_length,
                                    micro_batch_size=micro_batch_size,
                                    recompute=recompute == "full")
-    return knobs.cost_s(p, units(a), _model(a), knobs.Knobs(*setting), links=link_model(a),
-                        compute=compute, tied=not a.untie_embeddings_and_output_weights)
+    kw = dict(links=link_model(a), compute=compute, tied=not a.untie_embeddings_and_output_weights)
+    if layer_unit == DEFAULT_LAYER_UNIT:
+        return knobs.cost_s(p, units(a, layer_unit), _model(a), knobs.Knobs(*setting), **kw)
+    # Against whole layers at the defaults: the per-phase bytes are the same (but padding).
+    return (knobs.exposed_s(p, units(a, layer_unit), _model(a), knobs.Knobs(*setting), **kw)
+            ["step"] - knobs.exposed_s(p, units(a, DEFAULT_LAYER_UNIT), _model(a),
+                                       knobs.Knobs(*knobs.DEFAULT), **kw)["step"])
+
+
+def knob_trials(a, recompute: str) -> list[tuple[int, int, str]]:
+    """(prefetch units, reduce-scatters in flight, layer unit) in the order a candidate tries
+    them: :func:`knob_settings` with each of :func:`layer_units`, whole layers first, and
+    the settings without prefetch (every gather exposed) last."""
+    settings, lus = knob_settings(a), layer_units(a, recompute)
+    ahead = [s for s in settings if s[0] > 0]
+    return [(d, r, lu) for group in (ahead, [s for s in settings if s[0] == 0])
+            for lu in lus for d, r in group]
 
 
 def _micro_batch_sizes(a, world: int) -> list[int]:
@@ -394,32 +431,34 @@ def choices(a) -> tuple[list[Choice], dict]:
     plan at micro-batch count 1."""
     world = a.nodes * a.tasks_per_node
     base = cached_plan(plan_argv(a, world, 1))
-    settings = knob_settings(a)
     limit = a.gcd_memory_gb * GB
     reserve = a.reserve_gb * GB
-    state = base["memory_bytes"]["total"]
-    construction = base["construction_peak_bytes"] + int(reserve)
     out = []
     # Per micro-batch count and knobs: the traffic (so the step time) and the transient
     # depend on them; the state does not.
     for rc in RECOMPUTE_ORDER:
-        if rc == "full" and split_layers(a):
+        if rc == "full" and given_layer_unit(a) == "split":
             continue   # the engine refuses it: the recomputed layer needs both halves at once
         for b in _micro_batch_sizes(a, world):
             k = a.global_batch_size // (b * world)
             if k < 1:
                 continue
             act = activation_bytes(a, rc, b)
-            for setting in settings:
-                p = cached_plan(plan_argv(a, world, k, setting))
+            trials = knob_trials(a, rc)
+            for d, r, lu in trials:
+                p = cached_plan(plan_argv(a, world, k, (d, r), lu))
+                # The state and the construction peak are the base plan's but for split
+                # layers' padding and their smaller largest unit.
+                state = p["memory_bytes"]["total"]
+                construction = p["construction_peak_bytes"] + int(reserve)
                 transient = p["transient_bytes"]["peak"]
                 total = state + transient + act + int(reserve)
                 fits = total <= limit and construction <= limit
-                if fits or setting == settings[-1]:
-                    cost = knob_cost_s(a, p, rc, b, setting)
+                if fits or (d, r, lu) == trials[-1]:
+                    cost = knob_cost_s(a, p, rc, b, (d, r), lu)
                     out.append(Choice(rc, b, k, state, act, total, fits,
                                       step_seconds(a, p, rc, b) + cost, transient, int(reserve),
-                                      construction, setting[0], setting[1], cost))
+                                      construction, d, r, cost, lu))
                     break
     return out, base
 
@@ -452,8 +491,8 @@ def smallest_fitting_nodes(a, choice: Choice, base: dict) -> int | None:
     # The transient shrinks with more ranks (the step's 1/O gradients) and fewer micro-batches:
     # its value at the largest job with one micro-batch is a floor.
     most = max(MOST_RANKS // a.tasks_per_node, a.nodes)
-    floor = cached_plan(plan_argv(a, most * a.tasks_per_node, 1, choice.knobs)
-                        )["transient_bytes"]["peak"]
+    floor = cached_plan(plan_argv(a, most * a.tasks_per_node, 1, choice.knobs,
+                                  choice.layer_unit))["transient_bytes"]["peak"]
     if fixed + floor > limit:
         return None
     n = a.nodes + 1
@@ -463,7 +502,7 @@ def smallest_fitting_nodes(a, choice: Choice, base: dict) -> int | None:
     for n in range(n, min(most, n + 64) + 1):
         world = n * a.tasks_per_node
         k = max(1, a.global_batch_size // (choice.micro_batch_size * world))
-        p = cached_plan(plan_argv(a, world, k, choice.knobs))
+        p = cached_plan(plan_argv(a, world, k, choice.knobs, choice.layer_unit))
         total = (p["memory_bytes"]["total"] + p["transient_bytes"]["peak"]
                  + choice.activation_bytes + choice.margin_bytes)
         if total <= limit and p["construction_peak_bytes"] + choice.margin_bytes <= limit:
@@ -580,7 +619,7 @@ def report(a) -> tuple[list[str], dict, str | None]:
         == (row.choice.recompute, row.choice.micro_batch_size))
     for c in options:
         mark = "  <- chosen" if c is chosen else ""
-        knob = (f" with{c.knob_text()} (+{c.knob_cost_s:.3g} s exposed)" if c.knob_text()
+        knob = (f" with{c.knob_text()} ({c.knob_cost_s:+.3g} s exposed)" if c.knob_text()
                 else "")
         lines.append(f"  RECOMPUTE={c.recompute:<9} MICRO_BATCH_SIZE={c.micro_batch_size:<2} "
                      f"({c.micro_batches} per step){knob}: transient {gb(c.transient_bytes)}, "
@@ -605,10 +644,11 @@ def report(a) -> tuple[list[str], dict, str | None]:
         f"memory per GCD (activations, {RC_TEXT[shown.recompute]}, micro-batch "
         f"{shown.micro_batch_size}, estimate): {gb(shown.activation_bytes)}",
         f"transient knobs: HIER_PREFETCH_UNITS={shown.prefetch_units} "
-        f"HIER_MAX_PENDING_REDUCES={shown.max_pending_reduces} ("
+        f"HIER_MAX_PENDING_REDUCES={shown.max_pending_reduces} "
+        f"HIER_LAYER_UNIT={shown.layer_unit} ("
         + ("the engine's defaults" if not shown.knob_text() else
            ("" if shown.fits else "none fits; the least transient tried, ")
-           + f"+{shown.knob_cost_s:.3g} s exposed per step against the defaults, "
+           + f"{shown.knob_cost_s:+.3g} s exposed per step against the defaults, "
            "projection/knobs.py") + ")",
         f"memory per GCD total: state {gb(shown.state_bytes)} + transient "
         f"{gb(shown.transient_bytes)} ({shown.micro_batches} micro-batch(es) per step) + "
@@ -665,6 +705,7 @@ def report(a) -> tuple[list[str], dict, str | None]:
     resolved = {"MICRO_BATCH_SIZE": chosen.micro_batch_size, "RECOMPUTE": chosen.recompute,
                 "HIER_PREFETCH_UNITS": chosen.prefetch_units,
                 "HIER_MAX_PENDING_REDUCES": chosen.max_pending_reduces,
+                "HIER_LAYER_UNIT": chosen.layer_unit,
                 "SAVE_INTERVAL": interval, "LBP_STEP_S": f"{step:.6g}",
                 "LBP_CKPT_BYTES": ckpt, "LBP_SAVE_S": f"{save_s:.6g}", "LBP_PARAMS": params}
     if asked.preset == "auto":
@@ -737,9 +778,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hier-embedding-backward-gather", choices=EMBEDDING_BACKWARD_GATHERS,
                     default=DEFAULT_EMBEDDING_BACKWARD_GATHER, help="the engine's setting (HIER_EMBEDDING_BACKWARD_GATHER): "
                     "skip frees a tied embedding after the output layer's backward")
-    ap.add_argument("--hier-layer-unit", choices=LAYER_UNITS, default=DEFAULT_LAYER_UNIT,
-                    help="the engine's setting (HIER_LAYER_UNIT): split makes each layer's "
-                    "attention and MLP two gather units; never with full recomputation")
+    ap.add_argument("--hier-layer-unit", type=_choice("HIER_LAYER_UNIT", ("auto",) + LAYER_UNITS),
+                    default="auto", help="auto (default): whole layers, else, where they do "
+                    "not fit and the recomputation is not full, each layer's attention and MLP "
+                    "as two gather units (split); or that setting (HIER_LAYER_UNIT)")
     ap.add_argument("--bucket-size", type=int, default=DEFAULT_BUCKET_SIZE)
     ap.add_argument("--gcd-memory-gb", type=float, default=64.0)
     ap.add_argument("--reserve-gb", type=float, default=0.0)
@@ -792,7 +834,7 @@ def main(argv=None) -> int:
     if a.peak_tflops is not None and not a.peak_tflops > 0:
         print(f"{PROG}: error: --peak-tflops={a.peak_tflops:g} must be > 0", file=sys.stderr)
         return 2
-    if split_layers(a) and a.recompute == "full":
+    if given_layer_unit(a) == "split" and a.recompute == "full":
         print(f"{PROG}: error: HIER_LAYER_UNIT=split with RECOMPUTE=full: the recomputed "
               "layer needs both halves gathered at once, so the engine refuses it; use "
               "RECOMPUTE=selective, none or auto", file=sys.stderr)

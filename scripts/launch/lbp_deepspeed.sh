@@ -49,9 +49,9 @@ lbp_ds_check() {
   [ "${HIER_EMBEDDING_BACKWARD_GATHER:-gather}" = gather ] || { lbp_die 2 \
     "HIER_EMBEDDING_BACKWARD_GATHER=$HIER_EMBEDDING_BACKWARD_GATHER does not apply to" \
     "HIER_PRESET=$HIER_PRESET (a setting of the engine's schedule): unset it"; return; }
-  [ "${HIER_LAYER_UNIT:-whole}" = whole ] || { lbp_die 2 \
+  case "${HIER_LAYER_UNIT:-auto}" in auto|whole) ;; *) lbp_die 2 \
     "HIER_LAYER_UNIT=$HIER_LAYER_UNIT does not apply to HIER_PRESET=$HIER_PRESET (the engine's" \
-    "gather units; DeepSpeed fetches by its own config): unset it"; return; }
+    "gather units; DeepSpeed fetches by its own config): unset it"; return ;; esac
   for knob in HIER_PREFETCH_UNITS HIER_MAX_PENDING_REDUCES; do
     [ "${!knob:-auto}" = auto ] || { lbp_die 2 "$knob=${!knob} does not apply to" \
       "HIER_PRESET=$HIER_PRESET (a transient knob of the engine's schedule; DeepSpeed prefetches" \

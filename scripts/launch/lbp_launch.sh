@@ -117,9 +117,11 @@
 #                       gathered for its own backward (a lookup's backward reads no weights) and a
 #                       tied embedding is freed after the output layer's backward
 #                       (--hier-embedding-backward-gather); the estimate counts it either way
-#   HIER_LAYER_UNIT     whole (default) or split: split makes each layer's attention and MLP two
+#   HIER_LAYER_UNIT     [auto], whole or split: split makes each layer's attention and MLP two
 #                       gather units, half a layer's weights and gradient in memory at a time
-#                       (--hier-layer-unit); not with RECOMPUTE=full (auto then never picks it)
+#                       (--hier-layer-unit), never with RECOMPUTE=full; auto: whole layers, and
+#                       split where whole ones do not fit (after one reduce-scatter in flight,
+#                       before no prefetch), with what it leaves exposed (projection/knobs.py)
 #   LBP_SETTINGS_OUT    a file: write the resolved settings there and stop (scripts/launch/lbp_study.sh)
 #   GCD_MEMORY_GB       device memory for the fit check (Frontier GCD: 64)
 #   LBP_MEMORY_RESERVE_GB  of it kept for HIP/RCCL buffers and fragmentation [4 on GPUs]
@@ -457,7 +459,7 @@ lbp_estimate() {
   [ "$status" = 0 ] || return "$status"
   lbp_read_resolved "$LBP_TMP/estimate" MICRO_BATCH_SIZE RECOMPUTE SAVE_INTERVAL LBP_STEP_S \
     LBP_CKPT_BYTES LBP_SAVE_S HIER_PRESET HIER_SECONDARY_GROUP_SIZE HIER_PREFETCH_UNITS \
-    HIER_MAX_PENDING_REDUCES
+    HIER_MAX_PENDING_REDUCES HIER_LAYER_UNIT
 }
 
 # Seconds before the end at which Slurm signals the job: sbatch's --signal=[R:|B:]SIG[@SECONDS]
@@ -644,7 +646,7 @@ lbp_defaults() {
   esac
   : "${HIER_SECONDARY_DTYPE:=int8}" "${GCD_MEMORY_GB:=64}" "${HIER_GRAD_REDUCE_DTYPE:=fp32}"
   : "${HIER_PREFETCH_UNITS:=auto}" "${HIER_MAX_PENDING_REDUCES:=auto}"
-  : "${HIER_EMBEDDING_BACKWARD_GATHER:=gather}" "${HIER_LAYER_UNIT:=whole}"
+  : "${HIER_EMBEDDING_BACKWARD_GATHER:=gather}" "${HIER_LAYER_UNIT:=auto}"
   : "${LBP_SAVE_MINUTES:=45}" "${LBP_WRITE_GBPS:=1}" "${LBP_SAVE_FIXED_S:=60}"
   : "${LBP_EXIT_SLACK_S:=120}" "${LBP_KEEP_LAST:=2}" "${LBP_MILESTONE_EVERY:=10000}"
   : "${LBP_PRUNE_EVERY_S:=600}" "${LBP_HEALTH_CHECK:=1}" "${LBP_HEALTH_MIN_FRACTION:=0.25}"
@@ -668,8 +670,8 @@ lbp_defaults() {
   case "$HIER_EMBEDDING_BACKWARD_GATHER" in gather|skip) ;; *)
     lbp_die 2 "HIER_EMBEDDING_BACKWARD_GATHER=$HIER_EMBEDDING_BACKWARD_GATHER: use gather or skip"
     return ;; esac
-  case "$HIER_LAYER_UNIT" in whole|split) ;; *)
-    lbp_die 2 "HIER_LAYER_UNIT=$HIER_LAYER_UNIT: use whole or split"; return ;; esac
+  case "$HIER_LAYER_UNIT" in auto|whole|split) ;; *)
+    lbp_die 2 "HIER_LAYER_UNIT=$HIER_LAYER_UNIT: use auto, whole or split"; return ;; esac
   if [ "$HIER_LAYER_UNIT" = split ] && [ "$RECOMPUTE" = full ]; then
     lbp_die 2 "HIER_LAYER_UNIT=split with RECOMPUTE=full: the recomputed layer needs both halves gathered at once; use RECOMPUTE=selective, none or auto"
     return

@@ -69,6 +69,19 @@ def test_fused_wgrad_under_full_recomputation_and_bf16_gradient_buffers():
 
 
 @pytest.mark.slow
+def test_fused_wgrad_with_split_layers_keeps_the_bias_gradient_that_came_first():
+    """--hier-layer-unit split: a half's bias gradient (unfused, from the layer's
+    bias-dropout-add) reaches its bucket before the half's backward zeroes the windows the
+    fused kernel will accumulate into; only the unwritten ones may be zeroed."""
+    train = TrainSpec(steps=3, micro_batches=2, bucket_size=20000)
+    argv = LBP + ["--hier-layer-unit", "split"]
+    fused, unfused = run_on_ranks(train_fused_and_unfused, WORLD, TinyGPTSpec(), train, argv,
+                                  rank_env=TOPOLOGY)[0]
+    assert fused.extra["wgrad_calls"]["wgrad_gemm_accum_fp32"] == 3 * 2 * (2 * 4 + 1)
+    _compare(fused, unfused, "lbp P2 G4 O8, split layers")
+
+
+@pytest.mark.slow
 def test_the_training_entry_keeps_fusion_on_where_the_kernel_imports(tmp_path):
     """python -m megatron_lbp.pretrain_gpt with Apex's extension importable (the stand-in as a
     module file): capability detection keeps Megatron's default fusion, the engine serves it,

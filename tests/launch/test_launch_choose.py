@@ -21,7 +21,8 @@ MODELS = {"20b": {}, "10b": dict(num_layers=32, hidden_size=5120, num_attention_
 
 
 def _auto(**over):
-    return _shape(**{"preset": "auto", "recompute": "auto", "choose": True, **over})
+    return _shape(**{"preset": "auto", "recompute": "auto", "choose": True,
+                     "hier_layer_unit": "auto", **over})
 
 
 def _independent_plan(a, row):
@@ -31,6 +32,8 @@ def _independent_plan(a, row):
             "--micro-batches", str(row.choice.micro_batches),
             "--hier-prefetch-units", str(row.choice.prefetch_units),
             "--hier-max-pending-reduces", str(row.choice.max_pending_reduces)]
+    if row.choice.layer_unit == "split":
+        argv += ["--hier-layer-unit", "split", "--recompute", row.choice.recompute]
     return plan.make_plan(argv)
 
 
@@ -90,8 +93,16 @@ def test_the_ranking_is_the_projections_step_times_in_order():
             want = pr.replay_one(records, p, model, pj.LinkModel(), compute)["step_s"]
         else:
             want = pj.step_time(p, model, compute=compute)["step_s"]
-        # a row run with other transient knobs than the engine's defaults adds their exposed time
-        want += knobs.cost_s(p, estimate.units(a), model, knobs.Knobs(*c.knobs), compute=compute)
+        # a row run with other transient knobs than the engine's defaults adds their exposed
+        # time; split layers against whole ones at the defaults
+        if c.layer_unit == "split":
+            want += (knobs.exposed_s(p, estimate.units(a, "split"), model, knobs.Knobs(*c.knobs),
+                                     compute=compute)["step"]
+                     - knobs.exposed_s(p, estimate.units(a, "whole"), model, knobs.Knobs(),
+                                       compute=compute)["step"])
+        else:
+            want += knobs.cost_s(p, estimate.units(a), model, knobs.Knobs(*c.knobs),
+                                 compute=compute)
         assert c.step_s == pytest.approx(want, rel=1e-12), (r, want)
     assert any(k[0] == "replay" for k in checked) and any(k[0] == "idealised" for k in checked)
 
@@ -133,8 +144,9 @@ def test_the_idealised_step_agrees_with_the_replayed_schedule(model):
 def test_a_projected_tie_goes_to_the_row_with_more_memory_left():
     """10B on 16 nodes: lbp with the package's int8 copy and without one project the same
     step (the backward's package gathers hide either way); the choice takes the one without,
-    5.6 GB smaller. With --step-seconds every row ties and the old rule (listed order) holds."""
-    a = _auto(nodes=16, **MODELS["10b"])
+    5.6 GB smaller (whole layers: split ones let no recomputation fit, a faster row without
+    a tie). With --step-seconds every row ties and the old rule (listed order) holds."""
+    a = _auto(nodes=16, hier_layer_unit="whole", **MODELS["10b"])
     row, rows = choose.choose(a)
     tied = [r for r in rows if r.choice.fits and r.choice.step_s == row.choice.step_s]
     assert {r.scheme for r in tied} >= {"lbp S=0", "lbp S=package"}, tied
@@ -155,7 +167,10 @@ def test_the_ranking_replays_the_committed_traces_without_torch():
     code = ("import sys; from megatron_lbp.launch import plan; "
             "rc = plan.main(['--choose', '--world-size', '384', '--num-layers', '44', "
             "'--hidden-size', '6144', '--num-attention-heads', '64', '--seq-length', '2048', "
-            "'--vocab-size', '50304', '--global-batch-size', '1536', '--reserve-gb', '4']); "
+            "'--vocab-size', '50304', '--global-batch-size', '1536', '--reserve-gb', '4', "
+            # whole layers: split ones (never with full recomputation, the traces' mode)
+            # would push the replayed rows below the five printed
+            "'--hier-layer-unit', 'whole']); "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')]; "
             "assert rc == 0 and not bad, (rc, bad)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -197,3 +212,28 @@ def test_measured_links_change_the_projection(tmp_path):
                           "--hidden-size", "64", "--num-attention-heads", "4",
                           "--seq-length", "32", "--vocab-size", "512",
                           "--global-batch-size", "8", "--links", str(path)]) == 2
+
+
+def test_split_layers_make_lbp_fit_without_full_recomputation_at_20b_on_16_nodes():
+    """Whole layers: lbp (weights sharded over a package) fits 20B on 16 nodes only with full
+    recomputation, and zeropp with selective is faster. Split layers hold half a layer's
+    weights and gradient at a time: lbp fits with selective recomputation and is chosen, its
+    step carrying what the split leaves exposed (projection/knobs.py), its launch line
+    saying HIER_LAYER_UNIT=split."""
+    whole, _ = choose.choose(_auto(nodes=16, hier_layer_unit="whole"))
+    row, rows = choose.choose(_auto(nodes=16))
+    assert whole.preset == "zeropp", whole
+    c = row.choice
+    assert (row.preset, c.recompute, c.layer_unit) == ("lbp", "selective", "split"), row
+    assert c.step_s < whole.choice.step_s, (row, whole)
+    assert "HIER_LAYER_UNIT=split" in c.knob_text()
+    # the same row with whole layers does not fit: the split is what makes it fit
+    same = estimate.cached_plan(estimate.plan_argv(
+        _auto(nodes=16, preset="lbp", hier_secondary_group_size=row.secondary), 128,
+        c.micro_batches, c.knobs))
+    assert (c.state_bytes + same["transient_bytes"]["peak"] + c.activation_bytes
+            + c.margin_bytes) > 64e9, same["transient_bytes"]
+    lines, resolved, _ = estimate.report(_auto(nodes=16))
+    assert resolved["HIER_LAYER_UNIT"] == "split" and resolved["RECOMPUTE"] == "selective"
+    # never with full recomputation
+    assert all(r.choice.layer_unit == "whole" for r in rows if r.choice.recompute == "full")

@@ -278,9 +278,15 @@ def test_selective_recompute_where_the_estimate_allows_it(site):
     cmd = training_line(r.stdout)
     assert flag(cmd, "--recompute-granularity") == "selective" and "--recompute-method" not in cmd
     assert flag(cmd, "--micro-batch-size") == "2"
-    # 20B: selective keeps 34sbh per layer, ~68 GB with the engine's buffers even on 48 nodes
-    r = run(SCRIPTS["20b"], site, "--dry-run", NNODES=48, RECOMPUTE="selective", HIER_PRESET="lbp")
+    # 20B: selective keeps 34sbh per layer, ~68 GB with whole layers' buffers even on 48 nodes;
+    # split layers (HIER_LAYER_UNIT=auto's second try) hold half a layer each, and it fits.
+    r = run(SCRIPTS["20b"], site, "--dry-run", NNODES=48, RECOMPUTE="selective", HIER_PRESET="lbp",
+            HIER_LAYER_UNIT="whole")
     assert r.returncode == 3 and "RECOMPUTE=selective" in r.stderr and "or set RECOMPUTE=full" in r.stderr
+    r = run(SCRIPTS["20b"], site, "--dry-run", NNODES=48, RECOMPUTE="selective", HIER_PRESET="lbp")
+    assert r.returncode == 0, r.stderr
+    cmd = training_line(r.stdout)
+    assert flag(cmd, "--hier-layer-unit") == "split" and flag(cmd, "--micro-batch-size") == "1", cmd
     r = run(SCRIPTS["10b"], site, "--dry-run", NNODES=16, RECOMPUTE="auto", HIER_PRESET="lbp")
     assert r.returncode == 0 and "choice: RECOMPUTE=selective MICRO_BATCH_SIZE=2 (the fastest" \
         in r.stdout, r.stderr + r.stdout
