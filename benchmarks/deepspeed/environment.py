@@ -7,9 +7,15 @@
   hierarchical (intra-node, then inter-node) path only when world size /
   device_count() > 1, so it must be the ranks per (emulated) node.
 - ``TORCH_EXTENSIONS_DIR``: DeepSpeed JIT-builds an op the first time a process
-  needs it (on CPU its shared-memory communication op, ~25 s on a 2-core machine).
-  The default puts the builds under the virtual environment, so one build serves
-  every later test and benchmark run of that environment.
+  needs it. The default puts the builds under the virtual environment, so one build
+  serves every later test and benchmark run of that environment.
+
+After the import, :func:`skip_shm_comm_op`: on its CPU accelerator DeepSpeed's torch
+backend builds and loads its shared-memory communication op at start-up, for
+``inference_all_reduce`` only (tensor-parallel inference); ZeRO's gathers,
+reduce-scatters and all-reduces go through torch.distributed whatever it holds. Its JIT
+build was 25-45 s of every fresh environment's first DeepSpeed run on a 2-core machine,
+for nothing a training run calls.
 """
 from __future__ import annotations
 
@@ -49,3 +55,19 @@ def prepare(ranks_per_node: int | None = None) -> None:
         elif os.environ.get("LOCAL_WORLD_SIZE"):
             os.environ.setdefault("LOCAL_SIZE", os.environ["LOCAL_WORLD_SIZE"])
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
+
+
+def skip_shm_comm_op(deepspeed) -> None:
+    """On DeepSpeed's CPU accelerator, mark its shared-memory comm op unbuildable so that
+    the torch backend's start-up skips its JIT build (``deepspeed.comm.torch.build_shm_op``
+    returns None for an op its table calls incompatible; ``inference_all_reduce`` then takes
+    torch.distributed's all_reduce). Call after ``import deepspeed``, before
+    ``deepspeed.initialize`` or ``deepspeed.init_distributed``. GPU accelerators have no
+    such op and are left alone."""
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator()._name != "cpu":
+        return
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False

@@ -26,9 +26,12 @@ from megatron_lbp.testing.tiny_gpt import TinyGPTSpec, TrainResult, TrainSpec, m
 
 
 def import_deepspeed(ranks_per_node: int | None = None):
-    """``deepspeed``, imported after its environment is set (and the CPU quantizer if needed)."""
+    """``deepspeed``, imported after its environment is set, without its unused CPU
+    shared-memory comm op (environment.skip_shm_comm_op)."""
     environment.prepare(ranks_per_node)
     import deepspeed
+
+    environment.skip_shm_comm_op(deepspeed)
 
     return deepspeed
 

@@ -6,8 +6,9 @@ training process about 3 s of CPU (measured: ``python -c "import transformers;
 from transformers import AutoTokenizer"``, 3.1-3.6 s user on the 2-core
 machine); the suite starts hundreds of them. ``scripts/install.sh --test``
 therefore installs transformers into its own directory, ``.venv/hf-test``
-(``pip install --target``), which only the tests that need it append to
-``sys.path`` (last, so the venv's own packages win) or hand to a rank through
+(``pip install --target``, with only the requirements the venv lacks: the rest
+come from the venv), which only the tests that need it append to ``sys.path``
+(last, so the venv's own packages win) or hand to a rank through
 ``PYTHONPATH``. ``LBP_HF_TEST_PATH`` points elsewhere.
 """
 from __future__ import annotations

@@ -18,10 +18,10 @@ from megatron_lbp.demo import cli as demo
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_demo(tmp_path, *args, timeout=1500):
+def run_demo(tmp_path, *args, data_dir=None, timeout=1500):
     out = subprocess.run(
         [sys.executable, "-m", "megatron_lbp.demo", *args, "--out", str(tmp_path / "runs"),
-         "--data-dir", str(tmp_path / "data")],
+         "--data-dir", str(data_dir or tmp_path / "data")],
         capture_output=True, text=True, timeout=timeout, cwd=REPO)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     (run_dir,) = list((tmp_path / "runs").iterdir())
@@ -89,11 +89,14 @@ def check_run(stdout, run_dir, summary, iters, log_interval, *, loss_below=None,
     assert any(ln.startswith("[main 2/2] stock Megatron distopt") for ln in stdout.splitlines())
 
 
-def test_main_job_reduced(tmp_path):
+def test_main_job_reduced(tmp_path, demo_dataset):
+    """On the session's demo data (conftest.demo_dataset, built by the same build_demo_data
+    the job calls): the job finds it current and reuses it, as on its second run in a clone;
+    the slow full-size job below builds its own."""
     iters = 6
     stdout, run_dir, summary = run_demo(
         tmp_path, "--ranks", "4", "--gpus-per-node", "2", "--iters", str(iters),
-        "--log-interval", "3", "--fp32")
+        "--log-interval", "3", "--fp32", data_dir=Path(demo_dataset).parent)
     assert summary["dtype"] == "fp32" and "[main] computing in fp32 (--fp32)" in stdout
     check_run(stdout, run_dir, summary, iters, 3, agreement=FP32_LOSS_AGREEMENT)
 
