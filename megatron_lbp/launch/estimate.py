@@ -445,6 +445,13 @@ def choices(a) -> tuple[list[Choice], dict]:
                 continue
             act = activation_bytes(a, rc, b)
             trials = knob_trials(a, rc)
+            # No knob fits a row whose state and activations alone do not (most rows without
+            # recomputation): it is reported with the last setting, the least transient,
+            # without planning every setting before it (each is a plan at this size).
+            state_floor = min(cached_plan(plan_argv(a, world, 1, layer_unit=lu))
+                              ["memory_bytes"]["total"] for lu in {t[2] for t in trials})
+            if state_floor + act + reserve > limit:
+                trials = trials[-1:]
             for d, r, lu in trials:
                 p = cached_plan(plan_argv(a, world, k, (d, r), lu))
                 # The state and the construction peak are the base plan's but for split

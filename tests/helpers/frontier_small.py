@@ -64,6 +64,8 @@ EXPLAINED_BY = {
     # the transient knobs: the first setting that fits the chosen row (at this size)
     "--hier-prefetch-units": ("HIER_PREFETCH_UNITS",) + CHOICE + SIZE,
     "--hier-max-pending-reduces": ("HIER_MAX_PENDING_REDUCES",) + CHOICE + SIZE,
+    "--hier-layer-unit": ("HIER_LAYER_UNIT",) + CHOICE + SIZE,
+    "--exit-interval": ("EXTRA_ARGS",),
     "--recompute-granularity": CHOICE, "--recompute-method": CHOICE,
     "--recompute-num-layers": CHOICE,
     # SAVE_INTERVAL=auto: about 45 min at the step time estimated for this size

@@ -278,15 +278,12 @@ def test_selective_recompute_where_the_estimate_allows_it(site):
     cmd = training_line(r.stdout)
     assert flag(cmd, "--recompute-granularity") == "selective" and "--recompute-method" not in cmd
     assert flag(cmd, "--micro-batch-size") == "2"
-    # 20B: selective keeps 34sbh per layer, ~68 GB with whole layers' buffers even on 48 nodes;
-    # split layers (HIER_LAYER_UNIT=auto's second try) hold half a layer each, and it fits.
+    # 20B: selective keeps 34sbh per layer, ~68 GB with whole layers' buffers even on 48 nodes
+    # (split layers, HIER_LAYER_UNIT=auto's second try, fit it: the next test and
+    # tests/launch/test_launch_choose.py)
     r = run(SCRIPTS["20b"], site, "--dry-run", NNODES=48, RECOMPUTE="selective", HIER_PRESET="lbp",
             HIER_LAYER_UNIT="whole")
     assert r.returncode == 3 and "RECOMPUTE=selective" in r.stderr and "or set RECOMPUTE=full" in r.stderr
-    r = run(SCRIPTS["20b"], site, "--dry-run", NNODES=48, RECOMPUTE="selective", HIER_PRESET="lbp")
-    assert r.returncode == 0, r.stderr
-    cmd = training_line(r.stdout)
-    assert flag(cmd, "--hier-layer-unit") == "split" and flag(cmd, "--micro-batch-size") == "1", cmd
     r = run(SCRIPTS["10b"], site, "--dry-run", NNODES=16, RECOMPUTE="auto", HIER_PRESET="lbp")
     assert r.returncode == 0 and "choice: RECOMPUTE=selective MICRO_BATCH_SIZE=2 (the fastest" \
         in r.stdout, r.stderr + r.stdout
@@ -723,6 +720,48 @@ def _gpt2_data(tmp: Path, env: dict) -> dict:
 
 
 @pytest.mark.slow
+def test_local_slurm_short_job(tmp_path, local_slurm):
+    """.ci/run's real-Slurm test: scripts/frontier_gpt20b.sh at small size on the two-node
+    Slurm, one job of 3 iterations: the ranks on the nodes and packages the profile places
+    them on, the health check, a hierarchy spanning both nodes, 3 finite losses logged, a
+    checkpoint at the last one, and a command that is the profile's dry run but for the
+    overrides. A data path the launcher cannot read fails before srun. The exit-time chain
+    and its resume against an uninterrupted run are test_local_slurm_job's (slow command)."""
+    env, paths = local_slurm["env"], local_slurm["paths"]
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    run_env = {**frontier_small.overrides(), **paths}
+    ckpt = tmp_path / "ckpt"
+    job = _sbatch(env, jobs, CHECKPOINT_DIR=ckpt, LBP_LOSS_LOG=tmp_path / "loss",
+                  LBP_LOG_ALL_RANKS=1, EXTRA_ARGS="--exit-interval=3", **run_env)
+    state = _wait_job(job, env)
+    out, err = _logs(jobs, job)
+    assert state == "COMPLETED", f"{state}\n{out[-3000:]}\n{err[-3000:]}"
+    for rank in range(8):
+        node, package = rank // 4, (rank % 4) // 2
+        assert re.search(rf"rank {rank} on \S+ node {node} package {package}\n", out)
+    assert out.count("[lbp health] package: all-gather") == 1, out[-2000:]
+    assert "[lbp health] network: " in out and "between node1 and node2" in out
+    assert "megatron-lbp hierarchy (lbp): W=8 P=2 S=4 G=4 O=8 R=1" in out, out[-3000:]
+    losses = _losses(tmp_path / "loss")
+    assert sorted(losses) == [1, 2, 3] and all(0 < v < 20 for v in losses.values()), losses
+    assert _last_save(out) == 3
+    as_shipped = {k: v for k, v in env.items() if k != "SLURM_CONF"}
+    as_shipped.update({k: str(v) for k, v in paths.items()}, CHECKPOINT_DIR=str(ckpt))
+    real = subprocess.run(["bash", str(FRONTIER), "--dry-run"], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300, env=as_shipped)
+    assert real.returncode == 0, real.stderr
+    bad = frontier_small.unexplained(real.stdout, out,
+                                     set(run_env) | {"LBP_WALLTIME", "EXTRA_ARGS"})
+    assert not bad, "the job ran more than the profile's overrides change:\n" + "\n".join(bad)
+    job = _sbatch(env, jobs, **{**run_env, "DATA_PATH": tmp_path / "missing",
+                                "CHECKPOINT_DIR": tmp_path / "c2"})
+    assert _wait_job(job, env, 120) == "FAILED"
+    err = _logs(jobs, job)[1]
+    assert "lbp_launch: error: DATA_PATH:" in err and "missing.bin" in err
+
+
+@pytest.mark.slow
 def test_local_slurm_job(tmp_path, local_slurm):
     """scripts/frontier_gpt20b.sh at small size (scripts/frontier_small.env) on a real two-node
     Slurm, as a chain of two jobs: the first stops at the exit time it computed from its wall
@@ -857,30 +896,31 @@ def test_embedding_backward_gather_reaches_the_estimate_and_the_command(site):
 
 
 def test_layer_unit_split_reaches_the_estimate_and_the_command_and_full_recompute_is_refused(site):
-    """HIER_LAYER_UNIT=split: the flag reaches the training command and the estimate's
-    transient is the plan's for split layers (half a layer's weights and gradient at a time);
-    with RECOMPUTE=full the launcher refuses it in one line, before any estimate."""
-    fixed = dict(NNODES=48, HIER_PRESET="lbp", RECOMPUTE="selective", MICRO_BATCH_SIZE=1,
-                 GCD_MEMORY_GB=80)
-    transient = {}
-    for setting in ("whole", "split"):
-        r = run(SCRIPTS["20b"], site, "--dry-run", HIER_LAYER_UNIT=setting, **fixed)
-        assert r.returncode == 0, r.stderr
-        cmd = training_line(r.stdout)
-        assert ("--hier-layer-unit" in cmd) == (setting == "split"), cmd
-        m = re.search(r"\((\d+) per step\).*transient ([\d.]+) GB, activations .* fits  "
-                      r"<- chosen", r.stdout)
-        assert m, r.stdout[-3000:]
-        k, transient[setting] = m.group(1), float(m.group(2))
+    """HIER_LAYER_UNIT=auto (the default) at 20B on 48 nodes, lbp, selective recomputation:
+    whole layers do not fit, split ones do; the flag reaches the training command and the
+    estimate's transient is the plan's for split layers (half a layer's weights and gradient
+    at a time). With RECOMPUTE=full an explicit split is refused in one line, before any
+    estimate."""
+    fixed = dict(NNODES=48, HIER_PRESET="lbp", RECOMPUTE="selective", MICRO_BATCH_SIZE=1)
+    r = run(SCRIPTS["20b"], site, "--dry-run", **fixed)
+    assert r.returncode == 0, r.stderr
+    assert flag(training_line(r.stdout), "--hier-layer-unit") == "split", training_line(r.stdout)
+    m = re.search(r"\((\d+) per step\) with .*HIER_LAYER_UNIT=split.*transient ([\d.]+) GB, "
+                  r"activations .* fits  <- chosen", r.stdout)
+    assert m, r.stdout[-3000:]
     from megatron_lbp.launch import plan
 
     shape = ["--world-size", "384", "--num-layers", "44", "--hidden-size", "6144",
              "--vocab-size", "50304", "--seq-length", "2048", "--hier-secondary-group-size", "8",
-             "--recompute", "selective", "--micro-batches", k]
-    planned = {u: plan.make_plan(shape + ["--hier-layer-unit", u], knob_table=False)
-               ["transient_bytes"]["peak"] / 1e9 for u in ("whole", "split")}
-    assert transient["whole"] - transient["split"] == pytest.approx(
-        planned["whole"] - planned["split"], abs=0.011), (transient, planned)
+             "--recompute", "selective", "--micro-batches", m.group(1), "--hier-layer-unit",
+             "split"]
+    knobs = re.search(r"HIER_PREFETCH_UNITS=(\d+) HIER_MAX_PENDING_REDUCES=(\d+) "
+                      r"HIER_LAYER_UNIT=split", m.group(0))
+    if knobs:
+        shape += ["--hier-prefetch-units", knobs.group(1), "--hier-max-pending-reduces",
+                  knobs.group(2)]
+    planned = plan.make_plan(shape, knob_table=False)["transient_bytes"]["peak"] / 1e9
+    assert float(m.group(2)) == pytest.approx(planned, abs=0.006), (m.group(0), planned)
     r = run(SCRIPTS["20b"], site, "--dry-run", HIER_LAYER_UNIT="split",
             **{**fixed, "RECOMPUTE": "full"})
     assert r.returncode == 2 and "HIER_LAYER_UNIT=split with RECOMPUTE=full" in r.stderr, r.stderr
