@@ -140,13 +140,13 @@ def test_the_projection_prefers_lbp_at_every_uplink_on_this_network():
     (its world all-gather and the exchange's 16/7 of its gradients), zero3 more. With lbp's
     step traffic under the last backward and the next forward, as the engine issues it, lbp's
     step is the shorter at one micro-batch of 8 and at 4 of 1, over every uplink from 0.8 to
-    800 Mbit/s; the model that charged it in full preferred zeropp at 8 x 1 by up to 13%, and
+    800 Mbit/s, than every other preset's (zero2 and hsdp as well: no pair with lbp flips); the model that charged it in full preferred zeropp at 8 x 1 by up to 13%, and
     lbp was measured faster there in every run."""
     model = {"num_layers": nc.MODEL["layers"], "hidden_size": nc.MODEL["hidden"],
              "vocab_size": nc.MODEL["vocab"]}
     for b, k in ((8, 1), (1, 4)):
         plans = {s: pj.plan_for(model, 8, s, k, gpus_per_node=4, gcds_per_package=2)
-                 for s in ("lbp", "zeropp", "zero3")}
+                 for s in ("lbp", "zeropp", "zero3", "zero2", "hsdp")}
         uplink = {s: sum(p["traffic_by_phase"][ph]["network"] * pj._uplink_multiplicity(p, ph)
                          for ph in pj.PHASES) for s, p in plans.items()}
         assert uplink["lbp"] == pytest.approx(2.78e6, rel=0.01)
@@ -158,5 +158,5 @@ def test_the_projection_prefers_lbp_at_every_uplink_on_this_network():
                 {"package": 0.08e9, "node": 0.11e9, "network": 1e5 * 10 ** (i / 100)},
                 network="shared_uplink")
             t = {s: pj.step_time(p, model, links, compute)["step_s"] for s, p in plans.items()}
-            assert t["lbp"] < min(t["zeropp"], t["zero3"]), \
+            assert t["lbp"] < min(v for s, v in t.items() if s != "lbp"), \
                 f"{b} x {k}, uplink {links.bandwidth['network'] * 8 / 1e6:.3g} Mbit/s: {t}"
