@@ -19,9 +19,9 @@ transformer layer adds the biases its linear modules hand back), so their
 forward and backward hooks gather it. Where a unit's last use comes after its
 modules' forward (a layer split in two: the layer adds the attention's
 linear_proj bias after self-attention returns, the MLP's linear_fc2 bias after
-the MLP), the spec names ``held_by``: modules whose post-forward, too, must
-come before the unit is freed, without gathering it; an "other" unit is used by the modules
-that register its parameters. A module may also use a weight of another unit
+the MLP), the spec names ``held_by``: the modules whose post-forward, not the
+users', frees the unit; they do not gather it. An "other" unit is used by the
+modules that register its parameters. A module may also use a weight of another unit
 (the output layer computing with the tied embedding), which the caller passes
 as ``extra_weight_users``. A module's *home* unit is the one it was declared
 in (or owns parameters of): its compute is the home unit's compute in the

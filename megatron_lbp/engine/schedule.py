@@ -129,6 +129,7 @@ class UnitSchedule:
                          for m, idx in unit_map.uses.items()}
         for m, idx in unit_map.held.items():
             self.releases.setdefault(m, []).extend(units[i] for i in idx)
+        # Per unit, the post-forwards that must run before it is freed.
         self._users = [len(plan.holders) or len(plan.users) for plan in unit_map.units]
         self._home_modules = [0] * len(units)
         for u in self.home.values():
