@@ -193,3 +193,30 @@ def test_tensorboard_has_megatrons_scalars_and_the_interval_lines_figures(lbp):
             assert scalars["megatron-lbp/tokens per second"][it] == pytest.approx(
                 float(rate.group(1)), abs=0.05 + 1e-6 * float(rate.group(1))), (it, rest)
     assert scalars["megatron-lbp/bytes sent per step/node"][ITERS] > 0
+
+
+@pytest.mark.slow
+def test_split_layer_units_through_the_training_entry_train_like_stock(demo_dataset, stock):
+    """--hier-layer-unit split through python -m megatron_lbp.pretrain_gpt (Megatron's own
+    model and schedule, biased linears, selective recomputation of the core attention): the
+    losses and grad norms of stock Megatron's distributed optimizer; with full recomputation
+    it is refused in one line before any model exists."""
+    code, log, losses = run_pretrain(8, _args(demo_dataset, *LBP8, "--hier-layer-unit", "split",
+                                              "--recompute-activations"))
+    assert code == 0, why(log)
+    assert "megatron-lbp hierarchy (lbp): W=8 P=2 S=off G=4 O=8" in log, log[-3000:]
+    _, stock_log, stock_losses = stock
+    assert sorted(losses) == sorted(stock_losses) == list(range(1, 21))
+    bad = [(i, losses[i], stock_losses[i]) for i in stock_losses
+           if not close(losses[i], stock_losses[i])]
+    assert not bad, f"iterations whose loss differs (split lbp, stock): {bad}"
+    norms, stock_norms = grad_norms(log), grad_norms(stock_log)
+    bad = [(i, norms[i], stock_norms[i]) for i in stock_norms
+           if abs(norms[i] - stock_norms[i]) > NORM_PRINT_ABS]
+    assert not bad, f"iterations whose grad norm differs (split lbp, stock): {bad}"
+    # one rank: the refusal is its exit status and its line, not a peer's kill
+    code, log, _ = run_pretrain(1, _args(demo_dataset, "--hier-partition", "--hier-layer-unit",
+                                         "split", "--recompute-granularity", "full",
+                                         "--recompute-method", "uniform", gbs=4))
+    assert code == 2 and "--hier-layer-unit split with --recompute-granularity full" in log, \
+        log[-2000:]
