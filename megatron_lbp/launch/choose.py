@@ -6,7 +6,8 @@ user's own preset when it is none of these) x recomputation (none, selective, fu
 micro-batch size with the micro-batches per step that keep the global batch, each with the
 first transient knob setting that fits (``estimate.knob_trials``: the engine's defaults,
 then fewer reduce-scatters in flight, then the same with split layers where the
-recomputation is not full, then no prefetch) — gets:
+recomputation is not full, then no prefetch; each with the embedding's backward gather,
+then without) — gets:
 
 - its memory per GCD from the one memory model (``estimate.choices``: plan state + plan
   transient + activations + margin, and the construction peak); rows that do not fit are
@@ -97,6 +98,7 @@ def _committed() -> dict[str, dict[int, Any]]:
 def trace_for(a, label: str, c: estimate.Choice) -> str | None:
     """The committed trace whose replay times this row, or None (then: the idealised model)."""
     if (label not in TRACED or c.recompute != "full" or a.tasks_per_node != 8
+            or c.embedding_backward_gather != "gather"   # the traces gather it (and whole layers)
             or a.gcds_per_package != 2 or estimate.architecture_argv(a)   # not GPT-2's
             or a.ffn_hidden_size not in (0, 4 * a.hidden_size) or a.params_dtype != "bf16"
             or a.hier_grad_reduce_dtype != "fp32" or a.position_embedding_type != "rope"

@@ -18,15 +18,17 @@ Choice (``auto``): the least recomputation that fits (none, then selective, then
 and with it the largest micro-batch that fits and divides the global batch over the
 ranks. An explicit value is kept and refused (exit 3) when it does not fit.
 
-Transient knobs (``--hier-prefetch-units``, ``--hier-max-pending-reduces``; ``auto`` by
-default): each (recomputation, micro-batch) takes the first setting of
-``projection.knobs.CHOICE_SETTINGS`` that fits — the engine's default (prefetch 1, 2
-reduce-scatters in flight), then 1 in flight, then no prefetch as well — and its step time
-gains what that setting adds in exposed communication (``projection.knobs.cost_s``). A
-number keeps that setting. ``--hier-layer-unit`` (``auto`` by default) adds, where the
-recomputation is not full and the engine runs the scheme, each of those with a layer's
-attention and MLP as two gather units (``split``), tried after whole layers and before
-the settings without prefetch (:func:`knob_trials`).
+Transient knobs (``--hier-prefetch-units``, ``--hier-max-pending-reduces``,
+``--hier-layer-unit``, ``--hier-embedding-backward-gather``; ``auto`` by default): each
+(recomputation, micro-batch) tries the settings of :func:`knob_trials` — the engine's
+default (prefetch 1, 2 reduce-scatters in flight), 1 in flight, no prefetch as well
+(``projection.knobs.CHOICE_SETTINGS``), each with whole layers and, where the
+recomputation is not full and the engine runs the scheme, with a layer's attention and
+MLP as two gather units (``split``), each with the embedding's backward gather and
+without it (``skip``) — and takes the fastest that fits (one tried later only where it is
+projected ``KNOB_GAIN`` faster), its step time with what the setting adds in exposed
+communication (``projection.knobs``; negative where smaller units pipeline closer); none
+fitting, the last tried. A value keeps that setting.
 
 Step time: the Frontier cost model (``megatron_lbp.projection.project.step_time``, MI250X
 bf16 peak at an assumed MFU, the link bandwidths it assumes, the engine's overlap) for
@@ -64,6 +66,10 @@ from megatron_lbp.launch._cli import PROG, Parser, write_resolved
 
 GB = 1e9
 RECOMPUTE_ORDER = ("none", "selective", "full")   # least recomputation first
+# How much faster a transient-knob setting tried later must be projected to be chosen over an
+# earlier one that fits (:func:`choices`): smaller gains are within what the step model
+# resolves (its idealised and replayed steps differ by up to 1% at 20B).
+KNOB_GAIN = 0.01
 MICRO_BATCH_CANDIDATES = (1, 2, 4, 8, 16)
 
 
@@ -98,6 +104,7 @@ class Choice:
     max_pending_reduces: int = DEFAULT_MAX_PENDING_REDUCES
     knob_cost_s: float = 0.0      # exposed seconds per step the knobs add (in step_s)
     layer_unit: str = DEFAULT_LAYER_UNIT   # --hier-layer-unit it runs with
+    embedding_backward_gather: str = DEFAULT_EMBEDDING_BACKWARD_GATHER   # and that one
 
     @property
     def knobs(self) -> tuple[int, int]:
@@ -108,8 +115,11 @@ class Choice:
         text = ("" if self.knobs == (DEFAULT_PREFETCH_UNITS, DEFAULT_MAX_PENDING_REDUCES) else
                 f" HIER_PREFETCH_UNITS={self.prefetch_units} "
                 f"HIER_MAX_PENDING_REDUCES={self.max_pending_reduces}")
-        return text + (f" HIER_LAYER_UNIT={self.layer_unit}"
-                       if self.layer_unit != DEFAULT_LAYER_UNIT else "")
+        if self.layer_unit != DEFAULT_LAYER_UNIT:
+            text += f" HIER_LAYER_UNIT={self.layer_unit}"
+        if self.embedding_backward_gather != DEFAULT_EMBEDDING_BACKWARD_GATHER:
+            text += f" HIER_EMBEDDING_BACKWARD_GATHER={self.embedding_backward_gather}"
+        return text
 
 
 def gb(x: float) -> str:
@@ -118,10 +128,11 @@ def gb(x: float) -> str:
 
 def plan_argv(a, world_size: int, micro_batches: int = 1,
               knobs: tuple[int, int] = (DEFAULT_PREFETCH_UNITS, DEFAULT_MAX_PENDING_REDUCES),
-              layer_unit: str | None = None) -> list[str]:
+              layer_unit: str | None = None, embedding: str | None = None) -> list[str]:
     """The plan's argv for this job; ``knobs`` (prefetch units, reduce-scatters in flight)
     appear only when they are not the engine's defaults, ``layer_unit`` (None: the one
-    given, whole for auto) only when split."""
+    given, whole for auto) only when split, ``embedding`` (the embedding's backward gather;
+    None: the one given, gather for auto) only when skip."""
     argv = ["--world-size", str(world_size), "--gpus-per-node", str(a.tasks_per_node),
             "--gcds-per-package", str(a.gcds_per_package), "--preset", a.preset,
             "--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size),
@@ -140,7 +151,8 @@ def plan_argv(a, world_size: int, micro_batches: int = 1,
         argv += ["--hier-prefetch-units", str(knobs[0])]
     if knobs[1] != DEFAULT_MAX_PENDING_REDUCES:
         argv += ["--hier-max-pending-reduces", str(knobs[1])]
-    embedding = getattr(a, "hier_embedding_backward_gather", DEFAULT_EMBEDDING_BACKWARD_GATHER)
+    embedding = embedding or given_setting(a, "hier_embedding_backward_gather",
+                                           DEFAULT_EMBEDDING_BACKWARD_GATHER)
     if embedding != DEFAULT_EMBEDDING_BACKWARD_GATHER:
         argv += ["--hier-embedding-backward-gather", embedding]
     if (layer_unit or given_layer_unit(a)) == "split":
@@ -151,10 +163,27 @@ def plan_argv(a, world_size: int, micro_batches: int = 1,
     return argv
 
 
+def given_setting(a, name: str, default: str) -> str:
+    """A knob as given, its default for auto (a namespace built in code may leave it out)."""
+    value = getattr(a, name, default)
+    return default if value == "auto" else value
+
+
 def given_layer_unit(a) -> str:
-    """HIER_LAYER_UNIT as given, whole for auto (a namespace built in code may leave it out)."""
-    unit = getattr(a, "hier_layer_unit", DEFAULT_LAYER_UNIT)
-    return DEFAULT_LAYER_UNIT if unit == "auto" else unit
+    """HIER_LAYER_UNIT as given, whole for auto."""
+    return given_setting(a, "hier_layer_unit", DEFAULT_LAYER_UNIT)
+
+
+def embedding_settings(a) -> list[str]:
+    """The embedding's backward gather a candidate may run with: the one given, else (auto)
+    gather, then skip where the engine runs the scheme (skip trains bit for bit like gather
+    and only removes a collective: tried wherever gather does not fit)."""
+    given = getattr(a, "hier_embedding_backward_gather", DEFAULT_EMBEDDING_BACKWARD_GATHER)
+    if given != "auto":
+        return [given]
+    if a.preset not in PRESETS:
+        return [DEFAULT_EMBEDDING_BACKWARD_GATHER]
+    return list(EMBEDDING_BACKWARD_GATHERS)
 
 
 def layer_units(a, recompute: str) -> list[str]:
@@ -389,34 +418,37 @@ def knob_settings(a) -> list[tuple[int, int]]:
 
 
 def knob_cost_s(a, p: dict, recompute: str, micro_batch_size: int,
-                setting: tuple[int, int], layer_unit: str = DEFAULT_LAYER_UNIT) -> float:
+                setting: tuple[int, int], layer_unit: str = DEFAULT_LAYER_UNIT,
+                embedding: str = DEFAULT_EMBEDDING_BACKWARD_GATHER) -> float:
     """Exposed seconds per step ``setting`` and ``layer_unit`` add to the engine's defaults
     (projection/knobs.py; 0 with --step-seconds, a measured figure the knobs' model cannot
     amend). Negative where smaller units pipeline closer than whole layers."""
     from megatron_lbp.projection import knobs, project
 
-    if a.step_seconds or (setting == knobs.DEFAULT and layer_unit == DEFAULT_LAYER_UNIT):
+    chosen = knobs.Knobs(*setting, embedding)
+    if a.step_seconds or (chosen == knobs.Knobs() and layer_unit == DEFAULT_LAYER_UNIT):
         return 0.0
     compute = project.ComputeModel(mfu=a.mfu, seq_length=a.seq_length,
                                    micro_batch_size=micro_batch_size,
                                    recompute=recompute == "full")
     kw = dict(links=link_model(a), compute=compute, tied=not a.untie_embeddings_and_output_weights)
     if layer_unit == DEFAULT_LAYER_UNIT:
-        return knobs.cost_s(p, units(a, layer_unit), _model(a), knobs.Knobs(*setting), **kw)
+        return knobs.cost_s(p, units(a, layer_unit), _model(a), chosen, **kw)
     # Against whole layers at the defaults: the per-phase bytes are the same (but padding).
-    return (knobs.exposed_s(p, units(a, layer_unit), _model(a), knobs.Knobs(*setting), **kw)
-            ["step"] - knobs.exposed_s(p, units(a, DEFAULT_LAYER_UNIT), _model(a),
-                                       knobs.Knobs(*knobs.DEFAULT), **kw)["step"])
+    return (knobs.exposed_s(p, units(a, layer_unit), _model(a), chosen, **kw)["step"]
+            - knobs.exposed_s(p, units(a, DEFAULT_LAYER_UNIT), _model(a), knobs.Knobs(),
+                              **kw)["step"])
 
 
-def knob_trials(a, recompute: str) -> list[tuple[int, int, str]]:
-    """(prefetch units, reduce-scatters in flight, layer unit) in the order a candidate tries
-    them: :func:`knob_settings` with each of :func:`layer_units`, whole layers first, and
-    the settings without prefetch (every gather exposed) last."""
-    settings, lus = knob_settings(a), layer_units(a, recompute)
+def knob_trials(a, recompute: str) -> list[tuple[int, int, str, str]]:
+    """(prefetch units, reduce-scatters in flight, layer unit, embedding's backward gather) in
+    the order a candidate tries them: :func:`knob_settings` with each of :func:`layer_units`,
+    whole layers first, and the settings without prefetch (every gather exposed) last; each
+    with gather, then skip (:func:`embedding_settings`)."""
+    settings, lus, embs = knob_settings(a), layer_units(a, recompute), embedding_settings(a)
     ahead = [s for s in settings if s[0] > 0]
-    return [(d, r, lu) for group in (ahead, [s for s in settings if s[0] == 0])
-            for lu in lus for d, r in group]
+    return [(d, r, lu, e) for group in (ahead, [s for s in settings if s[0] == 0])
+            for lu in lus for d, r in group for e in embs]
 
 
 def _micro_batch_sizes(a, world: int) -> list[int]:
@@ -452,8 +484,9 @@ def choices(a) -> tuple[list[Choice], dict]:
                               ["memory_bytes"]["total"] for lu in {t[2] for t in trials})
             if state_floor + act + reserve > limit:
                 trials = trials[-1:]
-            for d, r, lu in trials:
-                p = cached_plan(plan_argv(a, world, k, (d, r), lu))
+            fitting, last = [], None
+            for d, r, lu, emb in trials:
+                p = cached_plan(plan_argv(a, world, k, (d, r), lu, emb))
                 # The state and the construction peak are the base plan's but for split
                 # layers' padding and their smaller largest unit.
                 state = p["memory_bytes"]["total"]
@@ -461,12 +494,20 @@ def choices(a) -> tuple[list[Choice], dict]:
                 transient = p["transient_bytes"]["peak"]
                 total = state + transient + act + int(reserve)
                 fits = total <= limit and construction <= limit
-                if fits or (d, r, lu) == trials[-1]:
-                    cost = knob_cost_s(a, p, rc, b, (d, r), lu)
-                    out.append(Choice(rc, b, k, state, act, total, fits,
-                                      step_seconds(a, p, rc, b) + cost, transient, int(reserve),
-                                      construction, d, r, cost, lu))
-                    break
+                if fits or (d, r, lu, emb) == trials[-1]:
+                    cost = knob_cost_s(a, p, rc, b, (d, r), lu, emb)
+                    last = Choice(rc, b, k, state, act, total, fits,
+                                  step_seconds(a, p, rc, b) + cost, transient, int(reserve),
+                                  construction, d, r, cost, lu, emb)
+                    if fits:
+                        fitting.append(last)
+            # The fastest setting that fits, but a setting tried later (further from the
+            # engine's defaults and the recorded traces) only where it is projected
+            # KNOB_GAIN faster; none fits: the last tried, the least transient.
+            if fitting:
+                best = min(c.step_s for c in fitting)
+                last = next(c for c in fitting if c.step_s <= best * (1 + KNOB_GAIN))
+            out.append(last)
     return out, base
 
 
@@ -499,7 +540,8 @@ def smallest_fitting_nodes(a, choice: Choice, base: dict) -> int | None:
     # its value at the largest job with one micro-batch is a floor.
     most = max(MOST_RANKS // a.tasks_per_node, a.nodes)
     floor = cached_plan(plan_argv(a, most * a.tasks_per_node, 1, choice.knobs,
-                                  choice.layer_unit))["transient_bytes"]["peak"]
+                                  choice.layer_unit, choice.embedding_backward_gather)
+                        )["transient_bytes"]["peak"]
     if fixed + floor > limit:
         return None
     n = a.nodes + 1
@@ -509,7 +551,8 @@ def smallest_fitting_nodes(a, choice: Choice, base: dict) -> int | None:
     for n in range(n, min(most, n + 64) + 1):
         world = n * a.tasks_per_node
         k = max(1, a.global_batch_size // (choice.micro_batch_size * world))
-        p = cached_plan(plan_argv(a, world, k, choice.knobs, choice.layer_unit))
+        p = cached_plan(plan_argv(a, world, k, choice.knobs, choice.layer_unit,
+                                  choice.embedding_backward_gather))
         total = (p["memory_bytes"]["total"] + p["transient_bytes"]["peak"]
                  + choice.activation_bytes + choice.margin_bytes)
         if total <= limit and p["construction_peak_bytes"] + choice.margin_bytes <= limit:
@@ -652,7 +695,8 @@ def report(a) -> tuple[list[str], dict, str | None]:
         f"{shown.micro_batch_size}, estimate): {gb(shown.activation_bytes)}",
         f"transient knobs: HIER_PREFETCH_UNITS={shown.prefetch_units} "
         f"HIER_MAX_PENDING_REDUCES={shown.max_pending_reduces} "
-        f"HIER_LAYER_UNIT={shown.layer_unit} ("
+        f"HIER_LAYER_UNIT={shown.layer_unit} "
+        f"HIER_EMBEDDING_BACKWARD_GATHER={shown.embedding_backward_gather} ("
         + ("the engine's defaults" if not shown.knob_text() else
            ("" if shown.fits else "none fits; the least transient tried, ")
            + f"{shown.knob_cost_s:+.3g} s exposed per step against the defaults, "
@@ -713,6 +757,7 @@ def report(a) -> tuple[list[str], dict, str | None]:
                 "HIER_PREFETCH_UNITS": chosen.prefetch_units,
                 "HIER_MAX_PENDING_REDUCES": chosen.max_pending_reduces,
                 "HIER_LAYER_UNIT": chosen.layer_unit,
+                "HIER_EMBEDDING_BACKWARD_GATHER": chosen.embedding_backward_gather,
                 "SAVE_INTERVAL": interval, "LBP_STEP_S": f"{step:.6g}",
                 "LBP_CKPT_BYTES": ckpt, "LBP_SAVE_S": f"{save_s:.6g}", "LBP_PARAMS": params}
     if asked.preset == "auto":
@@ -782,8 +827,11 @@ def build_parser() -> argparse.ArgumentParser:
                     type=_auto_or_int("HIER_MAX_PENDING_REDUCES"), default="auto",
                     help="auto (default): the first of the choice's settings that fits, else "
                     "this many gradient reduce-scatters in flight (>= 1)")
-    ap.add_argument("--hier-embedding-backward-gather", choices=EMBEDDING_BACKWARD_GATHERS,
-                    default=DEFAULT_EMBEDDING_BACKWARD_GATHER, help="the engine's setting (HIER_EMBEDDING_BACKWARD_GATHER): "
+    ap.add_argument("--hier-embedding-backward-gather",
+                    type=_choice("HIER_EMBEDDING_BACKWARD_GATHER",
+                                 ("auto",) + EMBEDDING_BACKWARD_GATHERS),
+                    default="auto", help="auto (default): gather, else skip where gather does "
+                    "not fit; or that setting (HIER_EMBEDDING_BACKWARD_GATHER): "
                     "skip frees a tied embedding after the output layer's backward")
     ap.add_argument("--hier-layer-unit", type=_choice("HIER_LAYER_UNIT", ("auto",) + LAYER_UNITS),
                     default="auto", help="auto (default): whole layers, else, where they do "

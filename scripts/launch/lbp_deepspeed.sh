@@ -46,9 +46,9 @@ lbp_ds_check() {
     "does not apply to HIER_PRESET=$HIER_PRESET (DeepSpeed reduces gradients in the training dtype):" \
     "unset it"; return; }
   local knob
-  [ "${HIER_EMBEDDING_BACKWARD_GATHER:-gather}" = gather ] || { lbp_die 2 \
+  case "${HIER_EMBEDDING_BACKWARD_GATHER:-auto}" in auto|gather) ;; *) lbp_die 2 \
     "HIER_EMBEDDING_BACKWARD_GATHER=$HIER_EMBEDDING_BACKWARD_GATHER does not apply to" \
-    "HIER_PRESET=$HIER_PRESET (a setting of the engine's schedule): unset it"; return; }
+    "HIER_PRESET=$HIER_PRESET (a setting of the engine's schedule): unset it"; return ;; esac
   case "${HIER_LAYER_UNIT:-auto}" in auto|whole) ;; *) lbp_die 2 \
     "HIER_LAYER_UNIT=$HIER_LAYER_UNIT does not apply to HIER_PRESET=$HIER_PRESET (the engine's" \
     "gather units; DeepSpeed fetches by its own config): unset it"; return ;; esac

@@ -113,10 +113,11 @@
 #                       (--hier-max-pending-reduces). [auto]: the estimate takes the engine's
 #                       defaults (1, 2) where they fit, else 1 in flight, else no prefetch as
 #                       well, and costs the exposed time (projection/knobs.py); a number is kept
-#   HIER_EMBEDDING_BACKWARD_GATHER  gather (default) or skip: with skip the embedding is not
+#   HIER_EMBEDDING_BACKWARD_GATHER  [auto], gather or skip: with skip the embedding is not
 #                       gathered for its own backward (a lookup's backward reads no weights) and a
 #                       tied embedding is freed after the output layer's backward
-#                       (--hier-embedding-backward-gather); the estimate counts it either way
+#                       (--hier-embedding-backward-gather; bit for bit the same training); auto:
+#                       gather, and skip with each knob setting where gather does not fit
 #   HIER_LAYER_UNIT     [auto], whole or split: split makes each layer's attention and MLP two
 #                       gather units, half a layer's weights and gradient in memory at a time
 #                       (--hier-layer-unit), never with RECOMPUTE=full; auto: whole layers, and
@@ -459,7 +460,7 @@ lbp_estimate() {
   [ "$status" = 0 ] || return "$status"
   lbp_read_resolved "$LBP_TMP/estimate" MICRO_BATCH_SIZE RECOMPUTE SAVE_INTERVAL LBP_STEP_S \
     LBP_CKPT_BYTES LBP_SAVE_S HIER_PRESET HIER_SECONDARY_GROUP_SIZE HIER_PREFETCH_UNITS \
-    HIER_MAX_PENDING_REDUCES HIER_LAYER_UNIT
+    HIER_MAX_PENDING_REDUCES HIER_LAYER_UNIT HIER_EMBEDDING_BACKWARD_GATHER
 }
 
 # Seconds before the end at which Slurm signals the job: sbatch's --signal=[R:|B:]SIG[@SECONDS]
@@ -646,7 +647,7 @@ lbp_defaults() {
   esac
   : "${HIER_SECONDARY_DTYPE:=int8}" "${GCD_MEMORY_GB:=64}" "${HIER_GRAD_REDUCE_DTYPE:=fp32}"
   : "${HIER_PREFETCH_UNITS:=auto}" "${HIER_MAX_PENDING_REDUCES:=auto}"
-  : "${HIER_EMBEDDING_BACKWARD_GATHER:=gather}" "${HIER_LAYER_UNIT:=auto}"
+  : "${HIER_EMBEDDING_BACKWARD_GATHER:=auto}" "${HIER_LAYER_UNIT:=auto}"
   : "${LBP_SAVE_MINUTES:=45}" "${LBP_WRITE_GBPS:=1}" "${LBP_SAVE_FIXED_S:=60}"
   : "${LBP_EXIT_SLACK_S:=120}" "${LBP_KEEP_LAST:=2}" "${LBP_MILESTONE_EVERY:=10000}"
   : "${LBP_PRUNE_EVERY_S:=600}" "${LBP_HEALTH_CHECK:=1}" "${LBP_HEALTH_MIN_FRACTION:=0.25}"
@@ -667,8 +668,8 @@ lbp_defaults() {
   [ "$HIER_MAX_PENDING_REDUCES" = auto ] || { lbp_is_uint "$HIER_MAX_PENDING_REDUCES" &&
     [ "$HIER_MAX_PENDING_REDUCES" -ge 1 ]; } || {
     lbp_die 2 "HIER_MAX_PENDING_REDUCES=$HIER_MAX_PENDING_REDUCES: use auto or a number >= 1"; return; }
-  case "$HIER_EMBEDDING_BACKWARD_GATHER" in gather|skip) ;; *)
-    lbp_die 2 "HIER_EMBEDDING_BACKWARD_GATHER=$HIER_EMBEDDING_BACKWARD_GATHER: use gather or skip"
+  case "$HIER_EMBEDDING_BACKWARD_GATHER" in auto|gather|skip) ;; *)
+    lbp_die 2 "HIER_EMBEDDING_BACKWARD_GATHER=$HIER_EMBEDDING_BACKWARD_GATHER: use auto, gather or skip"
     return ;; esac
   case "$HIER_LAYER_UNIT" in auto|whole|split) ;; *)
     lbp_die 2 "HIER_LAYER_UNIT=$HIER_LAYER_UNIT: use auto, whole or split"; return ;; esac

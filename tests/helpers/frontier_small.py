@@ -65,6 +65,7 @@ EXPLAINED_BY = {
     "--hier-prefetch-units": ("HIER_PREFETCH_UNITS",) + CHOICE + SIZE,
     "--hier-max-pending-reduces": ("HIER_MAX_PENDING_REDUCES",) + CHOICE + SIZE,
     "--hier-layer-unit": ("HIER_LAYER_UNIT",) + CHOICE + SIZE,
+    "--hier-embedding-backward-gather": ("HIER_EMBEDDING_BACKWARD_GATHER",) + CHOICE + SIZE,
     "--exit-interval": ("EXTRA_ARGS",),
     "--recompute-granularity": CHOICE, "--recompute-method": CHOICE,
     "--recompute-num-layers": CHOICE,

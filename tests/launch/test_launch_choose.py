@@ -237,3 +237,27 @@ def test_split_layers_make_lbp_fit_without_full_recomputation_at_20b_on_16_nodes
     assert resolved["HIER_LAYER_UNIT"] == "split" and resolved["RECOMPUTE"] == "selective"
     # never with full recomputation
     assert all(r.choice.layer_unit == "whole" for r in rows if r.choice.recompute == "full")
+
+
+def test_the_embeddings_skip_makes_a_row_fit_and_is_chosen_at_no_cost():
+    """10B on 48 nodes with whole layers: no recomputation at micro-batch 1 fits only without
+    the embedding's backward gather (the tied V*h weights no longer held across every
+    layer's backward); skip trains bit for bit like gather and adds no exposed time, so the
+    row is chosen with it, and the launch line says so. An explicit setting is kept."""
+    a = _auto(nodes=48, hier_layer_unit="whole", hier_embedding_backward_gather="auto",
+              **MODELS["10b"])
+    row, rows = choose.choose(a)
+    c = row.choice
+    assert (c.recompute, c.micro_batch_size, c.embedding_backward_gather) == (
+        "none", 1, "skip"), row
+    assert c.knob_cost_s == 0 and "HIER_EMBEDDING_BACKWARD_GATHER=skip" in c.knob_text()
+    gathered = estimate.cached_plan(estimate.plan_argv(
+        _auto(nodes=48, preset=row.preset, hier_secondary_group_size=row.secondary,
+              **MODELS["10b"]), 384, c.micro_batches, c.knobs))
+    assert (c.state_bytes + gathered["transient_bytes"]["peak"] + c.activation_bytes
+            + c.margin_bytes) > 64e9, gathered["transient_bytes"]
+    _, resolved, _ = estimate.report(a)
+    assert resolved["HIER_EMBEDDING_BACKWARD_GATHER"] == "skip"
+    kept, _ = choose.choose(_auto(nodes=48, hier_layer_unit="whole",
+                                  hier_embedding_backward_gather="gather", **MODELS["10b"]))
+    assert kept.choice.embedding_backward_gather == "gather" and kept.choice.recompute != "none"

@@ -187,15 +187,20 @@ def test_dry_run_frontier(site, model, nodes):
     assert flag(cmd, "--hier-secondary-group-size") == str(secondary)
     assert secondary == 0 or flag(cmd, "--hier-secondary-dtype") == "int8"
     # The transient knobs the estimate resolved reach the command, said only when they are not
-    # the engine's defaults (1 unit ahead, 2 reduce-scatters in flight). At 20B on 48 nodes
-    # the chosen row fits only with one reduce-scatter in flight (tests/unit/test_transient_knobs.py).
-    m = re.search(r"transient knobs: HIER_PREFETCH_UNITS=(\d+) HIER_MAX_PENDING_REDUCES=(\d+)", out)
+    # the engine's defaults (1 unit ahead, 2 reduce-scatters in flight, whole layers, the
+    # embedding gathered). At 20B on 48 nodes the chosen row (selective recomputation) fits
+    # with split layers, or whole ones with one reduce-scatter in flight, and the split is
+    # projected faster (tests/launch/test_launch_choose.py).
+    m = re.search(r"transient knobs: HIER_PREFETCH_UNITS=(\d+) HIER_MAX_PENDING_REDUCES=(\d+) "
+                  r"HIER_LAYER_UNIT=(\w+) HIER_EMBEDDING_BACKWARD_GATHER=(\w+)", out)
     assert m, out
     for name, default, value in (("--hier-prefetch-units", "1", m.group(1)),
-                                 ("--hier-max-pending-reduces", "2", m.group(2))):
+                                 ("--hier-max-pending-reduces", "2", m.group(2)),
+                                 ("--hier-layer-unit", "whole", m.group(3)),
+                                 ("--hier-embedding-backward-gather", "gather", m.group(4))):
         assert (flag(cmd, name) if name in cmd else default) == value, (name, value)
         assert name not in cmd or value != default, name
-    assert (model, nodes) != ("20b", 48) or m.groups() == ("1", "1"), m.group(0)
+    assert (model, nodes) != ("20b", 48) or m.groups() == ("1", "2", "split", "gather"), m.group(0)
     ckpt = site["env"]["CHECKPOINT_DIR"]
     assert flag(cmd, "--save") == ckpt and flag(cmd, "--load") == ckpt
     assert flag(cmd, "--ckpt-format") == "torch_dist"
