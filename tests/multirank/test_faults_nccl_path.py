@@ -30,6 +30,9 @@ ARGS = HIER + ["--hier-fault-checkin-s", str(CHECKIN_S),
 WATCH = {faults.STALL_WATCH_ENV: "1"}
 
 
+# Slow (30 s of waiting for the hung collective): the NCCL path's watch, run on gloo; the fast
+# suite keeps its timing refusal and environment below, and the gloo path's fault tests.
+@pytest.mark.slow
 def test_stuck_rank_named_by_the_stall_watch_before_the_timeout(tmp_path):
     runs = launch(train_tiny, (3, ARGS), WORLD, tmp_path, rank_env=rank_location_env(4),
                   env={**WATCH, faults.INJECT_ENV: "rank=2,phase=grad_reduce,iteration=2,action=hang"},
