@@ -484,7 +484,7 @@ def choices(a) -> tuple[list[Choice], dict]:
                               ["memory_bytes"]["total"] for lu in {t[2] for t in trials})
             if state_floor + act + reserve > limit:
                 trials = trials[-1:]
-            fitting, last = [], None
+            fitting, fallback = [], None
             for d, r, lu, emb in trials:
                 p = cached_plan(plan_argv(a, world, k, (d, r), lu, emb))
                 # The state and the construction peak are the base plan's but for split
@@ -496,18 +496,21 @@ def choices(a) -> tuple[list[Choice], dict]:
                 fits = total <= limit and construction <= limit
                 if fits or (d, r, lu, emb) == trials[-1]:
                     cost = knob_cost_s(a, p, rc, b, (d, r), lu, emb)
-                    last = Choice(rc, b, k, state, act, total, fits,
-                                  step_seconds(a, p, rc, b) + cost, transient, int(reserve),
-                                  construction, d, r, cost, lu, emb)
+                    c = Choice(rc, b, k, state, act, total, fits,
+                               step_seconds(a, p, rc, b) + cost, transient, int(reserve),
+                               construction, d, r, cost, lu, emb)
                     if fits:
-                        fitting.append(last)
+                        fitting.append(c)
+                    else:
+                        fallback = c   # none fits: the last tried, the least transient
             # The fastest setting that fits, but a setting tried later (further from the
             # engine's defaults and the recorded traces) only where it is projected
-            # KNOB_GAIN faster; none fits: the last tried, the least transient.
+            # KNOB_GAIN faster.
             if fitting:
                 best = min(c.step_s for c in fitting)
-                last = next(c for c in fitting if c.step_s <= best * (1 + KNOB_GAIN))
-            out.append(last)
+                out.append(next(c for c in fitting if c.step_s <= best * (1 + KNOB_GAIN)))
+            else:
+                out.append(fallback)
     return out, base
 
 
