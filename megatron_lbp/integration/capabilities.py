@@ -121,6 +121,9 @@ class Environment:
     triton: str | None
     flash_attn: str | None
     torch_build: str
+    # Why megatron-core's MLP recomputation cannot run with linear biases here (None: it can):
+    # see _parameter_taken_by_function.
+    mlp_recompute_with_bias: str | None = None
 
 
 def probe_environment(device: str | None = None) -> Environment:
@@ -145,7 +148,40 @@ def probe_environment(device: str | None = None) -> Environment:
                              _probe(_imports("flash_attn_interface"))),  # FlashAttention-3
         torch_build=(f"torch {torch.__version__}, CUDA {torch.version.cuda}, "
                      f"ROCm {getattr(torch.version, 'hip', None)}"),
+        mlp_recompute_with_bias=_parameter_taken_by_function(),
     )
+
+
+def _parameter_taken_by_function() -> str | None:
+    """Whether a parameter that a custom autograd Function's forward returns becomes that
+    Function's output (a non-leaf with its grad_fn), as torch 2.13 does.
+
+    megatron-core 0.19.2 recomputes the MLP (``--recompute-modules mlp``) through
+    tensor_parallel.checkpoint, whose forward returns what the MLP returns: with linear
+    biases that includes linear_fc2's bias parameter itself (skip_bias_add). Taken over
+    like this, the bias's later uses, the recomputation inside the checkpoint's own
+    backward among them, lead back into that backward: it re-enters itself until the
+    stack or the memory runs out (stock Megatron as well as the engine).
+    """
+    import torch
+
+    param = torch.nn.Parameter(torch.zeros(1))
+
+    class ReturnsParameter(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            with torch.no_grad():
+                return x * 2, param
+
+        @staticmethod
+        def backward(ctx, grad, grad_param):
+            return grad * 2
+
+    ReturnsParameter.apply(torch.ones(1, requires_grad=True))
+    if param.is_leaf:
+        return None
+    return (f"torch {torch.__version__} makes a parameter returned by a custom autograd "
+            "Function that Function's output")
 
 
 def _first_of(*missing: str | None) -> str | None:
@@ -297,6 +333,7 @@ def resolve_training_argv(argv: Sequence[str], *, device: str | None = None,
     _layer_norm(argv, env, impl, add)
     _bias_fusions(argv, env, add)
     _attention(argv, env, impl)
+    _recompute_modules(argv, env)
     _cpu_only(argv, env, add)
     _eval_interval(argv, add)
 
@@ -395,6 +432,44 @@ def _attention(argv, env: Environment, impl: str) -> None:
         raise CapabilityError(f"{what} needs a flash-attn package for Transformer Engine's "
                               f"FlashAttention backend, and none imports ({env.flash_attn}): use "
                               "--attention-backend auto, or install flash-attn")
+
+
+def _option_values(argv: Sequence[str], flag: str) -> list[str]:
+    """The values of the last ``flag V1 V2 ...`` / ``flag=V`` (an nargs='*' option)."""
+    values: list[str] = []
+    for i, tok in enumerate(argv):
+        if tok == flag:
+            values = []
+            for nxt in argv[i + 1:]:
+                if nxt.startswith("--"):
+                    break
+                values.append(nxt)
+        elif tok.startswith(flag + "="):
+            values = [tok[len(flag) + 1:]]
+    return values
+
+
+def _recompute_modules(argv, env: Environment) -> None:
+    """Selective recomputation modules whose megatron-core 0.19.2 code path cannot run here
+    (stock Megatron fails the same way; refused before any process starts)."""
+    if flag_value(argv, "--recompute-granularity") != "selective":
+        return
+    modules = _option_values(argv, "--recompute-modules")
+    if "layernorm" in modules and env.te:
+        # CheckpointWithoutOutput sets ``self.fp8 = fp8 is not None`` (always true) and its
+        # forward then reads TE's FP8GlobalStateManager: a NameError at the first forward.
+        raise CapabilityError(
+            "--recompute-modules layernorm needs Transformer Engine in megatron-core 0.19.2 "
+            "(its CheckpointWithoutOutput reads TE's fp8 state whether or not fp8 is on), and "
+            f"it is not importable here ({env.te}): leave layernorm out of --recompute-modules")
+    if ("mlp" in modules and not given(argv, "--disable-bias-linear")
+            and not given(argv, "--num-experts") and env.mlp_recompute_with_bias):
+        raise CapabilityError(
+            "--recompute-modules mlp with linear biases (Megatron's default): megatron-core "
+            "0.19.2 recomputes the MLP through a checkpoint function that returns "
+            f"linear_fc2's bias parameter, and {env.mlp_recompute_with_bias}, so the backward "
+            "re-enters the checkpoint without end: add --disable-bias-linear, or leave mlp out "
+            "of --recompute-modules")
 
 
 def _cpu_only(argv, env: Environment, add) -> None:

@@ -33,6 +33,10 @@ class TinyGPTSpec:
     # Full activation recomputation, one layer per checkpoint: each layer's
     # forward runs again inside the backward pass (forward pre-hooks fire there).
     recompute: bool = False
+    # Selective recomputation of these megatron-core modules (--recompute-modules, e.g.
+    # "core_attn", "layernorm", "mlp"); empty: none. Their forward runs again inside the
+    # backward, through megatron-core's checkpoint functions.
+    recompute_modules: tuple[str, ...] = ()
     # Megatron's two weight-init paths: the whole weight drawn from the CPU
     # generator (--use-cpu-initialization), or on the device under the CUDA
     # RNG tracker (on CPU ranks through megatron_lbp.integration.compat's mappings).
@@ -147,6 +151,8 @@ def tiny_gpt_config(spec: TinyGPTSpec = TinyGPTSpec()):
         **arch,
         **(dict(recompute_granularity="full", recompute_method="uniform",
                 recompute_num_layers=1) if spec.recompute else {}),
+        **(dict(recompute_granularity="selective", recompute_modules=list(spec.recompute_modules))
+           if spec.recompute_modules else {}),
     )
 
 

@@ -528,6 +528,12 @@ PRETRAIN = [
           ["--transformer-impl transformer_engine", "Transformer Engine"], slow=False),
     train("LBP_DEVICE=gpu where torch sees no GPU", lambda c: _base(c), ["LBP_DEVICE=gpu"],
           env={"LBP_DEVICE": "gpu"}, slow=False),
+    # megatron-core 0.19.2's recomputation paths that cannot run here (stock Megatron neither:
+    # tests/multirank/test_recompute_modules.py)
+    train("--recompute-modules mlp with linear biases",
+          lambda c: _base(c, "--hier-partition", "--recompute-granularity", "selective",
+                          "--recompute-modules", "core_attn", "mlp"),
+          ["--recompute-modules mlp with linear biases", "--disable-bias-linear"], slow=False),
     # these reach Megatron's parser (a start-up each)
     train("--hier-collective-timeout-s too short for the NCCL verdict",
           lambda c: _base(c, "--hier-partition", "--hier-collective-timeout-s", "20"),

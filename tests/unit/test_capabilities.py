@@ -6,6 +6,7 @@ real ones; GPU-run rules are resolved here with ``device="gpu"``.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import shlex
@@ -287,3 +288,41 @@ def test_train_iters_without_eval_interval_gets_one_past_the_last_iteration(pres
     assert len(reasons) == 1 and "no default" in reasons[0], reasons
     assert added(["--train-iters", "3", "--eval-interval", "2"], "gpu") == ([], [])
     assert added(["--train-samples", "48"], "gpu") == ([], [])
+
+
+SELECTIVE = ["--recompute-granularity", "selective"]
+
+
+def test_recompute_modules_megatron_core_cannot_run_here_are_refused(present):
+    """``mlp`` with linear biases (the backward re-enters megatron-core's checkpoint without
+    end) and ``layernorm`` without Transformer Engine (a NameError at the first forward):
+    tests/multirank/test_recompute_modules.py shows both failures in stock megatron-core."""
+    taken = "torch X makes a parameter returned by a custom autograd Function that Function's output"
+    env = dataclasses.replace(caps.probe_environment("cpu"), mlp_recompute_with_bias=taken)
+
+    def refusal(argv, env=env):
+        try:
+            resolve_training_argv(ARGS + argv, env=env)
+        except CapabilityError as err:
+            assert "\n" not in str(err), str(err)
+            return str(err)
+        return None
+
+    for mods in (["core_attn", "mlp"], ["mlp", "core_attn"]):
+        why = refusal(SELECTIVE + ["--recompute-modules", *mods])
+        assert why and why.startswith("--recompute-modules mlp with linear biases") and taken in why, why
+    assert refusal(SELECTIVE + ["--recompute-modules=mlp"]), "the --flag=value spelling"
+    for argv in (SELECTIVE + ["--recompute-modules", "mlp", "--disable-bias-linear"],
+                 ["--recompute-granularity", "full", "--recompute-modules", "mlp"],
+                 SELECTIVE + ["--recompute-modules", "mlp", "--recompute-modules", "core_attn"],
+                 SELECTIVE + ["--recompute-modules", "core_attn", "moe_act"]):
+        assert refusal(argv) is None, argv
+    assert refusal(SELECTIVE + ["--recompute-modules", "mlp"],
+                   dataclasses.replace(env, mlp_recompute_with_bias=None)) is None
+
+    norm = SELECTIVE + ["--recompute-modules", "core_attn", "layernorm"]
+    why = refusal(norm)
+    assert why and why.startswith("--recompute-modules layernorm needs Transformer Engine"), why
+    present("transformer_engine")
+    assert refusal(norm, caps.probe_environment("gpu")) is None
+
