@@ -16,5 +16,21 @@ def flag_value(argv: Sequence[str], flag: str) -> str | None:
     return value
 
 
+def flag_values(argv: Sequence[str], flag: str) -> list[str]:
+    """The values of the last ``flag V1 V2 ...`` / ``flag=V`` in argv (an nargs='*' option
+    such as --recompute-modules), or []."""
+    values: list[str] = []
+    for i, tok in enumerate(argv):
+        if tok == flag:
+            values = []
+            for nxt in argv[i + 1:]:
+                if nxt.startswith("--"):
+                    break
+                values.append(nxt)
+        elif tok.startswith(flag + "="):
+            values = [tok[len(flag) + 1:]]
+    return values
+
+
 def given(argv: Sequence[str], flag: str) -> bool:
     return any(tok == flag or tok.startswith(flag + "=") for tok in argv)

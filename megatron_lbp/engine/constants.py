@@ -40,3 +40,7 @@ DEFAULT_EMBEDDING_BACKWARD_GATHER = "gather"
 # returns. Each layer then costs one collective more per phase (a latency each).
 LAYER_UNITS = ("whole", "split")
 DEFAULT_LAYER_UNIT = "whole"
+# Why split layers are refused with full recomputation (the engine, the plan and the launcher
+# say it in their own flags' names).
+SPLIT_WITH_FULL_RECOMPUTE = ("the recomputed layer needs both halves gathered at once, so "
+                             "splitting saves nothing in the backward")

@@ -65,7 +65,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from megatron_lbp.core.argv import flag_value, given  # noqa: F401 - callers read them here too
+from megatron_lbp.core.argv import flag_value, flag_values, given  # noqa: F401 - callers read them here too
 
 DEVICE_ENV = "LBP_DEVICE"
 PROG = "python -m megatron_lbp.capabilities"
@@ -434,27 +434,12 @@ def _attention(argv, env: Environment, impl: str) -> None:
                               "--attention-backend auto, or install flash-attn")
 
 
-def _option_values(argv: Sequence[str], flag: str) -> list[str]:
-    """The values of the last ``flag V1 V2 ...`` / ``flag=V`` (an nargs='*' option)."""
-    values: list[str] = []
-    for i, tok in enumerate(argv):
-        if tok == flag:
-            values = []
-            for nxt in argv[i + 1:]:
-                if nxt.startswith("--"):
-                    break
-                values.append(nxt)
-        elif tok.startswith(flag + "="):
-            values = [tok[len(flag) + 1:]]
-    return values
-
-
 def _recompute_modules(argv, env: Environment) -> None:
     """Selective recomputation modules whose megatron-core 0.19.2 code path cannot run here
     (stock Megatron fails the same way; refused before any process starts)."""
     if flag_value(argv, "--recompute-granularity") != "selective":
         return
-    modules = _option_values(argv, "--recompute-modules")
+    modules = flag_values(argv, "--recompute-modules")
     if "layernorm" in modules and env.te:
         # CheckpointWithoutOutput sets ``self.fp8 = fp8 is not None`` (always true) and its
         # forward then reads TE's FP8GlobalStateManager: a NameError at the first forward.

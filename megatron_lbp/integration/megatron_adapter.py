@@ -12,6 +12,7 @@ import torch
 from megatron_lbp.core import patching
 from megatron_lbp.integration.capabilities import META_DEVICE_MESSAGE, conflicting_flag_message
 from megatron_lbp.core.config import EngineOptions, HierConfigError
+from megatron_lbp.engine.constants import SPLIT_WITH_FULL_RECOMPUTE
 
 # Megatron flags that pick another data-parallel implementation.
 CONFLICTING_FLAGS = (
@@ -38,9 +39,8 @@ def check_megatron_args(args: Any) -> None:
                          "(--num-experts / --expert-model-parallel-size)")
     if (getattr(args, "hier_layer_unit", "whole") == "split"
             and getattr(args, "recompute_granularity", None) == "full"):
-        raise ValueError("--hier-layer-unit split with --recompute-granularity full: the "
-                         "recomputed layer needs both halves gathered at once, so splitting "
-                         "saves nothing in the backward; use selective or no recomputation, "
+        raise ValueError(f"--hier-layer-unit split with --recompute-granularity full: "
+                         f"{SPLIT_WITH_FULL_RECOMPUTE}; use selective or no recomputation, "
                          "or --hier-layer-unit whole")
     for attr, flag in (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
                        ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),

@@ -63,6 +63,7 @@ from megatron_lbp.core.config import (DEFAULT_BUCKET_SIZE, DEFAULT_EMBEDDING_BAC
                                       DEFAULT_PREFETCH_UNITS, EMBEDDING_BACKWARD_GATHERS,
                                       LAYER_UNITS, PRESETS)
 from megatron_lbp.launch._cli import PROG, Parser, write_resolved
+from megatron_lbp.engine.constants import SPLIT_WITH_FULL_RECOMPUTE
 
 GB = 1e9
 RECOMPUTE_ORDER = ("none", "selective", "full")   # least recomputation first
@@ -174,28 +175,31 @@ def given_layer_unit(a) -> str:
     return given_setting(a, "hier_layer_unit", DEFAULT_LAYER_UNIT)
 
 
+def _settings_to_try(a, name: str, default: str, options: tuple[str, ...],
+                     may_vary: bool) -> list[str]:
+    """A knob's settings a candidate may run with: the one given, else (auto) its default,
+    then the other options where ``may_vary``."""
+    given = getattr(a, name, default)
+    if given != "auto":
+        return [given]
+    return [default] + ([o for o in options if o != default] if may_vary else [])
+
+
 def embedding_settings(a) -> list[str]:
     """The embedding's backward gather a candidate may run with: the one given, else (auto)
     gather, then skip where the engine runs the scheme (skip trains bit for bit like gather
     and only removes a collective: tried wherever gather does not fit)."""
-    given = getattr(a, "hier_embedding_backward_gather", DEFAULT_EMBEDDING_BACKWARD_GATHER)
-    if given != "auto":
-        return [given]
-    if a.preset not in PRESETS:
-        return [DEFAULT_EMBEDDING_BACKWARD_GATHER]
-    return list(EMBEDDING_BACKWARD_GATHERS)
+    return _settings_to_try(a, "hier_embedding_backward_gather",
+                            DEFAULT_EMBEDDING_BACKWARD_GATHER, EMBEDDING_BACKWARD_GATHERS,
+                            a.preset in PRESETS)   # PRESETS: the engine's schemes
 
 
 def layer_units(a, recompute: str) -> list[str]:
     """The layer units a candidate may run with: the one given, else (auto) whole, then split
     where the engine runs the scheme and the recomputation is not full (the recomputed layer
     needs both halves at once)."""
-    given = getattr(a, "hier_layer_unit", DEFAULT_LAYER_UNIT)
-    if given != "auto":
-        return [given]
-    if recompute == "full" or a.preset not in PRESETS:   # PRESETS: the engine's schemes
-        return [DEFAULT_LAYER_UNIT]
-    return list(LAYER_UNITS)
+    return _settings_to_try(a, "hier_layer_unit", DEFAULT_LAYER_UNIT, LAYER_UNITS,
+                            recompute != "full" and a.preset in PRESETS)
 
 
 # Megatron's architecture flags this estimate reads (the model its parameter count, state,
@@ -893,8 +897,8 @@ def main(argv=None) -> int:
         print(f"{PROG}: error: --peak-tflops={a.peak_tflops:g} must be > 0", file=sys.stderr)
         return 2
     if given_layer_unit(a) == "split" and a.recompute == "full":
-        print(f"{PROG}: error: HIER_LAYER_UNIT=split with RECOMPUTE=full: the recomputed "
-              "layer needs both halves gathered at once, so the engine refuses it; use "
+        print(f"{PROG}: error: HIER_LAYER_UNIT=split with RECOMPUTE=full: "
+              f"{SPLIT_WITH_FULL_RECOMPUTE} (the engine refuses it); use "
               "RECOMPUTE=selective, none or auto", file=sys.stderr)
         return 2
     try:   # the architecture, before any plan is made (groups dividing the heads, ...)

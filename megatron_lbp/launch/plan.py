@@ -67,6 +67,7 @@ from megatron_lbp.core.config import (DEFAULT_BUCKET_SIZE, PRESETS, HierConfigEr
                                  max_pending_reduces_from_args, prefetch_units_from_args,
                                  resolve_hier_config)
 from megatron_lbp.core.layout import LayoutError
+from megatron_lbp.engine.constants import SPLIT_WITH_FULL_RECOMPUTE
 from megatron_lbp.core.topology import (LINK_CLASSES, TopologyError, check_colocation,
                                    emulated_locations, family_link_classes, hierarchy_groups)
 
@@ -294,10 +295,9 @@ def plan_from_args(args: argparse.Namespace, *, knob_table: bool = True) -> dict
                         costs.DEFAULT_QUANT_BLOCK)
     bucket = _int_or_none("--bucket-size", args.bucket_size)
     if args.hier_layer_unit == "split" and args.recompute == "full":
-        raise UsageError("--hier-layer-unit split with --recompute full: the recomputed layer "
-                         "needs both halves gathered at once, so splitting saves nothing in "
-                         "the backward (the engine refuses it); plan --recompute selective or "
-                         "none")
+        raise UsageError(f"--hier-layer-unit split with --recompute full: "
+                         f"{SPLIT_WITH_FULL_RECOMPUTE} (the engine refuses it); plan "
+                         "--recompute selective or none")
     units = _model_units(args, bucket)
     numels = [n for _, n in units]
 

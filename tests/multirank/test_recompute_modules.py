@@ -13,7 +13,6 @@ megatron_lbp.integration.capabilities before any process starts
 (tests/unit/test_capabilities.py); the first test shows, in stock megatron-core, the
 failure each refusal prevents, and that the refusal's probe sees what megatron-core does.
 """
-import pytest
 import torch
 
 from megatron_lbp.engine.schedule import in_autograd_backward
@@ -97,7 +96,3 @@ def test_mlp_recomputation_trains_like_stock_with_whole_and_split_layers():
         for name, w in whole.params.items():
             diff = (split.params[name] - w).abs().max().item()
             assert diff == 0, f"rank {rank}: final {name} split differs from whole by {diff:.3g}"
-
-
-if __name__ == "__main__":
-    pytest.main([__file__, "-q"])
