@@ -435,13 +435,9 @@ def knob_cost_s(a, p: dict, recompute: str, micro_batch_size: int,
     compute = project.ComputeModel(mfu=a.mfu, seq_length=a.seq_length,
                                    micro_batch_size=micro_batch_size,
                                    recompute=recompute == "full")
-    kw = dict(links=link_model(a), compute=compute, tied=not a.untie_embeddings_and_output_weights)
-    if layer_unit == DEFAULT_LAYER_UNIT:
-        return knobs.cost_s(p, units(a, layer_unit), _model(a), chosen, **kw)
-    # Against whole layers at the defaults: the per-phase bytes are the same (but padding).
-    return (knobs.exposed_s(p, units(a, layer_unit), _model(a), chosen, **kw)["step"]
-            - knobs.exposed_s(p, units(a, DEFAULT_LAYER_UNIT), _model(a), knobs.Knobs(),
-                              **kw)["step"])
+    return knobs.cost_s(p, units(a, layer_unit), _model(a), chosen,
+                        default_units=units(a, DEFAULT_LAYER_UNIT), links=link_model(a),
+                        compute=compute, tied=not a.untie_embeddings_and_output_weights)
 
 
 def knob_trials(a, recompute: str) -> list[tuple[int, int, str, str]]:

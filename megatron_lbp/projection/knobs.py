@@ -185,9 +185,15 @@ def exposed_s(plan: Mapping[str, Any], units: Sequence[tuple[str, int]],
 
 
 def cost_s(plan: Mapping[str, Any], units: Sequence[tuple[str, int]], model: Mapping[str, int],
-           knobs: Knobs, **kw) -> float:
-    """Seconds per optimizer step a knob setting adds to the default's exposed communication."""
-    if knobs == Knobs(*DEFAULT):
+           knobs: Knobs, default_units: Sequence[tuple[str, int]] | None = None,
+           **kw) -> float:
+    """Seconds per optimizer step a knob setting adds to the default's exposed communication.
+
+    ``default_units``: the units the default runs with, where the setting's differ (split
+    layers against whole ones, --hier-layer-unit; the per-phase bytes are the same but for
+    padding); None: ``units``. Negative where smaller units pipeline closer."""
+    default_units = units if default_units is None else default_units
+    if knobs == Knobs(*DEFAULT) and default_units == units:
         return 0.0
     return (exposed_s(plan, units, model, knobs, **kw)["step"]
-            - exposed_s(plan, units, model, Knobs(*DEFAULT), **kw)["step"])
+            - exposed_s(plan, default_units, model, Knobs(*DEFAULT), **kw)["step"])

@@ -95,14 +95,9 @@ def test_the_ranking_is_the_projections_step_times_in_order():
             want = pj.step_time(p, model, compute=compute)["step_s"]
         # a row run with other transient knobs than the engine's defaults adds their exposed
         # time; split layers against whole ones at the defaults
-        if c.layer_unit == "split":
-            want += (knobs.exposed_s(p, estimate.units(a, "split"), model, knobs.Knobs(*c.knobs),
-                                     compute=compute)["step"]
-                     - knobs.exposed_s(p, estimate.units(a, "whole"), model, knobs.Knobs(),
-                                       compute=compute)["step"])
-        else:
-            want += knobs.cost_s(p, estimate.units(a), model, knobs.Knobs(*c.knobs),
-                                 compute=compute)
+        want += knobs.cost_s(p, estimate.units(a, c.layer_unit), model,
+                             knobs.Knobs(*c.knobs, c.embedding_backward_gather),
+                             default_units=estimate.units(a, "whole"), compute=compute)
         assert c.step_s == pytest.approx(want, rel=1e-12), (r, want)
     assert any(k[0] == "replay" for k in checked) and any(k[0] == "idealised" for k in checked)
 
