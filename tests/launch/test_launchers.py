@@ -724,6 +724,31 @@ def _gpt2_data(tmp: Path, env: dict) -> dict:
     return {**paths, "DATA_PATH": out / "docs_text_document"}
 
 
+def _assert_placed_as_the_profile_places(out: str) -> None:
+    """The two-node Slurm job's 8 ranks on the nodes and packages the profile places them on."""
+    for rank in range(8):
+        node, package = rank // 4, (rank % 4) // 2
+        assert re.search(rf"rank {rank} on \S+ node {node} package {package}\n", out)
+
+
+def _assert_health_checked(log: str) -> None:
+    assert log.count("[lbp health] package: all-gather") == 1, log[-2000:]
+    assert "[lbp health] network: " in log and "between node1 and node2" in log
+
+
+def _assert_ran_the_profiles_command(out: str, env: dict, paths: dict, ckpt: Path, cwd: Path,
+                                     overridden: set) -> None:
+    """What the job ran is the profile's own command but for the overrides (issue 16): the
+    job's printout against the dry run of frontier_gpt20b.sh as shipped, same paths."""
+    as_shipped = {k: v for k, v in env.items() if k != "SLURM_CONF"}
+    as_shipped.update({k: str(v) for k, v in paths.items()}, CHECKPOINT_DIR=str(ckpt))
+    real = subprocess.run(["bash", str(FRONTIER), "--dry-run"], capture_output=True, text=True,
+                          cwd=cwd, timeout=300, env=as_shipped)
+    assert real.returncode == 0, real.stderr
+    bad = frontier_small.unexplained(real.stdout, out, overridden)
+    assert not bad, "the job ran more than the profile's overrides change:\n" + "\n".join(bad)
+
+
 @pytest.mark.slow
 def test_local_slurm_short_job(tmp_path, local_slurm):
     """.ci/run's real-Slurm test: scripts/frontier_gpt20b.sh at small size on the two-node
@@ -742,23 +767,14 @@ def test_local_slurm_short_job(tmp_path, local_slurm):
     state = _wait_job(job, env)
     out, err = _logs(jobs, job)
     assert state == "COMPLETED", f"{state}\n{out[-3000:]}\n{err[-3000:]}"
-    for rank in range(8):
-        node, package = rank // 4, (rank % 4) // 2
-        assert re.search(rf"rank {rank} on \S+ node {node} package {package}\n", out)
-    assert out.count("[lbp health] package: all-gather") == 1, out[-2000:]
-    assert "[lbp health] network: " in out and "between node1 and node2" in out
+    _assert_placed_as_the_profile_places(out)
+    _assert_health_checked(out)
     assert "megatron-lbp hierarchy (lbp): W=8 P=2 S=4 G=4 O=8 R=1" in out, out[-3000:]
     losses = _losses(tmp_path / "loss")
     assert sorted(losses) == [1, 2, 3] and all(0 < v < 20 for v in losses.values()), losses
     assert _last_save(out) == 3
-    as_shipped = {k: v for k, v in env.items() if k != "SLURM_CONF"}
-    as_shipped.update({k: str(v) for k, v in paths.items()}, CHECKPOINT_DIR=str(ckpt))
-    real = subprocess.run(["bash", str(FRONTIER), "--dry-run"], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=300, env=as_shipped)
-    assert real.returncode == 0, real.stderr
-    bad = frontier_small.unexplained(real.stdout, out,
+    _assert_ran_the_profiles_command(out, env, paths, ckpt, tmp_path,
                                      set(run_env) | {"LBP_WALLTIME", "EXTRA_ARGS"})
-    assert not bad, "the job ran more than the profile's overrides change:\n" + "\n".join(bad)
     job = _sbatch(env, jobs, **{**run_env, "DATA_PATH": tmp_path / "missing",
                                 "CHECKPOINT_DIR": tmp_path / "c2"})
     assert _wait_job(job, env, 120) == "FAILED"
@@ -823,20 +839,11 @@ def test_local_slurm_job(tmp_path, local_slurm):
     assert state == "COMPLETED", f"{state} after {retries}\n{out[-3000:]}\n{err[-3000:]}"
     k1 = _exit_point(out, first)
     second = re.search(r"chain: submitted job (\d+) \(--dependency=afterany:" + first, out).group(1)
-    for rank in range(8):
-        node, package = rank // 4, (rank % 4) // 2
-        assert re.search(rf"rank {rank} on \S+ node {node} package {package}\n", out)
+    _assert_placed_as_the_profile_places(out)
     assert "[lbp_task] placement verified: rank 0 is local rank 0 of node 0 (node1); local " \
            "ranks 0,1 on devices 4,5 = package 2" in out
-    # What the job ran is the profile's own command but for the overrides (issue 16): the
-    # job's printout against the dry run of frontier_gpt20b.sh as shipped, same paths.
-    as_shipped = {k: v for k, v in env.items() if k != "SLURM_CONF"}
-    as_shipped.update({k: str(v) for k, v in paths.items()}, CHECKPOINT_DIR=str(ckpt))
-    real = subprocess.run(["bash", str(FRONTIER), "--dry-run"], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=300, env=as_shipped)
-    assert real.returncode == 0, real.stderr
-    bad = frontier_small.unexplained(real.stdout, out, set(run_env) | {"LBP_WALLTIME"})
-    assert not bad, "the job ran more than the profile's overrides change:\n" + "\n".join(bad)
+    _assert_ran_the_profiles_command(out, env, paths, ckpt, tmp_path,
+                                     set(run_env) | {"LBP_WALLTIME"})
     cmd = training_line(out)
     assert flag(cmd, "--tokenizer-type") == "GPT2BPETokenizer" and "--bf16" in cmd
     assert flag(cmd, "--recompute-granularity") == "full" and flag(cmd, "--hier-secondary-dtype") == "int8"
@@ -851,8 +858,7 @@ def test_local_slurm_job(tmp_path, local_slurm):
     k2 = _last_save(out2)
     assert k1 < k2 <= k1 + 10 and k2 % 10 == 0 and "chain: submitted" not in out2
     for log in (out, out2):
-        assert log.count("[lbp health] package: all-gather") == 1, log[-2000:]
-        assert "[lbp health] network: " in log and "between node1 and node2" in log
+        _assert_health_checked(log)
     # retention (newest 2 + milestones every 10000): SAVE_INTERVAL=auto is 10000 at this
     # size, so the two exits' checkpoints are the ones written, and both are kept
     kept = sorted(int(p.name[5:]) for p in ckpt.glob("iter_*"))
