@@ -521,7 +521,14 @@ PRETRAIN = [
         (["--overlap-param-gather"], ["--overlap-param-gather", "--hier-overlap"]),
         (["--use-torch-fsdp2"], ["--use-torch-fsdp2"]),
         (["--use-megatron-fsdp"], ["--use-megatron-fsdp"]),
-        (["--init-model-with-meta-device"], ["--init-model-with-meta-device", "uninitialized"])]],
+        (["--init-model-with-meta-device"], ["--init-model-with-meta-device", "uninitialized"]),
+        # features that read whole weights between steps, where a rank holds only its slices
+        (["--check-weight-hash-across-dp-replicas-interval", "2"],
+         ["--check-weight-hash-across-dp-replicas-interval 2", "only its slices"]),
+        (["--save-params-interval", "2"], ["--save-params-interval 2", "only its slices"]),
+        (["--save-wgrads-interval", "2"], ["--save-wgrads-interval 2", "only its slices"]),
+        (["--qk-clip"], ["--qk-clip", "only its slices"]),
+        (["--log-max-attention-logit"], ["--log-max-attention-logit", "only its slices"])]],
     # what this environment cannot serve (after torch is imported, before Megatron)
     train("--transformer-impl transformer_engine without Transformer Engine",
           lambda c: _base(c, "--transformer-impl", "transformer_engine"),
