@@ -105,11 +105,15 @@ def test_params_norm_and_zero_count_equal_stock_megatrons(stock, lbp):
 
 
 @pytest.mark.slow
-def test_zero_count_with_untouched_embedding_rows_equals_stock_megatrons(demo_dataset):
+def test_zero_count_and_evaluation_between_steps_equal_stock_megatrons(demo_dataset):
     """Untied input embeddings: the rows of tokens no batch holds have zero gradients (tied ones
-    do not: the output layer's softmax reaches every row), so the counts are not all 0."""
+    do not: the output layer's softmax reaches every row), so the counts are not all 0. An
+    evaluation every 2 iterations and after training reads the weights between steps, through
+    the forward's gathers: its validation losses are stock Megatron's."""
+    import re
+
     untied = ["--untie-embeddings-and-output-weights", *SERVED_READERS]
-    extra = ["--train-iters", "4"]
+    extra = ["--train-iters", "4", "--eval-interval", "2", "--eval-iters", "2"]
     code, stock_log, _ = run_pretrain(8, _args(demo_dataset, "--use-distributed-optimizer",
                                                *untied) + extra)
     assert code == 0, why(stock_log)
@@ -117,6 +121,11 @@ def test_zero_count_with_untouched_embedding_rows_equals_stock_megatrons(demo_da
     assert code == 0, why(lbp_log)
     assert min(_printed_per_iteration(stock_log, "num zeros").values()) > 0, stock_log[-2000:]
     _assert_readers_equal(lbp_log, stock_log, 4)
+    validation = re.compile(r"validation loss at (iteration \d+[^|]*)\|.*?lm loss value: ([\dE+\-.]+)")
+    mine, theirs = validation.findall(lbp_log), validation.findall(stock_log)
+    assert len(theirs) == 3 and [w for w, _ in mine] == [w for w, _ in theirs], (mine, theirs)
+    bad = [(w, a, b) for (w, a), (_, b) in zip(mine, theirs) if not close(float(a), float(b))]
+    assert not bad, f"validation losses that differ (lbp, stock): {bad}"
 
 
 def test_resume_and_reshard_through_megatrons_checkpointing(demo_dataset, lbp, tmp_path):
