@@ -14,7 +14,7 @@ from megatron_lbp.integration.capabilities import (META_DEVICE_MESSAGE, READS_RE
                                                    conflicting_flag_message,
                                                    released_weights_message)
 from megatron_lbp.core.config import EngineOptions, HierConfigError
-from megatron_lbp.engine.constants import SPLIT_WITH_FULL_RECOMPUTE
+from megatron_lbp.core.vocabulary import SPLIT_WITH_FULL_RECOMPUTE
 
 # Megatron flags that pick another data-parallel implementation.
 CONFLICTING_FLAGS = (

@@ -41,7 +41,7 @@ import os
 import sys
 from typing import Any
 
-from megatron_lbp.integration.preflight import one_line
+from megatron_lbp.core.errors import one_line
 
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 OFFLINE_HINT = "there is no network on compute nodes"

@@ -48,6 +48,11 @@ def enabled(args: Any) -> bool:
     return bool(getattr(args, "hier_partition", False))
 
 
+def hierarchy() -> Any:
+    """The engine's hierarchy once the model is wrapped (None before, and without the engine)."""
+    return _state["hier"]
+
+
 # 0 -------------------------------------------------------------------------------------
 def resolve_flags() -> None:
     """What both training entries do before Megatron parses: sys.argv resolved in place.
@@ -498,14 +503,14 @@ def _train_hook(orig_train):
         except SystemExit as err:
             # --exit-interval / --exit-duration-in-mins stop every rank with sys.exit(0) here.
             if err.code in (0, None):
-                result.finish(args)
+                result.finish(args, _state["hier"])
             else:
-                result.fail(args, err)
+                result.fail(args, err, _state["hier"])
             raise
         except BaseException as err:
-            result.fail(args, err)
+            result.fail(args, err, _state["hier"])
             raise
-        result.finish(args)
+        result.finish(args, _state["hier"])
         return out
 
     return train
@@ -517,7 +522,7 @@ def hook_checkpointing_module(ns: dict) -> None:
 
     patching.apply(HOOKS["maybe_msc"], checkpoint_guard.AtomicTrackerStorage, where=ns)
     if os.environ.get("LBP_TEST_STALL_SAVE"):
-        from megatron_lbp.testing import save_stall  # test-only seam: loaded only when asked for
+        from megatron_lbp.integration import save_stall  # test-only seam: loaded only when asked for
 
         save_stall.install()
 
