@@ -365,7 +365,7 @@ def install_gpt2_bpe_from_files() -> None:
     ``megatron.core.tokenizers.text.libraries`` each time it builds a tokenizer
     (``MegatronTokenizerText._restore_model``), so replacing that name reaches
     every builder: megatron.training's global tokenizer, the dataset config of
-    pretrain_gpt.py (ours and Megatron-LM's) and scripts/preprocess_data.py.
+    pretrain_gpt.py (ours and Megatron-LM's) and python -m megatron_lbp.preprocess_data.
     The BERT word-piece types, which share the class, keep megatron-core's.
     """
     def make(original):

@@ -65,7 +65,7 @@ def _check_data(args) -> dict[str, Any]:
     prefixes = _data_prefixes(args)
     if not prefixes and not getattr(args, "data_args_path", None):
         raise PreflightError("--data-path is missing: give the prefix of a preprocessed dataset "
-                             "(scripts/preprocess_data.py writes <prefix>.bin/.idx) or --mock-data")
+                             "(python -m megatron_lbp.preprocess_data writes <prefix>.bin/.idx) or --mock-data")
     datasets = {}
     for prefix in prefixes:
         for ext in (".bin", ".idx"):

@@ -3,7 +3,7 @@
 Called by both training entries on the command line before Megatron is
 imported when it names ``--tokenizer-type`` (``check_argv`` from
 training_hooks.resolve_flags), again on Megatron's parsed arguments (preflight,
-before any process group or model), and by scripts/preprocess_data.py before
+before any process group or model), and by python -m megatron_lbp.preprocess_data before
 anything is written. A tokenizer that cannot work is a ``TokenizerInputError`` whose
 message is one line saying what is missing. Imports nothing from Megatron.
 
