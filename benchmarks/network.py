@@ -110,7 +110,7 @@ def _trainer(scheme: str, spec, train, ranks_per_node: int, trace_dir: str | Non
     if scheme == FSDP:
         return setup_fsdp(spec, train)
     if scheme in DS_SCHEMES:
-        from benchmarks.deepspeed.trainer import setup_deepspeed
+        from megatron_lbp.deepspeed_baseline.trainer import setup_deepspeed
 
         return setup_deepspeed(spec, train, scheme, ranks_per_node=ranks_per_node)
     trace = ["--hier-trace", trace_path(trace_dir, scheme)] if trace_dir else []

@@ -50,7 +50,7 @@ def figures(median_s: float, compute_s: float, link_s: float) -> dict[str, float
 
 def recorded_causes(record: Mapping[str, Any]) -> dict[str, dict[str, float]]:
     """Exposed seconds per phase of one trace record, split into at_once and ahead."""
-    from megatron_lbp.projection.trace import exposed
+    from megatron_lbp.engine.trace_summary import exposed
 
     ends = sorted(i["end_seq"] for i in record["compute"] if i.get("end_seq") is not None)
     out = {ph: {"exposed_s": 0.0, "at_once_s": 0.0, "ahead_s": 0.0} for ph in PHASES_ALL}

@@ -17,13 +17,12 @@ Without ``--micro-batches``, K=1 and K=4 are both run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import traceback
 from typing import Any
 
-from benchmarks.deepspeed.schemes import SCHEMES as DS_SCHEMES
+from megatron_lbp.deepspeed_baseline.schemes import SCHEMES as DS_SCHEMES
 from benchmarks import traffic as engine_traffic
 from megatron_lbp.core.costs import LINK_CLASS_ORDER
 
@@ -31,33 +30,12 @@ ENGINE_SCHEMES = ("lbp", "zero3", "zeropp")
 SCHEMES = ENGINE_SCHEMES + DS_SCHEMES
 
 
-@contextlib.contextmanager
-def _deepspeed_bound_functions_wrapped():
-    """deepspeed.comm's torch backend binds all_gather_into_tensor and reduce_scatter_tensor
-    when it starts (``TorchBackend.all_gather_function`` / ``reduce_scatter_function``), so
-    the wrapper, which replaces torch.distributed's attributes, would not see ZeRO-3's
-    parameter gathers and gradient reduce-scatters; point them at the (wrapped) attributes
-    for the block. Called inside count_collectives."""
-    import torch.distributed as dist
-    from deepspeed.comm import comm
-
-    cdb = comm.cdb
-    saved = (cdb.all_gather_function, cdb.reduce_scatter_function)
-    names = (saved[0].__name__, saved[1].__name__)
-    cdb.all_gather_function = getattr(dist, names[0])
-    cdb.reduce_scatter_function = getattr(dist, names[1])
-    try:
-        yield
-    finally:
-        cdb.all_gather_function, cdb.reduce_scatter_function = saved
-
-
 def ds_rank_traffic(scheme: str, micro_batches: int, bucket_size: int | None,
                     gpus_per_node: int) -> dict[str, Any]:
     """On every rank: two steps of a DeepSpeed scheme, the second counted by the wrapper."""
     import torch.distributed as dist
 
-    from benchmarks.deepspeed.trainer import setup_deepspeed
+    from megatron_lbp.deepspeed_baseline.trainer import collectives_visible, setup_deepspeed
     from benchmarks.stock_accounting import count_collectives
     from megatron_lbp.core.topology import emulated_locations
 
@@ -66,7 +44,7 @@ def ds_rank_traffic(scheme: str, micro_batches: int, bucket_size: int | None,
                                    engine_traffic.GCDS_PER_PACKAGE)
     trainer = setup_deepspeed(spec, train, scheme, ranks_per_node=gpus_per_node)
     result = trainer.run(range(engine_traffic.COUNTED_STEP))
-    with count_collectives(locations) as ledger, _deepspeed_bound_functions_wrapped():
+    with count_collectives(locations) as ledger, collectives_visible():
         trainer.run([engine_traffic.COUNTED_STEP], result=result)
     return {"wrapper": ledger.by_class(), "losses": result.losses,
             "calls": engine_traffic._call_summary(ledger.calls)}

@@ -32,9 +32,9 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_lbp.engine.constants import (DEFAULT_EMBEDDING_BACKWARD_GATHER,
-                                           DEFAULT_LAYER_UNIT, EMBEDDING_BACKWARD_GATHERS,
-                                           LAYER_UNITS, MAX_PENDING_REDUCES)
+from megatron_lbp.core.vocabulary import (DEFAULT_EMBEDDING_BACKWARD_GATHER,
+                                          DEFAULT_LAYER_UNIT, EMBEDDING_BACKWARD_GATHERS,
+                                          LAYER_UNITS, MAX_PENDING_REDUCES)
 
 __all__ = [
     "PRESETS",

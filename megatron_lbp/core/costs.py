@@ -73,9 +73,9 @@ from fractions import Fraction
 from typing import Any, Mapping, Sequence
 
 # The engine's own names for what it does; pure, so the cost model stays torch-free.
-from megatron_lbp.engine.constants import (DEFAULT_EMBEDDING_BACKWARD_GATHER,
-                                           EMBEDDING_BACKWARD_GATHERS, MAX_PENDING_REDUCES,
-                                           PHASES, SPLIT_KINDS, UNIT_KINDS)
+from megatron_lbp.core.vocabulary import (DEFAULT_EMBEDDING_BACKWARD_GATHER,
+                                          EMBEDDING_BACKWARD_GATHERS, MAX_PENDING_REDUCES,
+                                          PHASES, SPLIT_KINDS, UNIT_KINDS)
 from megatron_lbp.core.layout import plan_bucket
 
 LINK_CLASS_ORDER = ("package", "node", "network")

@@ -11,7 +11,7 @@ that declares and applies it), a short name, the target it replaces
   engine (``--hier-partition``), the atomic checkpoint tracker, the log line;
 - ``megatron_lbp.integration.megatron_adapter``: the offline GPT-2 BPE tokenizer;
 - ``megatron_lbp.engine.faults``: naming a lost peer before the traceback;
-- ``megatron_lbp.testing.save_stall``: a test-only seam, imported only when
+- ``megatron_lbp.integration.save_stall``: a test-only seam, imported only when
   ``LBP_TEST_STALL_SAVE`` is set.
 
 :func:`apply` is the only idiom: it replaces the target with ``make(original)``
@@ -38,7 +38,7 @@ OWNERS = (
     "megatron_lbp.integration.training_hooks",
     "megatron_lbp.integration.megatron_adapter",
     "megatron_lbp.engine.faults",
-    "megatron_lbp.testing.save_stall",
+    "megatron_lbp.integration.save_stall",
 )
 
 

@@ -34,7 +34,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from megatron_lbp.engine.constants import UNIT_KINDS
+from megatron_lbp.core.vocabulary import UNIT_KINDS
 
 
 @dataclass(frozen=True)

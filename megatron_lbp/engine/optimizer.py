@@ -95,6 +95,8 @@ class HierDistributedOptimizer(mcore.megatron_optimizer()):
                     shard._lbp_bucket_state = st
                     shard._lbp_range = (lo, hi)
                     shard._lbp_name = slot.name
+                    # Megatron's norm and zero count skip a weight another one shares (PP > 1).
+                    shard._lbp_shared = bool(getattr(slot.param, "shared", False))
                     shard_of_param[id(slot.param)] = [shard]
         groups = []
         for group in param_groups:
@@ -164,14 +166,45 @@ class HierDistributedOptimizer(mcore.megatron_optimizer()):
             for shard in group["params"]:
                 lo, hi = shard._lbp_range
                 shard.grad = shard._lbp_bucket_state.grad[lo:hi]
+        num_zeros = (self._count_zeros() if getattr(self.config, "log_num_zeros_in_grad", False)
+                     else None)
         self.optimizer.step()
         self._drop_grads()
         if interval is not None:
             trace.compute_end(interval)
         self._gather_updated_weights()
-        num_zeros = None
         self._finish_step()
         return True, grad_norm, num_zeros
+
+    def _own_pieces(self):
+        """This rank's fp32 master slice of each weight Megatron counts (not a shared copy)."""
+        for group in self.optimizer.param_groups:
+            for shard in group["params"]:
+                if not shard._lbp_shared:
+                    yield shard
+
+    def _sum_over_optimizer_group(self, value: torch.Tensor) -> float:
+        # The O-group holds every element exactly once (each replica group the same sum).
+        self.comm.all_reduce(value, "optim", CONTROL)
+        return value.item()
+
+    def _count_zeros(self) -> int:
+        """--log-num-zeros-in-grad: zero elements of the clipped gradients, over all ranks (as
+        Megatron's count_zeros_fp32 counts its main gradients after clipping)."""
+        zeros = torch.zeros((), dtype=torch.float64, device=self._device)
+        for shard in self._own_pieces():
+            zeros += shard.grad.numel() - torch.count_nonzero(shard.grad)
+        return int(self._sum_over_optimizer_group(zeros))
+
+    @torch.no_grad()
+    def params_norm(self) -> float:
+        """--log-params-norm: the L2 norm of the fp32 master weights, from this rank's slices
+        (Megatron's calc_params_l2_norm reads the same values from whole weights, which a
+        rank does not hold between steps)."""
+        sq = torch.zeros((), dtype=torch.float64, device=self._device)
+        for shard in self._own_pieces():
+            sq += shard.double().pow(2).sum()
+        return math.sqrt(self._sum_over_optimizer_group(sq))
 
     def _reduce_to_optimizer_slices(self) -> None:
         for model in self.models:

@@ -25,7 +25,7 @@ from megatron_lbp.hf.dcp_write import Chunk, write_torch_dist
 from megatron_lbp.hf.reader import HFWeights
 
 ARGS_FILE = "megatron_args.txt"
-TOKENIZER_ARGS_FILE = "tokenizer_args.txt"      # the tokenizer part alone, for scripts/preprocess_data.py
+TOKENIZER_ARGS_FILE = "tokenizer_args.txt"      # the tokenizer part alone, for python -m megatron_lbp.preprocess_data
 HF_FILES_DIR = "hf"
 RELEASE = "release"
 # Everything of a model directory but its weights: config, generation config, tokenizer files.

@@ -39,7 +39,8 @@ Under ``--hier-partition`` the flags the engine cannot serve are refused here
 as well, before any process group (:data:`UNSERVABLE`): CUDA graphs in every
 form, fp8 parameter gathers, Megatron DDP's own overlap flags, the FSDP
 wrappers, Megatron's meta-device initialization (the engine builds the model
-sharded itself). Gradient-accumulation fusion, which stays on when Apex's kernel
+sharded itself), and the features that read every parameter's whole weights
+between steps, where a rank holds only its slices (:data:`READS_RELEASED_WEIGHTS`). Gradient-accumulation fusion, which stays on when Apex's kernel
 imports, the engine serves: each parameter's ``main_grad`` is a view of its
 bucket's fp32 gradient buffer (engine/buckets.py).
 
@@ -257,6 +258,25 @@ META_DEVICE_MESSAGE = (
     "uninitialized: drop it")
 
 
+# Megatron features that read every parameter's weights (or main_grad) between steps, where a
+# rank holds only its slices (engine/buckets.py frees the gathered copy after its last use):
+# flag -> what it reads. --log-params-norm and --log-num-zeros-in-grad are served instead, from
+# the optimizer's fp32 master slices and gradient slices (engine/optimizer.py).
+READS_RELEASED_WEIGHTS = {
+    "--check-weight-hash-across-dp-replicas-interval": "hashes each rank's whole weights",
+    "--save-params-interval": "saves each parameter's whole weights after the step",
+    "--save-wgrads-interval": "saves each parameter's whole main_grad after the backward",
+    "--qk-clip": "rescales the whole query and key weights after the step",
+    "--log-max-attention-logit": "reads the whole query and key weights after the step",
+}
+
+
+def released_weights_message(flag: str, what: str) -> str:
+    """Also megatron_adapter.check_megatron_args' message for the parsed flag."""
+    return (f"--hier-partition cannot serve {flag}: it {what}, and between steps a rank holds "
+            "only its slices of them; drop it")
+
+
 def conflicting_flag_message(flag: str) -> str:
     """Also megatron_adapter.check_megatron_args' message for the parsed flag."""
     return (f"--hier-partition cannot be combined with {flag}: both replace Megatron's "
@@ -280,6 +300,8 @@ UNSERVABLE = (
     Unservable(lambda o, v: o in ("--use-torch-fsdp2", "--use-megatron-fsdp"),
                lambda o: conflicting_flag_message(o.split()[0])),
     Unservable(lambda o, v: o == "--init-model-with-meta-device", lambda o: META_DEVICE_MESSAGE),
+    Unservable(lambda o, v: o in READS_RELEASED_WEIGHTS,
+               lambda o: released_weights_message(o, READS_RELEASED_WEIGHTS[o.split()[0]])),
 )
 
 

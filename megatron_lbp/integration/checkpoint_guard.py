@@ -99,9 +99,9 @@ class AtomicTrackerStorage:
 
 
 def _before_replace(iteration: str):
-    """The test-only stall point before the tracker swap (testing/save_stall.py), None unless asked for."""
+    """The test-only stall point before the tracker swap (integration/save_stall.py), None unless asked for."""
     if not os.environ.get("LBP_TEST_STALL_SAVE"):
         return None
-    from megatron_lbp.testing import save_stall
+    from megatron_lbp.integration import save_stall
 
     return lambda: save_stall.stall("tracker", iteration)

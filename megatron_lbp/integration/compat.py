@@ -58,7 +58,7 @@ on a GPU:
 Elsewhere, each declared in the same registry: the megatron.training hooks
 (training_hooks.py), the offline GPT-2 BPE tokenizer (megatron_adapter.py), the
 lost-peer excepthook (engine/faults.py) and a test-only seam loaded only when its
-variable is set (testing/save_stall.py).
+variable is set (integration/save_stall.py).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 :func:`build_demo_data` turns ``data_src/python-docs-3.11.jsonl.gz`` into
 Megatron's indexed dataset with ``tokenizer/lbp_bpe.model`` (through
-scripts/preprocess_data.py, so exactly what a user's run of it would write) and
+``python -m megatron_lbp.preprocess_data``'s code, so exactly what a user's run writes) and
 returns the prefix to pass as ``--data-path``. It is idempotent: a stamp file
 records the SHA-256 of the corpus and the tokenizer model, and a second call
 with both unchanged returns at once. The tokenizer is built first if missing.
@@ -16,7 +16,6 @@ Train on it with::
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import warnings
@@ -26,20 +25,8 @@ REPO = Path(__file__).resolve().parents[2]
 CORPUS = REPO / "data_src" / "python-docs-3.11.jsonl.gz"
 TOKENIZER_MODEL = REPO / "tokenizer" / "lbp_bpe.model"
 TOKENIZER_TYPE = "SentencePieceTokenizer"
-DEMO_NAME = "lbp_demo"  # output prefix given to preprocess_data.py
+DEMO_NAME = "lbp_demo"  # output prefix given to preprocess_data
 DATA_PREFIX_NAME = f"{DEMO_NAME}_text_document"  # what --data-path names
-
-
-def _load_script(rel: str, name: str):
-    import sys
-
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO / rel)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # so its classes pickle (multiprocessing workers)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _sha256(path: Path) -> str:
@@ -49,7 +36,8 @@ def _sha256(path: Path) -> str:
 def ensure_tokenizer(model: Path = TOKENIZER_MODEL) -> Path:
     """The shipped tokenizer model; built from the shipped corpus if it is missing."""
     if not model.is_file():
-        build = _load_script("tokenizer/build_tokenizer.py", "_lbp_build_tokenizer")
+        from megatron_lbp.integration import build_tokenizer as build
+
         rc = build.main(["--out", str(model.with_suffix(""))])
         if rc != 0:
             raise RuntimeError(f"building the tokenizer {model} failed (exit {rc})")
@@ -88,7 +76,8 @@ def build_demo_data(out_dir: str | os.PathLike, *, quiet: bool = False) -> str:
         if all(have.get(k) == v for k, v in want.items()):
             return prefix
 
-    pre = _load_script("scripts/preprocess_data.py", "_lbp_preprocess_data")
+    from megatron_lbp.integration import preprocess_data as pre
+
     argv = [
         "--input", str(CORPUS),
         "--output-prefix", str(out / DEMO_NAME),

@@ -11,7 +11,7 @@ written; transformers is not a requirement, so that is not re-checked.)
 same two files on the whole shipped corpus.
 
 ``<|endoftext|>`` is GPT-2's end of document (Megatron's ``eod``, appended by
-scripts/preprocess_data.py) and, as in transformers' GPT-2 tokenizer, also its
+python -m megatron_lbp.preprocess_data) and, as in transformers' GPT-2 tokenizer, also its
 bos/eos/unk. Like Megatron-LM's own GPT-2 tokenizer it has no pad token: asked
 for one, it raises AttributeError, and Megatron's GPTDataset then pads with its
 own -1, which it masks out of the loss.

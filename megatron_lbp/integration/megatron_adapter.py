@@ -10,9 +10,11 @@ from typing import Any, Iterable
 import torch
 
 from megatron_lbp.core import patching
-from megatron_lbp.integration.capabilities import META_DEVICE_MESSAGE, conflicting_flag_message
+from megatron_lbp.integration.capabilities import (META_DEVICE_MESSAGE, READS_RELEASED_WEIGHTS,
+                                                   conflicting_flag_message,
+                                                   released_weights_message)
 from megatron_lbp.core.config import EngineOptions, HierConfigError
-from megatron_lbp.engine.constants import SPLIT_WITH_FULL_RECOMPUTE
+from megatron_lbp.core.vocabulary import SPLIT_WITH_FULL_RECOMPUTE
 
 # Megatron flags that pick another data-parallel implementation.
 CONFLICTING_FLAGS = (
@@ -34,6 +36,9 @@ def check_megatron_args(args: Any) -> None:
             raise ValueError(conflicting_flag_message(flag))
     if getattr(args, "init_model_with_meta_device", False):
         raise ValueError(META_DEVICE_MESSAGE)
+    for flag, what in READS_RELEASED_WEIGHTS.items():
+        if getattr(args, flag[2:].replace("-", "_"), None) not in (None, False):
+            raise ValueError(released_weights_message(flag, what))
     if (getattr(args, "expert_model_parallel_size", 1) or 1) > 1 or getattr(args, "num_experts", None):
         raise ValueError("--hier-partition does not support expert-parallel (MoE) models yet "
                          "(--num-experts / --expert-model-parallel-size)")
@@ -360,7 +365,7 @@ def install_gpt2_bpe_from_files() -> None:
     ``megatron.core.tokenizers.text.libraries`` each time it builds a tokenizer
     (``MegatronTokenizerText._restore_model``), so replacing that name reaches
     every builder: megatron.training's global tokenizer, the dataset config of
-    pretrain_gpt.py (ours and Megatron-LM's) and scripts/preprocess_data.py.
+    pretrain_gpt.py (ours and Megatron-LM's) and python -m megatron_lbp.preprocess_data.
     The BERT word-piece types, which share the class, keep megatron-core's.
     """
     def make(original):

@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from megatron_lbp.core.errors import one_line
+
 # Arguments that decide tensor shapes: a checkpoint saved with other values cannot load.
 SHAPE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
               "num_query_groups", "padded_vocab_size", "max_position_embeddings")
@@ -63,7 +65,7 @@ def _check_data(args) -> dict[str, Any]:
     prefixes = _data_prefixes(args)
     if not prefixes and not getattr(args, "data_args_path", None):
         raise PreflightError("--data-path is missing: give the prefix of a preprocessed dataset "
-                             "(scripts/preprocess_data.py writes <prefix>.bin/.idx) or --mock-data")
+                             "(python -m megatron_lbp.preprocess_data writes <prefix>.bin/.idx) or --mock-data")
     datasets = {}
     for prefix in prefixes:
         for ext in (".bin", ".idx"):
@@ -208,9 +210,3 @@ def _check_checkpoint_files(load: str, ckpt: str) -> None:
         have = os.path.getsize(path)
         if have < size:
             raise PreflightError(f"--load {load}: {path} is truncated ({have} of {size} bytes)")
-
-
-def one_line(err: Exception) -> str:
-    """``Type: first line of the message``: library errors can run to many lines."""
-    text = str(err)
-    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"

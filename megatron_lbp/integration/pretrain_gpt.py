@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
         # LBP_RESULT_FILE: a run that dies in its setup leaves a failed result too (the train
         # loop records its own failures first; fail() keeps the first reason).
         if not (isinstance(err, SystemExit) and err.code in (0, None)):
-            result.fail(args, err)
+            result.fail(args, err, training_hooks.hierarchy())
         raise
 
 

@@ -137,10 +137,8 @@ def summarize_times(times: dict[int, float], skip: int) -> dict:
     return out
 
 
-def _describe(args: Any) -> dict:
-    from megatron_lbp.integration import training_hooks
-
-    hier = training_hooks._state.get("hier")
+def _describe(args: Any, hier: Any) -> dict:
+    """What ran: ``hier`` is the engine's hierarchy (None for stock Megatron or before it exists)."""
     _, world = _rank_world()
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1
     pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
@@ -197,7 +195,7 @@ def _reduce(values: list[float], op: str) -> list[float]:
     return t.cpu().tolist()
 
 
-def finish(args: Any) -> None:
+def finish(args: Any, hier: Any = None) -> None:
     """End of a successful loop; every rank calls it (two all_reduces), the last rank writes."""
     if not _rec:
         return
@@ -222,7 +220,7 @@ def finish(args: Any) -> None:
     if not _writer():
         _rec.clear()
         return
-    result = _common(args, "ok", None)
+    result = _common(args, "ok", None, hier)
     step = result["step_time"]
     if gpu:
         result["peak_memory_per_gcd"] = {"source": MEMORY_SOURCES["gpu"], "allocated_bytes": int(mem[0]),
@@ -265,10 +263,10 @@ def finish(args: Any) -> None:
     _rec.clear()
 
 
-def _common(args: Any, status: str, reason: str | None) -> dict:
+def _common(args: Any, status: str, reason: str | None, hier: Any) -> dict:
     out = {"schema": SCHEMA, "status": status, "reason": reason}
     try:
-        out.update(_describe(args))
+        out.update(_describe(args, hier))
     except Exception as err:  # a failure before the args were complete: keep what is known
         out["describe_error"] = f"{err.__class__.__name__}: {err}"
     out["step_time"] = {"source": "wall clock between training_log calls on the last rank",
@@ -277,13 +275,13 @@ def _common(args: Any, status: str, reason: str | None) -> dict:
     return out
 
 
-def fail(args: Any, err: BaseException) -> None:
+def fail(args: Any, err: BaseException, hier: Any = None) -> None:
     """The loop (or the setup) raised: record status and reason from whichever rank saw it."""
     if not path():
         return
     rank, _ = _rank_world()
     reason = f"rank {rank}: {err.__class__.__name__}: {' '.join(str(err).split())[:500]}"
-    result = _common(args, "failed", reason) if args is not None else {
+    result = _common(args, "failed", reason, hier) if args is not None else {
         "schema": SCHEMA, "status": "failed", "reason": reason}
     try:
         existing = load(path())

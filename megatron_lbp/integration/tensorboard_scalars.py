@@ -16,7 +16,7 @@ the last rank, where Megatron writes its scalars too), at the iteration as the s
 - on GPU, ``peak memory/{allocated,reserved}``: torch.cuda's peaks over the interval (reset
   after each write);
 - with --hier-trace, ``exposed communication seconds``: the last traced step's time spent
-  waiting on collectives (megatron_lbp.projection.trace.step_summary of the engine's record).
+  waiting on collectives (megatron_lbp.engine.trace_summary.step_summary of the engine's record).
 
 The interval log line gets " tokens/s X |" appended, so the log carries every figure written
 that is not there already.
@@ -51,7 +51,7 @@ def scalars(iteration: int, args: Any, report: dict | None, optimizer: Any = Non
         torch.cuda.reset_peak_memory_stats()
     record = _last_trace_record(optimizer)
     if record is not None:
-        from megatron_lbp.projection.trace import step_summary
+        from megatron_lbp.engine.trace_summary import step_summary
 
         out["exposed communication seconds"] = step_summary(record)["exposed_s"]
     return out

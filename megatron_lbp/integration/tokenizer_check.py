@@ -3,7 +3,7 @@
 Called by both training entries on the command line before Megatron is
 imported when it names ``--tokenizer-type`` (``check_argv`` from
 training_hooks.resolve_flags), again on Megatron's parsed arguments (preflight,
-before any process group or model), and by scripts/preprocess_data.py before
+before any process group or model), and by python -m megatron_lbp.preprocess_data before
 anything is written. A tokenizer that cannot work is a ``TokenizerInputError`` whose
 message is one line saying what is missing. Imports nothing from Megatron.
 
@@ -41,7 +41,7 @@ import os
 import sys
 from typing import Any
 
-from megatron_lbp.integration.preflight import one_line
+from megatron_lbp.core.errors import one_line
 
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 OFFLINE_HINT = "there is no network on compute nodes"

@@ -48,6 +48,11 @@ def enabled(args: Any) -> bool:
     return bool(getattr(args, "hier_partition", False))
 
 
+def hierarchy() -> Any:
+    """The engine's hierarchy once the model is wrapped (None before, and without the engine)."""
+    return _state["hier"]
+
+
 # 0 -------------------------------------------------------------------------------------
 def resolve_flags() -> None:
     """What both training entries do before Megatron parses: sys.argv resolved in place.
@@ -322,6 +327,9 @@ HOOKS = {
                           "the per-interval bytes line, the loss log and the result file"),
     "save_checkpoint": _hook("megatron.training.training:save_checkpoint",
                              "a resubmitted finished job does not rewrite the checkpoint it loaded"),
+    "calc_params_l2_norm": _hook("megatron.training.training:calc_params_l2_norm",
+                                 "--log-params-norm from the optimizer's master slices: a rank "
+                                 "holds no whole weight between steps"),
     "train": _hook("megatron.training.training:train",
                    "the result file's start and end; the last step's gathers settled"),
     "maybe_msc": _hook("megatron.training.checkpointing:maybe_msc",
@@ -427,7 +435,7 @@ def hook_dist_utils_module(ns: dict) -> None:
 
 def hook_training_module(ns: dict) -> None:
     """megatron/training/training.py: get_model's model construction and DDP wrapping, the
-    optimizer, the log line, the end-of-training save and train itself."""
+    optimizer, the log line, the parameter norm, the end-of-training save and train itself."""
     def optimizer_hook(orig_opt):
         @functools.wraps(orig_opt)
         def get_optimizer(config, model_chunks, *a, **k):
@@ -456,7 +464,16 @@ def hook_training_module(ns: dict) -> None:
             return orig_save(iteration, *a, **k)
         return save_checkpoint
 
+    def params_norm_hook(orig_norm):
+        @functools.wraps(orig_norm)
+        def calc_params_l2_norm(model, *a, **k):
+            if enabled(_current_args()):
+                return _state["optimizers"][-1].params_norm()
+            return orig_norm(model, *a, **k)
+        return calc_params_l2_norm
+
     patching.apply(HOOKS["get_model"], _building_sharded, where=ns)
+    patching.apply(HOOKS["calc_params_l2_norm"], params_norm_hook, where=ns)
     patching.apply(HOOKS["train"], _train_hook, where=ns)
     patching.apply(HOOKS["wrap_model_chunks_with_ddp"], _ddp_wrap_hook, where=ns)
     patching.apply(HOOKS["get_megatron_optimizer"], optimizer_hook, where=ns)
@@ -486,14 +503,14 @@ def _train_hook(orig_train):
         except SystemExit as err:
             # --exit-interval / --exit-duration-in-mins stop every rank with sys.exit(0) here.
             if err.code in (0, None):
-                result.finish(args)
+                result.finish(args, _state["hier"])
             else:
-                result.fail(args, err)
+                result.fail(args, err, _state["hier"])
             raise
         except BaseException as err:
-            result.fail(args, err)
+            result.fail(args, err, _state["hier"])
             raise
-        result.finish(args)
+        result.finish(args, _state["hier"])
         return out
 
     return train
@@ -505,7 +522,7 @@ def hook_checkpointing_module(ns: dict) -> None:
 
     patching.apply(HOOKS["maybe_msc"], checkpoint_guard.AtomicTrackerStorage, where=ns)
     if os.environ.get("LBP_TEST_STALL_SAVE"):
-        from megatron_lbp.testing import save_stall  # test-only seam: loaded only when asked for
+        from megatron_lbp.integration import save_stall  # test-only seam: loaded only when asked for
 
         save_stall.install()
 

@@ -63,7 +63,7 @@ from megatron_lbp.core.config import (DEFAULT_BUCKET_SIZE, DEFAULT_EMBEDDING_BAC
                                       DEFAULT_PREFETCH_UNITS, EMBEDDING_BACKWARD_GATHERS,
                                       LAYER_UNITS, PRESETS)
 from megatron_lbp.launch._cli import PROG, Parser, write_resolved
-from megatron_lbp.engine.constants import SPLIT_WITH_FULL_RECOMPUTE
+from megatron_lbp.core.vocabulary import SPLIT_WITH_FULL_RECOMPUTE
 
 GB = 1e9
 RECOMPUTE_ORDER = ("none", "selective", "full")   # least recomputation first

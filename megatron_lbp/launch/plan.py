@@ -67,7 +67,7 @@ from megatron_lbp.core.config import (DEFAULT_BUCKET_SIZE, PRESETS, HierConfigEr
                                  max_pending_reduces_from_args, prefetch_units_from_args,
                                  resolve_hier_config)
 from megatron_lbp.core.layout import LayoutError
-from megatron_lbp.engine.constants import SPLIT_WITH_FULL_RECOMPUTE
+from megatron_lbp.core.vocabulary import SPLIT_WITH_FULL_RECOMPUTE
 from megatron_lbp.core.topology import (LINK_CLASSES, TopologyError, check_colocation,
                                    emulated_locations, family_link_classes, hierarchy_groups)
 

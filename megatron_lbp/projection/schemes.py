@@ -4,7 +4,7 @@
 projection (its plans and its recorded traces) each run a subset (their own
 ``SCHEMES``, a tuple of names from here); a scheme added here is one that every
 one of them can be given, with the same flags. The DeepSpeed schemes are
-benchmarks/deepspeed's (they do not run through the engine).
+megatron_lbp/deepspeed_baseline's (they do not run through the engine).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ STOCK_SCHEMES = (DISTOPT, FSDP)
 # The engine preset whose sharding (and so, on the cost model, whose traffic) each stock
 # scheme has: bench traffic at K=1 counts megatron-distopt 609,120 vs zero2's 610,560 bytes,
 # megatron-fsdp 850,560 vs zero3's 814,080 on the network.
-# DeepSpeed's schemes (benchmarks/deepspeed/: ZeRO-3, hpZ, ZeRO++ = hpZ + qwZ + qgZ), modelled
+# DeepSpeed's schemes (megatron_lbp/deepspeed_baseline/: ZeRO-3, hpZ, ZeRO++ = hpZ + qwZ + qgZ), modelled
 # as the presets that gather as they do (docs/deepspeed-baseline.md: ds-zero3 sends 1.4 % less
 # than the plan tool's zero3 with bf16 gradients; hpZ's node-sized secondary copy is zeropp's;
 # the model has no term for qgZ's int4 all-to-all, so ds-zeropp is modelled without it).

@@ -55,7 +55,7 @@ import sys
 from typing import Any, Iterable, Sequence
 
 from megatron_lbp.engine.comm import ALL_PHASES
-from megatron_lbp.engine.trace import PASSES
+from megatron_lbp.engine.trace_summary import exposed, step_summary  # noqa: F401 (read here too)
 # The reader is torch-free (the launcher's dry run replays the committed traces); named
 # here too for the tools that read traces through this module.
 from megatron_lbp.projection.trace_records import TRACE_FORMAT_VERSION, TraceError, read_records
@@ -64,32 +64,6 @@ PROG = "python -m megatron_lbp.projection trace"
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         raise TraceError(message)
-
-
-def exposed(c: dict[str, Any]) -> float:
-    """Seconds the rank waited on collective ``c`` before it came back (0 if never waited)."""
-    if c.get("done") is None:
-        return 0.0
-    start = max(c["issued"], c["wait"] if c.get("wait") is not None else c["issued"])
-    return max(0.0, c["done"] - start)
-
-
-def step_summary(record: dict[str, Any]) -> dict[str, Any]:
-    """One rank's one step: exposed time, count and bytes per phase; compute per pass."""
-    phases = {ph: {"exposed_s": 0.0, "count": 0, "bytes": 0} for ph in ALL_PHASES}
-    for c in record["collectives"]:
-        row = phases[c["phase"]]
-        row["count"] += 1
-        row["bytes"] += c["bytes"]
-        row["exposed_s"] += exposed(c)
-    for c in record.get("carried", []):
-        phases[c["phase"]]["exposed_s"] += exposed(c)
-    compute = dict.fromkeys(PASSES, 0.0)
-    for i in record["compute"]:
-        if i["end"] is not None:
-            compute[i["pass"]] += i["end"] - i["start"]
-    return {"step_s": record["t_end"] - record["t_start"], "compute_s": compute,
-            "phases": phases, "exposed_s": sum(p["exposed_s"] for p in phases.values())}
 
 
 def _mean(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -28,7 +28,7 @@ SCHEMES = ("lbp", "zeropp", "zero3", "distopt") + DS_SCHEMES
 # optimizer "distopt", as HIER_PRESET does).
 COST_AS = {"distopt": MODELLED_AS[DISTOPT], **{s: MODELLED_AS[s] for s in DS_SCHEMES}}
 # hpZ partitions a secondary copy over one node: on one node it would be the whole job
-# (benchmarks/deepspeed/schemes.py refuses it), so these schemes start at two nodes.
+# (megatron_lbp/deepspeed_baseline/schemes.py refuses it), so these schemes start at two nodes.
 MIN_NODES = {"ds-hpz": 2, "ds-zeropp": 2}
 
 

@@ -114,7 +114,7 @@
 #                 hsdp: 0]  HIER_SECONDARY_DTYPE [int8]
 #     HIER_PRESET=ds-zero3 | ds-hpz | ds-zeropp: DeepSpeed's ZeRO-3 / hpZ / ZeRO++ (hpZ + qwZ +
 #                 qgZ) on the same model, data, tokenizer and batch: each task runs python -m
-#                 benchmarks.deepspeed.pretrain (docs/deepspeed-baseline.md) instead of
+#                 megatron_lbp.deepspeed_baseline.pretrain (docs/deepspeed-baseline.md) instead of
 #                 pretrain_gpt; the dry run prints its DeepSpeed config. Needs DeepSpeed in the
 #                 Python env (bash scripts/install.sh --test); saves no checkpoint (no --chain,
 #                 START_FROM, MEGATRON_LM_DIR); refuses HIER_SECONDARY_GROUP_SIZE /

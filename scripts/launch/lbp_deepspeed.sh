@@ -1,7 +1,7 @@
 # shellcheck shell=bash disable=SC2034  # sets the launcher's ENTRY, ENTRY_DESC and LBP_EST_*
 # The DeepSpeed baseline in the launcher (sourced by lbp_launch.sh): HIER_PRESET=ds-zero3,
-# ds-hpz or ds-zeropp runs benchmarks/deepspeed's pretrain runner (python -m
-# benchmarks.deepspeed.pretrain, docs/deepspeed-baseline.md) on the same model, data,
+# ds-hpz or ds-zeropp runs megatron_lbp/deepspeed_baseline's pretrain runner (python -m
+# megatron_lbp.deepspeed_baseline.pretrain, docs/deepspeed-baseline.md) on the same model, data,
 # tokenizer and batch as the profile's pretrain_gpt job, so that the comparison with lbp is
 # one variable away. Everything else (site environment, srun line, health check, the
 # per-task wrapper) is the profile's own.
@@ -86,9 +86,8 @@ lbp_ds_check_nodes() {
 # The runner as each task's entry; DeepSpeed must import (a benchmark dependency:
 # bash scripts/install.sh --test installs it).
 lbp_ds_entry() {
-  export PYTHONPATH=$LBP_REPO${PYTHONPATH:+:$PYTHONPATH}  # benchmarks/ is not an installed package
   local version
-  if ! version=$(cd "$LBP_REPO" && "$LBP_PYTHON" -c "from benchmarks.deepspeed import environment
+  if ! version=$("$LBP_PYTHON" -c "from megatron_lbp.deepspeed_baseline import environment
 environment.prepare()
 import deepspeed
 print(deepspeed.__version__)" 2>"$LBP_TMP/deepspeed-import"); then
@@ -98,12 +97,12 @@ print(deepspeed.__version__)" 2>"$LBP_TMP/deepspeed-import"); then
     return
   fi
   version=$(tail -1 <<<"$version")
-  ENTRY=("$LBP_PYTHON" -u -m benchmarks.deepspeed.pretrain --ds-scheme "$HIER_PRESET"
+  ENTRY=("$LBP_PYTHON" -u -m megatron_lbp.deepspeed_baseline.pretrain --ds-scheme "$HIER_PRESET"
          --ds-ranks-per-node "$TASKS_PER_NODE")
-  ENTRY_DESC="python -m benchmarks.deepspeed.pretrain (DeepSpeed $version, $HIER_PRESET; megatron-core from the Python env)"
+  ENTRY_DESC="python -m megatron_lbp.deepspeed_baseline.pretrain (DeepSpeed $version, $HIER_PRESET; megatron-core from the Python env)"
 }
 
-# The DeepSpeed config the runner will use for this job shape: benchmarks.deepspeed.schemes
+# The DeepSpeed config the runner will use for this job shape: megatron_lbp.deepspeed_baseline.schemes
 # builds it with the function the runner calls, from the same values (the runner prints the
 # one it uses at its start, "[<scheme>] DeepSpeed config: ...").
 lbp_ds_print_config() {
@@ -113,10 +112,10 @@ lbp_ds_print_config() {
               --ranks-per-node "$TASKS_PER_NODE" --clip-grad "$CLIP_GRAD")
   [ "$PRECISION" = bf16 ] && args+=(--bf16)
   local out
-  out=$(cd "$LBP_REPO" && "$LBP_PYTHON" -m benchmarks.deepspeed.schemes "${args[@]}") || {
+  out=$("$LBP_PYTHON" -m megatron_lbp.deepspeed_baseline.schemes "${args[@]}") || {
     lbp_die 2 "no DeepSpeed config for this job shape (above)"; return; }
   lbp_log "DeepSpeed config ($HIER_PRESET, $WORLD ranks, $TASKS_PER_NODE per node; python -m" \
-    "benchmarks.deepspeed.schemes $(lbp_quote "${args[@]}")):"
+    "megatron_lbp.deepspeed_baseline.schemes $(lbp_quote "${args[@]}")):"
   local line
   while IFS= read -r line; do echo "[lbp]   $line"; done <<<"$out"
   lbp_log "checkpoints: none (the DeepSpeed runner runs TRAIN_ITERS=$TRAIN_ITERS iterations and" \

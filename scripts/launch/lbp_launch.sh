@@ -105,7 +105,7 @@
 #                       its secondary group size: the node for lbp and zeropp, 0 otherwise;
 #                       HIER_PRESET=distopt: stock Megatron's --use-distributed-optimizer instead,
 #                       the study's baseline; HIER_PRESET=ds-zero3|ds-hpz|ds-zeropp: DeepSpeed's
-#                       schemes by benchmarks/deepspeed's runner, scripts/launch/lbp_deepspeed.sh)
+#                       schemes by megatron_lbp/deepspeed_baseline's runner, scripts/launch/lbp_deepspeed.sh)
 #   HIER_GRAD_REDUCE_DTYPE  fp32 (default) or bf16: the gradient shard and its reductions, in
 #                       training (--hier-grad-reduce-dtype) and in the memory estimate alike
 #   HIER_PREFETCH_UNITS HIER_MAX_PENDING_REDUCES  the engine's transient knobs: units gathered
@@ -259,13 +259,13 @@ lbp_check_hierarchy() {
 lbp_check_paths() {
   if [ "${MOCK_DATA:-0}" != 1 ]; then
     [ -n "${DATA_PATH:-}" ] || { lbp_die 2 "DATA_PATH is not set: export DATA_PATH=<prefix of" \
-      "the .bin/.idx files made by scripts/preprocess_data.py> (or MOCK_DATA=1 for synthetic data)"; return; }
+      "the .bin/.idx files made by python -m megatron_lbp.preprocess_data> (or MOCK_DATA=1 for synthetic data)"; return; }
     local w
     for w in $DATA_PATH; do
       [[ "$w" =~ ^[0-9.eE+-]+$ ]] && continue  # a blend weight
       if [ ! -f "$w.bin" ] || [ ! -f "$w.idx" ]; then
         lbp_die 2 "DATA_PATH: $w.bin / $w.idx not found: set DATA_PATH to an existing data" \
-          "prefix (scripts/preprocess_data.py makes them)"
+          "prefix (python -m megatron_lbp.preprocess_data makes them)"
         return
       fi
     done

@@ -19,7 +19,7 @@
 #   STUDY_SCHEMES        [lbp,zeropp,zero3,distopt]; zeropp gathers its secondary copy in the node,
 #                        zero3 and distopt have none, lbp keeps the profile's; the DeepSpeed
 #                        schemes ds-zero3, ds-hpz, ds-zeropp (HIER_PRESET=ds-*: the launcher runs
-#                        benchmarks/deepspeed's runner on the same model and data; ds-hpz and
+#                        megatron_lbp/deepspeed_baseline's runner on the same model and data; ds-hpz and
 #                        ds-zeropp from 2 nodes) write the same result file
 #   STUDY_SCALING        weak (fixed micro-batches per GCD: STUDY_MICRO_BATCHES [1]) or strong
 #                        (fixed global batch: STUDY_GLOBAL_BATCH [the profile's GLOBAL_BATCH_SIZE])

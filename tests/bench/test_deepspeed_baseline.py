@@ -1,7 +1,7 @@
-"""DeepSpeed ZeRO-3 / ZeRO++ (benchmarks/deepspeed) trains like stock Megatron and lbp.
+"""DeepSpeed ZeRO-3 / ZeRO++ (megatron_lbp/deepspeed_baseline) trains like stock Megatron and lbp.
 
 The same tiny megatron-core GPT, batches and AdamW maths under
-``deepspeed.initialize`` (benchmarks.deepspeed.trainer), beside stock Megatron
+``deepspeed.initialize`` (megatron_lbp.deepspeed_baseline.trainer), beside stock Megatron
 DDP + DistributedOptimizer and the engine's presets, in the same gloo ranks.
 
 - fp32, constant LR: ds-zero3 and ds-hpz give the same losses, reported gradient
@@ -16,7 +16,7 @@ DDP + DistributedOptimizer and the engine's presets, in the same gloo ranks.
 The default suite runs the 4-rank fp32 case (one launch); 8 ranks as 2 emulated
 nodes (hpZ, qgZ's hierarchical path) are slow-marked. The fast launch JIT-builds
 nothing: DeepSpeed's CPU shared-memory comm op, which only its inference all-reduce
-uses, is skipped (benchmarks/deepspeed/environment.py; its build was 25-45 s of the
+uses, is skipped (megatron_lbp/deepspeed_baseline/environment.py; its build was 25-45 s of the
 first run in a fresh environment), and the launch runs with an empty
 TORCH_EXTENSIONS_DIR to show it.
 """
@@ -40,7 +40,7 @@ from tests.engine.test_engine_equivalence import (FP32_REL, assert_ranks_hold_th
 from tests.multirank.test_quant_training import MIN_GAP, REL, WARMUP
 
 # find_spec, not importorskip: importing deepspeed here (the ranks import this module too)
-# would let it pick its accelerator before benchmarks.deepspeed.environment sets it up.
+# would let it pick its accelerator before megatron_lbp.deepspeed_baseline.environment sets it up.
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="DeepSpeed is a test dependency: scripts/install.sh --test")
 
@@ -53,7 +53,7 @@ DROPPED = "ds-zero3, micro-batch 0 of each step dropped (broken)"
 @contextlib.contextmanager
 def wrong_learning_rate(factor: float = 1.5):
     """The runner's AdamW groups carry lr x ``factor`` (a learning rate wired wrongly)."""
-    from benchmarks.deepspeed import trainer
+    from megatron_lbp.deepspeed_baseline import trainer
 
     orig = trainer.megatron_param_groups
 
@@ -77,7 +77,7 @@ def wrong_learning_rate(factor: float = 1.5):
 @contextlib.contextmanager
 def dropped_micro_batch(micro_batches: int, dropped: int = 0):
     """Micro-batch ``dropped`` of every step runs forward and logs its loss but adds no gradient."""
-    from benchmarks.deepspeed import trainer
+    from megatron_lbp.deepspeed_baseline import trainer
 
     orig = trainer.tiny_gpt.forward_loss
     calls = [0]
@@ -103,7 +103,7 @@ def train_runs(spec, train, configs: dict, ranks_per_node: int, faults: dict | N
     a DeepSpeed scheme name, or (scheme name, zero_optimization overrides).
     ``steps``: name -> steps, for configurations that train fewer than ``train.steps``.
     """
-    from benchmarks.deepspeed.trainer import train_deepspeed
+    from megatron_lbp.deepspeed_baseline.trainer import train_deepspeed
 
     out = {}
     for name, what in configs.items():
@@ -179,7 +179,7 @@ def test_ds_zero3_trains_like_stock_megatron_and_lbp_fp32(fast_runs):
 
 def test_ds_zero3_on_cpu_ranks_jit_builds_nothing(fast_runs, extensions):
     """DeepSpeed's CPU shared-memory comm op serves only inference_all_reduce; its JIT build
-    (25-45 s in a fresh environment) is skipped (benchmarks/deepspeed/environment.py)."""
+    (25-45 s in a fresh environment) is skipped (megatron_lbp/deepspeed_baseline/environment.py)."""
     built = sorted(p.name for p in extensions.iterdir())
     assert not built, f"DeepSpeed JIT-built {built} for ZeRO-3 training on CPU ranks"
 

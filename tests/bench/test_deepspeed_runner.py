@@ -1,4 +1,4 @@
-"""``python -m benchmarks.deepspeed.pretrain``: Megatron's flags and indexed dataset under DeepSpeed.
+"""``python -m megatron_lbp.deepspeed_baseline.pretrain``: Megatron's flags and indexed dataset under DeepSpeed.
 
 Fast: the flag checks (one line, exit 2, before any rank starts work). Slow: the
 config it prints for a job shape (a fresh interpreter parsing Megatron's flags); the runner with ds-zero3 and ``python -m
@@ -21,7 +21,7 @@ import pytest
 from tests.helpers.pretrain_runner import REPO, demo_data, grad_norms
 
 # find_spec, not importorskip: importing deepspeed here (the ranks import this module too)
-# would let it pick its accelerator before benchmarks.deepspeed.environment sets it up.
+# would let it pick its accelerator before megatron_lbp.deepspeed_baseline.environment sets it up.
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="DeepSpeed is a test dependency: scripts/install.sh --test")
 
@@ -37,7 +37,7 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
 
 def _run(args, env=None, timeout=300):
     full_env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "benchmarks.deepspeed.pretrain", *args],
+    return subprocess.run([sys.executable, "-m", "megatron_lbp.deepspeed_baseline.pretrain", *args],
                           capture_output=True, text=True, cwd=REPO, env=full_env, timeout=timeout)
 
 
@@ -87,7 +87,7 @@ def test_runner_trains_like_stock_pretrain_gpt_on_the_demo_data(tmp_path):
 
     args = MODEL + ["--data-path", demo_data(tmp_path), "--train-iters", str(ITERS)]
     stock = _torchrun("megatron_lbp.pretrain_gpt", args)
-    ds = _torchrun("benchmarks.deepspeed.pretrain", ["--ds-scheme", "ds-zero3", *args])
+    ds = _torchrun("megatron_lbp.deepspeed_baseline.pretrain", ["--ds-scheme", "ds-zero3", *args])
     losses = [{int(i): float(v) for i, v in re.findall(LOSS_LINE, log)} for log in (stock, ds)]
     norms = [grad_norms(log) for log in (stock, ds)]
     assert sorted(norms[0]) == sorted(norms[1]) == list(range(1, ITERS + 1)), norms

@@ -1,7 +1,7 @@
-"""benchmarks/deepspeed/schemes.py: each named scheme's DeepSpeed config, and its refusals (no ranks)."""
+"""megatron_lbp/deepspeed_baseline/schemes.py: each named scheme's DeepSpeed config, and its refusals (no ranks)."""
 import pytest
 
-from benchmarks.deepspeed.schemes import SCHEMES, ds_config
+from megatron_lbp.deepspeed_baseline.schemes import SCHEMES, ds_config
 
 SHAPE = dict(micro_batch_size=2, micro_batches=4, dp_size=16, ranks_per_node=8, clip_grad=1.0)
 

@@ -14,7 +14,7 @@ import importlib.util
 import pytest
 
 # find_spec, not importorskip: importing deepspeed here (the ranks import this module too)
-# would let it pick its accelerator before benchmarks.deepspeed.environment sets it up.
+# would let it pick its accelerator before megatron_lbp.deepspeed_baseline.environment sets it up.
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="DeepSpeed is a test dependency: scripts/install.sh --test")
 

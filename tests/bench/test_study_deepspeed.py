@@ -1,5 +1,5 @@
 """The DeepSpeed schemes in the adoption study (issue 29 with issue 28): the plan runs them,
-and their result files (written by benchmarks/deepspeed/pretrain.py through
+and their result files (written by megatron_lbp/deepspeed_baseline/pretrain.py through
 megatron_lbp/integration/study_result.py, recorded in tests/data/study_ds/ by ``python -m
 tests.helpers.study_record_ds``) go through the report beside lbp's (tests/data/study/)."""
 import shutil

@@ -45,7 +45,7 @@ NOTICES = ("megatron-lbp: no accelerator found; CPU runtime for megatron-core is
 # Each entry's exit status for bad input and the start of its message line.
 EXIT = {"plan": 2, "pretrain": 2, "launcher": 2, "apply_patches": 2, "tokenizer_check": 2,
         "preprocess": None}  # preprocess: 2 for argparse's usage errors, 1 for bad input files
-PREFIX = {"plan": ("python -m megatron_lbp.plan: error: ",), "preprocess": ("preprocess_data.py: error: ",),
+PREFIX = {"plan": ("python -m megatron_lbp.plan: error: ",), "preprocess": ("python -m megatron_lbp.preprocess_data: error: ",),
           "tokenizer_check": ("python -m megatron_lbp.tokenizer_check: error: ",),
           "launcher": ("lbp_launch: error: ", "lbp_health: error: "),
           "pretrain": ("python -m megatron_lbp.pretrain_gpt: error: ", "pretrain_gpt.py: error: "),
@@ -521,7 +521,14 @@ PRETRAIN = [
         (["--overlap-param-gather"], ["--overlap-param-gather", "--hier-overlap"]),
         (["--use-torch-fsdp2"], ["--use-torch-fsdp2"]),
         (["--use-megatron-fsdp"], ["--use-megatron-fsdp"]),
-        (["--init-model-with-meta-device"], ["--init-model-with-meta-device", "uninitialized"])]],
+        (["--init-model-with-meta-device"], ["--init-model-with-meta-device", "uninitialized"]),
+        # features that read whole weights between steps, where a rank holds only its slices
+        (["--check-weight-hash-across-dp-replicas-interval", "2"],
+         ["--check-weight-hash-across-dp-replicas-interval 2", "only its slices"]),
+        (["--save-params-interval", "2"], ["--save-params-interval 2", "only its slices"]),
+        (["--save-wgrads-interval", "2"], ["--save-wgrads-interval 2", "only its slices"]),
+        (["--qk-clip"], ["--qk-clip", "only its slices"]),
+        (["--log-max-attention-logit"], ["--log-max-attention-logit", "only its slices"])]],
     # what this environment cannot serve (after torch is imported, before Megatron)
     train("--transformer-impl transformer_engine without Transformer Engine",
           lambda c: _base(c, "--transformer-impl", "transformer_engine"),
@@ -552,11 +559,8 @@ def shared_data(demo_dataset):
 
 @pytest.fixture(scope="module")
 def shared_gpt2(tmp_path_factory):
-    import importlib.util
+    from megatron_lbp.integration import build_gpt2_bpe as build
 
-    spec = importlib.util.spec_from_file_location("_lbp_matrix_gpt2", REPO / "tokenizer" / "build_gpt2_bpe.py")
-    build = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(build)
     return tuple(map(str, build.build(tmp_path_factory.mktemp("gpt2"))))
 
 
@@ -604,7 +608,7 @@ def _run(case: Case, ctx: Ctx, argv: list, env_over: dict, site_env: dict | None
             argv = argv + ["--output-prefix", str(ctx.tmp / "out" / "sub" / "ds")]
         if case.in_process:
             return _preprocess_in_process(argv)
-        cmd, env = [PY, str(REPO / "scripts" / "preprocess_data.py"), *argv], base
+        cmd, env = [PY, "-m", "megatron_lbp.preprocess_data", *argv], base
     elif case.entry == "tokenizer_check":
         cmd, env = [PY, "-m", "megatron_lbp.tokenizer_check", *argv], base
     elif case.entry == "apply_patches":
@@ -631,15 +635,14 @@ def _run(case: Case, ctx: Ctx, argv: list, env_over: dict, site_env: dict | None
 
 
 def _preprocess_in_process(argv):
-    """scripts/preprocess_data.py's main(argv) as its __main__ runs it; an escaping exception fails the row."""
+    """python -m megatron_lbp.preprocess_data's main(argv) as its __main__ runs it; an escaping
+    exception fails the row."""
     import contextlib
-    import importlib.util
     import io
     import types
 
-    spec = importlib.util.spec_from_file_location("_lbp_matrix_preprocess", REPO / "scripts" / "preprocess_data.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from megatron_lbp.integration import preprocess_data as module
+
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:

@@ -1,7 +1,7 @@
 """--tokenizer-type GPT2BPETokenizer from vocab.json + merges.txt with no network (issue 16 items 1-2).
 
 The vocabulary is a byte-level BPE built here from the shipped corpus
-(tokenizer/build_gpt2_bpe.py, GPT-2's file layout). The path under test is
+(megatron_lbp/integration/build_gpt2_bpe.py, GPT-2's file layout). The path under test is
 megatron-core's own ``build_tokenizer`` fed by megatron.training's tokenizer
 flags, with megatron-lbp's GPT-2 library in place
 (``megatron_adapter.install_gpt2_bpe_from_files``, on the Hugging Face
@@ -14,7 +14,7 @@ run has the hub switched off and empty caches (``offline_env``).
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import math
 import os
@@ -41,14 +41,6 @@ EDGE = ["", " ", "  leading and trailing  ", "tabs\tand\r\nCRLF\n\n\nand   runs"
         "text <|endoftext|> more", "<|endoftext|>", "a" * 3000]
 
 
-def _load(rel: str, name: str):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / rel)
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
-
-
 def offline_env(tmp: Path) -> dict:
     """No hub (HF_HUB_OFFLINE) and empty caches: Hugging Face's and Megatron's download cache."""
     for d in ("hf", "torch"):
@@ -59,14 +51,14 @@ def offline_env(tmp: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    build = _load("tokenizer/build_gpt2_bpe.py", "_lbp_build_gpt2_bpe")
+    build = importlib.import_module("megatron_lbp.integration.build_gpt2_bpe")
     vocab, merges = build.build(tmp_path_factory.mktemp("gpt2"), BPE_TOKENS)
     return str(vocab), str(merges)
 
 
 @pytest.fixture(scope="module")
 def docs():
-    return _load("tokenizer/build_gpt2_bpe.py", "_lbp_build_gpt2_bpe").corpus_documents(CORPUS)
+    return importlib.import_module("megatron_lbp.integration.build_gpt2_bpe").corpus_documents(CORPUS)
 
 
 def megatron_tokenizer(*flags: str, divisible_by: int = 128, tp: int = 1):
@@ -126,7 +118,7 @@ def test_built_files_have_gpt2s_layout(files, tmp_path):
     assert sorted(vocab.values()) == list(range(len(vocab)))
     assert len(merges) - 1 == BPE_TOKENS - 256, "one merge per token beyond the 256 bytes"
     assert all(len(line.split(" ")) == 2 for line in merges[1:])
-    build = _load("tokenizer/build_gpt2_bpe.py", "_lbp_build_gpt2_bpe")
+    build = importlib.import_module("megatron_lbp.integration.build_gpt2_bpe")
     again = build.build(tmp_path, BPE_TOKENS)
     assert [p.read_bytes() for p in again] == [Path(f).read_bytes() for f in files], "not reproducible"
 
@@ -188,7 +180,7 @@ def test_extra_special_tokens_take_the_next_ids(files):
 
 
 def _preprocess(out: Path, flags: list[str], docs, env: dict | None = None) -> str:
-    """scripts/preprocess_data.py on ``docs``: in this process, or with ``env`` in a fresh one."""
+    """python -m megatron_lbp.preprocess_data on ``docs``: in this process, or with ``env`` in a fresh one."""
     src = out / "sample.jsonl"
     src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
     argv = ["--input", str(src), "--output-prefix", str(out / "gpt2"), *flags]
@@ -198,10 +190,10 @@ def _preprocess(out: Path, flags: list[str], docs, env: dict | None = None) -> s
 
         stdout, stderr = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-            code = _load("scripts/preprocess_data.py", "_lbp_preprocess_data").main(argv)
+            code = importlib.import_module("megatron_lbp.integration.preprocess_data").main(argv)
         stdout, stderr = stdout.getvalue(), stderr.getvalue()
     else:
-        r = subprocess.run([sys.executable, str(REPO / "scripts" / "preprocess_data.py"), *argv],
+        r = subprocess.run([sys.executable, "-m", "megatron_lbp.preprocess_data", *argv],
                            capture_output=True, text=True, timeout=600,
                            env={**os.environ, "PYTHONWARNINGS": "ignore", **env})
         code, stdout, stderr = r.returncode, r.stdout, r.stderr

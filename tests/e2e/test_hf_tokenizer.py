@@ -13,13 +13,12 @@ from tests.helpers import hf_models
 from tests.helpers.pretrain_runner import REPO
 
 RUN_PREPROCESS = ("import runpy, sys; sys.path.append({extra!r}) if {extra!r} else None; "
-                  "sys.argv = ['preprocess_data.py'] + sys.argv[1:]; "
-                  "runpy.run_path({script!r}, run_name='__main__')")
+                  "runpy.run_module('megatron_lbp.preprocess_data', run_name='__main__', "
+                  "alter_sys=True)")
 
 
 def _preprocess(flags, jsonl, prefix, with_transformers: bool):
-    code = RUN_PREPROCESS.format(extra=hf_env.path() if with_transformers else "",
-                                 script=str(REPO / "scripts" / "preprocess_data.py"))
+    code = RUN_PREPROCESS.format(extra=hf_env.path() if with_transformers else "")
     return subprocess.run([sys.executable, "-c", code, *flags, "--input", str(jsonl),
                            "--output-prefix", str(prefix)],
                           capture_output=True, text=True, timeout=300, cwd=REPO,

@@ -20,6 +20,11 @@ ITERS, SAVED_AT = 20, 10
 LBP8 = ["--hier-partition", "--hier-gpus-per-node", "4", "--ckpt-format", "torch_dist"]
 
 
+# Megatron features that read parameters between steps and that the engine serves, on in both
+# module runs (the refused ones: tests/unit/test_capabilities.py).
+SERVED_READERS = ["--log-params-norm", "--log-num-zeros-in-grad"]
+
+
 def _args(data, *extra, gbs=16):
     return TINY + ["--data-path", data, "--train-iters", str(ITERS),
                    "--global-batch-size", str(gbs), *extra]
@@ -37,7 +42,7 @@ def results(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stock(demo_dataset, results):
-    return run_pretrain(8, _args(demo_dataset, "--use-distributed-optimizer"),
+    return run_pretrain(8, _args(demo_dataset, "--use-distributed-optimizer", *SERVED_READERS),
                         env={"LBP_RESULT_FILE": str(results / "distopt.json")})
 
 
@@ -45,7 +50,7 @@ def stock(demo_dataset, results):
 def lbp(demo_dataset, tmp_path_factory, results):
     """(exit status, log, losses, checkpoint directory) of lbp on 8 ranks, saving every 10 iterations."""
     ckpt = str(tmp_path_factory.mktemp("ckpt"))
-    return (*run_pretrain(8, _args(demo_dataset, *LBP8, "--save", ckpt,
+    return (*run_pretrain(8, _args(demo_dataset, *LBP8, *SERVED_READERS, "--save", ckpt,
                                    "--save-interval", str(SAVED_AT),
                                    "--tensorboard-dir", f"{ckpt}/tensorboard"),
                           env={"LBP_RESULT_FILE": str(results / "lbp.json")}), ckpt)
@@ -71,6 +76,56 @@ def test_hierarchy_equals_stock_distributed_optimizer_for_20_iterations(stock, l
            if abs(lbp_norms[i] - stock_norms[i]) > NORM_PRINT_ABS]
     assert not bad, f"iterations whose grad norm differs (lbp, stock): {bad}"
     assert stock_losses[20] < stock_losses[1] - 0.5, f"loss did not fall: {stock_losses}"
+
+
+def _printed_per_iteration(log: str, name: str) -> dict[int, float]:
+    import re
+
+    return {int(i): float(v) for i, v in
+            re.findall(rf"iteration\s+(\d+)/\s*\d+ \|.*? {name}: ([\d.]+) \|", log)}
+
+
+def _assert_readers_equal(lbp_log: str, stock_log: str, iters: int) -> None:
+    for name, tolerance in (("params norm", NORM_PRINT_ABS), ("num zeros", 0)):
+        mine, theirs = (_printed_per_iteration(lbp_log, name),
+                        _printed_per_iteration(stock_log, name))
+        assert sorted(mine) == sorted(theirs) == list(range(1, iters + 1)), (name, mine, theirs)
+        bad = [(i, mine[i], theirs[i]) for i in theirs if abs(mine[i] - theirs[i]) > tolerance]
+        assert not bad, f"iterations whose {name} differs (lbp, stock): {bad}"
+    norms = _printed_per_iteration(lbp_log, "params norm")
+    assert norms[iters] != norms[1], f"the norm read does not follow the training: {norms}"
+
+
+def test_params_norm_and_zero_count_equal_stock_megatrons(stock, lbp):
+    """--log-params-norm and --log-num-zeros-in-grad read every weight (gradient) between steps,
+    where an lbp rank holds only its slices: served from the optimizer's slices, they print
+    what stock Megatron prints from its whole weights, every iteration."""
+    assert lbp[0] == 0 and stock[0] == 0, why(lbp[1] if lbp[0] else stock[1])
+    _assert_readers_equal(lbp[1], stock[1], ITERS)
+
+
+@pytest.mark.slow
+def test_zero_count_and_evaluation_between_steps_equal_stock_megatrons(demo_dataset):
+    """Untied input embeddings: the rows of tokens no batch holds have zero gradients (tied ones
+    do not: the output layer's softmax reaches every row), so the counts are not all 0. An
+    evaluation every 2 iterations and after training reads the weights between steps, through
+    the forward's gathers: its validation losses are stock Megatron's."""
+    import re
+
+    untied = ["--untie-embeddings-and-output-weights", *SERVED_READERS]
+    extra = ["--train-iters", "4", "--eval-interval", "2", "--eval-iters", "2"]
+    code, stock_log, _ = run_pretrain(8, _args(demo_dataset, "--use-distributed-optimizer",
+                                               *untied) + extra)
+    assert code == 0, why(stock_log)
+    code, lbp_log, _ = run_pretrain(8, _args(demo_dataset, *LBP8, *untied) + extra)
+    assert code == 0, why(lbp_log)
+    assert min(_printed_per_iteration(stock_log, "num zeros").values()) > 0, stock_log[-2000:]
+    _assert_readers_equal(lbp_log, stock_log, 4)
+    validation = re.compile(r"validation loss at (iteration \d+[^|]*)\|.*?lm loss value: ([\dE+\-.]+)")
+    mine, theirs = validation.findall(lbp_log), validation.findall(stock_log)
+    assert len(theirs) == 3 and [w for w, _ in mine] == [w for w, _ in theirs], (mine, theirs)
+    bad = [(w, a, b) for (w, a), (_, b) in zip(mine, theirs) if not close(float(a), float(b))]
+    assert not bad, f"validation losses that differ (lbp, stock): {bad}"
 
 
 def test_resume_and_reshard_through_megatrons_checkpointing(demo_dataset, lbp, tmp_path):

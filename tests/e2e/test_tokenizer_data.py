@@ -1,4 +1,4 @@
-"""Tokenizer (tokenizer/) and data (scripts/preprocess_data.py, megatron_lbp.integration.data), issue #5 parts 3-4.
+"""Tokenizer (tokenizer/, megatron_lbp.integration.build_tokenizer) and data (megatron_lbp.integration.preprocess_data and .data), issue #5 parts 3-4.
 
 The tokenizer is checked through Megatron's own path (megatron.core's
 build_tokenizer, the function megatron.training's global_vars calls for
@@ -48,12 +48,12 @@ def _load(rel: str, name: str):
 
 @pytest.fixture(scope="module")
 def build_tok():
-    return _load("tokenizer/build_tokenizer.py", "_lbp_build_tokenizer")
+    return importlib.import_module("megatron_lbp.integration.build_tokenizer")
 
 
 @pytest.fixture(scope="module")
 def pre():
-    return _load("scripts/preprocess_data.py", "_lbp_preprocess_data")
+    return importlib.import_module("megatron_lbp.integration.preprocess_data")
 
 
 @pytest.fixture(scope="module")
@@ -311,7 +311,7 @@ def test_cli_with_workers_matches_in_process(pre, corpus_texts, tmp_path, capsys
     src = _write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in corpus_texts[:150]])
     assert _run(pre, capsys, "--input", str(src), "--output-prefix", str(tmp_path / "one"), *TOK)[0] == 0
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "preprocess_data.py"), "--input", str(src),
+        [sys.executable, "-m", "megatron_lbp.preprocess_data", "--input", str(src),
          "--output-prefix", str(tmp_path / "two"), "--workers", "2", "--log-interval", "50", *TOK],
         capture_output=True, text=True, timeout=120,
     )
@@ -327,7 +327,7 @@ def test_cli_with_workers_matches_in_process(pre, corpus_texts, tmp_path, capsys
 # --- bad input ---------------------------------------------------------------------
 
 
-# Bad input to preprocess_data.py: tests/e2e/test_bad_input_matrix.py (every entry point's table).
+# Bad input to python -m megatron_lbp.preprocess_data: tests/e2e/test_bad_input_matrix.py (every entry point's table).
 
 
 def test_failed_run_keeps_previous_outputs(pre, tmp_path, capsys):

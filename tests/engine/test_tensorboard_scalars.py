@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from megatron_lbp.integration import tensorboard_scalars
 from megatron_lbp.projection.project_replay import default_traces
-from megatron_lbp.projection.trace import step_summary
+from megatron_lbp.engine.trace_summary import step_summary
 
 
 def test_exposed_communication_is_the_last_traced_steps(tmp_path):

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m tests.helpers.study_record_ds tests/data/study_ds
 
-The DeepSpeed runner (python -m benchmarks.deepspeed.pretrain, 4 ranks by torchrun as 2
+The DeepSpeed runner (python -m megatron_lbp.deepspeed_baseline.pretrain, 4 ranks by torchrun as 2
 emulated nodes of 2) with LBP_RESULT_FILE, at the settings of tests/helpers/study_record.py's
 2-node runs (the tiny GPT, 8 iterations in bf16, global batch 8, seed 1234, the demo
 data), so that the report puts them beside the recorded lbp rows. The node count comes
@@ -31,7 +31,7 @@ def main(out: str) -> int:
                    LBP_RESULT_FILE=os.path.join(out, f"{name}.json"), LBP_STUDY_SCALING="weak",
                    LBP_STUDY_RUN=name)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-               "-m", "benchmarks.deepspeed.pretrain", "--ds-scheme", scheme, "--ds-ranks-per-node", "2",
+               "-m", "megatron_lbp.deepspeed_baseline.pretrain", "--ds-scheme", scheme, "--ds-ranks-per-node", "2",
                *TINY, "--data-path", data, "--train-iters", "8", "--global-batch-size", "8",
                "--seed", "1234", "--bf16"]
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=1800)

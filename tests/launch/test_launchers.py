@@ -709,7 +709,7 @@ def _gpt2_data(tmp: Path, env: dict) -> dict:
     preprocessed with that vocabulary (enough documents for the profile's 949,50,1 split)."""
     corpus = REPO / "data_src" / "python-docs-3.11.jsonl.gz"
     out = tmp / "gpt2"
-    subprocess.run([sys.executable, str(REPO / "tokenizer" / "build_gpt2_bpe.py"), "--out", str(out)],
+    subprocess.run([sys.executable, "-m", "megatron_lbp.integration.build_gpt2_bpe", "--out", str(out)],
                    check=True, env=env, capture_output=True)
     import gzip
 
@@ -717,7 +717,7 @@ def _gpt2_data(tmp: Path, env: dict) -> dict:
         docs = [line for line in f if line.strip()][::2]
     (out / "docs.jsonl").write_text("".join(docs), encoding="utf-8")
     paths = {"VOCAB_FILE": out / "vocab.json", "MERGE_FILE": out / "merges.txt"}
-    subprocess.run([sys.executable, str(REPO / "scripts" / "preprocess_data.py"), "--input",
+    subprocess.run([sys.executable, "-m", "megatron_lbp.preprocess_data", "--input",
                     str(out / "docs.jsonl"), "--output-prefix", str(out / "docs"),
                     "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(paths["VOCAB_FILE"]),
                     "--merge-file", str(paths["MERGE_FILE"])], check=True, env=env, capture_output=True)

@@ -1,7 +1,7 @@
 """HIER_PRESET=ds-zero3 | ds-hpz | ds-zeropp in the Frontier launchers (issue 28 item 5).
 
-The launcher runs benchmarks/deepspeed's pretrain runner instead of pretrain_gpt on the same
-model, data and batch; its dry run prints the DeepSpeed config (benchmarks.deepspeed.schemes,
+The launcher runs megatron_lbp/deepspeed_baseline's pretrain runner instead of pretrain_gpt on the same
+model, data and batch; its dry run prints the DeepSpeed config (megatron_lbp.deepspeed_baseline.schemes,
 the function the runner calls) and refuses, before any work, what a DeepSpeed run cannot
 honour. Fast: the ds-zeropp dry run, the refusals (they stop in bash, before Python), a
 DeepSpeed that does not import. Slow: the ds-zero3 and ds-hpz dry runs, the job's srun line
@@ -52,14 +52,14 @@ def test_dry_run_runs_the_deepspeed_runner_with_its_config(site, scheme):
     r = run(SCRIPTS["20b"], site, "--dry-run", NNODES=2, HIER_PRESET=scheme, **SMALL)
     assert r.returncode == 0, r.stderr[-3000:]
     cmd = training_line(r.stdout)
-    assert cmd[1:6] == ["-u", "-m", "benchmarks.deepspeed.pretrain", "--ds-scheme", scheme], cmd[:8]
+    assert cmd[1:6] == ["-u", "-m", "megatron_lbp.deepspeed_baseline.pretrain", "--ds-scheme", scheme], cmd[:8]
     assert flag(cmd, "--ds-ranks-per-node") == "8", cmd
     # the same model, data and batch as pretrain_gpt's; nothing of the engine's, no checkpoints
     assert flag(cmd, "--num-layers") == SMALL["NUM_LAYERS"] and flag(cmd, "--global-batch-size") == "64"
     assert flag(cmd, "--data-path").endswith("corpus_text_document") and "--bf16" in cmd
     assert not [w for w in cmd if w.startswith("--hier-") or w in (
         "--save", "--load", "--use-distributed-optimizer", "--exit-duration-in-mins")], cmd
-    assert re.search(r"\[lbp\] entry: python -m benchmarks.deepspeed.pretrain \(DeepSpeed \d+\.\d+",
+    assert re.search(r"\[lbp\] entry: python -m megatron_lbp.deepspeed_baseline.pretrain \(DeepSpeed \d+\.\d+",
                      r.stdout), r.stdout
     printed = printed_config(r.stdout)
     assert printed["scheme"] == scheme
@@ -112,7 +112,7 @@ def test_a_deepspeed_that_does_not_import_is_named(site, tmp_path):
 def test_the_job_sruns_the_runner_with_the_repo_on_its_path(site):
     r = run(SCRIPTS["20b"], site, **in_job(2), HIER_PRESET="ds-zero3", LBP_HEALTH_CHECK=0)
     assert r.returncode == 0, r.stderr[-3000:]
-    train = [line for line in calls(site, "srun") if "benchmarks.deepspeed.pretrain" in line]
+    train = [line for line in calls(site, "srun") if "megatron_lbp.deepspeed_baseline.pretrain" in line]
     assert len(train) == 1 and "--ds-scheme ds-zero3 --ds-ranks-per-node 8" in train[0], calls(site, "srun")
     n = calls(site, "srun").index(train[0]) + 1
     assert str(REPO) in call_env(site, "srun", n)["PYTHONPATH"].split(":")

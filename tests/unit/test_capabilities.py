@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from megatron_lbp.integration import capabilities as caps
-from megatron_lbp.integration.capabilities import BIAS_FUSIONS, CapabilityError, resolve_training_argv
+from megatron_lbp.integration.capabilities import (BIAS_FUSIONS, READS_RELEASED_WEIGHTS, CapabilityError,
+                                                   resolve_training_argv)
 from tests.helpers.standins import STANDINS, TOP_LEVEL, write_standins
 from megatron_lbp.integration.megatron_adapter import CONFLICTING_FLAGS, check_megatron_args
 
@@ -221,6 +222,12 @@ def test_every_cuda_graph_form_of_megatron_is_refused_under_hier_partition():
     (["--use-torch-fsdp2"], "--use-torch-fsdp2: both replace"),
     (["--use-megatron-fsdp"], "--use-megatron-fsdp: both replace"),
     (["--init-model-with-meta-device"], "leave the weights uninitialized"),
+    # features that read whole weights (or main_grad) between steps
+    (["--check-weight-hash-across-dp-replicas-interval", "5"], "hashes each rank's whole weights"),
+    (["--save-params-interval", "5"], "saves each parameter's whole weights"),
+    (["--save-wgrads-interval", "5"], "saves each parameter's whole main_grad"),
+    (["--qk-clip"], "rescales the whole query and key weights"),
+    (["--log-max-attention-logit"], "reads the whole query and key weights"),
 ])
 def test_flags_the_engine_cannot_serve_are_refused(argv, needle):
     with pytest.raises(CapabilityError) as err:
@@ -234,14 +241,15 @@ def test_flags_the_engine_cannot_serve_are_refused(argv, needle):
 @pytest.mark.parametrize("attr,flag", [*CONFLICTING_FLAGS,
                                        ("init_model_with_meta_device", "--init-model-with-meta-device"),
                                        ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
-                                       ("num_experts", "--num-experts")])
+                                       ("num_experts", "--num-experts"),
+                                       *[(f[2:].replace("-", "_"), f) for f in READS_RELEASED_WEIGHTS]])
 def test_megatron_args_the_engine_cannot_serve_are_refused_by_name(attr, flag):
     """check_megatron_args on parsed arguments (the form that reaches Megatron another way than
     the command line); gradient-accumulation fusion is served (tests/engine/test_fused_wgrad.py trains
     with it) and so is not refused beside any of them."""
     import argparse
 
-    value = 2 if attr.endswith("_size") or attr == "num_experts" else True
+    value = 2 if attr.endswith(("_size", "_interval")) or attr == "num_experts" else True
     with pytest.raises(ValueError) as err:
         check_megatron_args(argparse.Namespace(**{attr: value}))
     assert flag in str(err.value), str(err.value)

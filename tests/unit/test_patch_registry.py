@@ -37,11 +37,11 @@ def test_the_test_only_seam_loads_only_when_its_variable_is_set():
     code = ("import os, sys\n"
             "from megatron_lbp.integration import compat, training_hooks; from megatron_lbp.core import patching\n"
             "compat.enable(); compat.enable_training(); training_hooks.install()\n"
-            "assert 'megatron_lbp.testing.save_stall' not in sys.modules, 'seam loaded without its variable'\n"
+            "assert 'megatron_lbp.integration.save_stall' not in sys.modules, 'seam loaded without its variable'\n"
             "os.environ['LBP_TEST_STALL_SAVE'] = '3:tracker'\n"
             "from megatron.training import checkpointing\n"
             "training_hooks.hook_checkpointing_module(dict(vars(checkpointing)))\n"
-            "from megatron_lbp.testing import save_stall\n"
+            "from megatron_lbp.integration import save_stall\n"
             "assert patching.is_applied(save_stall.SAVE_CONFIG), 'seam not installed with its variable'\n"
             "print('ok')\n")
     env = {k: v for k, v in os.environ.items() if k != "LBP_TEST_STALL_SAVE"}

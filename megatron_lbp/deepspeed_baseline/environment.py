@@ -46,7 +46,7 @@ def prepare(ranks_per_node: int | None = None) -> None:
 
         if get_accelerator()._name != "cpu":
             raise RuntimeError(f"DeepSpeed chose its {get_accelerator()._name!r} accelerator "
-                               f"before benchmarks.deepspeed.environment.prepare() ran; this "
+                               f"before megatron_lbp.deepspeed_baseline.environment.prepare() ran; this "
                                f"machine has no GPU: set DS_ACCELERATOR=cpu")
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")

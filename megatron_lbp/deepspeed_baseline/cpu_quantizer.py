@@ -68,7 +68,7 @@ def install() -> None:
     if _installed:
         return
     if not needed():
-        raise RuntimeError("benchmarks.deepspeed.cpu_quantizer is for DeepSpeed's CPU accelerator "
+        raise RuntimeError("megatron_lbp.deepspeed_baseline.cpu_quantizer is for DeepSpeed's CPU accelerator "
                            "only; on a GPU DeepSpeed builds its own quantizer kernel")
     import deepspeed.ops.op_builder as op_builder
 

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.deepspeed.pretrain --ds-scheme ds-zeropp <pretrain_gpt flags>``: the DeepSpeed baseline.
+"""``python -m megatron_lbp.deepspeed_baseline.pretrain --ds-scheme ds-zeropp <pretrain_gpt flags>``: the DeepSpeed baseline.
 
 Takes Megatron-LM's ``pretrain_gpt.py`` flags, exactly what
 ``python -m megatron_lbp.pretrain_gpt`` takes without ``--hier-*``, and:
@@ -14,7 +14,7 @@ Takes Megatron-LM's ``pretrain_gpt.py`` flags, exactly what
   indexed dataset, split, shuffling and order) and computes each micro-batch's
   loss with that entry's ``forward_step`` / ``loss_func``;
 - trains under ``deepspeed.initialize`` with the named scheme (see
-  benchmarks.deepspeed.schemes), AdamW from torch with Megatron's parameter
+  megatron_lbp.deepspeed_baseline.schemes), AdamW from torch with Megatron's parameter
   groups, and Megatron's learning-rate scheduler (``--lr``, warm-up, decay style);
 - prints Megatron's iteration line (``iteration N/ M | ... | lm loss: ... | grad
   norm: ... |``) so the same log readers work on both.
@@ -37,9 +37,9 @@ import os
 import sys
 import time
 
-from benchmarks.deepspeed.schemes import SCHEMES, ds_config, features
+from megatron_lbp.deepspeed_baseline.schemes import SCHEMES, ds_config, features
 
-PROG = "python -m benchmarks.deepspeed.pretrain"
+PROG = "python -m megatron_lbp.deepspeed_baseline.pretrain"
 
 
 def _own_args(argv: list[str]):
@@ -182,7 +182,7 @@ def _model(cfg):
 
 def _param_groups(model, weight_decay: float) -> list[dict]:
     """Megatron's rule (no decay on biases and 1-D parameters) with its scheduler's multipliers."""
-    from benchmarks.deepspeed.trainer import megatron_param_groups
+    from megatron_lbp.deepspeed_baseline.trainer import megatron_param_groups
 
     decay, no_decay = megatron_param_groups(model, weight_decay)
     return [dict(decay, wd_mult=1.0, lr_mult=1.0), dict(no_decay, wd_mult=0.0, lr_mult=1.0)]
@@ -192,7 +192,7 @@ def train(args, scheme: str, config: dict, node: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from benchmarks.deepspeed.trainer import import_deepspeed, tie_output_to_embedding
+    from megatron_lbp.deepspeed_baseline.trainer import import_deepspeed, tie_output_to_embedding
     from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.training import get_args
     from megatron.training.initialize import initialize_megatron
@@ -202,7 +202,7 @@ def train(args, scheme: str, config: dict, node: int) -> None:
 
     deepspeed = import_deepspeed(node)
     if features(scheme)["qwz"] or features(scheme)["qgz"]:
-        from benchmarks.deepspeed import cpu_quantizer
+        from megatron_lbp.deepspeed_baseline import cpu_quantizer
 
         if cpu_quantizer.needed():
             cpu_quantizer.install()

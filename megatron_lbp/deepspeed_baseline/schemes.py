@@ -91,15 +91,15 @@ def ds_config(scheme: str, *, micro_batch_size: int, micro_batches: int, dp_size
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m benchmarks.deepspeed.schemes --scheme S --micro-batch-size B --global-batch-size
+    """``python -m megatron_lbp.deepspeed_baseline.schemes --scheme S --micro-batch-size B --global-batch-size
     G --world-size W --ranks-per-node N [--clip-grad C] [--bf16]``: the config JSON the runner
-    (benchmarks.deepspeed.pretrain) builds for that job shape, by the same function, without
+    (megatron_lbp.deepspeed_baseline.pretrain) builds for that job shape, by the same function, without
     importing Megatron or DeepSpeed (the launcher's dry run prints it)."""
     import argparse
     import json
     import sys
 
-    p = argparse.ArgumentParser(prog="python -m benchmarks.deepspeed.schemes")
+    p = argparse.ArgumentParser(prog="python -m megatron_lbp.deepspeed_baseline.schemes")
     p.add_argument("--scheme", required=True, choices=SCHEMES)
     p.add_argument("--micro-batch-size", type=int, required=True)
     p.add_argument("--global-batch-size", type=int, required=True)

@@ -14,13 +14,14 @@ optimizer: the maths Megatron runs on CPU, and no DeepSpeed CPU-Adam build.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.deepspeed import environment
-from benchmarks.deepspeed.schemes import ds_config, features
+from megatron_lbp.deepspeed_baseline import environment
+from megatron_lbp.deepspeed_baseline.schemes import ds_config, features
 from megatron_lbp.testing import tiny_gpt
 from megatron_lbp.testing.tiny_gpt import TinyGPTSpec, TrainResult, TrainSpec, megatron_param_groups
 
@@ -89,12 +90,8 @@ class DeepSpeedTrainer:
 
     def collectives_visible(self):
         """A context in which torch.distributed's (possibly wrapped) collectives are the ones
-        DeepSpeed calls: its torch backend binds its all-gather and reduce-scatter at start-up,
-        so a recorder or counter that replaces torch.distributed's attributes would miss ZeRO-3's
-        gathers and reduce-scatters. Enter it inside the wrapping context."""
-        from benchmarks.deepspeed.traffic import _deepspeed_bound_functions_wrapped
-
-        return _deepspeed_bound_functions_wrapped()
+        DeepSpeed calls (:func:`collectives_visible`). Enter it inside the wrapping context."""
+        return collectives_visible()
 
     def final_params(self) -> dict[str, torch.Tensor]:
         """Every parameter by the GPT's own names, gathered from its partitions, in fp32."""
@@ -104,6 +101,27 @@ class DeepSpeedTrainer:
         named = list(gpt.named_parameters())
         with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
             return {name: p.detach().float().clone() for name, p in named}
+
+
+@contextlib.contextmanager
+def collectives_visible():
+    """deepspeed.comm's torch backend binds all_gather_into_tensor and reduce_scatter_tensor
+    when it starts (``TorchBackend.all_gather_function`` / ``reduce_scatter_function``), so
+    the wrapper, which replaces torch.distributed's attributes, would not see ZeRO-3's
+    parameter gathers and gradient reduce-scatters; point them at the (wrapped) attributes
+    for the block. Enter it inside the wrapping context (count_collectives, a recorder)."""
+    import torch.distributed as dist
+    from deepspeed.comm import comm
+
+    cdb = comm.cdb
+    saved = (cdb.all_gather_function, cdb.reduce_scatter_function)
+    names = (saved[0].__name__, saved[1].__name__)
+    cdb.all_gather_function = getattr(dist, names[0])
+    cdb.reduce_scatter_function = getattr(dist, names[1])
+    try:
+        yield
+    finally:
+        cdb.all_gather_function, cdb.reduce_scatter_function = saved
 
 
 def setup_deepspeed(spec: TinyGPTSpec, train: TrainSpec, scheme: str, *, ranks_per_node: int,
@@ -117,7 +135,7 @@ def setup_deepspeed(spec: TinyGPTSpec, train: TrainSpec, scheme: str, *, ranks_p
     deepspeed = import_deepspeed(ranks_per_node)
     if want["qwz"] or want["qgz"] or any((zero_overrides or {}).get(k) for k in (
             "zero_quantized_weights", "zero_quantized_gradients")):
-        from benchmarks.deepspeed import cpu_quantizer
+        from megatron_lbp.deepspeed_baseline import cpu_quantizer
 
         if cpu_quantizer.needed():
             cpu_quantizer.install()
