@@ -271,7 +271,7 @@ def forward_loss(model, tokens: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss of ``tokens`` ([b, s+1]) through a Megatron GPTModel."""
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     b, s = inputs.shape
-    position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
+    position_ids = torch.arange(s, device=inputs.device).unsqueeze(0).expand(b, s)
     per_token = model(inputs, position_ids, attention_mask=None, labels=labels)
     return per_token.float().mean()
 
@@ -385,11 +385,13 @@ def setup_stock(spec: TinyGPTSpec, train: TrainSpec, *, build_model=None,
 
 
 def setup_hier(spec: TinyGPTSpec, train: TrainSpec, hier_argv: list[str], *,
-               build_model=None, optimizer_config=None) -> Trainer:
+               build_model=None, optimizer_config=None, peer_env=None) -> Trainer:
     """The same model through HierDataParallel + HierDistributedOptimizer; ``hier_argv``: --hier-* flags.
 
     ``build_model(spec, sharded=...)`` and ``optimizer_config`` replace the fp32 tiny GPT
-    and its optimizer config (the fp16 runs use a Float16Module model and a loss scaler)."""
+    and its optimizer config (the fp16 runs use a Float16Module model and a loss scaler).
+    ``peer_env``: every rank's launcher environment, for a world of torch's fake process
+    group (process_groups.build_hier_groups)."""
     import argparse
 
     from megatron_lbp.integration import megatron_adapter
@@ -401,7 +403,8 @@ def setup_hier(spec: TinyGPTSpec, train: TrainSpec, hier_argv: list[str], *,
     if train.bucket_size is not None and "--hier-bucket-size" not in argv:
         argv += ["--hier-bucket-size", str(train.bucket_size)]
     args = add_hier_arguments(argparse.ArgumentParser()).parse_args(argv)
-    hier = build_hier_groups(args, dp_group=megatron_adapter.data_parallel_group())
+    hier = build_hier_groups(args, dp_group=megatron_adapter.data_parallel_group(),
+                             peer_env=peer_env)
     options = engine_options_from_args(args)
     model, config = (build_model or build_tiny_gpt)(spec, sharded=options.sharded_init)
     ddp_model = megatron_adapter.wrap_model(config, model, hier, options)

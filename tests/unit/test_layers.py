@@ -30,12 +30,13 @@ LAYERS = (
     ("testing", ("megatron_lbp.testing",)),
     # What a user runs around training: the projection, the plan and launch helpers, the
     # study, hf.
+    # gpucheck: the one-GPU check's parts (python -m megatron_lbp.gpu_check).
     ("tools", ("megatron_lbp.projection", "megatron_lbp.launch", "megatron_lbp.study",
-               "megatron_lbp.hf")),
+               "megatron_lbp.hf", "megatron_lbp.gpucheck")),
     ("demo", ("megatron_lbp.demo",)),
     # `python -m megatron_lbp.<command>` keeps working: each is a stub that runs its module.
     ("commands", ("megatron_lbp.plan", "megatron_lbp.pretrain_gpt", "megatron_lbp.capabilities",
-                  "megatron_lbp.tokenizer_check")),
+                  "megatron_lbp.tokenizer_check", "megatron_lbp.gpu_check")),
 )
 
 # Upward imports that are allowed, each inside a function (checked), with why: one.
