@@ -89,8 +89,10 @@ def handles_behind_gemms(device: torch.device, gemms: GemmQueue | None) -> list[
     how long the host spent in wait(), the result, and the storage released after wait()."""
     rows = []
     for name, (issue, src, out, expected) in collectives(device).items():
-        torch.accelerator.synchronize() if gemms else None
-        queued_s = gemms.queue() if gemms else 0.0
+        queued_s = 0.0
+        if gemms:
+            torch.accelerator.synchronize()
+            queued_s = gemms.queue()
         work = issue()
         completed_at_issue = work.is_completed()
         t = time.perf_counter()

@@ -75,6 +75,7 @@ def train_one(name: str, spec, steps: int = STEPS) -> dict[str, Any]:
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    start = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     trainer = setup_stock(spec, train) if name == "stock" else setup_hier(spec, train, HIER_ARGV)
     losses, wall, host, syncs = [], [], [], []
     for step in range(steps):
@@ -100,8 +101,10 @@ def train_one(name: str, spec, steps: int = STEPS) -> dict[str, Any]:
     out = {"losses": losses, "step_s": statistics.median(wall), "host_s": statistics.median(host),
            "syncs_per_step": syncs[-1] if syncs else None, "syncs_by_step": syncs}
     if device.type == "cuda":
-        out.update(end_allocated_bytes=torch.cuda.memory_allocated(device),
-                   max_allocated_bytes=torch.cuda.max_memory_allocated(device),
+        # above what was allocated before the build (what an earlier configuration left)
+        out.update(start_allocated_bytes=start,
+                   end_allocated_bytes=torch.cuda.memory_allocated(device) - start,
+                   max_allocated_bytes=torch.cuda.max_memory_allocated(device) - start,
                    max_reserved_bytes=torch.cuda.max_memory_reserved(device))
     if name == "engine":
         out["memory_bytes"] = dict(trainer.optimizer.last_step_report["memory_bytes"])

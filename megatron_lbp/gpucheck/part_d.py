@@ -177,7 +177,8 @@ def _plan_unit_numels(shape: Shape) -> list[int]:
 
 def run(opts) -> dict[str, Any]:
     """One variant (a fake world is one per process): its checks and figures."""
-    device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    kind = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
     shape = Shape(num_layers=opts.layers or FLAGSHIP["num_layers"],
                   tokens=opts.tokens or FLAGSHIP["seq_length"])
     fake_world(shape, device)

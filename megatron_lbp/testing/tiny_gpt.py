@@ -302,6 +302,7 @@ class Trainer:
     dp_size: int
     dp_group: object = None
     hier: object = None
+    device: torch.device | None = None   # where the model's inputs go (None: left on the CPU)
 
     def run(self, steps, probe=None, result: TrainResult | None = None) -> TrainResult:
         """Train the given step numbers; ``probe(model, optimizer, step, micro)`` after each backward."""
@@ -310,13 +311,14 @@ class Trainer:
         for step in steps:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-            local_loss = torch.zeros(())
+            local_loss = torch.zeros((), device=self.device)
 
             def micro_batch(micro: int) -> None:
                 nonlocal local_loss
                 tokens = global_batch(step, micro, self.spec, train, self.dp_size)
                 lo = self.dp_rank * train.micro_batch_size
-                loss = forward_loss(self.model, tokens[lo:lo + train.micro_batch_size])
+                rows = tokens[lo:lo + train.micro_batch_size]
+                loss = forward_loss(self.model, rows if self.device is None else rows.to(self.device))
                 loss = loss / train.micro_batches
                 loss.backward()
                 local_loss += loss.detach()
@@ -381,7 +383,8 @@ def setup_stock(spec: TinyGPTSpec, train: TrainSpec, *, build_model=None,
     return Trainer(spec, train, ddp_model, model, optimizer, constant_schedule(optimizer, opt_config),
                    parallel_state.get_data_parallel_rank(),
                    parallel_state.get_data_parallel_world_size(),
-                   parallel_state.get_data_parallel_group())
+                   parallel_state.get_data_parallel_group(),
+                   device=next(model.parameters()).device)
 
 
 def setup_hier(spec: TinyGPTSpec, train: TrainSpec, hier_argv: list[str], *,
@@ -411,7 +414,8 @@ def setup_hier(spec: TinyGPTSpec, train: TrainSpec, hier_argv: list[str], *,
     opt_config = optimizer_config or _optimizer_config(spec, train, distributed=True)
     optimizer = megatron_adapter.build_optimizer(opt_config, [ddp_model], options)
     return Trainer(spec, train, ddp_model, model, optimizer, constant_schedule(optimizer, opt_config),
-                   hier.dp_index, len(hier.dp_ranks), hier.dp_group, hier)
+                   hier.dp_index, len(hier.dp_ranks), hier.dp_group, hier,
+                   device=megatron_adapter.model_device())
 
 
 def train_stock_megatron(spec: TinyGPTSpec, train: TrainSpec) -> TrainResult:
