@@ -98,8 +98,10 @@ def train_one(name: str, spec, steps: int = STEPS) -> dict[str, Any]:
             host.append(t1 - t0)
             wall.append(t2 - t0)
             syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+    counted = device.type == "cuda"   # the sync debug mode is CUDA's; CPU has nothing to count
     out = {"losses": losses, "step_s": statistics.median(wall), "host_s": statistics.median(host),
-           "syncs_per_step": syncs[-1] if syncs else None, "syncs_by_step": syncs}
+           "syncs_per_step": syncs[-1] if counted and syncs else None,
+           "syncs_by_step": syncs if counted else None}
     if device.type == "cuda":
         # above what was allocated before the build (what an earlier configuration left)
         out.update(start_allocated_bytes=start,

