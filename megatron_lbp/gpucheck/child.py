@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=None, help="part D: layers of the 20B shape")
     p.add_argument("--tokens", type=int, default=None, help="part D: tokens per micro-batch")
     p.add_argument("--device", default=None, help="part D: cpu or cuda")
+    p.add_argument("--steps", type=int, default=None, help="part D: optimizer steps")
     opts = p.parse_args(argv)
     try:
         result = importlib.import_module(f"megatron_lbp.gpucheck.part_{opts.part.lower()}").run(opts)

@@ -4,7 +4,7 @@ One process poses as rank 0 of 384 over torch's fake process group
 (torch.testing._internal.distributed.fake_pg: collectives return at once and
 move no data), builds the whole hierarchy (every group family, every
 ``new_group`` call a real rank makes), wraps a megatron-core GPT of the 20B
-layer shape in the engine with sharded initialization, trains it for two steps
+layer shape in the engine with sharded initialization, trains it for two steps (one on CPU)
 and reads the bytes it holds per state from the storages themselves
 (engine/memory.py). The same shape goes through ``python -m megatron_lbp.plan``'s
 own code (launch/plan.make_plan), and each state's bytes must agree within 5%.
@@ -41,7 +41,8 @@ VARIANTS = {
 }
 STATES = ("primary", "secondary", "grad", "optimizer", "total")
 TOLERANCE = 0.05
-STEPS = 2
+STEPS = 2          # on a GPU; on CPU one (a bf16 input-gradient matmul of one 20B layer's MLP
+                   # takes ~45 s here: torch's CPU path without native bf16)
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,9 @@ def fake_world(shape: Shape, device: torch.device) -> None:
     parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
 
 
-def measure(shape: Shape, variant: str, device: torch.device) -> dict[str, Any]:
-    """Build, train ``STEPS`` steps and compare with the plan: this variant's part-D record."""
+def measure(shape: Shape, variant: str, device: torch.device, steps: int = STEPS
+            ) -> dict[str, Any]:
+    """Build, train ``steps`` steps and compare with the plan: this variant's part-D record."""
     from megatron_lbp.launch.plan import make_plan
     from megatron_lbp.testing.tiny_gpt import TinyGPTSpec, TrainSpec, setup_hier
 
@@ -102,18 +104,18 @@ def measure(shape: Shape, variant: str, device: torch.device) -> dict[str, Any]:
                        vocab_size=shape.vocab_size, seq_length=shape.tokens,
                        params_dtype=torch.bfloat16, recompute=True,
                        use_cpu_initialization=device.type == "cpu")
-    train = TrainSpec(steps=STEPS, micro_batch_size=1, micro_batches=1)
+    train = TrainSpec(steps=steps, micro_batch_size=1, micro_batches=1)
     t0 = time.perf_counter()
     host = socket.gethostname()
     trainer = setup_hier(spec, train, VARIANTS[variant],
                          peer_env=lambda rank: _rank_env(rank, shape))
     built_s = time.perf_counter() - t0
     hier = trainer.hier
-    steps = []
-    for step in range(STEPS):
+    step_times = []
+    for step in range(steps):
         t = time.perf_counter()
         _one_step(trainer, step, device)
-        steps.append(time.perf_counter() - t)
+        step_times.append(time.perf_counter() - t)
     report = trainer.optimizer.last_step_report["memory_bytes"]
     rows = {}
     for state in STATES:
@@ -130,7 +132,7 @@ def measure(shape: Shape, variant: str, device: torch.device) -> dict[str, Any]:
         "bytes": rows,
         "units_match_plan": units_match,
         "build_s": round(built_s, 2),
-        "step_s": [round(s, 2) for s in steps],
+        "step_s": [round(s, 2) for s in step_times],
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     if device.type == "cuda":
@@ -182,7 +184,7 @@ def run(opts) -> dict[str, Any]:
     shape = Shape(num_layers=opts.layers or FLAGSHIP["num_layers"],
                   tokens=opts.tokens or FLAGSHIP["seq_length"])
     fake_world(shape, device)
-    record = measure(shape, opts.variant, device)
+    record = measure(shape, opts.variant, device, opts.steps or STEPS)
     rows = record["bytes"]
     checks = [{"name": f"{opts.variant}: {state} bytes within {TOLERANCE:.0%} of the plan",
                "ok": r["within_tolerance"],

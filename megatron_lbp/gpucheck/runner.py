@@ -41,6 +41,7 @@ PROG = "python -m megatron_lbp.gpu_check"
 SCHEMA = 1
 CPU_LAYERS = 1        # part D on CPU: the fewest layers (one 20B layer is ~5.5 GiB of RSS)
 CPU_TOKENS = 2        # part D on CPU: bf16 matmuls are emulated; bytes do not depend on tokens
+CPU_STEPS = 1         # part D on CPU: one step (~5 min of bf16 matmuls per step here); GPU: 2
 STATUSES = ("pass", "fail", "error", "timeout", "needs-gpu", "cannot-run")
 
 
@@ -159,8 +160,9 @@ def run_part(part: Part, info: dict[str, Any], args, out_dir: Path) -> dict[str,
         return {**head, **run_child(part.key, [], limit, out_dir, f"part-{part.key}.log")}
     layers = args.d_layers or (44 if gpu else CPU_LAYERS)
     tokens = args.d_tokens or (2048 if gpu else CPU_TOKENS)
+    steps = 2 if gpu else CPU_STEPS
     runs = {v: run_child("D", ["--variant", v, "--layers", str(layers), "--tokens", str(tokens),
-                               "--device", "cuda" if gpu else "cpu"],
+                               "--steps", str(steps), "--device", "cuda" if gpu else "cpu"],
                          limit, out_dir, f"part-D-{v}.log") for v in D_VARIANTS}
     order = {s: i for i, s in enumerate(("error", "timeout", "fail", "cannot-run", "pass"))}
     worst = min(runs.values(), key=lambda r: order[r["status"]])
@@ -169,7 +171,7 @@ def run_part(part: Part, info: dict[str, Any], args, out_dir: Path) -> dict[str,
                       or None,
             "limit_s": limit * len(runs), "wall_s": round(sum(r["wall_s"] for r in runs.values()), 1),
             "checks": [c for r in runs.values() for c in r["checks"]],
-            "figures": {"layers": layers, "tokens": tokens,
+            "figures": {"layers": layers, "tokens": tokens, "steps": steps,
                         "variants": {v: r["figures"] for v, r in runs.items()},
                         "logs": [r["log"] for r in runs.values()]}}
 
