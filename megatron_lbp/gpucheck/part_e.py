@@ -116,12 +116,12 @@ def run(opts) -> dict[str, Any]:
     from megatron_lbp.testing.multirank import rank_location_env, run_on_ranks
 
     env = {"CUDA_VISIBLE_DEVICES": "0"}
-    probes = run_on_ranks(probe_collectives, WORLD, "cuda", timeout=60, env=env)
+    probes = run_on_ranks(probe_collectives, WORLD, "cuda", timeout=25, env=env)
     probe = {k: v for p in probes for k, v in p.items() if v != "ok"} or probes[0]
     checks = judge(probe, None)
     if not checks[0]["ok"]:
         return {"checks": checks, "figures": {"probe": probes},
                 "reason": "gloo does not serve " + checks[0]["detail"]}
-    ranks = run_on_ranks(train_on_rank, WORLD, 4, timeout=120, env=env,
+    ranks = run_on_ranks(train_on_rank, WORLD, 4, timeout=30, env=env,
                          rank_env=rank_location_env(WORLD))
     return {"checks": judge(probe, ranks[0]), "figures": {"probe": probes, "ranks": ranks[0]}}

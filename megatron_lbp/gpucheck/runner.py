@@ -55,15 +55,15 @@ class Part:
 
 
 PARTS = (
-    Part("A", "int8 Triton kernels vs the torch reference, throughput vs a device copy", 50,
+    Part("A", "int8 Triton kernels vs the torch reference, throughput vs a device copy", 45,
          None, ("cuda", "triton")),
     Part("B", "NCCL at world size 1: async collectives behind GEMMs, handles, streams, events",
          30, None, ("cuda", "nccl")),
     Part("C", "engine vs stock megatron-core at world size 1, 2 layers of the 20B shape, bf16",
-         120, None, ("cuda", "nccl")),
+         110, None, ("cuda", "nccl")),
     Part("D", "plan's memory at 384 ranks over the fake process group, lbp P=2 G=8 O=384",
          80, 3600, ()),
-    Part("E", "4 gloo ranks with CUDA tensors on the one GPU: tiny GPT vs the reference", 40,
+    Part("E", "4 gloo ranks with CUDA tensors on the one GPU: tiny GPT vs the reference", 55,
          None, ("cuda",)),
 )
 D_VARIANTS = ("int8-secondary", "no-secondary")   # part D's two runs, each with the limit
