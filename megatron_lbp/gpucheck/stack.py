@@ -63,8 +63,10 @@ def describe() -> dict[str, Any]:
         info["triton"] = None
     import torch.distributed as dist
 
-    info["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) \
-        if torch.cuda.is_available() and dist.is_nccl_available() else None
+    info["nccl"] = None
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        v = torch.cuda.nccl.version()   # a tuple on recent torch, an int on older ones
+        info["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         info["gpu"] = props.name
