@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch.distributed as dist
 
@@ -113,42 +113,32 @@ def build_hier_groups(
     context_parallel_size: int = 1,
     env: Mapping[str, str] | None = None,
     host: str | None = None,
+    peer_env: Callable[[int], Mapping[str, str]] | None = None,
 ) -> HierGroups:
     """Validate the ``--hier-*`` flags in ``args`` against the launch and create the groups.
 
     ``dp_group`` is the data-parallel process group the hierarchy lives in
     (default: the whole world). Raises HierConfigError or TopologyError, with
     the same one-line message on every rank, before creating any group.
+    Every rank's :func:`local_view` is shared by one ``all_gather_object`` over the world;
+    a world whose collectives move no data (torch's fake process group, one process posing
+    as one rank of many) passes ``peer_env`` instead, each rank's launcher environment, and
+    every rank's view is computed here from it (``host`` for all of them).
     """
     if not dist.is_initialized():
         raise RuntimeError("build_hier_groups needs torch.distributed to be initialized first")
     env = os.environ if env is None else env
     host = host or socket.gethostname()
 
-    local_error, location = None, None
-    try:
-        info = launcher_info_from_env(env)
-        if info.world_size != dist.get_world_size() or info.rank != dist.get_rank():
-            raise TopologyError(
-                f"the launcher environment ({info.source}) says rank {info.rank} of "
-                f"{info.world_size}, torch.distributed says rank {dist.get_rank()} of "
-                f"{dist.get_world_size()}")
-        gpus_per_node = resolve_gpus_per_node(info, getattr(args, "hier_gpus_per_node", None))
-        gcds_per_package = getattr(args, "hier_gcds_per_package", None)
-        if gcds_per_package is None:
-            # Frontier's 2 GCDs per package, unless the node size says packages of one.
-            gcds_per_package = (DEFAULT_GCDS_PER_PACKAGE
-                                if gpus_per_node % DEFAULT_GCDS_PER_PACKAGE == 0 else 1)
-        location = location_of(info, gpus_per_node, gcds_per_package, host)
-    except (TopologyError, HierConfigError) as err:
-        local_error = str(err)
-        gpus_per_node = gcds_per_package = None
     dp_ranks = tuple(dist.get_process_group_ranks(dp_group)) if dp_group is not None \
         else tuple(range(dist.get_world_size()))
-
-    shared: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(shared, (location, dp_ranks, local_error, gpus_per_node,
-                                    gcds_per_package))
+    mine = local_view(args, env, host, dist.get_rank(), dist.get_world_size(), dp_ranks)
+    if peer_env is None:
+        shared = _all_gather_over_world(mine)
+    else:
+        shared = [mine if r == dist.get_rank() else
+                  local_view(args, peer_env(r), host, r, dist.get_world_size(), dp_ranks)
+                  for r in range(dist.get_world_size())]
     errors = [(r, s[2]) for r, s in enumerate(shared) if s[2]]
     if errors:
         rank, message = errors[0]
@@ -159,6 +149,7 @@ def build_hier_groups(
             f"({sorted({(s[3], s[4]) for s in shared})}): pass the same flags to every rank")
     locations = {r: s[0] for r, s in enumerate(shared)}
     dp_groups = sorted({s[1] for s in shared})
+    gpus_per_node, gcds_per_package = mine[3], mine[4]
 
     dp_per_node, dp_per_package = dp_domain_sizes(
         gpus_per_node, gcds_per_package, tensor_model_parallel_size, context_parallel_size)
@@ -206,6 +197,36 @@ def build_hier_groups(
         dp_group=dp_group,
         warnings=warnings,
     )
+
+
+def local_view(args: Any, env: Mapping[str, str], host: str, rank: int, world_size: int,
+               dp_ranks: tuple[int, ...]) -> tuple:
+    """What rank ``rank`` shares at step 2: (location, data-parallel ranks, its error or None,
+    gpus per node, GCDs per package), from its launcher environment ``env`` and ``host``."""
+    local_error, location = None, None
+    try:
+        info = launcher_info_from_env(env)
+        if info.world_size != world_size or info.rank != rank:
+            raise TopologyError(
+                f"the launcher environment ({info.source}) says rank {info.rank} of "
+                f"{info.world_size}, torch.distributed says rank {rank} of {world_size}")
+        gpus_per_node = resolve_gpus_per_node(info, getattr(args, "hier_gpus_per_node", None))
+        gcds_per_package = getattr(args, "hier_gcds_per_package", None)
+        if gcds_per_package is None:
+            # Frontier's 2 GCDs per package, unless the node size says packages of one.
+            gcds_per_package = (DEFAULT_GCDS_PER_PACKAGE
+                                if gpus_per_node % DEFAULT_GCDS_PER_PACKAGE == 0 else 1)
+        location = location_of(info, gpus_per_node, gcds_per_package, host)
+    except (TopologyError, HierConfigError) as err:
+        local_error = str(err)
+        gpus_per_node = gcds_per_package = None
+    return location, dp_ranks, local_error, gpus_per_node, gcds_per_package
+
+
+def _all_gather_over_world(mine: tuple) -> list[tuple]:
+    shared: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(shared, mine)
+    return shared
 
 
 def _chunk_ordered_grad_groups(families: dict[str, list[tuple[int, ...]]], config: HierConfig

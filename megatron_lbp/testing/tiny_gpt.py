@@ -271,7 +271,7 @@ def forward_loss(model, tokens: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss of ``tokens`` ([b, s+1]) through a Megatron GPTModel."""
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     b, s = inputs.shape
-    position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
+    position_ids = torch.arange(s, device=inputs.device).unsqueeze(0).expand(b, s)
     per_token = model(inputs, position_ids, attention_mask=None, labels=labels)
     return per_token.float().mean()
 
@@ -302,6 +302,7 @@ class Trainer:
     dp_size: int
     dp_group: object = None
     hier: object = None
+    device: torch.device | None = None   # where the model's inputs go (None: left on the CPU)
 
     def run(self, steps, probe=None, result: TrainResult | None = None) -> TrainResult:
         """Train the given step numbers; ``probe(model, optimizer, step, micro)`` after each backward."""
@@ -310,13 +311,14 @@ class Trainer:
         for step in steps:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-            local_loss = torch.zeros(())
+            local_loss = torch.zeros((), device=self.device)
 
             def micro_batch(micro: int) -> None:
                 nonlocal local_loss
                 tokens = global_batch(step, micro, self.spec, train, self.dp_size)
                 lo = self.dp_rank * train.micro_batch_size
-                loss = forward_loss(self.model, tokens[lo:lo + train.micro_batch_size])
+                rows = tokens[lo:lo + train.micro_batch_size]
+                loss = forward_loss(self.model, rows if self.device is None else rows.to(self.device))
                 loss = loss / train.micro_batches
                 loss.backward()
                 local_loss += loss.detach()
@@ -381,15 +383,18 @@ def setup_stock(spec: TinyGPTSpec, train: TrainSpec, *, build_model=None,
     return Trainer(spec, train, ddp_model, model, optimizer, constant_schedule(optimizer, opt_config),
                    parallel_state.get_data_parallel_rank(),
                    parallel_state.get_data_parallel_world_size(),
-                   parallel_state.get_data_parallel_group())
+                   parallel_state.get_data_parallel_group(),
+                   device=next(model.parameters()).device)
 
 
 def setup_hier(spec: TinyGPTSpec, train: TrainSpec, hier_argv: list[str], *,
-               build_model=None, optimizer_config=None) -> Trainer:
+               build_model=None, optimizer_config=None, peer_env=None) -> Trainer:
     """The same model through HierDataParallel + HierDistributedOptimizer; ``hier_argv``: --hier-* flags.
 
     ``build_model(spec, sharded=...)`` and ``optimizer_config`` replace the fp32 tiny GPT
-    and its optimizer config (the fp16 runs use a Float16Module model and a loss scaler)."""
+    and its optimizer config (the fp16 runs use a Float16Module model and a loss scaler).
+    ``peer_env``: every rank's launcher environment, for a world of torch's fake process
+    group (process_groups.build_hier_groups)."""
     import argparse
 
     from megatron_lbp.integration import megatron_adapter
@@ -401,14 +406,16 @@ def setup_hier(spec: TinyGPTSpec, train: TrainSpec, hier_argv: list[str], *,
     if train.bucket_size is not None and "--hier-bucket-size" not in argv:
         argv += ["--hier-bucket-size", str(train.bucket_size)]
     args = add_hier_arguments(argparse.ArgumentParser()).parse_args(argv)
-    hier = build_hier_groups(args, dp_group=megatron_adapter.data_parallel_group())
+    hier = build_hier_groups(args, dp_group=megatron_adapter.data_parallel_group(),
+                             peer_env=peer_env)
     options = engine_options_from_args(args)
     model, config = (build_model or build_tiny_gpt)(spec, sharded=options.sharded_init)
     ddp_model = megatron_adapter.wrap_model(config, model, hier, options)
     opt_config = optimizer_config or _optimizer_config(spec, train, distributed=True)
     optimizer = megatron_adapter.build_optimizer(opt_config, [ddp_model], options)
     return Trainer(spec, train, ddp_model, model, optimizer, constant_schedule(optimizer, opt_config),
-                   hier.dp_index, len(hier.dp_ranks), hier.dp_group, hier)
+                   hier.dp_index, len(hier.dp_ranks), hier.dp_group, hier,
+                   device=megatron_adapter.model_device())
 
 
 def train_stock_megatron(spec: TinyGPTSpec, train: TrainSpec) -> TrainResult:

@@ -29,12 +29,14 @@ LAYERS = (
     ("projection", ("megatron_lbp.projection",)),
     # What a user runs around training on top of the projection: the plan and launch helpers,
     # the study, hf, the DeepSpeed baseline's runner.
+    # gpucheck: the one-GPU check's parts (python -m megatron_lbp.gpu_check).
     ("tools", ("megatron_lbp.launch", "megatron_lbp.study", "megatron_lbp.hf",
-               "megatron_lbp.deepspeed_baseline")),
+               "megatron_lbp.deepspeed_baseline", "megatron_lbp.gpucheck")),
     ("demo", ("megatron_lbp.demo",)),
     # `python -m megatron_lbp.<command>` keeps working: each is a stub that runs its module.
     ("commands", ("megatron_lbp.plan", "megatron_lbp.pretrain_gpt", "megatron_lbp.capabilities",
-                  "megatron_lbp.tokenizer_check", "megatron_lbp.preprocess_data")),
+                  "megatron_lbp.tokenizer_check", "megatron_lbp.preprocess_data",
+                  "megatron_lbp.gpu_check")),
 )
 
 # Upward imports still allowed, each inside a function (checked), with why. The one left is the

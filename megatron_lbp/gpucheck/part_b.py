@@ -1,0 +1,208 @@
+"""Part B: torch.distributed at world size 1, the handle and stream behaviour the engine relies on.
+
+The engine issues its collectives with ``async_op=True`` on the current stream's
+side of the backend, polls ``is_completed()`` and calls ``wait()`` where it
+needs a result, and frees buffers by resizing their storage to 0 right after
+``wait()`` (engine/comm.py, engine/buckets.py). On NCCL the host runs ahead of
+the device: ``is_completed()`` follows the device, and ``wait()`` only makes the
+current stream wait. This part shows it with each collective queued behind about
+a second of GEMMs: ``is_completed()`` is False when issued, ``wait()`` returns
+at once, ``is_completed()`` turns True only once the GEMMs are done, the results
+are right, and storage released after ``wait()`` (and reused at once by a new
+allocation the compute stream writes) does not corrupt them.
+
+Streams and events are driven through torch's device-generic API
+(torch.accelerator, torch.Stream, torch.Event), the API the engine's stream-based
+communication uses: a collective issued on a side stream that waits for an event
+recorded behind the GEMMs, and the compute stream waiting on the side stream's
+event before it reads the result.
+
+Collectives (all-gather, reduce-scatter, all-to-all into one tensor) run on the
+backend given; the stream checks need an accelerator. The same functions run on
+gloo with CPU tensors in the tests, where only the results and the handle calls are
+checked (gloo has no device queue to run ahead of).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_lbp.engine.dist_api import all_gather_single
+
+NUMEL = 1 << 24                    # 16M elements per collective (64 MiB fp32)
+GEMM_SECONDS = 1.0                 # how long the queue in front of the collectives runs
+HOST_RETURN_S = 0.1                # "wait() returns at once": well under the queue's length
+
+
+def _reduce_scatter_single() -> Callable:
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def collectives(device: torch.device, numel: int = NUMEL) -> dict[str, tuple[Callable, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """name -> (issue(async) -> work, input, output, expected output) at world size 1."""
+    world = dist.get_world_size()
+    if world != 1:
+        raise ValueError(f"part B runs at world size 1, the process group has {world} ranks")
+    g = torch.Generator(device="cpu").manual_seed(7)
+    src = {name: torch.randn(numel, generator=g).to(device) for name in ("ag", "rs", "a2a")}
+    out = {name: torch.full_like(t, float("nan")) for name, t in src.items()}
+    return {
+        "all_gather": (lambda: all_gather_single()(out["ag"], src["ag"], async_op=True),
+                       src["ag"], out["ag"], src["ag"].clone()),
+        "reduce_scatter": (lambda: _reduce_scatter_single()(out["rs"], src["rs"], async_op=True),
+                           src["rs"], out["rs"], src["rs"].clone()),
+        "all_to_all": (lambda: dist.all_to_all_single(out["a2a"], src["a2a"], async_op=True),
+                       src["a2a"], out["a2a"], src["a2a"].clone()),
+    }
+
+
+class GemmQueue:
+    """Enough GEMMs queued on the current stream to keep the device busy ~``seconds``."""
+
+    def __init__(self, device: torch.device, seconds: float = GEMM_SECONDS, n: int = 8192):
+        self.a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        self.b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        self.c = torch.empty_like(self.a)
+        torch.mm(self.a, self.b, out=self.c)
+        torch.accelerator.synchronize()
+        t = time.perf_counter()
+        for _ in range(5):
+            torch.mm(self.a, self.b, out=self.c)
+        torch.accelerator.synchronize()
+        per = (time.perf_counter() - t) / 5
+        self.count = max(1, int(seconds / per))
+        self.seconds = self.count * per
+
+    def queue(self) -> float:
+        """Queue the GEMMs; the host seconds it took to queue them."""
+        t = time.perf_counter()
+        for _ in range(self.count):
+            torch.mm(self.a, self.b, out=self.c)
+        return time.perf_counter() - t
+
+
+def handles_behind_gemms(device: torch.device, gemms: GemmQueue | None) -> list[dict[str, Any]]:
+    """Each collective issued behind the GEMM queue (none on CPU): the handle's answers,
+    how long the host spent in wait(), the result, and the storage released after wait()."""
+    rows = []
+    for name, (issue, src, out, expected) in collectives(device).items():
+        queued_s = 0.0
+        if gemms:
+            torch.accelerator.synchronize()
+            queued_s = gemms.queue()
+        work = issue()
+        completed_at_issue = work.is_completed()
+        t = time.perf_counter()
+        work.wait()
+        wait_s = time.perf_counter() - t
+        completed_after_wait = work.is_completed()
+        # The engine's release: storage to 0 bytes right after wait(), then a new buffer the
+        # compute stream writes at once (the caching allocator may hand it the same memory).
+        src_ptr = src.untyped_storage().data_ptr()
+        src.untyped_storage().resize_(0)
+        reuse = torch.empty(expected.numel(), dtype=expected.dtype, device=device)
+        reused_memory = reuse.untyped_storage().data_ptr() == src_ptr
+        reuse.fill_(12345.0)
+        host_ahead = not work.is_completed()
+        t = time.perf_counter()
+        if gemms:
+            torch.accelerator.synchronize()
+        sync_s = time.perf_counter() - t
+        rows.append({"collective": name, "gemm_queue_s": round(gemms.seconds, 3) if gemms else 0.0,
+                     "queue_host_s": round(queued_s, 4),
+                     "is_completed_at_issue": completed_at_issue,
+                     "wait_host_s": round(wait_s, 4),
+                     "is_completed_after_wait": completed_after_wait,
+                     "is_completed_while_queued": not host_ahead,
+                     "is_completed_after_sync": work.is_completed(),
+                     "sync_s": round(sync_s, 3),
+                     "released_memory_reused": reused_memory,
+                     "result_right": bool(torch.equal(out, expected))})
+    return rows
+
+
+def streams_and_events(device: torch.device, gemms: GemmQueue) -> dict[str, Any]:
+    """A collective on a side stream ordered by events, all through the device-generic API."""
+    compute = torch.accelerator.current_stream(device)
+    side = torch.Stream(device=device)
+    name, (issue, src, out, expected) = next(iter(collectives(device).items()))
+    torch.accelerator.synchronize()
+    gemms.queue()
+    ready = torch.Event()
+    ready.record(compute)
+    ready_at_issue = ready.query()
+    side.wait_event(ready)
+    t = time.perf_counter()
+    with side:                       # the collective is issued with the side stream current
+        work = issue()
+        work.wait()                  # the side stream (current here) waits; the host does not
+        done = torch.Event()
+        done.record(side)
+    issue_s = time.perf_counter() - t
+    done_while_queued = done.query()
+    compute.wait_event(done)
+    result = out.clone()             # runs on the compute stream after `done`
+    torch.accelerator.synchronize()
+    return {"collective": name, "ready_event_done_at_issue": ready_at_issue,
+            "issue_and_wait_host_s": round(issue_s, 4),
+            "done_event_while_queued": done_while_queued,
+            "done_event_after_sync": done.query(),
+            "result_right": bool(torch.equal(result, expected))}
+
+
+def judge(rows: list[dict[str, Any]], stream: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The checks over the measured behaviour (device run: host ahead of the device)."""
+    checks = []
+    for r in rows:
+        n = r["collective"]
+        checks += [
+            {"name": f"{n}: is_completed() False while queued behind the GEMMs",
+             "ok": not r["is_completed_at_issue"] and not r["is_completed_while_queued"],
+             "detail": f"at issue {r['is_completed_at_issue']}, after wait "
+                       f"{r['is_completed_after_wait']}, with the GEMMs still queued "
+                       f"{r['is_completed_while_queued']}"},
+            {"name": f"{n}: wait() returns without blocking the host",
+             "ok": r["wait_host_s"] < HOST_RETURN_S,
+             "detail": f"wait() took {r['wait_host_s']} s with {r['gemm_queue_s']} s of GEMMs queued"},
+            {"name": f"{n}: is_completed() True after the device finished",
+             "ok": r["is_completed_after_sync"], "detail": str(r["is_completed_after_sync"])},
+            {"name": f"{n}: result right with its input released after wait()",
+             "ok": r["result_right"],
+             "detail": f"released memory reused by the next allocation: "
+                       f"{r['released_memory_reused']}"},
+        ]
+    if stream is not None:
+        checks += [
+            {"name": "side stream: collective ordered by events, host not blocked",
+             "ok": (not stream["ready_event_done_at_issue"]
+                    and not stream["done_event_while_queued"]
+                    and stream["issue_and_wait_host_s"] < HOST_RETURN_S),
+             "detail": f"ready event done at issue {stream['ready_event_done_at_issue']}, done "
+                       f"event while queued {stream['done_event_while_queued']}, host "
+                       f"{stream['issue_and_wait_host_s']} s"},
+            {"name": "side stream: result right on the compute stream after its event",
+             "ok": stream["result_right"] and stream["done_event_after_sync"],
+             "detail": f"result right {stream['result_right']}"},
+        ]
+    return checks
+
+
+def init_world_of_one(backend: str) -> None:
+    import tempfile
+
+    store = dist.FileStore(tempfile.mktemp(prefix="lbp-partb-"), 1)
+    dist.init_process_group(backend, rank=0, world_size=1, store=store)
+
+
+def run(opts) -> dict[str, Any]:
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    init_world_of_one("nccl")
+    gemms = GemmQueue(device)
+    rows = handles_behind_gemms(device, gemms)
+    stream = streams_and_events(device, gemms)
+    dist.destroy_process_group()
+    return {"checks": judge(rows, stream), "figures": {"collectives": rows, "side_stream": stream}}
