@@ -139,3 +139,38 @@ def embedding_skip_ignored():
 
     with mock.patch.object(UnitSchedule, "__init__", ignoring):
         yield
+
+
+@contextlib.contextmanager
+def issue_on_poll():
+    """The schedule completes, at every hook, the reduce-scatters the host sees done
+    (``is_complete()``), and so issues their units' network reductions wherever each
+    rank's timing lets it see them: the engine that decides what to issue by polling."""
+    from megatron_lbp.engine import schedule
+
+    def polled(hook):
+        def run(self, *args, **kwargs):
+            while self._pending_reduces and self._pending_reduces[0].pending.is_complete():
+                self._complete_oldest_reduce()
+            return hook(self, *args, **kwargs)
+        return run
+
+    with contextlib.ExitStack() as stack:
+        for name in ("pre_forward", "post_forward", "pre_backward"):
+            stack.enter_context(mock.patch.object(
+                schedule.UnitSchedule, name, polled(getattr(schedule.UnitSchedule, name))))
+        yield
+
+
+@contextlib.contextmanager
+def chains_not_awaited():
+    """The optimizer step's chains taken as done without waiting for their streams: the
+    reduced gradient is read (and its buffer reused) while its collectives still run."""
+    from megatron_lbp.engine import chains
+
+    def taken(self):
+        self._pending = []
+        self.done = True
+
+    with mock.patch.object(chains.Chain, "wait", taken):
+        yield
