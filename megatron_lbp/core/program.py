@@ -5,7 +5,7 @@ step_comm) does in one step, derived from the units, the hierarchy's group
 sizes, the micro-batches and the knobs. It is a list of :class:`Op`, in program
 order, each at a *program point*: a unit's hook in a forward or backward pass
 (``at``: the unit whose module runs), or the optimizer step (``at`` None).
-Four actions:
+Five actions:
 
 - ``issue``: a collective (phase, unit, group family, op) on its communicator
   (``comm``, family and channel: ``grad_reduce``, ``inter_gather``...). Each
@@ -19,6 +19,8 @@ Four actions:
   forward gather waits for the previous step's refresh of the unit).
 - ``wait``: the compute at this point uses the data of collective ``waits[0]``
   (on a GPU the compute stream waits for its event; on gloo the host does).
+- ``compute``: the unit's module computes (its forward, or its backward with the
+  recomputation inside it), with every unit it needs landed;
 - ``alloc`` / ``free``: a transient buffer of a unit (``buffer``: ``weights``,
   ``gather`` (a gather's own receive/send buffers), ``grad`` (the full
   gradient), ``reduce`` (a reduce-scatter's extra buffers), ``finish`` (qgZ's
@@ -48,7 +50,7 @@ from megatron_lbp.engine.constants import (DEFAULT_EMBEDDING_BACKWARD_GATHER,
                                            SPLIT_KINDS)
 
 FORWARD, BACKWARD, STEP = "forward", "backward", "step"
-ACTIONS = ("issue", "wait", "alloc", "free")
+ACTIONS = ("issue", "wait", "compute", "alloc", "free")
 BUFFERS = ("weights", "gather", "grad", "reduce", "finish", "step_grad", "step_network",
            "widened")
 
@@ -59,7 +61,7 @@ class Op:
     segment: str                 # forward | backward | step
     micro_batch: int | None      # None: the optimizer step
     at: int | None               # the unit whose hook this point is (None: the optimizer step)
-    action: str                  # issue | wait | alloc | free
+    action: str                  # issue | wait | compute | alloc | free
     unit: int | None
     buffer: str = ""             # alloc / free
     phase: str = ""              # issue: the engine's phase (engine/constants.py PHASES, "control")
@@ -76,6 +78,8 @@ class Op:
                     f"on {self.comm}{after}")
         if self.action == "wait":
             return f"#{self.index} wait #{self.waits[0]}"
+        if self.action == "compute":
+            return f"#{self.index} compute unit {self.unit}"
         return f"#{self.index} {self.action} {self.buffer} of unit {self.unit}"
 
 
@@ -193,7 +197,7 @@ def step_program(spec: ProgramSpec) -> StepProgram:
     tied = spec.tied_embedding and n >= 2
     skip = spec.embedding_backward_gather == "skip"
     kinds = spec.unit_kinds
-    secondary = spec.size("secondary") > 0
+    secondary = int(spec.group_sizes.get("secondary") or 0) > 0   # absent: no secondary copy
     # Where the updated weights come from: the previous step's refresh, its last hop per unit.
     refreshed: dict[int, int] = {}
 
@@ -279,6 +283,7 @@ def step_program(spec: ProgramSpec) -> StepProgram:
                 ahead += 1
             for v in needs:
                 land(v, gathered)
+            b._add(action="compute", unit=u)
             while held:
                 v = held.pop()
                 free_weights(v, gathered)

@@ -131,7 +131,7 @@ def test_every_buffer_is_freed_once_and_only_after_its_collectives_landed(knobs)
         elif op.action == "alloc":
             live[(op.buffer, op.unit)] += 1
             assert live[(op.buffer, op.unit)] == 1, f"{op.text()} twice"
-        else:
+        elif op.action == "free":
             assert live[(op.buffer, op.unit)] == 1, f"{op.text()} of nothing"
             live[(op.buffer, op.unit)] -= 1
             if op.buffer in ("gather", "reduce"):
