@@ -47,21 +47,25 @@ The optimizer step overlaps at both ends (megatron_lbp.engine.chains):
 last micro-batch  the backward that follows :meth:`UnitSchedule.mark_last_micro_batch`
             (Megatron's schedules say so by leaving the wrapper's ``no_sync()``,
             inside which they run every micro-batch but the last) is the step's
-            last: as soon as a unit's G-group reduce-scatter is done, the unit's
-            network reduction to the 1/O optimizer slice is issued, under the
-            rest of the backward. A backward after it (before zero_grad_buffer)
+            last: where the schedule completes a unit's G-group reduce-scatter
+            (at the bound, or at the end of the backward), the unit's network
+            reduction to the 1/O optimizer slice is issued, under the rest of
+            the backward. A backward after it (before zero_grad_buffer)
             would come too late and is refused. Without the mark the reductions
             start in the optimizer step, all at once.
-next forward the optimizer issues each unit's updated-weights gathers at the end of
-            the step, in the order the forward will need the units; the unit's
-            first use waits for them: its forward gather, issued as a prefetch
-            under the unit before it or at its need. With NCCL that wait only
-            orders streams; with gloo it blocks the host for what has not
-            landed yet (usually nothing: they ran under the units before).
+next forward the optimizer issues each unit's updated-weights gathers (both hops,
+            on their communicators' streams) at the end of the step, in the
+            order the forward will need the units; the unit's first use waits
+            for them: its forward gather, issued as a prefetch under the unit
+            before it or at its need. On a GPU that wait only orders streams;
+            on gloo it blocks the host for what has not landed yet (usually
+            nothing: they ran under the units before).
 
-At every hook the schedule also completes, without blocking, reduce-scatters
-that are done and advances the step's chains, so a network reduction starts as
-soon as its input is ready and the host only ever waits for what it needs now.
+Nothing is issued because the host saw a collective finish: every collective is
+issued at a hook, a micro-batch boundary or the optimizer step, and a reduce-scatter
+is completed only at the bound or the flush, so the sequence of collectives a rank
+issues is a function of the program (megatron_lbp.core.program), the same on every
+rank whatever its timing, as NCCL/RCCL require across communicators.
 
 Order: prefetching follows each pass's order, the order in which units were
 first needed in the previous pass of that kind (forward, or backward with its
