@@ -29,8 +29,9 @@ from typing import Callable, Sequence
 from megatron_lbp.engine.comm import Pending
 from megatron_lbp.engine.trace import link_after, record_of
 
-# Issues one collective on its stream after the events ``waits``: ``stage(waits)``.
-Stage = Callable[[tuple], Pending]
+# Issues one collective: ``stage(waits, async_op)``, on its stream after the events ``waits``,
+# or without ``async_op`` synchronously on the host (--no-hier-overlap).
+Stage = Callable[[tuple, bool], Pending]
 
 
 class Chain:
@@ -45,12 +46,13 @@ class Chain:
         self._pending: list[Pending] = []
         self.done = False
 
-    def issue(self) -> None:
-        """Every stage, each on its stream after the one before (the host does not wait)."""
+    def issue(self, async_op: bool = True) -> None:
+        """Every stage, each on its stream after the one before (the host does not wait);
+        without ``async_op`` each one synchronously, in order."""
         before: Pending | None = None
         for stage in self._stages:
             waits = (before.event,) if before is not None and before.event is not None else ()
-            pending = stage(waits)
+            pending = stage(waits, async_op)
             link_after(record_of(pending), record_of(before) if before is not None else self.after)
             self._pending.append(pending)
             before = pending
@@ -81,7 +83,7 @@ class ChainQueue:
     def start(self, chain: Chain, async_op: bool = True) -> Chain:
         """Issue the chain's stages (and, without ``async_op``, wait for them)."""
         self._chains.append(chain)
-        chain.issue()
+        chain.issue(async_op)
         if not async_op:
             self.complete(chain)
         return chain

@@ -242,17 +242,14 @@ class Collectives:
 
     def _exchange(self, collective, channel: str, out: torch.Tensor, inp: torch.Tensor,
                   family: str, phase: str, total_bytes: int, async_op: bool, unit: int | None,
-                  charge: bool = True, issue: bool = True, stream=None, waits=(), **kwargs):
+                  stream=None, waits=(), **kwargs):
         """One collective whose rank sends (n-1)/n of ``total_bytes`` (``inp`` may be the
         rank's own chunk of ``out``: an in-place all-gather).
 
-        ``charge``/``issue``: a later stage of a chain (megatron_lbp.engine.chains)
-        is charged to the ledger when its chain starts (``issue=False``) and
-        issued later without charging again (``charge=False``). ``stream``/``waits``: run
-        it on that stream after those events (:meth:`_submit`)."""
+        ``stream``/``waits``: run it on that stream after those events (:meth:`_submit`)."""
         n = self.sizes[family]
         if n == 1:
-            if issue and out.data_ptr() != inp.data_ptr():
+            if out.data_ptr() != inp.data_ptr():
                 if stream is not None:
                     return _TrackedCopy(stream.submit(lambda: out.copy_(inp), waits,
                                                       holds=(out, inp), what=phase))
@@ -260,10 +257,7 @@ class Collectives:
             return None
         nbytes = ring_sent("all_gather" if channel == GATHER else "reduce_scatter",
                            total_bytes, n)
-        if charge:
-            self._charge(family, phase, nbytes)
-        if not issue:
-            return None
+        self._charge(family, phase, nbytes)
         return self._issue(family, phase, collective, out, inp,
                            group=self.groups[family][channel], async_op=async_op,
                            trace_as=(unit, self._comm_name(family, channel),
@@ -271,12 +265,10 @@ class Collectives:
                            **kwargs)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, family: str, phase: str,
-                   async_op: bool = False, unit: int | None = None, charge: bool = True,
-                   issue: bool = True, stream=None, waits=()):
-        """``charge``/``issue``/``stream``/``waits``: see :meth:`_exchange`."""
+                   async_op: bool = False, unit: int | None = None, stream=None, waits=()):
+        """``stream``/``waits``: see :meth:`_exchange`."""
         return self._exchange(all_gather_single(), GATHER, out, inp, family, phase,
-                              _nbytes(out), async_op, unit, charge=charge, issue=issue,
-                              stream=stream, waits=waits)
+                              _nbytes(out), async_op, unit, stream=stream, waits=waits)
 
     def folds_prescale(self, family: str) -> bool:
         """Whether a reduce-scatter in ``family`` can multiply its inputs by a factor itself
@@ -326,16 +318,13 @@ class Collectives:
 
     def all_reduce(self, t: torch.Tensor, family: str, phase: str,
                    op=dist.ReduceOp.SUM, async_op: bool = False, unit: int | None = None,
-                   charge: bool = True, issue: bool = True, stream=None, waits=()):
-        """``charge``/``issue``: see :meth:`_exchange` (a chain's later stage)."""
+                   stream=None, waits=()):
+        """``stream``/``waits``: see :meth:`_exchange`."""
         n = self.sizes[family]
         if n == 1:
             return None
         nbytes = ring_sent("all_reduce", _nbytes(t), n)
-        if charge:
-            self._charge(family, phase, nbytes)
-        if not issue:
-            return None
+        self._charge(family, phase, nbytes)
         return self._issue(family, phase, dist.all_reduce, t, op=op,
                            group=self.groups[family][REDUCE], async_op=async_op,
                            trace_as=(unit, self._comm_name(family, REDUCE),

@@ -90,16 +90,16 @@ class StepComm:
             mine.grad_nbytes = out.numel() * out.element_size()
             ctx.transient.alloc(mine.grad_nbytes)
             # int8 all-to-all summed in fp32 when qgZ covers this (cross-node) hop
-            stages.append(lambda waits: ctx.reduce_scatter_grad(
+            stages.append(lambda waits, a: ctx.reduce_scatter_grad(
                 out, b.grad_shard, "inter", "step_reduce", unit=unit.index,
-                stream=comm.stream("inter", "reduce"), waits=waits))
+                stream=comm.stream("inter", "reduce") if a else None, waits=waits))
         else:   # O == G: the optimizer slice is the gradient shard
             out = b.grad_shard
             mine.grad_nbytes = 0
         if ctx.comm.sizes.get("replica", 1) > 1:
-            stages.append(lambda waits: Pending(comm.all_reduce(
+            stages.append(lambda waits, a: Pending(comm.all_reduce(
                 out, "replica", "step_reduce", unit=unit.index,
-                stream=comm.stream("replica", "reduce"), waits=waits)))
+                stream=comm.stream("replica", "reduce") if a else None, waits=waits)))
         mine.grad = out
         mine.reduction = Chain(unit.index, stages, after=after)
         self.reductions.start(mine.reduction, async_op=async_op)
@@ -164,13 +164,13 @@ class StepComm:
         stages = []
         if comm.sizes.get("inter", 1) > 1:
             own = b.primary[b.optim_in_primary.slice]
-            stages.append(lambda waits: Pending(comm.all_gather(
+            stages.append(lambda waits, a: Pending(comm.all_gather(
                 grad_part, own, "inter", "step_gather", unit=unit.index,
-                stream=comm.stream("inter", "gather"), waits=waits)))
+                stream=comm.stream("inter", "gather") if a else None, waits=waits)))
         if comm.sizes.get("grad_to_param", 1) > 1:
-            stages.append(lambda waits: Pending(comm.all_gather(
+            stages.append(lambda waits, a: Pending(comm.all_gather(
                 b.primary, grad_part, "grad_to_param", "step_gather", unit=unit.index,
-                stream=comm.stream("grad_to_param", "gather"), waits=waits)))
+                stream=comm.stream("grad_to_param", "gather") if a else None, waits=waits)))
         self.await_refresh(unit)
         mine.refresh = Chain(unit.index, stages)
         self.refreshes.start(mine.refresh, async_op=async_op)
