@@ -96,8 +96,8 @@ def premul_sum_rounding_in_fp64():
 
 @contextlib.contextmanager
 def stale_weights_on_rank(rank: int):
-    """On ``rank`` only, the step's weight gathers are lost: when a unit's refresh lands, its
-    primary slice is put back as it was when the refresh started (its own 1/O slice, which
+    """On ``rank`` only, the step's weight gathers are lost: when a unit's refresh has landed
+    (waited for at the unit's next use), its primary slice is put back as it was when the refresh started (its own 1/O slice, which
     the optimizer had just written, included: only what the gathers brought is lost). Its
     P-group then computes with partly old weights, while the logged losses, all-reduced
     over the data-parallel ranks, are still the same number on every rank. Purely local:
@@ -106,7 +106,7 @@ def stale_weights_on_rank(rank: int):
 
     from megatron_lbp.engine.step_comm import StepComm
 
-    start, landed = StepComm.start_refresh, StepComm.refreshed
+    start, wait = StepComm.start_refresh, StepComm.await_refresh
 
     def start_and_remember(self, unit, async_op):
         if dist.get_rank() == rank:
@@ -114,14 +114,15 @@ def stale_weights_on_rank(rank: int):
         start(self, unit, async_op)
 
     def land_and_forget(self, unit):
+        pending = self._of(unit).refresh is not None   # its refresh lands in this wait
+        wait(self, unit)
         before = getattr(unit, "_lbp_before_refresh", None)
-        if before is not None:
+        if pending and before is not None:
             unit.bucket.primary.copy_(before)
             unit._lbp_before_refresh = None
-        landed(self, unit)
 
     with mock.patch.object(StepComm, "start_refresh", start_and_remember), \
-            mock.patch.object(StepComm, "refreshed", land_and_forget):
+            mock.patch.object(StepComm, "await_refresh", land_and_forget):
         yield
 
 
