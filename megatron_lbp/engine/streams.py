@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -124,9 +125,17 @@ class WorkerStream:
         self._tasks.put((fn, list(waits), keys, label, event))
         return event
 
+    def close(self) -> None:
+        """The worker ends once the tasks submitted before have run."""
+        if self._thread is not None:
+            self._tasks.put(None)
+
     def _run(self) -> None:
         while True:
-            fn, waits, keys, label, event = self._tasks.get()
+            task = self._tasks.get()
+            if task is None:
+                return
+            fn, waits, keys, label, event = task
             error = None
             try:
                 for w in waits:
@@ -169,6 +178,8 @@ class Streams:
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self._streams: dict[str, Any] = {}
+        # An engine that goes away ends its workers (a test builds many in one process).
+        weakref.finalize(self, _close_all, self._streams)
 
     def __getitem__(self, name: str):
         s = self._streams.get(name)
@@ -177,6 +188,12 @@ class Streams:
                  else WorkerStream(name))
             self._streams[name] = s
         return s
+
+
+def _close_all(streams: dict[str, Any]) -> None:
+    for s in streams.values():
+        if isinstance(s, WorkerStream):
+            s.close()
 
 
 def _is_accelerator(device: torch.device) -> bool:

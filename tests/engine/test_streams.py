@@ -55,3 +55,17 @@ def test_a_buffer_is_refused_while_a_task_holds_it_and_released_when_it_is_done(
     ev.wait()
     check_free(buf, "the buffer")
     assert torch.equal(buf, torch.ones(8))
+
+
+def test_the_workers_end_with_the_streams_that_own_them():
+    import gc
+
+    streams = Streams("cpu")
+    ev = streams["x"].submit(lambda: None)
+    ev.wait()
+    thread = streams["x"]._thread
+    assert thread.is_alive()
+    del streams, ev
+    gc.collect()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "a worker outlived its streams"
