@@ -77,6 +77,7 @@ from megatron_lbp.core.vocabulary import (DEFAULT_EMBEDDING_BACKWARD_GATHER,
                                           EMBEDDING_BACKWARD_GATHERS, MAX_PENDING_REDUCES,
                                           PHASES, SPLIT_KINDS, UNIT_KINDS)
 from megatron_lbp.core.layout import plan_bucket
+from megatron_lbp.core import program
 
 LINK_CLASS_ORDER = ("package", "node", "network")
 MEMORY_STATES = ("primary", "secondary", "grad", "optimizer", "total")
@@ -556,8 +557,9 @@ def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16
 
     Counted as the engine's transient ledger counts them (full weight units and
     their gather buffers, full gradient units and their reduce-scatter buffers,
-    the step's 1/O gradients), by walking megatron_lbp.engine.schedule's order
-    over the units (forward order; ``tied_embedding``: unit 0 is the embedding,
+    the step's 1/O gradients), by walking the buffers of the step's program
+    (megatron_lbp.core.program, which the engine's schedule executes) over the
+    units (forward order; ``tied_embedding``: unit 0 is the embedding,
     which the last unit's output layer computes with, so it stays gathered
     from the embedding to the output layer and from the output layer's
     backward to the end):
@@ -655,103 +657,22 @@ def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16
     def step_grad(N: int) -> int:   # the 1/O result of the network hop (the shard itself if O == G)
         return gb * N // O if n_inter > 1 else 0
 
-    class Ledger:
-        def __init__(self) -> None:
-            self.current = self.peak = 0
+    def nbytes(buffer: str, u: int, segment: str, fresh: bool) -> int:
+        N = padded[u]
+        return {"weights": lambda: wb * N, "gather": lambda: in_flight(N, segment == "backward"),
+                "grad": lambda: gb * N, "reduce": lambda: reduce_extra(N, fresh),
+                "finish": lambda: finish_extra(N), "step_grad": lambda: step_grad(N),
+                "step_network": lambda: step_network(N),
+                "widened": lambda: 4 * N // O if gb != 4 else 0}[buffer]()
 
-        def alloc(self, n: int) -> None:
-            self.current += n
-            self.peak = max(self.peak, self.current)
-
-        def free(self, n: int) -> None:
-            self.current -= n
-
-    def walk(backward: bool, fresh: bool, last: bool) -> int:
-        led = Ledger()
-        order = list(reversed(range(n_units))) if backward else list(range(n_units))
-        gathered: dict[int, int] = {}    # unit -> bytes of its in-flight buffers (0: landed)
-        used: set[int] = set()
-        done: set[int] = set()           # freed after its last user (forward) or reduced
-        pending: list[int] = []
-        lives_on = {0} if tied else set()
-        held_into_next = {u for u, kind in enumerate(unit_kinds or ()) if kind == "attention"}
-        held: list[int] = []             # a forward unit freed after the next one's need
-        early_grad = ({u for u, kind in enumerate(unit_kinds or ()) if kind in SPLIT_KINDS}
-                      if backward and linear_biases else set())
-        # the embedding's own backward gathers nothing (skip)
-        no_gather = {0} if backward and skip and n_units else set()
-
-        def gather(u: int) -> None:
-            if u not in gathered:
-                extra = in_flight(padded[u], backward)
-                led.alloc(wb * padded[u] + extra)
-                gathered[u] = extra
-
-        def wait(u: int) -> None:
-            led.free(gathered[u])
-            gathered[u] = 0
-
-        def free_weights(u: int) -> None:
-            led.free(wb * padded[u] + gathered.pop(u))
-
-        def complete_oldest() -> None:
-            u = pending.pop(0)
-            N = padded[u]
-            led.alloc(finish_extra(N))
-            led.free(finish_extra(N) + gb * N + reduce_extra(N, fresh))
-            if last:
-                led.alloc(step_grad(N) + step_network(N))
-
-        for pos, u in enumerate(order):
-            if u in early_grad:
-                led.alloc(gb * padded[u])     # the bias's gradient: before the half's need
-            needs = ([] if u in no_gather else [u]) + ([0] if tied and u == n_units - 1 else [])
-            for v in needs:
-                used.add(v)
-                gather(v)
-            ahead = 0
-            for v in order[pos + 1:]:
-                if ahead >= d:
-                    break
-                if v in used or v in done or v in no_gather:
-                    continue
-                gather(v)
-                ahead += 1
-            for v in needs:
-                wait(v)
-            while held:
-                v = held.pop()
-                free_weights(v)
-                done.add(v)
-            if backward and skip and tied and u == n_units - 1:
-                free_weights(0)           # after the output layer's backward
-            if not backward:
-                if u in held_into_next:
-                    held.append(u)
-                elif u not in lives_on:
-                    free_weights(u)
-                    done.add(u)
-                if tied and u == n_units - 1:
-                    free_weights(0)
-                    done.add(0)
-                continue
-            if u not in early_grad:
-                led.alloc(gb * padded[u])     # the unit's full gradient, from its first one
-            if u in gathered:
-                free_weights(u)
-            led.alloc(reduce_extra(padded[u], fresh))
-            done.add(u)
-            pending.append(u)
-            limit = int(max_pending_reduces) if overlap else 0
-            while len(pending) > limit:
-                complete_oldest()
-        while pending:
-            complete_oldest()
-        return led.peak
-
-    forward = walk(False, True, False) if n_units else 0
-    last_is_fresh = micro_batches == 1
-    backward = walk(True, last_is_fresh, overlap) if n_units else 0
+    spec = program.ProgramSpec(
+        unit_kinds=tuple(unit_kinds or ("layer",) * n_units), group_sizes=program.group_sizes(cfg),
+        tied_embedding=tied, micro_batches=micro_batches, prefetch_units=prefetch_units,
+        max_pending_reduces=max_pending_reduces, overlap=overlap,
+        embedding_backward_gather=embedding_backward_gather, linear_biases=linear_biases,
+        quantized_grad_families=tuple(quantized_grad_families))
+    walked = program.peaks(program.step_program(spec), nbytes)
+    forward, backward = walked["forward"], walked["backward"]
     widen = sum(4 * N // O for N in padded) if (gb != 4) else 0
     step = (sum(step_grad(N) for N in padded) + widen
             + max((step_network(N) for N in padded), default=0))

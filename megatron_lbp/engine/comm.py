@@ -50,6 +50,7 @@ from megatron_lbp.core.costs import LINK_CLASS_ORDER, number, ring_sent
 from megatron_lbp.engine.constants import PHASES
 from megatron_lbp.engine import faults
 from megatron_lbp.engine.dist_api import all_gather_single, nbytes as _nbytes
+from megatron_lbp.engine.streams import Streams, StreamWork
 
 CONTROL = "control"
 ALL_PHASES = PHASES + (CONTROL,)
@@ -136,7 +137,15 @@ class Collectives:
         self._activity = {f: faults.Activity("", f, _group_ranks(next(iter(g.values()))))
                           for f, g in self.groups.items() if g}
         self._injection = faults.InjectionSeam.for_this_rank()
+        # One ordered stream per communicator, for what runs off the host's order (the
+        # optimizer step's chains): the wrapper sets its device's.
+        self.streams = Streams("cpu")
         faults.ensure_monitor()
+
+    def stream(self, family: str, channel: str):
+        """The stream of ``family``'s ``channel`` communicator (megatron_lbp.engine.streams):
+        one per communicator, so families that share one share its stream and its order."""
+        return self.streams[self._comm_name(family, channel)]
 
     def observe(self, observer) -> None:
         """Tell ``observer`` of every collective from now on: ``issued`` (returns its record),
@@ -148,13 +157,16 @@ class Collectives:
         return self.comm_names.get(family, {}).get(channel, f"{family}_{channel}")
 
     def _issue(self, family: str, phase: str, collective, *args, group, async_op: bool,
-               trace_as: tuple | None = None, **kwargs):
+               trace_as: tuple | None = None, stream=None, waits=(), **kwargs):
         """Issue one collective; a failure (now or at ``wait()``) becomes a diagnosed fault.
 
         Its owners, in order: the fault-injection seam (faults.InjectionSeam), the fault
         tracker's activity, the trace observer (``trace_as``: unit, comm name, link, bytes),
         the stall watch (:meth:`_call`) and the counters (CommStats).
         """
+        if stream is not None:
+            return self._submit(family, phase, collective, *args, group=group,
+                                trace_as=trace_as, stream=stream, waits=waits, **kwargs)
         self._injection.before_issue(phase)
         activity = self._activity_of(family, phase, group)
         record = self._trace_issued(phase, family, async_op, trace_as)
@@ -168,6 +180,24 @@ class Collectives:
         faults.watch(tracked)
         self._injection.issued(tracked)
         return tracked
+
+    def _submit(self, family: str, phase: str, collective, *args, group, trace_as, stream,
+                waits, **kwargs):
+        """Issue one collective on ``stream`` (megatron_lbp.engine.streams) after the events
+        ``waits``: recorded here, in program order (the trace, the counters, the fault
+        tracker), run by the stream; its work's ``wait()`` waits for the stream's event."""
+        self._injection.before_issue(phase)
+        activity = self._activity_of(family, phase, group)
+        record = self._trace_issued(phase, family, True, trace_as)
+
+        def run() -> None:
+            self._call(activity, collective, *args, group=group, async_op=False, **kwargs)
+
+        holds = [a for a in args if isinstance(a, torch.Tensor)]
+        event = stream.submit(run, waits, holds=holds, what=f"{phase} ({family})")
+        self.stats.issued(async_op=True)
+        faults.TRACKER.in_flight[activity.seq] = activity
+        return _TrackedWork(StreamWork(event), activity, self, record)
 
     def _activity_of(self, family: str, phase: str, group) -> faults.Activity:
         """What the fault diagnosis names: phase, family, the group's ranks, issue order."""
@@ -212,35 +242,33 @@ class Collectives:
 
     def _exchange(self, collective, channel: str, out: torch.Tensor, inp: torch.Tensor,
                   family: str, phase: str, total_bytes: int, async_op: bool, unit: int | None,
-                  charge: bool = True, issue: bool = True, **kwargs):
+                  stream=None, waits=(), **kwargs):
         """One collective whose rank sends (n-1)/n of ``total_bytes`` (``inp`` may be the
         rank's own chunk of ``out``: an in-place all-gather).
 
-        ``charge``/``issue``: a later stage of a chain (megatron_lbp.engine.chains)
-        is charged to the ledger when its chain starts (``issue=False``) and
-        issued later without charging again (``charge=False``)."""
+        ``stream``/``waits``: run it on that stream after those events (:meth:`_submit`)."""
         n = self.sizes[family]
         if n == 1:
-            if issue and out.data_ptr() != inp.data_ptr():
+            if out.data_ptr() != inp.data_ptr():
+                if stream is not None:
+                    return _TrackedCopy(stream.submit(lambda: out.copy_(inp), waits,
+                                                      holds=(out, inp), what=phase))
                 out.copy_(inp)
             return None
         nbytes = ring_sent("all_gather" if channel == GATHER else "reduce_scatter",
                            total_bytes, n)
-        if charge:
-            self._charge(family, phase, nbytes)
-        if not issue:
-            return None
+        self._charge(family, phase, nbytes)
         return self._issue(family, phase, collective, out, inp,
                            group=self.groups[family][channel], async_op=async_op,
                            trace_as=(unit, self._comm_name(family, channel),
-                                     self.links[family], nbytes), **kwargs)
+                                     self.links[family], nbytes), stream=stream, waits=waits,
+                           **kwargs)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, family: str, phase: str,
-                   async_op: bool = False, unit: int | None = None, charge: bool = True,
-                   issue: bool = True):
-        """``charge``/``issue``: see :meth:`_exchange` (a chain's later stage)."""
+                   async_op: bool = False, unit: int | None = None, stream=None, waits=()):
+        """``stream``/``waits``: see :meth:`_exchange`."""
         return self._exchange(all_gather_single(), GATHER, out, inp, family, phase,
-                              _nbytes(out), async_op, unit, charge=charge, issue=issue)
+                              _nbytes(out), async_op, unit, stream=stream, waits=waits)
 
     def folds_prescale(self, family: str) -> bool:
         """Whether a reduce-scatter in ``family`` can multiply its inputs by a factor itself
@@ -264,7 +292,7 @@ class Collectives:
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, family: str, phase: str,
                        async_op: bool = False, unit: int | None = None,
-                       prescale: float | None = None):
+                       prescale: float | None = None, stream=None, waits=()):
         """``prescale``: every rank's input multiplied by it inside the collective (NCCL's
         PREMUL_SUM: :data:`PREMUL_SUM`), instead of a separate pass over it; only where
         :meth:`folds_prescale`."""
@@ -280,30 +308,27 @@ class Collectives:
         elif self.scatters_by_exchange(family):
             collective = reduce_scatter_by_exchange
         return self._exchange(collective, REDUCE, out, inp, family, phase,
-                              _nbytes(inp), async_op, unit)
+                              _nbytes(inp), async_op, unit, stream=stream, waits=waits)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, family: str, phase: str,
-                   async_op: bool = False, unit: int | None = None):
+                   async_op: bool = False, unit: int | None = None, stream=None, waits=()):
         """Chunk i of ``inp`` (n equal chunks) goes to group rank i; chunk j of ``out`` came from j."""
         return self._exchange(dist.all_to_all_single, REDUCE, out, inp, family, phase,
-                              _nbytes(inp), async_op, unit)
+                              _nbytes(inp), async_op, unit, stream=stream, waits=waits)
 
     def all_reduce(self, t: torch.Tensor, family: str, phase: str,
                    op=dist.ReduceOp.SUM, async_op: bool = False, unit: int | None = None,
-                   charge: bool = True, issue: bool = True):
-        """``charge``/``issue``: see :meth:`_exchange` (a chain's later stage)."""
+                   stream=None, waits=()):
+        """``stream``/``waits``: see :meth:`_exchange`."""
         n = self.sizes[family]
         if n == 1:
             return None
         nbytes = ring_sent("all_reduce", _nbytes(t), n)
-        if charge:
-            self._charge(family, phase, nbytes)
-        if not issue:
-            return None
+        self._charge(family, phase, nbytes)
         return self._issue(family, phase, dist.all_reduce, t, op=op,
                            group=self.groups[family][REDUCE], async_op=async_op,
                            trace_as=(unit, self._comm_name(family, REDUCE),
-                                     self.links[family], nbytes))
+                                     self.links[family], nbytes), stream=stream, waits=waits)
 
     def broadcast(self, t: torch.Tensor, src: int, group: Any, link: str, group_size: int,
                   phase: str = CONTROL) -> None:
@@ -458,9 +483,13 @@ class Pending:
     """An issued collective (``work`` is None once done or when it ran synchronously)
     and what to do once its data has landed."""
 
-    def __init__(self, work: Any = None, finish: Callable[[], None] | None = None) -> None:
+    def __init__(self, work: Any = None, finish: Callable[[], None] | None = None,
+                 event: Any = None) -> None:
         self.work = work
         self._finish = finish
+        # On a stream (megatron_lbp.engine.streams): the event after which its result is
+        # complete, for a collective on another stream to wait for.
+        self.event = event if event is not None else _event_of(work)
 
     @property
     def in_flight(self) -> bool:
@@ -475,9 +504,31 @@ class Pending:
         return poll() if poll is not None else self.work.is_completed()
 
     def wait(self) -> None:
-        work, finish = self.work, self._finish
+        work, finish, event = self.work, self._finish, self.event
         self.work = self._finish = None
         if work is not None:
             work.wait()
+        if event is not None:
+            event.wait()
         if finish is not None:
             finish()
+
+
+def _event_of(work: Any) -> Any:
+    inner = getattr(work, "work", work)
+    return getattr(inner, "event", None)
+
+
+class _TrackedCopy:
+    """A one-rank group's "collective" on a stream: a copy, nothing on any link."""
+
+    __slots__ = ("event", "record")
+
+    def __init__(self, event: Any) -> None:
+        self.event, self.record = event, None
+
+    def wait(self) -> None:
+        self.event.wait()
+
+    def is_completed(self) -> bool:
+        return self.event.query()

@@ -43,6 +43,7 @@ from megatron_lbp.core.config import (EngineOptions, check_quantized_grad_famili
 from megatron_lbp.engine.buckets import FlatBucket
 from megatron_lbp.engine.comm import CONTROL, Collectives, CommLedger
 from megatron_lbp.engine.grouping import UnitSpec, group_into_units
+from megatron_lbp.engine.streams import Streams
 from megatron_lbp.engine.memory import TransientLedger, tensor_bytes
 from megatron_lbp.engine.comm import Pending
 from megatron_lbp.engine.schedule import UnitSchedule, in_autograd_backward
@@ -97,6 +98,7 @@ class HierDataParallel(mcore.base_data_parallel()):
                 grad_chunk_ordered=hier.grad_chunk_ordered)
             self.units.append(GatherUnit(index, plan.kind, plan.layer, bucket, self.ctx))
         self.buckets: list[FlatBucket] = [u.bucket for u in self.units]
+        self.comm.streams = Streams(self.buckets[0].device if self.buckets else "cpu")
         self.schedule = UnitSchedule(self.units, unit_map, self.comm, overlap=options.overlap,
                                      prefetch_units=options.prefetch_units,
                                      max_pending_reduces=options.max_pending_reduces,

@@ -110,7 +110,7 @@ def all_gather_quantized(comm: Collectives, out: torch.Tensor, shard: torch.Tens
 def reduce_scatter_quantized(comm: Collectives, out: torch.Tensor, inp: torch.Tensor,
                              my_index: int, block_size: int, family: str, phase: str,
                              transient: TransientLedger, async_op: bool = False,
-                             unit: int | None = None) -> Pending:
+                             unit: int | None = None, stream=None, waits=()) -> Pending:
     """qgZ: ``out`` = sum over the group of every rank's chunk ``my_index`` of ``inp``.
 
     Chunk i of ``inp`` (``out.numel()`` elements) goes to group rank i as int8 +
@@ -127,24 +127,42 @@ def reduce_scatter_quantized(comm: Collectives, out: torch.Tensor, inp: torch.Te
     send = torch.empty(n * nb, dtype=torch.uint8, device=inp.device)
     recv = torch.empty_like(send)
     transient.alloc(2 * _nbytes(send))
-    for i in range(n):
-        if i != my_index:  # the own chunk's slot is sent to itself only and never read
-            quantize_into(inp[i * c:(i + 1) * c], send[i * nb:(i + 1) * nb], block_size)
-    work = comm.all_to_all(recv, send, family, phase, async_op=async_op, unit=unit)
 
-    def finish() -> None:
-        own = inp[my_index * c:(my_index + 1) * c]
-        acc = torch.empty(c, dtype=torch.float32, device=inp.device)
-        part = torch.empty(c, dtype=torch.float32, device=inp.device)
-        transient.alloc(2 * _nbytes(acc))
+    def quantize() -> None:
+        for i in range(n):
+            if i != my_index:  # the own chunk's slot is sent to itself only and never read
+                quantize_into(inp[i * c:(i + 1) * c], send[i * nb:(i + 1) * nb], block_size)
+
+    def land(acc: torch.Tensor, part: torch.Tensor) -> None:
         acc.zero_()
         for i in range(n):
             if i == my_index:
-                acc.add_(own)
+                acc.add_(inp[my_index * c:(my_index + 1) * c])
             else:
                 dequantize_from(recv[i * nb:(i + 1) * nb], part, block_size)
                 acc.add_(part)
         out.copy_(acc)
+
+    if stream is not None:
+        # Every step on the stream, in order, after ``waits``: the input may be written
+        # there; the sum's buffers exist (and are counted) from now until the host's wait.
+        acc = torch.empty(c, dtype=torch.float32, device=inp.device)
+        part = torch.empty(c, dtype=torch.float32, device=inp.device)
+        transient.alloc(2 * _nbytes(acc))
+        stream.submit(quantize, waits, holds=(inp, send), what=f"{phase} quantize")
+        work = comm.all_to_all(recv, send, family, phase, unit=unit, stream=stream)
+        landed = stream.submit(lambda: land(acc, part), holds=(inp, recv, out, acc, part),
+                               what=f"{phase} sum")
+        return Pending(work, lambda: transient.free(2 * _nbytes(acc) + 2 * _nbytes(send)),
+                       event=landed)
+    quantize()
+    work = comm.all_to_all(recv, send, family, phase, async_op=async_op, unit=unit)
+
+    def finish() -> None:
+        acc = torch.empty(c, dtype=torch.float32, device=inp.device)
+        part = torch.empty(c, dtype=torch.float32, device=inp.device)
+        transient.alloc(2 * _nbytes(acc))
+        land(acc, part)
         transient.free(2 * _nbytes(acc) + 2 * _nbytes(send))
 
     pending = Pending(work, finish)

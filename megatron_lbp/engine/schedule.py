@@ -47,21 +47,25 @@ The optimizer step overlaps at both ends (megatron_lbp.engine.chains):
 last micro-batch  the backward that follows :meth:`UnitSchedule.mark_last_micro_batch`
             (Megatron's schedules say so by leaving the wrapper's ``no_sync()``,
             inside which they run every micro-batch but the last) is the step's
-            last: as soon as a unit's G-group reduce-scatter is done, the unit's
-            network reduction to the 1/O optimizer slice is issued, under the
-            rest of the backward. A backward after it (before zero_grad_buffer)
+            last: where the schedule completes a unit's G-group reduce-scatter
+            (at the bound, or at the end of the backward), the unit's network
+            reduction to the 1/O optimizer slice is issued, under the rest of
+            the backward. A backward after it (before zero_grad_buffer)
             would come too late and is refused. Without the mark the reductions
             start in the optimizer step, all at once.
-next forward the optimizer issues each unit's updated-weights gathers at the end of
-            the step, in the order the forward will need the units; the unit's
-            first use waits for them: its forward gather, issued as a prefetch
-            under the unit before it or at its need. With NCCL that wait only
-            orders streams; with gloo it blocks the host for what has not
-            landed yet (usually nothing: they ran under the units before).
+next forward the optimizer issues each unit's updated-weights gathers (both hops,
+            on their communicators' streams) at the end of the step, in the
+            order the forward will need the units; the unit's first use waits
+            for them: its forward gather, issued as a prefetch under the unit
+            before it or at its need. On a GPU that wait only orders streams;
+            on gloo it blocks the host for what has not landed yet (usually
+            nothing: they ran under the units before).
 
-At every hook the schedule also completes, without blocking, reduce-scatters
-that are done and advances the step's chains, so a network reduction starts as
-soon as its input is ready and the host only ever waits for what it needs now.
+Nothing is issued because the host saw a collective finish: every collective is
+issued at a hook, a micro-batch boundary or the optimizer step, and a reduce-scatter
+is completed only at the bound or the flush, so the sequence of collectives a rank
+issues is a function of the program (megatron_lbp.core.program), the same on every
+rank whatever its timing, as NCCL/RCCL require across communicators.
 
 Order: prefetching follows each pass's order, the order in which units were
 first needed in the previous pass of that kind (forward, or backward with its
@@ -88,7 +92,7 @@ from megatron_lbp.engine.constants import (DEFAULT_EMBEDDING_BACKWARD_GATHER,
 from megatron_lbp.engine.buckets import ParamSlot
 from megatron_lbp.engine.comm import Collectives
 from megatron_lbp.engine.grouping import UnitMap
-from megatron_lbp.engine.trace import need, record_of
+from megatron_lbp.engine.trace import record_of
 from megatron_lbp.engine.unit import GatherUnit, ReduceInFlight, WeightState, unfused_gradient
 
 FORWARD, BACKWARD = "forward", "backward"
@@ -157,9 +161,6 @@ class UnitSchedule:
         self._open_compute: dict[int, list[Any]] = {}    # unit -> [interval, home modules left]
         self._open_backward: dict[int, Any] = {}         # unit -> its backward interval
         self._pending_reduces: list[ReduceInFlight] = []
-        # Trace records of reduce-scatters a poll took before the cap or the flush would have
-        # waited for them, oldest first: the trace notes that need when it comes.
-        self._polled_reduces: list[Any] = []
         self._backward_ran = False
         self.ctx = units[0].ctx if units else None
         self.trace = None   # the schedule trace (--hier-trace): the wrapper sets it
@@ -202,7 +203,6 @@ class UnitSchedule:
         self._keep_order(FORWARD)
 
     def pre_forward(self, module: torch.nn.Module) -> None:
-        self._poll()
         if in_autograd_backward():   # activation recomputation inside the backward pass
             self._enter_backward()
             self._need(module, self.uses.get(module, []), "backward_gather", BACKWARD)
@@ -214,7 +214,6 @@ class UnitSchedule:
     def post_forward(self, module: torch.nn.Module) -> None:
         recompute = self._pass is Pass.BACKWARD
         self._end_compute(module)
-        self._poll()
         if recompute:
             return  # the weights stay gathered for the backward that follows
         for u in self.releases.get(module, []):
@@ -226,7 +225,6 @@ class UnitSchedule:
     def pre_backward(self, module: torch.nn.Module) -> None:
         """Gradients of ``module``'s outputs are ready: its backward is next."""
         self._enter_backward()
-        self._poll()
         home = self.home.get(module)
         units = [u for u in self.uses.get(module, []) if u.index not in self._reduced
                  and not (u.index in self.no_backward_gather and u is home)]
@@ -275,31 +273,18 @@ class UnitSchedule:
         # Without overlap the step's reductions wait for the optimizer step, as before.
         self._pending_reduces.append(unit.start_reduce(
             async_op=self.overlap, last=self._backward_is_last and self.overlap))
-        limit = self.max_pending_reduces
-        while len(self._pending_reduces) + len(self._polled_reduces) > limit:
-            if self._polled_reduces:   # older than any still pending: it would be waited for
-                need(self._polled_reduces.pop(0))
-            else:
-                self._complete_oldest_reduce()
-        self._poll()
+        while len(self._pending_reduces) > self.max_pending_reduces:
+            self._complete_oldest_reduce()
 
-    def _complete_oldest_reduce(self, polled: bool = False) -> None:
+    def _complete_oldest_reduce(self) -> None:
+        """At a program point (the bound, the flush): never because it happened to be done,
+        so every rank issues what follows (the network reduction) at the same point."""
         reduce = self._pending_reduces.pop(0)
         landed = record_of(reduce.pending)
         reduce.unit.finish_reduce(reduce)
-        if polled and landed is not None:
-            self._polled_reduces.append(landed)
         if reduce.last:
             # Its 1/G shard is final: the network reduction runs under the rest of the backward.
             self.ctx.step.shard_final(reduce.unit, async_op=self.overlap, after=landed)
-
-    def _poll(self) -> None:
-        """Without blocking: complete the reduce-scatters that are done (in issue order, so
-        every rank starts the step's reductions in one order) and advance the step's chains."""
-        while self._pending_reduces and self._pending_reduces[0].pending.is_complete():
-            self._complete_oldest_reduce(polled=True)
-        if self.ctx is not None:
-            self.ctx.poll()
 
     def flush_backward(self) -> None:
         """Reduce what the last backward left (unused parameters) and wait for every reduce."""
@@ -309,9 +294,6 @@ class UnitSchedule:
                     self._reduce(u)
             self._backward_ran = False
             self._keep_order(BACKWARD)
-        for landed in self._polled_reduces:
-            need(landed)
-        self._polled_reduces = []
         while self._pending_reduces:
             self._complete_oldest_reduce()
         if self._backward_is_last:

@@ -14,7 +14,7 @@ Who talks to it, in the order of a step:
 1. the schedule (engine/schedule.py) says when a unit's gradient shard is
    final: :meth:`StepComm.shard_final` (under the last micro-batch's backward
    with overlap) or :meth:`StepComm.start_reduction` for every unit left
-   (``start_step_reduces``); at each of its hooks it calls :meth:`StepComm.poll`;
+   (``start_step_reduces``);
 2. the optimizer (engine/optimizer.py) asks for the reduced gradients
    (:meth:`StepComm.reduced_grad`), steps, drops them (:meth:`StepComm.release`)
    and hands the updated weights back (:meth:`StepComm.send_updated_weights`),
@@ -22,9 +22,10 @@ Who talks to it, in the order of a step:
 3. a unit's next gather (engine/unit.py ``GatherUnit.unshard``) waits for its
    own refresh (:meth:`StepComm.await_refresh`); ``settle`` waits for all.
 
-Every rank starts the chains of each kind in the same order (the schedule's
-reduce order, the next forward's order), which is what lets chains.py advance
-them whenever a rank notices a stage done.
+Every rank starts the chains of each kind at the same program points in the same
+order (the schedule's reduce order, the next forward's order), and chains.py
+issues all of a chain's hops when it starts, each on its communicator's stream:
+so every rank issues the same collectives in the same order.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ import torch
 
 from megatron_lbp.engine.chains import Chain, ChainQueue
 from megatron_lbp.engine.comm import Pending
-from megatron_lbp.engine.trace import link_after
+from megatron_lbp.engine.streams import check_free
 
 if TYPE_CHECKING:
     from megatron_lbp.engine.unit import GatherUnit, UnitContext
@@ -48,8 +49,7 @@ class _UnitStep:
     reduction: Chain | None = None        # the 1/G -> 1/O reduction, until its gradient is taken
     grad: torch.Tensor | None = None      # the 1/O slice it reduces into (fp32 once taken)
     grad_nbytes: int = 0                  # transient bytes ``grad`` holds
-    refresh: Chain | None = None          # the updated weights' gathers, until done
-    refresh_landed: Chain | None = None   # ... once landed, until the unit's first use
+    refresh: Chain | None = None          # the updated weights' gathers, until waited for
 
 
 class StepComm:
@@ -64,13 +64,6 @@ class StepComm:
     def _of(self, unit: "GatherUnit") -> _UnitStep:
         return self._units.setdefault(id(unit), _UnitStep())
 
-    def poll(self) -> None:
-        """Advance the step's chains without blocking (the schedule calls it at its hooks)."""
-        if self.reductions:
-            self.reductions.poll()
-        if self.refreshes:
-            self.refreshes.poll()
-
     # --- the reduction ---------------------------------------------------------------------
     def shard_final(self, unit: "GatherUnit", async_op: bool, after=None) -> None:
         """The schedule: ``unit``'s 1/G shard is final; its reduction starts now.
@@ -78,14 +71,14 @@ class StepComm:
         ``after``: the trace record of the reduce-scatter that made it final (the
         reduction's first stage is traced as following it).
         """
-        self.start_reduction(unit, async_op)
-        chain = self._of(unit).reduction
-        if chain is not None and chain.records:
-            link_after(chain.records[0], after)
+        self.start_reduction(unit, async_op, after)
 
-    def start_reduction(self, unit: "GatherUnit", async_op: bool) -> None:
-        """The 1/G shard -> this rank's 1/O slice (once per step; :meth:`reduced_grad` waits)."""
+    def start_reduction(self, unit: "GatherUnit", async_op: bool, after=None) -> None:
+        """The 1/G shard -> this rank's 1/O slice (once per step; :meth:`reduced_grad` waits).
+
+        ``after``: the trace record its first stage is traced as following."""
         b, ctx, mine = unit.bucket, self.ctx, self._of(unit)
+        comm = ctx.comm
         if mine.reduction is not None or mine.grad is not None:
             return
         if b.grad_shard_fresh:     # no micro-batch reduced into it since zero_grad_buffer
@@ -97,16 +90,18 @@ class StepComm:
             mine.grad_nbytes = out.numel() * out.element_size()
             ctx.transient.alloc(mine.grad_nbytes)
             # int8 all-to-all summed in fp32 when qgZ covers this (cross-node) hop
-            stages.append(lambda a: ctx.reduce_scatter_grad(
-                out, b.grad_shard, "inter", "step_reduce", async_op=a, unit=unit.index))
+            stages.append(lambda waits, a: ctx.reduce_scatter_grad(
+                out, b.grad_shard, "inter", "step_reduce", unit=unit.index,
+                stream=comm.stream("inter", "reduce") if a else None, waits=waits))
         else:   # O == G: the optimizer slice is the gradient shard
             out = b.grad_shard
             mine.grad_nbytes = 0
         if ctx.comm.sizes.get("replica", 1) > 1:
-            stages.append(lambda a, **how: Pending(ctx.comm.all_reduce(
-                out, "replica", "step_reduce", async_op=a, unit=unit.index, **how)))
+            stages.append(lambda waits, a: Pending(comm.all_reduce(
+                out, "replica", "step_reduce", unit=unit.index,
+                stream=comm.stream("replica", "reduce") if a else None, waits=waits)))
         mine.grad = out
-        mine.reduction = Chain(unit.index, stages)
+        mine.reduction = Chain(unit.index, stages, after=after)
         self.reductions.start(mine.reduction, async_op=async_op)
 
     def reduced_grad(self, unit: "GatherUnit") -> torch.Tensor:
@@ -116,6 +111,7 @@ class StepComm:
             self.reductions.complete(mine.reduction)
             mine.reduction = None
         grad = mine.grad
+        check_free(grad, f"unit {unit.index}'s reduced gradient")
         if grad.dtype != torch.float32:   # reduced in bf16: Adam and the norm want fp32
             wide = grad.float()
             self.ctx.transient.alloc(wide.numel() * 4)
@@ -138,6 +134,7 @@ class StepComm:
         if mine.reduction is not None:
             self.reductions.complete(mine.reduction)
             mine.reduction = None
+        check_free(mine.grad, f"unit {unit.index}'s reduced gradient")
         mine.grad = None
         self.ctx.transient.free(mine.grad_nbytes)
         mine.grad_nbytes = 0
@@ -149,6 +146,7 @@ class StepComm:
         overlap: a unit's next gather waits for its own)."""
         for unit in self.forward_order():
             self.await_refresh(unit)   # (a load right after a step: the step's gathers first)
+            check_free(unit.bucket.primary, f"unit {unit.index}'s primary slice")
             write_own(unit)
             self.start_refresh(unit, async_op)
 
@@ -157,39 +155,33 @@ class StepComm:
 
         1/O -> 1/G over ``inter`` (network), then 1/G -> 1/P over
         ``grad_to_param`` (node), each in place (this rank's chunk already sits
-        where the gather puts it). Asynchronous: the unit's next gather waits.
-        Both hops count in this step's comm report, though the second is issued
-        under the next forward (megatron_lbp.engine.chains).
+        where the gather puts it), both issued now on their streams, the second
+        after the first (megatron_lbp.engine.chains). Asynchronous: the unit's
+        next gather waits.
         """
         b, comm, mine = unit.bucket, self.ctx.comm, self._of(unit)
         grad_part = b.primary[b.grad_in_primary.slice]
         stages = []
         if comm.sizes.get("inter", 1) > 1:
             own = b.primary[b.optim_in_primary.slice]
-            stages.append(lambda a, **how: Pending(comm.all_gather(
-                grad_part, own, "inter", "step_gather", async_op=a, unit=unit.index, **how)))
+            stages.append(lambda waits, a: Pending(comm.all_gather(
+                grad_part, own, "inter", "step_gather", unit=unit.index,
+                stream=comm.stream("inter", "gather") if a else None, waits=waits)))
         if comm.sizes.get("grad_to_param", 1) > 1:
-            stages.append(lambda a, **how: Pending(comm.all_gather(
-                b.primary, grad_part, "grad_to_param", "step_gather", async_op=a,
-                unit=unit.index, **how)))
+            stages.append(lambda waits, a: Pending(comm.all_gather(
+                b.primary, grad_part, "grad_to_param", "step_gather", unit=unit.index,
+                stream=comm.stream("grad_to_param", "gather") if a else None, waits=waits)))
         self.await_refresh(unit)
-        mine.refresh = Chain(unit.index, stages, on_done=lambda: self.refreshed(unit))
+        mine.refresh = Chain(unit.index, stages)
         self.refreshes.start(mine.refresh, async_op=async_op)
 
-    def refreshed(self, unit: "GatherUnit") -> None:
-        """A unit's refresh has landed (the chain's ``on_done``)."""
-        mine = self._of(unit)
-        mine.refresh_landed, mine.refresh = mine.refresh, None
-
     def await_refresh(self, unit: "GatherUnit") -> None:
-        """Block until the unit's primary slice holds the updated weights (and every refresh before)."""
+        """Until the unit's primary slice holds the updated weights (and every refresh before):
+        the current stream waits (on gloo, the host)."""
         mine = self._of(unit)
         if mine.refresh is not None:
             self.refreshes.complete(mine.refresh)
-        if mine.refresh_landed is not None:
-            # Done before this first use: the trace notes that the data was needed here.
-            mine.refresh_landed.note_need()
-            mine.refresh_landed = None
+            mine.refresh = None
 
     def settle(self) -> None:
         """Wait until every unit's primary slice holds the updated weights (nothing in flight)."""

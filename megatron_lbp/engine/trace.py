@@ -12,13 +12,12 @@ the schedule benchmarks):
   called it), ``wait`` (the engine first blocked on it; equal to ``issued`` for
   a synchronous call) and ``done`` (that wait returned); an ``id`` unique in
   the trace, ``polled`` when the engine took it only after a poll had found it
-  complete (it never blocked on it), and ``after``, the id of the collective
-  whose landing let the engine issue this one (a chain's previous stage, or the
-  unit's in-node reduce-scatter for its network reduction);
+  complete (the engine never polls: false), and ``after``, the id of the
+  collective this one runs after (a chain's previous hop, whose event its
+  stream waits for, or the unit's in-node reduce-scatter for its network
+  reduction);
 - the *needs*: the points where the engine required the data of a collective
-  it had already taken by a poll, and would have blocked had it not been done
-  (the unit's next use of updated weights, the optimizer step's gradient, the
-  reduce-scatter cap); a blocking wait is its own need;
+  it had taken by a poll (none: the engine never polls);
 - each unit's compute intervals per micro-batch and pass (forward,
   recompute, backward; "optimizer" for the host side of the step).
 
@@ -29,12 +28,9 @@ the step in program order, which breaks ties in time.
 A record holds every collective issued since the previous step's record was
 written (so a checkpoint load or an evaluation before a step's first forward
 lands in that step, at negative times), each with the bytes the ledger charged
-for it. The comm report charges a chain's stages to the step that started it
-(megatron_lbp.engine.chains): the updated weights' second hop, issued under the
-next forward, is in the next record but in this step's report. Summed per phase
-and link a record's bytes are its step's report from the second step on (the
-hop it holds is the step before's, as big as its own); the first record lacks
-its step's second hop.
+for it: summed per phase and link, its step's report. ``issued_seq`` is the
+program order; a collective on a stream (megatron_lbp.engine.streams) is
+recorded when it is submitted there.
 
 A collective still in flight when the record is written (the updated weights'
 gathers, which the next forward waits for: megatron_lbp.engine.schedule) is

@@ -50,6 +50,7 @@ from megatron_lbp.engine.memory import TransientLedger
 from megatron_lbp.engine.quantized import (all_gather_quantized, gather_packed_slices,
                                            reduce_scatter_quantized)
 from megatron_lbp.engine.step_comm import StepComm
+from megatron_lbp.engine.streams import check_free
 
 
 class WeightState(enum.Enum):
@@ -83,26 +84,26 @@ class UnitContext:
 
     def reduce_scatter_grad(self, out: torch.Tensor, inp: torch.Tensor, family: str,
                             phase: str, async_op: bool = False, unit: int | None = None,
-                            prescale: float | None = None) -> Pending:
+                            prescale: float | None = None, stream=None,
+                            waits=()) -> Pending:
         """A gradient reduce-scatter in ``family``: int8 all-to-all with qgZ when that
         family crosses nodes, else the plain reduce-scatter (``prescale``: see
-        :meth:`folds_prescale`). Call ``.wait()`` on the result."""
+        :meth:`folds_prescale`; ``stream``/``waits``: on that stream after those events).
+        Call ``.wait()`` on the result."""
         if family in self.quantized_grad_families:
             assert prescale is None, "qgZ quantizes the scaled gradient"
             return reduce_scatter_quantized(self.comm, out, inp, self.group_index[family],
                                             self.quant_block_size, family, phase,
-                                            self.transient, async_op=async_op, unit=unit)
+                                            self.transient, async_op=async_op, unit=unit,
+                                            stream=stream, waits=waits)
         return Pending(self.comm.reduce_scatter(out, inp, family, phase, async_op=async_op,
-                                                unit=unit, prescale=prescale))
+                                                unit=unit, prescale=prescale, stream=stream,
+                                                waits=waits))
 
     def folds_prescale(self, family: str) -> bool:
         """Whether ``family``'s gradient reduce-scatter scales its input itself (not qgZ, and
         a backend with PREMUL_SUM: megatron_lbp.engine.comm.prescale_in_collective)."""
         return family not in self.quantized_grad_families and self.comm.folds_prescale(family)
-
-    def poll(self) -> None:
-        """Advance the step's chains without blocking (the schedule calls it at its hooks)."""
-        self.step.poll()
 
 
 @dataclass
@@ -147,6 +148,7 @@ class GatherUnit:
         else from the primary slices in the P-group (int8 on the wire with qwZ)."""
         b, ctx = self.bucket, self.ctx
         ctx.step.await_refresh(self)
+        check_free(b.primary, f"unit {self.index}'s primary slice")
         b.alloc_full()
         if phase == "backward_gather" and b.has_secondary:
             pending = self._gather_secondary(async_op)

@@ -5,8 +5,9 @@ The knobs (docs/design.md, "Transient memory and its knobs") trade transient mem
 of the unit being computed) and ``--hier-max-pending-reduces`` r (gradient reduce-scatters
 in flight before the oldest is waited for). The idealised step model
 (``project.step_time``) pools a pass's communication against its compute and cannot see
-them, so this module replays megatron_lbp.engine.schedule's order over the model's gather
-units for one micro-batch, with each collective's seconds from the same cost model:
+them, so this module walks the step's program (megatron_lbp.core.program, the order the
+engine issues in) over the model's gather units for one micro-batch, with each
+collective's seconds from the same cost model:
 
 - a unit's gather, reduce-scatter: the plan's per-micro-batch bytes of its phase
   (``forward_gather``, ``backward_gather``, ``grad_reduce``) in proportion to the unit's
@@ -39,6 +40,8 @@ from typing import Any, Mapping, Sequence
 
 from megatron_lbp.core.config import (DEFAULT_EMBEDDING_BACKWARD_GATHER,
                                       DEFAULT_MAX_PENDING_REDUCES, DEFAULT_PREFETCH_UNITS)
+from megatron_lbp.core.program import BACKWARD, FORWARD, Op, ProgramSpec, step_program
+from megatron_lbp.engine.constants import UNIT_KINDS
 from megatron_lbp.projection.project import ComputeModel, LinkModel
 
 DEFAULT = (DEFAULT_PREFETCH_UNITS, DEFAULT_MAX_PENDING_REDUCES)
@@ -108,48 +111,27 @@ def unit_compute_s(units: Sequence[tuple[str, int]], model: Mapping[str, int],
     return out
 
 
-def _pass(order: Sequence[int], needs: Mapping[int, Sequence[int]], gather: Sequence[float],
-          gather_cls: str | None, compute: Sequence[float], depth: int,
-          reduce: Sequence[float] | None = None, reduce_cls: str | None = None,
-          pending_limit: int = 0, never: frozenset = frozenset()) -> float:
-    """Exposed seconds of one pass (forward, or backward with ``reduce``) in the schedule's
-    order; ``never``: units not prefetched (gathered only where a need names them)."""
-    free: dict[Any, float] = {}
-    landed: dict[int, float] = {}
-    used: set[int] = set()
-    pending: list[float] = []
-    t = 0.0
-
-    def occupy(cls, at: float, seconds: float) -> float:
-        start = max(at, free.get(cls, 0.0)) if cls is not None else at
-        end = start + seconds
-        if cls is not None:
-            free[cls] = end
-        return end
-
-    for pos, u in enumerate(order):
-        for v in needs[u]:
-            if v not in landed:
-                landed[v] = occupy(gather_cls, t, gather[v])
-            used.add(v)
-        ahead = 0
-        for v in order[pos + 1:]:
-            if ahead >= depth:
-                break
-            if v in used or v in never:
-                continue
-            if v not in landed:
-                landed[v] = occupy(gather_cls, t, gather[v])
-            ahead += 1
-        t = max([t] + [landed[v] for v in needs[u]])
-        t += compute[u]
-        if reduce is not None:
-            pending.append(occupy(reduce_cls, t, reduce[u]))
-            while len(pending) > pending_limit:
-                t = max(t, pending.pop(0))
-    for end in pending:
-        t = max(t, end)
-    return t - sum(compute[u] for u in order)
+def _walk(ops: Sequence[Op], seconds: Mapping[str, tuple[str | None, Sequence[float]]],
+          compute: Sequence[float]) -> float:
+    """Exposed seconds of one pass of the step's program (megatron_lbp.core.program):
+    ``seconds``: phase -> (link class, seconds per unit) of the collectives timed (the
+    others are left out); collectives on one class run one after another in issue order."""
+    free: dict[str, float] = {}
+    end: dict[int, float] = {}
+    t = busy = 0.0
+    for op in ops:
+        if op.action == "issue" and op.phase in seconds:
+            cls, per_unit = seconds[op.phase]
+            start = max(t, free.get(cls, 0.0)) if cls is not None else t
+            end[op.index] = start + per_unit[op.unit]
+            if cls is not None:
+                free[cls] = end[op.index]
+        elif op.action == "wait" and op.waits[0] in end:
+            t = max(t, end[op.waits[0]])
+        elif op.action == "compute":
+            t += compute[op.unit]
+            busy += compute[op.unit]
+    return t - busy
 
 
 def exposed_s(plan: Mapping[str, Any], units: Sequence[tuple[str, int]],
@@ -165,20 +147,20 @@ def exposed_s(plan: Mapping[str, Any], units: Sequence[tuple[str, int]],
     work = unit_compute_s(units, model, compute, tied)
     fwd = [w / 3 for w in work]
     bwd = [w * 2 / 3 + (w / 3 if compute.recompute else 0.0) for w in work]
-    f_cls, f_t = unit_comm_s(plan, numels, "forward_gather", links)
-    b_cls, b_t = unit_comm_s(plan, numels, "backward_gather", links)
-    r_cls, r_t = unit_comm_s(plan, numels, "grad_reduce", links)
-    needs = {u: [u] for u in range(n)}
-    forward = _pass(range(n), needs, f_t, f_cls, fwd, knobs.prefetch_units)
-    if tied:
-        needs[n - 1] = [n - 1, 0]
-    never = frozenset()
-    if knobs.embedding_backward_gather == "skip":
-        never = frozenset(u for u, (kind, _) in enumerate(units) if kind == "embedding")
-        for u in never:
-            needs[u] = []
-    backward = _pass(list(reversed(range(n))), needs, b_t, b_cls, bwd, knobs.prefetch_units,
-                     r_t, r_cls, knobs.max_pending_reduces, never)
+    seconds = {phase: unit_comm_s(plan, numels, phase, links)
+               for phase in ("forward_gather", "backward_gather", "grad_reduce")}
+    g = plan["group_sizes"]
+    # The embedding skip applies to unit 0 (the program's rule): only where it is the embedding.
+    skip = knobs.embedding_backward_gather == "skip" and bool(units) and units[0][0] == "embedding"
+    spec = ProgramSpec(
+        unit_kinds=tuple(kind if kind in UNIT_KINDS else "other" for kind, _ in units),
+        group_sizes={"param": g["param"], "secondary": g["secondary"] or 0, "grad": g["grad"]},
+        tied_embedding=tied, prefetch_units=knobs.prefetch_units,
+        max_pending_reduces=knobs.max_pending_reduces,
+        embedding_backward_gather="skip" if skip else "gather")
+    passes = {segment: ops for segment, _, ops in step_program(spec).segments()}
+    forward = _walk(passes[FORWARD], seconds, fwd)
+    backward = _walk(passes[BACKWARD], seconds, bwd)
     k = plan["micro_batches"]
     return {"forward": forward, "backward": backward, "micro_batch": forward + backward,
             "step": k * (forward + backward)}

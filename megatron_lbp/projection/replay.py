@@ -26,12 +26,12 @@ order given):
   record's ``needs``: a unit's first use of its updated weights, the optimizer
   step's gradient, the reduce-scatter cap), a need not yet landed holds the
   clock like a wait;
-- a collective issued because another landed (``after``: a chain's next
-  stage, a unit's network reduction after its in-node reduce-scatter) is held
-  until that one has landed, and so is everything issued after it on its
-  communicator (the engine issues each communicator's collectives in one
-  order on every rank); it is issued when its trigger lands: at a poll, or
-  at once while a wait holds the clock;
+- a collective that runs after another (``after``: a chain's next hop, on a
+  stream that waits for the hop before; a unit's network reduction after its
+  in-node reduce-scatter) starts no earlier than that one's landing, whether
+  or not the host has waited for it; until the one it follows is issued it is
+  held, and so is everything issued after it on its communicator (the engine
+  issues each communicator's collectives in one order on every rank);
 - a collective issued in one step and waited for in a later one (the trace
   writes it with ``wait`` null, then under ``carried`` in the step it
   completed in) keeps its place in the issuing step; one carried into the
@@ -159,7 +159,7 @@ class _Program:
         trigger = self.by_id.get(c.get("after")) if c.get("after") is not None else None
         if trigger is not None and not trigger.landed:
             rc.trigger = trigger
-        if rc.trigger is not None or self.held.get(c["comm"]):
+        if (rc.trigger is not None and rc.trigger.issued is None) or self.held.get(c["comm"]):
             self.held.setdefault(c["comm"], []).append(rc)
         else:
             self._start(rc)
@@ -168,11 +168,14 @@ class _Program:
     def _start(self, rc: ReplayedCollective) -> None:
         comm, at = rc.c["comm"], self.clock
         rc.issued = at
-        rc.start = max(at, self.free.get(comm, at))
+        # Its stream runs it once its trigger has landed (the engine's streams wait for the
+        # trigger's event; the host does not).
+        ready = max(at, rc.trigger.end) if rc.trigger is not None else at
+        rc.start = max(ready, self.free.get(comm, ready))
         rc.end = rc.start + rc.link_s
-        if rc.start > at:
+        if rc.start > ready:
             rc.behind = self.last_on.get(comm)
-        elif at > rc.program_at and rc.trigger is not None:
+        elif ready > rc.program_at and rc.trigger is not None:
             rc.behind = rc.trigger.c["phase"]
         self.free[comm], self.last_on[comm] = rc.end, rc.c["phase"]
 
@@ -180,7 +183,7 @@ class _Program:
         """Issue, at the clock, the held collectives whose trigger has landed, in order."""
         for comm in list(self.held):
             queue = self.held[comm]
-            while queue and (queue[0].trigger is None or queue[0].trigger.landed):
+            while queue and (queue[0].trigger is None or queue[0].trigger.issued is not None):
                 self._start(queue.pop(0))
             if not queue:
                 del self.held[comm]

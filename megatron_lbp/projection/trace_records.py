@@ -16,7 +16,7 @@ from typing import Any, Sequence
 # writes and the summaries and the replay read. Bump it when a field is added, removed or
 # changes its meaning: the committed traces (megatron_lbp/projection/traces/index.json)
 # carry the version they were recorded in, and a replay of others says to re-record them.
-TRACE_FORMAT_VERSION = 1
+TRACE_FORMAT_VERSION = 2
 
 
 class TraceError(Exception):

@@ -161,20 +161,20 @@ def test_a_polled_collective_done_by_its_need_costs_nothing():
     assert colls[0].wait == pytest.approx(2.0)      # landed at the poll that found it done
 
 
-def test_a_collective_issued_by_anothers_landing_waits_for_that_landing():
-    # g (2 s) polled at 0; s (1 s, issued after g lands) is held; compute 1 s -> 1 (g still
-    # running); compute 3 s -> 4: the poll lands g and issues s, [4, 5]; s polled at 4: in
-    # flight; its need at 4 holds the clock to 5: 1 s exposed, its own link time.
+def test_a_collective_after_another_starts_at_its_landing_on_its_stream():
+    # g (2 s) polled at 0; s (1 s) issued at 0 after g (``after``): its stream runs it once g
+    # has landed, [2, 3], whether or not the host waited; compute 1 s -> 1, 3 s -> 4; s's need
+    # at 4 finds it done: nothing exposed.
     g = polled(coll("grad_reduce", 1, "g", 1, 2, 2.0, family="grad"), 1)
     s = polled(coll("step_reduce", 1, "inter", 3, 6, 1.0, family="inter"), 2, after=1)
     rec = dict(record([g, s], [comp("backward", 0, 4, 4, 1.0), comp("backward", 0, 5, 5, 3.0)]),
                needs=[need(2, 7)])
     (step,), colls = run(rec)
-    assert step.step_s == pytest.approx(5.0)
+    assert step.step_s == pytest.approx(4.0)
     rs = next(c for c in colls if c.c["id"] == 2)
-    assert (rs.issued, rs.start, rs.end) == pytest.approx((4.0, 4.0, 5.0))
+    assert (rs.issued, rs.start, rs.end) == pytest.approx((0.0, 2.0, 3.0))
     assert rs.behind == "grad_reduce"
-    assert step.as_json()["phases"]["step_reduce"]["exposed_s"] == pytest.approx(1.0)
+    assert step.as_json()["phases"]["step_reduce"]["exposed_s"] == pytest.approx(0.0)
 
 
 def test_a_need_of_a_held_collective_waits_for_its_trigger_then_its_own_link_time():

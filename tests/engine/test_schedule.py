@@ -268,8 +268,8 @@ COLLECTIVE_FIELDS = {"phase", "unit", "micro_batch", "family", "comm", "link", "
 
 
 def _second_hop(rec):
-    """Bytes per link of a record's 1/G -> 1/P weight gathers: those of the step before
-    (or of an optimizer state load), issued under this step's forward."""
+    """Bytes per link of a record's 1/G -> 1/P weight gathers (its own step's: issued at its
+    optimizer step with the first hop, on their streams)."""
     hop = defaultdict(float)
     for c in rec["collectives"]:
         if c["phase"] == "step_gather" and c["family"] == "grad_to_param":
@@ -282,10 +282,8 @@ def test_trace_fields_and_bytes_equal_the_comm_report(ranks):
     for rank, got in enumerate(out):
         records = _records(trace_dir, "recompute", rank)
         assert [r["step"] for r in records] == [1, 2, 3]
-        # The comm report charges a step's second hop to that step (its chain started
-        # there); the trace records it where it is issued, in the next step's record.
-        own_hop = _second_hop(records[1])
-        assert own_hop["node"] > 0 and _second_hop(records[0]) == {}, own_hop
+        # Each step's record holds both hops of its own refresh, issued at its optimizer step.
+        assert all(_second_hop(r)["node"] > 0 for r in records), [_second_hop(r) for r in records]
         for rec, report in zip(records, got["recompute"]["reports"]):
             assert rec["rank"] == rank and rec["t_start"] == 0.0 < rec["t_end"]
             assert rec["micro_batches"] == 2 and rec["prefetch_units"] == 1
@@ -310,8 +308,8 @@ def test_trace_fields_and_bytes_equal_the_comm_report(ranks):
                     assert c["micro_batch"] is None, c
                 elif c["phase"] == "step_reduce":   # under the last backward (issue 13)
                     assert c["micro_batch"] == 1 and c["unit"] in range(len(KINDS)), c
-                elif c["phase"] == "step_gather":   # the second hop: under the next forward
-                    assert c["micro_batch"] in (None, 0) and c["unit"] in range(len(KINDS)), c
+                elif c["phase"] == "step_gather":   # both hops: at the optimizer step
+                    assert c["micro_batch"] is None and c["unit"] in range(len(KINDS)), c
                 else:
                     assert c["micro_batch"] in (0, 1) and c["unit"] in range(len(KINDS)), c
             seqs += [n["seq"] for n in rec["needs"]]
@@ -323,11 +321,7 @@ def test_trace_fields_and_bytes_equal_the_comm_report(ranks):
             assert len(seqs) == len(set(seqs)), "two points share a sequence number"
             assert dict(passes) == {"forward": 2 * len(KINDS), "recompute": 2 * LAYERS,
                                     "backward": 2 * len(KINDS), "optimizer": 1}, dict(passes)
-            # From the second step on the hop issued under the forward is as big as the
-            # step's own: the record's bytes are the report's; the first lacks its own hop.
-            if rec["step"] == 1:
-                for link, nbytes in own_hop.items():
-                    sent["step_gather"][link] += nbytes
+            # Every collective is charged where it is issued: the record's bytes are the report's.
             for ph, by_link in report["traffic_by_phase"].items():
                 for link, nbytes in by_link.items():
                     assert sent[ph][link] == pytest.approx(nbytes, abs=1e-6), (
@@ -335,65 +329,35 @@ def test_trace_fields_and_bytes_equal_the_comm_report(ranks):
                         f"bytes, comm report {nbytes}")
 
 
-def test_trace_says_what_was_polled_what_issued_what_and_where_it_was_needed(ranks):
-    """The fields the replay needs to treat a poll as a poll (bench/replay.py): a collective
-    the engine took only after a poll found it done is ``polled``; each later stage of the
-    optimizer step's chains, and each unit's network reduction, names the collective
-    whose landing issued it (``after``); and a polled collective's data is needed exactly
-    once, later, where the engine would have blocked for it."""
+def test_trace_links_each_hop_to_the_one_its_stream_waits_for_and_nothing_is_polled(ranks):
+    """The fields the replay needs (projection/replay.py): each later hop of the optimizer
+    step's chains, and each unit's network reduction, names the collective it waits for
+    (``after``), issued before it, for the same unit; the engine never polls, so nothing is
+    ``polled`` and no need is recorded apart from a blocking wait."""
     trace_dir, _ = ranks
     for rank in (0, 5):
         records = _records(trace_dir, "recompute", rank)
-        seen, polled, needed = {}, {}, set()
+        seen = {}
         for rec in records:
-            landed_at = {}
+            assert rec["needs"] == [], rec["needs"]
             for c in rec["collectives"] + rec["carried"]:
-                assert isinstance(c["id"], int) and c["id"] > 0, c
+                assert isinstance(c["id"], int) and c["id"] > 0 and not c["polled"], c
                 if c in rec["carried"]:
                     assert seen[c["id"]]["issued_seq"] == c["issued_seq"], c
                 else:
                     assert c["id"] not in seen, f"rank {rank}: id {c['id']} twice"
                 seen[c["id"]] = c
-                if c["wait_seq"] is not None:
-                    landed_at[c["id"]] = c["wait_seq"]
-                if c["polled"]:
-                    assert c["async"] and c["wait_seq"] is not None, c
-                    polled[c["id"]] = c
             for c in rec["collectives"]:
                 if c["after"] is None:
                     assert not (c["phase"] == "step_reduce" or c["family"] == "grad_to_param"), c
                     continue
-                trigger = seen.get(c["after"])
-                if trigger is None:
-                    # The first hop of an optimizer state load's refresh: in no record
-                    # (the load discards what the trace had; docs/schedule-trace.md).
-                    assert c["family"] == "grad_to_param" and c["after"] < c["id"], c
-                    continue
+                trigger = seen[c["after"]]
                 assert trigger["unit"] == c["unit"], (trigger, c)
                 pair = (trigger["phase"], trigger["family"], c["phase"], c["family"])
                 assert pair in {("grad_reduce", "grad", "step_reduce", "inter"),
                                 ("step_gather", "inter", "step_gather", "grad_to_param")}, pair
-                if trigger["id"] in landed_at:   # landed in this record: just before the issue
-                    assert landed_at[trigger["id"]] < c["issued_seq"], (trigger, c)
-            for n in rec["needs"]:
-                if n["id"] not in seen:   # an optimizer state load's first hop, as above
-                    assert n["id"] < min(c["id"] for c in rec["collectives"]), n
-                    continue
-                assert n["id"] in polled and n["id"] not in needed, (rank, n)
-                needed.add(n["id"])
-                c = polled[n["id"]]
-                if c in rec["collectives"] + rec["carried"]:
-                    assert c["wait_seq"] < n["seq"], (c, n)
-        kinds = {(c["phase"], c["family"]) for c in polled.values()}
-        assert {("grad_reduce", "grad"), ("step_gather", "inter")} <= kinds, kinds
-        # Every step reduction and every first-hop weight gather is needed (the optimizer
-        # step, the unit's next forward) but those of the last step, which nothing used.
-        last = records[-1]["step"]
-        for c in polled.values():
-            used = c["phase"] != "step_gather" or any(
-                c in r["carried"] for r in records)
-            if c["phase"] in ("step_reduce", "grad_reduce") and used:
-                assert c["id"] in needed, (rank, last, c)
+                if trigger in rec["collectives"]:
+                    assert trigger["issued_seq"] < c["issued_seq"], (trigger, c)
 
 
 def test_bench_trace_summarises_the_files(ranks, capsys):

@@ -18,6 +18,8 @@ same ranks. Checked:
 """
 from __future__ import annotations
 
+from collections import defaultdict
+
 import json
 
 import pytest
@@ -128,30 +130,39 @@ def test_the_trace_shows_the_step_under_the_backward_and_the_next_forward(ranks)
             assert all(c["issued_seq"] < optimizer["start_seq"] for c in reduces)
             under_backward = [c["unit"] for c in reduces if c["issued_seq"] < backward_end]
             if overlapped:
-                # At least those whose in-node reduce-scatter the backward itself completes
-                # (two kept in flight): the output layer's and the last layer's; the others
-                # as soon as a hook sees theirs done.
+                # Those whose in-node reduce-scatter the backward itself completes at the
+                # bound (two kept in flight): the output layer's and the last layer's first;
+                # the two left, at the flush after the backward.
                 assert {N_UNITS - 1, N_UNITS - 2} <= set(under_backward), (
                     f"rank {rank}: only units {under_backward} reduced to the optimizer slices "
                     "during the last backward")
                 assert all(c["async"] and c["micro_batch"] == 1 for c in reduces), reduces
             else:
                 assert under_backward == [], f"rank {rank}: overlap off, yet {under_backward}"
-        # Each unit's first hop (1/O -> 1/G, network) is still in flight when step 1 ends,
-        # waited for only after step 2 began; the second hop is issued in step 2.
-        first = [c for c in on[0]["collectives"] if c["phase"] == "step_gather"]
-        assert sorted(c["unit"] for c in first) == list(range(N_UNITS)), first
-        assert all(c["family"] == "inter" and c["done"] is None for c in first), first
-        carried = {c["unit"]: c for c in on[1]["carried"]}
+        # Both hops of each unit's refresh (1/O -> 1/G network, then 1/G -> 1/P node, which
+        # waits for the first on its stream) are issued at the end of step 1, still in flight
+        # when its record is written, and waited for only after step 2 began.
+        refresh = [c for c in on[0]["collectives"] if c["phase"] == "step_gather"]
+        by_unit = defaultdict(list)
+        for c in refresh:
+            by_unit[c["unit"]].append(c)
+        assert sorted(by_unit) == list(range(N_UNITS)), refresh
+        for unit, (net, node) in by_unit.items():
+            assert (net["family"], node["family"]) == ("inter", "grad_to_param"), by_unit[unit]
+            assert node["after"] == net["id"] and net["issued_seq"] < node["issued_seq"]
+            assert net["done"] is None and node["done"] is None, by_unit[unit]
+        assert all(c["issued_seq"] > optimizer["start_seq"] for c in refresh
+                   for optimizer in [next(i for i in on[0]["compute"]
+                                          if i["pass"] == "optimizer")])
+        carried = defaultdict(list)
+        for c in on[1]["carried"]:
+            carried[c["unit"]].append(c)
         assert sorted(carried) == list(range(N_UNITS)), on[1]["carried"]
-        assert all(c["wait"] >= 0.0 for c in carried.values()), carried
-        second = [c for c in on[1]["collectives"]
-                  if c["phase"] == "step_gather" and c["family"] == "grad_to_param"]
-        assert len(second) >= N_UNITS and all(c["issued"] >= 0.0 for c in second), second
+        assert all(c["wait"] >= 0.0 for cs in carried.values() for c in cs), carried
         # A unit's forward gather in step 2 comes after its weights are back.
         for c in on[1]["collectives"]:
             if c["phase"] == "forward_gather" and c["micro_batch"] == 0:
-                back = max(s["done_seq"] for s in second if s["unit"] == c["unit"])
+                back = max(s["done_seq"] for s in carried[c["unit"]])
                 assert back < c["issued_seq"], (rank, c)
         assert all(c["phase"] != "step_gather" or c["done"] is not None
                    for c in off[0]["collectives"]), "overlap off left a gather in flight"

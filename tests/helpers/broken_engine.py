@@ -96,8 +96,8 @@ def premul_sum_rounding_in_fp64():
 
 @contextlib.contextmanager
 def stale_weights_on_rank(rank: int):
-    """On ``rank`` only, the step's weight gathers are lost: when a unit's refresh lands, its
-    primary slice is put back as it was when the refresh started (its own 1/O slice, which
+    """On ``rank`` only, the step's weight gathers are lost: when a unit's refresh has landed
+    (waited for at the unit's next use), its primary slice is put back as it was when the refresh started (its own 1/O slice, which
     the optimizer had just written, included: only what the gathers brought is lost). Its
     P-group then computes with partly old weights, while the logged losses, all-reduced
     over the data-parallel ranks, are still the same number on every rank. Purely local:
@@ -106,7 +106,7 @@ def stale_weights_on_rank(rank: int):
 
     from megatron_lbp.engine.step_comm import StepComm
 
-    start, landed = StepComm.start_refresh, StepComm.refreshed
+    start, wait = StepComm.start_refresh, StepComm.await_refresh
 
     def start_and_remember(self, unit, async_op):
         if dist.get_rank() == rank:
@@ -114,14 +114,15 @@ def stale_weights_on_rank(rank: int):
         start(self, unit, async_op)
 
     def land_and_forget(self, unit):
+        pending = self._of(unit).refresh is not None   # its refresh lands in this wait
+        wait(self, unit)
         before = getattr(unit, "_lbp_before_refresh", None)
-        if before is not None:
+        if pending and before is not None:
             unit.bucket.primary.copy_(before)
             unit._lbp_before_refresh = None
-        landed(self, unit)
 
     with mock.patch.object(StepComm, "start_refresh", start_and_remember), \
-            mock.patch.object(StepComm, "refreshed", land_and_forget):
+            mock.patch.object(StepComm, "await_refresh", land_and_forget):
         yield
 
 
@@ -138,4 +139,39 @@ def embedding_skip_ignored():
         self.no_backward_gather, self.release_after_backward = set(), {}
 
     with mock.patch.object(UnitSchedule, "__init__", ignoring):
+        yield
+
+
+@contextlib.contextmanager
+def issue_on_poll():
+    """The schedule completes, at every hook, the reduce-scatters the host sees done
+    (``is_complete()``), and so issues their units' network reductions wherever each
+    rank's timing lets it see them: the engine that decides what to issue by polling."""
+    from megatron_lbp.engine import schedule
+
+    def polled(hook):
+        def run(self, *args, **kwargs):
+            while self._pending_reduces and self._pending_reduces[0].pending.is_complete():
+                self._complete_oldest_reduce()
+            return hook(self, *args, **kwargs)
+        return run
+
+    with contextlib.ExitStack() as stack:
+        for name in ("pre_forward", "post_forward", "pre_backward"):
+            stack.enter_context(mock.patch.object(
+                schedule.UnitSchedule, name, polled(getattr(schedule.UnitSchedule, name))))
+        yield
+
+
+@contextlib.contextmanager
+def chains_not_awaited():
+    """The optimizer step's chains taken as done without waiting for their streams: the
+    reduced gradient is read (and its buffer reused) while its collectives still run."""
+    from megatron_lbp.engine import chains
+
+    def taken(self):
+        self._pending = []
+        self.done = True
+
+    with mock.patch.object(chains.Chain, "wait", taken):
         yield

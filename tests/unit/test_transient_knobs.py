@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_lbp.core import costs
+from megatron_lbp.core import costs, program
 from megatron_lbp.launch import plan
 from megatron_lbp.launch import estimate
 from megatron_lbp.projection import knobs
@@ -17,21 +17,27 @@ from megatron_lbp.projection.project import ComputeModel
 from tests.launch.test_launch_campaign import _shape
 
 
+def _pass(segment, d, r=2, tied=False):
+    """One pass of the step's program over three units (the embedding first when tied)."""
+    kinds = ("embedding", "layer", "output") if tied else ("layer",) * 3
+    spec = program.ProgramSpec(unit_kinds=kinds, group_sizes={"param": 2, "grad": 2},
+                               tied_embedding=tied, prefetch_units=d, max_pending_reduces=r)
+    return {seg: ops for seg, _, ops in program.step_program(spec).segments()}[segment]
+
+
 def test_one_pass_by_hand():
-    """Three units, gathers of 1 s, compute of 2 s each, one link."""
-    order, needs = [0, 1, 2], {u: [u] for u in range(3)}
+    """Three units, gathers of 1 s, compute of 2 s each, one link: the program walked."""
+    gathers = {"forward_gather": ("node", [1.0] * 3), "backward_gather": ("node", [1.0] * 3)}
     # depth 1: only the first gather is exposed (the next lands under the compute)
-    assert knobs._pass(order, needs, [1.0] * 3, "node", [2.0] * 3, depth=1) == 1.0
+    assert knobs._walk(_pass(program.FORWARD, 1), gathers, [2.0] * 3) == 1.0
     # depth 0: every gather waits for its need
-    assert knobs._pass(order, needs, [1.0] * 3, "node", [2.0] * 3, depth=0) == 3.0
+    assert knobs._walk(_pass(program.FORWARD, 0), gathers, [2.0] * 3) == 3.0
     # backward with reduce-scatters of 3 s on their own link, one in flight: they queue,
     # so the pass ends with the last one at 12 s against 6 s of compute
-    back = [2, 1, 0]
-    assert knobs._pass(back, needs, [1.0] * 3, "node", [2.0] * 3, 1, [3.0] * 3, "grad",
-                       pending_limit=1) == 6.0
+    reduces = {**gathers, "grad_reduce": ("grad", [3.0] * 3)}
+    assert knobs._walk(_pass(program.BACKWARD, 1, r=1), reduces, [2.0] * 3) == 6.0
     # the tied output layer (unit 2) also needs unit 0: both gathered at its need
-    tied = {0: [0], 1: [1], 2: [2, 0]}
-    assert knobs._pass(back, tied, [1.0] * 3, "node", [2.0] * 3, depth=0) == 2.0 + 1.0
+    assert knobs._walk(_pass(program.BACKWARD, 0, tied=True), gathers, [2.0] * 3) == 2.0 + 1.0
 
 
 SHAPE = ["--world-size", "64", "--num-layers", "6", "--hidden-size", "1024",
