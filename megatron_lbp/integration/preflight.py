@@ -44,12 +44,14 @@ def _data_and_tokenizer(args: Any) -> tuple[dict[str, dict[str, int]], int | Non
     from megatron_lbp.integration import data_splits
 
     datasets = _check_data(args)
+    # Data from another tokenizer first: no --split makes it trainable.
+    found = _check_tokenizer_and_data(args, datasets)
     try:
         data_splits.check(args, {prefix: len(ds) for prefix, ds in datasets.items()}
                           if not _per_split_paths(args) else {})
     except data_splits.SplitError as err:
         raise PreflightError(str(err)) from None
-    return _check_tokenizer_and_data(args, datasets)
+    return found
 
 
 def _per_split_paths(args) -> bool:
