@@ -142,3 +142,18 @@ def test_a_truncated_or_inconsistent_weight_file_is_refused_on_opening(tmp_path)
     (d / "pytorch_model.bin").write_bytes(blob[: len(blob) // 2])
     with pytest.raises(UnsupportedModel, match="cannot be read as a PyTorch checkpoint"):
         HFWeights(str(d))
+
+
+def test_save_without_interval_gets_the_run_length_announced():
+    from megatron_lbp.integration import run_defaults
+
+    added = []
+    run_defaults.add_defaults(["--save", "run", "--train-iters", "30"], lambda f, why: added.append((f, why)))
+    assert [f for f, _ in added] == [["--save-interval", "30"]], added
+    assert "after its last iteration (30)" in added[0][1] and "\n" not in added[0][1]
+    for argv in (["--save", "run", "--train-iters", "30", "--save-interval", "5"],   # the user's own
+                 ["--train-iters", "30"],                                              # nothing to save
+                 ["--save", "run", "--train-samples", "300"]):                        # no iteration count
+        added.clear()
+        run_defaults.add_defaults(argv, lambda f, why: added.append(f))
+        assert added == [], (argv, added)
