@@ -30,6 +30,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from megatron_lbp.hf.arch import UnsupportedModel
+    from megatron_lbp.hf.outdir import OutputDirError
 
     args = _parser().parse_args(argv)
     dtype = DTYPES.get(args.dtype) if args.dtype else None
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"exported {r.iteration_dir}: {r.tensors} tensors, {r.total_bytes / 2**20:.1f} MiB "
                   f"in {r.shards} shard(s) -> {args.out_dir}; peak RSS {peak_rss_bytes() / 2**20:.0f} MiB",
                   file=sys.stderr)
-    except (UnsupportedModel, FileNotFoundError, FileExistsError, KeyError) as err:
+    except (UnsupportedModel, OutputDirError, FileNotFoundError, FileExistsError, KeyError) as err:
         msg = str(err).strip("'\"")
         print(f"python -m megatron_lbp.hf {args.command}: error: {msg}", file=sys.stderr)
         return 2

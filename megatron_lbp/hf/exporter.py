@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_lbp.hf import mapping
+from megatron_lbp.hf import mapping, outdir
 from megatron_lbp.hf.arch import UnsupportedModel, arch_from_config, read_config
 from megatron_lbp.hf.dcp_read import CheckpointReader
 from megatron_lbp.hf.importer import non_weight_files
@@ -81,13 +81,23 @@ def _check_shape(reader: CheckpointReader, key: str, want: tuple[int, ...]) -> N
 
 def export_model(ckpt: str, hf_files: str, out: str, *, dtype: torch.dtype | None = None,
                  max_shard_bytes: int = 5 << 30) -> ExportReport:
-    """Write the model of ``ckpt`` (a --load directory or an iteration directory) into ``out``."""
-    from safetensors.torch import save_file
-
+    """Write the model of ``ckpt`` (a --load directory or an iteration directory) into ``out``:
+    a new or empty directory, or an earlier export, replaced whole (megatron_lbp.hf.outdir)."""
     arch = arch_from_config(read_config(hf_files))
     it_dir = checkpoint_dir(ckpt)
     reader = CheckpointReader(it_dir)
-    os.makedirs(out, exist_ok=True)
+    outdir.check_destination(out, replaceable=True, what="an export")
+    with outdir.staged(out, replaceable=True, what="an export",
+                       marker={"checkpoint": os.path.abspath(it_dir), "hf_files": os.path.abspath(hf_files)}
+                       ) as stage:
+        report = _write(arch, reader, hf_files, stage, dtype, max_shard_bytes)
+    return ExportReport(it_dir, *report)
+
+
+def _write(arch, reader: CheckpointReader, hf_files: str, out: str, dtype, max_shard_bytes: int):
+    """(tensors, shards, bytes) written into ``out``: the shards, their index, config and tokenizer."""
+    from safetensors.torch import save_file
+
     shards: list[dict[str, torch.Tensor]] = [{}]
     written: list[tuple[str, list[str]]] = []
     size = total = count = 0
@@ -125,7 +135,7 @@ def export_model(ckpt: str, hf_files: str, out: str, *, dtype: torch.dtype | Non
         shutil.copy2(os.path.join(hf_files, name), os.path.join(out, name))
     if dtype is not None:
         _set_config_dtype(os.path.join(out, "config.json"), dtype)
-    return ExportReport(it_dir, count, len(written), total)
+    return count, len(written), total
 
 
 def _set_config_dtype(path: str, dtype: torch.dtype) -> None:

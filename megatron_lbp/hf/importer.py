@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_lbp.hf import mapping
+from megatron_lbp.hf import mapping, outdir
 from megatron_lbp.hf.arch import Arch, UnsupportedModel, arch_from_config, megatron_flags, read_config
 from megatron_lbp.hf.dcp_write import Chunk, write_torch_dist
 from megatron_lbp.hf.reader import HFWeights
@@ -111,35 +111,44 @@ def checkpoint_args(arch: Arch, tok_flags: list[str]) -> argparse.Namespace:
 
 
 def import_model(src: str, dst: str, dtype: torch.dtype | None = None) -> ImportReport:
-    """Convert ``src`` (a Hugging Face model directory) into ``dst``; see the module docstring."""
+    """Convert ``src`` (a Hugging Face model directory) into ``dst``; see the module docstring.
+
+    Everything is checked before anything is written (the config, every weight file's header
+    and length, every tensor the config implies); the output is written into a staging
+    directory that becomes ``dst`` only when complete (megatron_lbp.hf.outdir), so a failure
+    leaves no partial output. ``dst`` must be new or empty.
+    """
     t0 = time.perf_counter()
     arch = arch_from_config(read_config(src))          # refuses before any tensor is read
-    weights = HFWeights(src)
+    weights = HFWeights(src)                           # refuses a torn or inconsistent weight file
     if os.path.exists(os.path.join(dst, "latest_checkpointed_iteration.txt")):
         raise FileExistsError(f"{dst} already holds a Megatron checkpoint; import into a new directory")
-    os.makedirs(dst, exist_ok=True)
-    hf_dir = os.path.abspath(os.path.join(dst, HF_FILES_DIR))
-    os.makedirs(hf_dir, exist_ok=True)
-    for name in non_weight_files(src):
-        shutil.copy2(os.path.join(src, name), os.path.join(hf_dir, name))
+    outdir.check_destination(dst, replaceable=False, what="an import")
     peak = [0]
 
     def track(nbytes):
         peak[0] = max(peak[0], nbytes)
 
     chunks = plan_chunks(arch, weights, dtype, track)
-    tok = tokenizer_flags(hf_dir, arch)
-    flags = megatron_flags(arch) + tok
-    total = sum(torch.Size(c.shape).numel() * c.dtype.itemsize for c in chunks)
-    write_torch_dist(os.path.join(dst, RELEASE), chunks,
-                     {"args": checkpoint_args(arch, tok), "checkpoint_version": 3.0, "iteration": 0},
-                     mapping.extra_states(arch))
-    with open(os.path.join(dst, "latest_checkpointed_iteration.txt"), "w") as f:
-        f.write(RELEASE)
-    with open(os.path.join(dst, ARGS_FILE), "w") as f:
-        f.write(" ".join(flags) + "\n")
-    with open(os.path.join(dst, TOKENIZER_ARGS_FILE), "w") as f:
-        f.write(" ".join(tok) + "\n")
+    hf_dir = os.path.join(os.path.abspath(dst), HF_FILES_DIR)     # where the flags point once in place
+    with outdir.staged(dst, replaceable=False, what="an import") as stage:
+        os.makedirs(os.path.join(stage, HF_FILES_DIR))
+        for name in non_weight_files(src):
+            shutil.copy2(os.path.join(src, name), os.path.join(stage, HF_FILES_DIR, name))
+        tok = tokenizer_flags(os.path.join(stage, HF_FILES_DIR), arch)
+        tok = [hf_dir + t[len(os.path.join(stage, HF_FILES_DIR)):]
+               if t.startswith(os.path.join(stage, HF_FILES_DIR)) else t for t in tok]
+        flags = megatron_flags(arch) + tok
+        total = sum(torch.Size(c.shape).numel() * c.dtype.itemsize for c in chunks)
+        write_torch_dist(os.path.join(stage, RELEASE), chunks,
+                         {"args": checkpoint_args(arch, tok), "checkpoint_version": 3.0, "iteration": 0},
+                         mapping.extra_states(arch))
+        with open(os.path.join(stage, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(RELEASE)
+        with open(os.path.join(stage, ARGS_FILE), "w") as f:
+            f.write(" ".join(flags) + "\n")
+        with open(os.path.join(stage, TOKENIZER_ARGS_FILE), "w") as f:
+            f.write(" ".join(tok) + "\n")
     return ImportReport(arch, flags, len(chunks), peak[0], total, peak_rss_bytes(), time.perf_counter() - t0)
 
 

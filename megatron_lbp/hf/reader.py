@@ -39,6 +39,26 @@ class HFWeights:
                     break
         if not self.file_of:
             raise UnsupportedModel(f"{model_dir} has no weights ({', '.join(_SINGLE + _INDEX)})")
+        self._check_files()
+
+    def _check_files(self) -> None:
+        """Every weight file opens, is as long as its header says, and holds what the index names.
+
+        Run before anything is written: a copy cut short is found here, in one line, not
+        as a reader's exception halfway through the output.
+        """
+        by_file: dict[str, list[str]] = {}
+        for name, rel in self.file_of.items():
+            by_file.setdefault(rel, []).append(name)
+        for rel, names in sorted(by_file.items()):
+            path = os.path.join(self.dir, rel)
+            if not os.path.isfile(path):
+                raise UnsupportedModel(f"{path} is missing (the index names {len(names)} tensors in it)")
+            held = set(self._handle(rel).keys())
+            absent = [n for n in names if n not in held]
+            if absent:
+                raise UnsupportedModel(f"{path} lacks {len(absent)} tensors the index places in it "
+                                       f"(first: {absent[0]}): the index and the files disagree")
 
     def _names_in(self, rel: str) -> list[str]:
         return list(self._handle(rel).keys())
@@ -49,7 +69,13 @@ class HFWeights:
             if rel.endswith(".safetensors"):
                 self._open[rel] = _SafetensorsFile(path)
             else:
-                self._open[rel] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+                try:
+                    self._open[rel] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+                except Exception as err:
+                    text = str(err).strip().splitlines()
+                    raise UnsupportedModel(
+                        f"{path} cannot be read as a PyTorch checkpoint ({type(err).__name__}"
+                        f"{': ' + text[0][:200] if text else ''}): truncated or not a weight file") from None
         return self._open[rel]
 
     def resolve(self, name: str) -> str | None:
@@ -84,12 +110,41 @@ class _SafetensorsFile:
 
     def __init__(self, path: str):
         self.path = path
+        size = os.path.getsize(path)
         with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+            if n is None or 8 + n > size:
+                raise UnsupportedModel(f"{path} is truncated or not a safetensors file ({size} bytes, "
+                                       f"header of {n if n is not None else '?'} bytes)")
+            try:
+                header = json.loads(f.read(n))
+            except ValueError:
+                raise UnsupportedModel(f"{path}: its safetensors header is not valid JSON") from None
         header.pop("__metadata__", None)
         self.base = 8 + n
         self.entries = header
+        self._check(size)
+
+    def _check(self, size: int) -> None:
+        """Offsets inside the file and consistent with each tensor's dtype and shape."""
+        end = 0
+        for name, e in self.entries.items():
+            try:
+                start, stop = e["data_offsets"]
+                count = 1
+                for d in e["shape"]:
+                    count *= int(d)
+            except (KeyError, TypeError, ValueError):
+                raise UnsupportedModel(f"{self.path}: the header's entry for {name} is malformed") from None
+            item = _ST_DTYPES[e["dtype"]].itemsize if e.get("dtype") in _ST_DTYPES else None
+            if stop < start or (item is not None and stop - start != count * item):
+                raise UnsupportedModel(f"{self.path}: {name} spans {stop - start} bytes but its "
+                                       f"{e.get('dtype')} shape {e['shape']} needs {count * (item or 0)}")
+            end = max(end, stop)
+        if self.base + end > size:
+            raise UnsupportedModel(f"{self.path} is truncated: {size} bytes, its header describes "
+                                   f"{self.base + end}")
 
     def keys(self):
         return self.entries.keys()

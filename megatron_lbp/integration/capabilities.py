@@ -358,6 +358,8 @@ def resolve_training_argv(argv: Sequence[str], *, device: str | None = None,
     _recompute_modules(argv, env)
     _cpu_only(argv, env, add)
     _eval_interval(argv, add)
+    from megatron_lbp.integration import run_defaults
+    run_defaults.add_defaults(argv, add)   # --save-interval for --save
 
     flags = [f for fs, _ in added for f in fs]
     reasons = [f"[megatron-lbp] adding {' '.join(fs)}: {why}" for fs, why in added]

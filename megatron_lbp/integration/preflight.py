@@ -4,7 +4,9 @@ Run by the training entry point after Megatron has parsed its arguments and
 before any process group or model exists. Each failure is a ``PreflightError``
 whose message is one line naming the input, and nothing has been written yet.
 
-- ``--data-path``: every prefix has a non-empty ``.bin`` and a readable ``.idx``;
+- ``--data-path``: every prefix has a non-empty ``.bin`` and a readable ``.idx``, and
+  ``--split`` leaves every split it builds or reads with documents
+  (megatron_lbp.integration.data_splits);
 - tokenizer: it can be built here, offline, from local files
   (megatron_lbp.tokenizer_check); the data's token ids (a sample from the start
   of each prefix) fit its vocabulary — data tokenized with another tokenizer is
@@ -30,15 +32,33 @@ class PreflightError(ValueError):
 
 
 def check(args: Any) -> None:
-    check_data_and_tokenizer(args)
-    _check_checkpoint_shape(args)
+    _, vocab = _data_and_tokenizer(args)
+    _check_checkpoint_shape(args, vocab)
 
 
 def check_data_and_tokenizer(args: Any) -> dict[str, dict[str, int]]:
     """The --data-path and tokenizer checks (the launcher's dry run runs these too:
     megatron_lbp/launch/contents.py): per prefix {documents, tokens, sampled, top, vocab}."""
+    return _data_and_tokenizer(args)[0]
+
+
+def _data_and_tokenizer(args: Any) -> tuple[dict[str, dict[str, int]], int | None]:
+    from megatron_lbp.integration import data_splits
+
     datasets = _check_data(args)
-    return _check_tokenizer_and_data(args, datasets)
+    # Data from another tokenizer first: no --split makes it trainable.
+    found = _check_tokenizer_and_data(args, datasets)
+    try:
+        data_splits.check(args, {prefix: len(ds) for prefix, ds in datasets.items()}
+                          if not _per_split_paths(args) else {})
+    except data_splits.SplitError as err:
+        raise PreflightError(str(err)) from None
+    return found
+
+
+def _per_split_paths(args) -> bool:
+    # --train-data-path and the like: each split is its own dataset, --split does not apply.
+    return any(getattr(args, a, None) for a in ("train_data_path", "valid_data_path", "test_data_path"))
 
 
 def _data_prefixes(args) -> list[str]:
@@ -107,7 +127,8 @@ def _open_indexed(prefix: str):
     return _Checked(prefix, mmap=True)
 
 
-def _check_tokenizer_and_data(args, datasets: dict[str, Any]) -> dict[str, dict[str, int]]:
+def _check_tokenizer_and_data(args, datasets: dict[str, Any]) -> tuple[dict[str, dict[str, int]], int | None]:
+    """(per prefix {documents, tokens, sampled, top, vocab}, the tokenizer's exact vocabulary)."""
     from megatron_lbp.integration import tokenizer_check
 
     try:
@@ -115,10 +136,10 @@ def _check_tokenizer_and_data(args, datasets: dict[str, Any]) -> dict[str, dict[
     except tokenizer_check.TokenizerInputError as err:
         raise PreflightError(str(err)) from None
     if getattr(args, "mock_data", False):
-        return {}
+        return {}, exact
     vocab = exact or getattr(args, "padded_vocab_size", None)
     if not vocab:
-        return {}
+        return {}, exact
     found = {}
     source = getattr(args, "tokenizer_model", None) or getattr(args, "vocab_file", None) or ""
     for prefix, ds in datasets.items():
@@ -136,27 +157,62 @@ def _check_tokenizer_and_data(args, datasets: dict[str, Any]) -> dict[str, dict[
                 f"{vocab}: the data was tokenized with another tokenizer")
         found[prefix] = {"documents": len(ds), "tokens": int(ds.sequence_lengths.sum()),
                          "sampled": seen, "top": top, "vocab": vocab}
-    return found
+    return found, exact
 
 
-def _check_checkpoint_shape(args) -> None:
-    load = getattr(args, "load", None)
-    if not load or getattr(args, "finetune", False) and getattr(args, "no_load_optim", False):
+def _model_checkpoint(args) -> tuple[str, str] | None:
+    """(flag, directory) of the checkpoint the run loads its model from, as Megatron picks it:
+    --load when it holds one, else --pretrained-checkpoint; None when it starts from scratch."""
+    for flag, attr in (("--load", "load"), ("--pretrained-checkpoint", "pretrained_checkpoint")):
+        path = getattr(args, attr, None)
+        if path and os.path.isfile(os.path.join(path, "latest_checkpointed_iteration.txt")):
+            return flag, path
+    return None
+
+
+def _check_checkpoint_shape(args, tokenizer_vocab: int | None = None) -> None:
+    from megatron_lbp.integration import schedule_check
+
+    if getattr(args, "finetune", False) and getattr(args, "no_load_optim", False) \
+            and not getattr(args, "pretrained_checkpoint", None):
         return
+    picked = _model_checkpoint(args)
+    if picked is None:
+        return
+    flag, load = picked
     tracker = os.path.join(load, "latest_checkpointed_iteration.txt")
-    if not os.path.isfile(tracker):
-        return  # nothing to resume: Megatron starts from scratch
-    saved = _saved_args(load, tracker, getattr(args, "ckpt_step", None))
+    common = _saved_common(flag, load, tracker, getattr(args, "ckpt_step", None))
+    saved = common.get("args") if common else None
     if saved is None:
         return
+    padded = _padded_vocab(args, tokenizer_vocab)
+    model_vocab = getattr(saved, "padded_vocab_size", None)
+    if padded is not None and model_vocab is not None and padded != model_vocab:
+        raise PreflightError(
+            f"{flag} {load}: the tokenizer's vocabulary of {tokenizer_vocab} (padded to {padded} by "
+            f"--make-vocab-size-divisible-by {args.make_vocab_size_divisible_by}) does not match the "
+            f"model's vocabulary of {model_vocab}: use the tokenizer the model was trained with")
     diffs = []
     for name in SHAPE_ARGS:
         then, now = _effective(saved, name), _effective(args, name)
         if then is not None and now is not None and then != now:
             diffs.append(f"{name.replace('_', '-')} {then} (checkpoint) vs {now} (now)")
     if diffs:
-        raise PreflightError(f"--load {load}: the checkpoint is for another model shape: "
+        raise PreflightError(f"{flag} {load}: the checkpoint is for another model shape: "
                              + "; ".join(diffs))
+    if flag == "--load":
+        conflicts = schedule_check.conflicts(args, common.get("opt_param_scheduler"))
+        if conflicts:
+            raise PreflightError(schedule_check.message(load, conflicts))
+
+
+def _padded_vocab(args, vocab: int | None) -> int | None:
+    """megatron.training's padded vocabulary for a tokenizer of ``vocab`` (TP = 1 multiple)."""
+    multiple = (getattr(args, "make_vocab_size_divisible_by", None) or 0) * \
+        (getattr(args, "tensor_model_parallel_size", 1) or 1)
+    if not vocab or not multiple:
+        return None
+    return -(-vocab // multiple) * multiple
 
 
 def _effective(args, name: str):
@@ -169,36 +225,36 @@ def _effective(args, name: str):
     return value
 
 
-def _saved_args(load: str, tracker: str, step: int | None):
+def _saved_common(flag: str, load: str, tracker: str, step: int | None) -> dict | None:
     text = open(tracker).read().strip()
     if step is None and text != "release" and not text.isdigit():
         # Megatron would exit (status 0) with "Invalid metadata file" or a traceback.
-        raise PreflightError(f"--load {load}: {tracker} holds {text[:40]!r}, not an iteration "
+        raise PreflightError(f"{flag} {load}: {tracker} holds {text[:40]!r}, not an iteration "
                              "number (torn by a kill during a stock-Megatron save?): write the "
                              "iteration of the last complete iter_* directory into it")
-    iteration = step if step is not None else (None if text == "release" else int(text))
+    iteration = step if step is not None and flag == "--load" else (None if text == "release" else int(text))
     ckpt = os.path.join(load, "release" if iteration is None else f"iter_{iteration:07d}")
     if not os.path.isfile(os.path.join(ckpt, "metadata.json")):
-        raise PreflightError(f"--load {load}: {ckpt} has no metadata.json (an incomplete "
+        raise PreflightError(f"{flag} {load}: {ckpt} has no metadata.json (an incomplete "
                              "checkpoint, or not in the torch_dist format)")
-    _check_checkpoint_files(load, ckpt)
+    _check_checkpoint_files(flag, load, ckpt)
     from megatron.core import dist_checkpointing
 
     try:
         common = dist_checkpointing.load_common_state_dict(ckpt)
     except Exception as err:
-        raise PreflightError(f"--load {load}: cannot read {ckpt} ({one_line(err)})") from None
-    return common.get("args")
+        raise PreflightError(f"{flag} {load}: cannot read {ckpt} ({one_line(err)})") from None
+    return common
 
 
-def _check_checkpoint_files(load: str, ckpt: str) -> None:
+def _check_checkpoint_files(flag: str, load: str, ckpt: str) -> None:
     """Every file DCP's .metadata points into exists and is long enough (a copy cut short, a torn write)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
         meta = FileSystemReader(ckpt).read_metadata()
     except Exception as err:
-        raise PreflightError(f"--load {load}: cannot read {os.path.join(ckpt, '.metadata')} "
+        raise PreflightError(f"{flag} {load}: cannot read {os.path.join(ckpt, '.metadata')} "
                              f"({one_line(err)})") from None
     need: dict[str, int] = {}
     for info in (getattr(meta, "storage_data", None) or {}).values():
@@ -206,7 +262,7 @@ def _check_checkpoint_files(load: str, ckpt: str) -> None:
     for rel, size in sorted(need.items()):
         path = os.path.join(ckpt, rel)
         if not os.path.isfile(path):
-            raise PreflightError(f"--load {load}: {path} is missing (an incomplete checkpoint)")
+            raise PreflightError(f"{flag} {load}: {path} is missing (an incomplete checkpoint)")
         have = os.path.getsize(path)
         if have < size:
-            raise PreflightError(f"--load {load}: {path} is truncated ({have} of {size} bytes)")
+            raise PreflightError(f"{flag} {load}: {path} is truncated ({have} of {size} bytes)")

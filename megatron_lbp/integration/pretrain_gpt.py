@@ -119,6 +119,20 @@ def _usage_error(message: str) -> None:
     sys.exit(2)
 
 
+def _bare_assert(err: BaseException) -> str:
+    """A message-less assert named by its own source line: the check a user has to satisfy."""
+    import linecache
+    import traceback
+
+    frames = traceback.extract_tb(err.__traceback__)
+    if not frames:
+        return f"Megatron's argument checks failed ({type(err).__name__})"
+    last = frames[-1]
+    line = (linecache.getline(last.filename, last.lineno) or last.line or "").strip()
+    where = last.filename.split("site-packages/")[-1]
+    return f"Megatron's argument check `{line}` failed ({where}:{last.lineno})"
+
+
 def _refuse_unpatched_megatron() -> None:
     """LBP_RUNTIME_HOOKS=0 trusts the megatron on the path to carry the hooks; say so if it does not."""
     from megatron.training import arguments
@@ -161,8 +175,7 @@ def main(argv: list[str] | None = None) -> None:
         args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
     except (training_hooks.UsageError, AssertionError) as err:
         # Megatron's own argument checks are asserts; like ours, one line, not a traceback.
-        _usage_error(str(err).strip().splitlines()[0] if str(err).strip()
-                     else "Megatron's argument checks failed without a message")
+        _usage_error(str(err).strip().splitlines()[0] if str(err).strip() else _bare_assert(err))
     from megatron_lbp.integration import study_result as result
 
     try:

@@ -52,7 +52,8 @@ class TokenizerInputError(ValueError):
 
 
 def check(args: Any) -> int | None:
-    """Refuse tokenizer flags that cannot work offline; the tokenizer's vocabulary size when it is exact."""
+    """Refuse tokenizer flags that cannot work offline; the tokenizer's vocabulary size (None for
+    the types left to megatron-core)."""
     kind = getattr(args, "tokenizer_type", None)
     if not kind:
         raise TokenizerInputError("--tokenizer-type is required (e.g. GPT2BPETokenizer with --vocab-file "
@@ -66,14 +67,15 @@ def check(args: Any) -> int | None:
     if kind in SENTENCEPIECE_TYPES:
         return _sentencepiece(kind, _need_model(kind, model, "a SentencePiece .model file"))
     if kind == "HuggingFaceTokenizer":
-        _huggingface(args, model)
-    elif kind == "TikTokenizer":
+        return _huggingface(args, model)
+    if kind == "TikTokenizer":
         _need_package(kind, "tiktoken")
         _need_model(kind, model, "a tiktoken vocabulary file")
     elif kind == "NullTokenizer":
         if not getattr(args, "vocab_size", None):
             raise TokenizerInputError("--tokenizer-type NullTokenizer needs --vocab-size (its ids are "
                                       "0..vocab-size-1)")
+        return int(args.vocab_size)
     elif model and not os.path.exists(model):
         raise TokenizerInputError(f"--tokenizer-model {model} does not exist")
     return None
@@ -126,7 +128,8 @@ def _sentencepiece(kind: str, model: str) -> int:
                                   f"({one_line(err)})") from None
 
 
-def _huggingface(args, model: str | None) -> None:
+def _huggingface(args, model: str | None) -> int:
+    """The vocabulary megatron-core's HuggingFaceTokenizer reports: len(tokenizer), added tokens included."""
     kind = "HuggingFaceTokenizer"
     if not model:
         raise TokenizerInputError(f"--tokenizer-type {kind} needs --tokenizer-model (a local directory "
@@ -146,13 +149,14 @@ def _huggingface(args, model: str | None) -> None:
     try:
         from transformers import AutoTokenizer
 
-        AutoTokenizer.from_pretrained(model, local_files_only=True,
-                                      use_fast=not getattr(args, "tokenizer_hf_no_use_fast", False),
-                                      trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
-                                      **kwargs)
+        tok = AutoTokenizer.from_pretrained(model, local_files_only=True,
+                                            use_fast=not getattr(args, "tokenizer_hf_no_use_fast", False),
+                                            trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
+                                            **kwargs)
     except Exception as err:
         raise TokenizerInputError(f"--tokenizer-model {model} does not load as a Hugging Face tokenizer "
                                   f"directory ({one_line(err)})") from None
+    return len(tok)
 
 
 class _Parser(argparse.ArgumentParser):

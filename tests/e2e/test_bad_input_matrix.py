@@ -5,7 +5,8 @@ Entry points: the plan tool (python -m megatron_lbp.plan), the training entry
 launcher's view of several), the launchers (scripts/frontier_gpt{20,10}b.sh,
 scripts/local_profile.sh, with LBP_DRY_RUN/--dry-run or a fake srun),
 preprocessing (scripts/preprocess_data.py), the tokenizer check
-(python -m megatron_lbp.tokenizer_check) and scripts/apply_patches.sh.
+(python -m megatron_lbp.tokenizer_check), scripts/apply_patches.sh and the
+Hugging Face import/export (python -m megatron_lbp.hf).
 
 Each row must: exit non-zero; write exactly one line to stderr (informational
 lines the entry always prints are set aside, see ``NOTICES``) that names the
@@ -43,13 +44,14 @@ PY = sys.executable
 NOTICES = ("megatron-lbp: no accelerator found; CPU runtime for megatron-core is active",
            "megatron-lbp: expected megatron-core notices not shown:")
 # Each entry's exit status for bad input and the start of its message line.
-EXIT = {"plan": 2, "pretrain": 2, "launcher": 2, "apply_patches": 2, "tokenizer_check": 2,
+EXIT = {"plan": 2, "pretrain": 2, "launcher": 2, "apply_patches": 2, "tokenizer_check": 2, "hf": 2,
         "preprocess": None}  # preprocess: 2 for argparse's usage errors, 1 for bad input files
 PREFIX = {"plan": ("python -m megatron_lbp.plan: error: ",), "preprocess": ("python -m megatron_lbp.preprocess_data: error: ",),
           "tokenizer_check": ("python -m megatron_lbp.tokenizer_check: error: ",),
           "launcher": ("lbp_launch: error: ", "lbp_health: error: "),
           "pretrain": ("python -m megatron_lbp.pretrain_gpt: error: ", "pretrain_gpt.py: error: "),
-          "apply_patches": ("scripts/apply_patches.sh: ", "usage: scripts/apply_patches.sh")}
+          "apply_patches": ("scripts/apply_patches.sh: ", "usage: scripts/apply_patches.sh"),
+          "hf": ("python -m megatron_lbp.hf import: error: ", "python -m megatron_lbp.hf export: error: ")}
 SP_TOK = ["--tokenizer-type", "SentencePieceTokenizer",
           "--tokenizer-model", str(REPO / "tokenizer" / "lbp_bpe.model")]
 
@@ -57,7 +59,7 @@ SP_TOK = ["--tokenizer-type", "SentencePieceTokenizer",
 @dataclass
 class Case:
     id: str
-    entry: str                     # plan | pretrain | launcher | preprocess | tokenizer_check | apply_patches
+    entry: str                     # plan | pretrain | launcher | preprocess | tokenizer_check | apply_patches | hf
     build: Callable                # (Ctx) -> argv (launcher: [script, *args])
     needles: tuple
     env: dict = field(default_factory=dict)
@@ -95,6 +97,10 @@ class Ctx:
         dst = self.tmp / "ckpt"
         shutil.copytree(self.request.getfixturevalue("shared_checkpoint"), dst)
         return dst
+
+    def hf_model(self) -> Path:
+        """A tiny Llama saved by transformers (safetensors), copied in."""
+        return Path(shutil.copytree(self.request.getfixturevalue("shared_hf_model"), self.tmp / "model"))
 
     def write(self, name: str, content: bytes | str) -> str:
         path = self.tmp / name
@@ -381,6 +387,24 @@ def _swap(args, flag, value):
     return args
 
 
+def _drop(args, flag):
+    i = args.index(flag)
+    return args[:i] + args[i + 2:]
+
+
+def _few_documents(c, n=300):
+    """``n`` short documents of ids the shipped tokenizer has: a newcomer's small set."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(c.tmp / "few_text_document")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.uint16)
+    for i in range(n):
+        builder.add_document(torch.arange(i, i + 200) % 4000 + 3, [200])
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
 def _foreign_data(c):
     """Token ids up to 9999: tokenized with another vocabulary than the shipped 4096-token one."""
     import torch
@@ -460,7 +484,28 @@ PRETRAIN = [
           ["--vocab-file", "has no <|endoftext|>"], slow=False),
     train("HuggingFaceTokenizer hub name", lambda c: _without_tokenizer(_base(c)) + [*HF, "gpt2"],
           ["--tokenizer-model gpt2 is not a local directory"], slow=False),
+    train("NullTokenizer vocabulary below the data's ids",
+          lambda c: _without_tokenizer(_base(c)) + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"],
+          ["--data-path", "token id", "vocabulary of 100"]),
+    train("tokenizer vocabulary other than the model's",
+          lambda c: _without_tokenizer(_base(c, "--pretrained-checkpoint", str(c.checkpoint())))
+          + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "5000"],
+          ["--pretrained-checkpoint", "vocabulary of 5000 (padded to 5120", "model's vocabulary of 4096"]),
+    # a few hundred documents
+    train("Megatron's default split on a few hundred documents", lambda c: _drop(_base(c, data=_few_documents(c)),
+                                                                                 "--split"),
+          ["--split 969,30,1 (Megatron's default)", "test split none of the 300 documents"], slow=False),
+    train("validation split of 0 read by --eval-iters",
+          lambda c: _swap(_swap(_base(c), "--split", "100,0,0"), "--eval-iters", "5"),
+          ["--split 100,0,0", "validation split no share", "--eval-iters 5", "--eval-iters 0"], slow=False),
     # checkpoints
+    train("a finished run continued with more iterations, no scheduler flag",
+          lambda c: _swap(_load(c, c.checkpoint()), "--train-iters", "4"),
+          ["--load", "decay samples 4 (checkpoint) vs 8 (now)", "--override-opt_param-scheduler",
+           "--use-checkpoint-opt_param-scheduler"], slow=False),
+    train("a Megatron assert without a message",
+          lambda c: _swap(_base(c, "--save-retain-interval", "3"), "--save-interval", "2"),
+          ["Megatron's argument check `assert args.save_retain_interval % args.save_interval == 0`"]),
     train("checkpoint of another model shape",
           lambda c: _swap(_load(c, c.checkpoint()), "--hidden-size", "32"),
           ["--load", "another model shape", "hidden-size 64 (checkpoint) vs 32 (now)"]),
@@ -547,7 +592,63 @@ PRETRAIN = [
           ["--hier-collective-timeout-s 20", "at least 50"], env={"LBP_FAULT_STALL_WATCH": "1"}),
 ]
 
-CASES = PLAN + PREPROCESS + TOKENIZER_CHECK + LAUNCHER + APPLY + PRETRAIN
+def hf(name, build, needles):
+    return Case("hf " + name, "hf", build, tuple(needles))
+
+
+def _truncated_weights(c):
+    model = c.hf_model()
+    path = model / "model.safetensors"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size - 1000])
+    return ["import", str(model), str(c.tmp / "imported")]
+
+
+def _index_naming_a_missing_tensor(c):
+    import json
+
+    from safetensors import safe_open
+
+    model = c.hf_model()
+    with safe_open(str(model / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    weight_map = {n: "model.safetensors" for n in names + ["model.layers.7.mlp.up_proj.weight"]}
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return ["import", str(model), str(c.tmp / "imported")]
+
+
+def _truncated_bin(c):
+    import torch
+    from safetensors.torch import load_file
+
+    model = c.hf_model()
+    torch.save(load_file(str(model / "model.safetensors")), str(model / "pytorch_model.bin"))
+    (model / "model.safetensors").unlink()
+    blob = (model / "pytorch_model.bin").read_bytes()
+    (model / "pytorch_model.bin").write_bytes(blob[: len(blob) // 2])
+    return ["import", str(model), str(c.tmp / "imported")]
+
+
+def _export_into_foreign(c):
+    from megatron_lbp.hf.importer import import_model
+
+    import_model(str(c.hf_model()), str(c.tmp / "imported"))
+    c.write("hf-out/config.json", "{}")
+    return ["export", str(c.tmp / "imported"), str(c.tmp / "hf-out"), "--hf-files", str(c.tmp / "imported" / "hf")]
+
+
+HF_ROWS = [
+    hf("import of a truncated safetensors file", _truncated_weights, ["model.safetensors is truncated"]),
+    hf("import with an index naming a tensor its file lacks", _index_naming_a_missing_tensor,
+       ["lacks 1 tensors the index places in it", "model.layers.7.mlp.up_proj.weight"]),
+    hf("import of a truncated .bin", _truncated_bin, ["pytorch_model.bin cannot be read"]),
+    hf("import into a non-empty directory",
+       lambda c: (c.write("imported/notes.txt", "mine"), ["import", str(c.hf_model()), str(c.tmp / "imported")])[1],
+       ["imported is not empty (notes.txt)"]),
+    hf("export into a directory it did not write", _export_into_foreign,
+       ["hf-out is not empty (config.json)", "not written by an export"]),
+]
+
+CASES = PLAN + PREPROCESS + TOKENIZER_CHECK + LAUNCHER + APPLY + PRETRAIN + HF_ROWS
 
 
 # --------------------------------------------------------------------------- running a row
@@ -555,6 +656,15 @@ CASES = PLAN + PREPROCESS + TOKENIZER_CHECK + LAUNCHER + APPLY + PRETRAIN
 @pytest.fixture(scope="module")
 def shared_data(demo_dataset):
     return demo_dataset
+
+
+@pytest.fixture(scope="module")
+def shared_hf_model(tmp_path_factory):
+    from tests.helpers import hf_models
+
+    out = tmp_path_factory.mktemp("hf-model") / "model"
+    hf_models.make("llama_gqa_untied", str(out))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -611,6 +721,8 @@ def _run(case: Case, ctx: Ctx, argv: list, env_over: dict, site_env: dict | None
         cmd, env = [PY, "-m", "megatron_lbp.preprocess_data", *argv], base
     elif case.entry == "tokenizer_check":
         cmd, env = [PY, "-m", "megatron_lbp.tokenizer_check", *argv], base
+    elif case.entry == "hf":
+        cmd, env = [PY, "-m", "megatron_lbp.hf", *argv], base
     elif case.entry == "apply_patches":
         cmd, env = ["bash", str(REPO / "scripts" / "apply_patches.sh"), *argv], base
     elif case.entry == "launcher":
@@ -661,7 +773,7 @@ def test_every_row_has_a_unique_id():
     ids = [c.id for c in CASES]
     assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
     assert {c.entry for c in CASES} == {"plan", "preprocess", "tokenizer_check", "launcher", "apply_patches",
-                                        "pretrain"}
+                                        "pretrain", "hf"}
 
 
 @pytest.mark.parametrize("case", [_param(c) for c in CASES])

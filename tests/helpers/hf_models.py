@@ -62,16 +62,17 @@ TEXTS = ["The quick brown fox jumps over the lazy dog.", "Continued pretraining 
          "Low-bandwidth partitioning shards weights inside a package and gradients inside a node."]
 
 
-def make_tokenizer(out_dir: str, vocab: int = 320):
-    """A byte-level BPE trained by the tokenizers library on TEXTS, saved as transformers saves one
-    (tokenizer.json, tokenizer_config.json) plus GPT-2's vocab.json and merges.txt; returns it."""
+def make_tokenizer(out_dir: str, vocab: int = 320, texts=None):
+    """A byte-level BPE trained by the tokenizers library on ``texts`` (TEXTS by default), saved as
+    transformers saves one (tokenizer.json, tokenizer_config.json) plus GPT-2's vocab.json and
+    merges.txt; returns it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tf = hf_env.transformers()
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(TEXTS * 4, trainers.BpeTrainer(
+    tok.train_from_iterator(list(texts) if texts is not None else TEXTS * 4, trainers.BpeTrainer(
         vocab_size=vocab, special_tokens=["<|endoftext|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
