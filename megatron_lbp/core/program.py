@@ -45,7 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-from megatron_lbp.engine.constants import (DEFAULT_EMBEDDING_BACKWARD_GATHER,
+from megatron_lbp.core.vocabulary import (DEFAULT_EMBEDDING_BACKWARD_GATHER,
                                            EMBEDDING_BACKWARD_GATHERS, MAX_PENDING_REDUCES,
                                            SPLIT_KINDS)
 
@@ -64,7 +64,7 @@ class Op:
     action: str                  # issue | wait | compute | alloc | free
     unit: int | None
     buffer: str = ""             # alloc / free
-    phase: str = ""              # issue: the engine's phase (engine/constants.py PHASES, "control")
+    phase: str = ""              # issue: the engine's phase (core/vocabulary.py PHASES, "control")
     family: str = ""             # issue: the group family
     collective: str = ""         # issue: all_gather | reduce_scatter | all_to_all | all_reduce
     comm: str = ""               # issue: the communicator, which is the stream it runs on

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lbp.core.costs import LINK_CLASS_ORDER, number, ring_sent
-from megatron_lbp.engine.constants import PHASES
+from megatron_lbp.core.vocabulary import PHASES
 from megatron_lbp.engine import faults
 from megatron_lbp.engine.dist_api import all_gather_single, nbytes as _nbytes
 from megatron_lbp.engine.streams import Streams, StreamWork

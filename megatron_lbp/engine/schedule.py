@@ -87,7 +87,7 @@ from typing import Any
 
 import torch
 
-from megatron_lbp.engine.constants import (DEFAULT_EMBEDDING_BACKWARD_GATHER,
+from megatron_lbp.core.vocabulary import (DEFAULT_EMBEDDING_BACKWARD_GATHER,
                                            EMBEDDING_BACKWARD_GATHERS, MAX_PENDING_REDUCES)
 from megatron_lbp.engine.buckets import ParamSlot
 from megatron_lbp.engine.comm import Collectives

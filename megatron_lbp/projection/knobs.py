@@ -41,7 +41,7 @@ from typing import Any, Mapping, Sequence
 from megatron_lbp.core.config import (DEFAULT_EMBEDDING_BACKWARD_GATHER,
                                       DEFAULT_MAX_PENDING_REDUCES, DEFAULT_PREFETCH_UNITS)
 from megatron_lbp.core.program import BACKWARD, FORWARD, Op, ProgramSpec, step_program
-from megatron_lbp.engine.constants import UNIT_KINDS
+from megatron_lbp.core.vocabulary import UNIT_KINDS
 from megatron_lbp.projection.project import ComputeModel, LinkModel
 
 DEFAULT = (DEFAULT_PREFETCH_UNITS, DEFAULT_MAX_PENDING_REDUCES)
