@@ -13,6 +13,11 @@
 #
 # Idempotent: install.sh returns at once when its stamp matches, the CUDA wheel is fetched
 # only when torch cannot see the GPU, and a second run only re-checks.
+#
+# Without the package index: where the system Python already has a torch that can use the GPU,
+# .venv reads that Python's site-packages after its own, and that torch, its CUDA libraries and
+# Triton are used as they are; LBP_WHEELHOUSE=DIR installs everything else from DIR alone (pip's
+# --no-index --find-links), a folder made by scripts/gpu_wheelhouse.sh on a machine with the index.
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -24,6 +29,25 @@ if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; t
   exit 2
 fi
 nvidia-smi -L
+
+if [ -n "${LBP_WHEELHOUSE:-}" ]; then
+  if ! ls "$LBP_WHEELHOUSE"/megatron_core-*.whl >/dev/null 2>&1; then
+    echo "gpu_setup: refused: LBP_WHEELHOUSE=$LBP_WHEELHOUSE holds no megatron_core wheel (make it with scripts/gpu_wheelhouse.sh)" >&2
+    exit 2
+  fi
+  PIP_FIND_LINKS=$(cd "$LBP_WHEELHOUSE" && pwd)
+  export PIP_NO_INDEX=1 PIP_FIND_LINKS
+  echo "[gpu_setup] installing from $PIP_FIND_LINKS only (no package index)"
+fi
+sys_py=${LBP_PYTHON:-python3}
+if [ ! -x "$py" ] && "$sys_py" -c 'import sys, torch; sys.exit(0 if torch.version.cuda and torch.cuda.is_available() else 1)' 2>/dev/null; then
+  echo "[gpu_setup] $sys_py has torch $("$sys_py" -c 'import torch; print(torch.__version__)') with the GPU: .venv reads its site-packages after its own"
+  # A .pth file rather than --system-site-packages: where $sys_py is itself a venv's, the
+  # latter would show the base interpreter's packages, not the ones torch is among.
+  "$sys_py" -m venv "$repo/.venv"
+  "$sys_py" -c 'import site; print("\n".join(site.getsitepackages()))' \
+    >"$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/lbp-system-packages.pth"
+fi
 
 bash "$repo/scripts/install.sh"
 

@@ -253,3 +253,33 @@ def test_cpu_run_measures_the_plan_at_384_ranks_within_five_percent(tmp_path):
         for state, row in f["bytes"].items():
             assert abs(row["ratio"] - 1) <= 0.05, (variant, state, row)
     assert d["figures"]["variants"]["int8-secondary"]["bytes"]["secondary"]["measured"] > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "usage: bash scripts/gpu_wheelhouse.sh DIR [PYTHON_VERSION]"),
+    (["wheels", "twelve"], "PYTHON_VERSION 'twelve' is not of the form 3.N"),
+])
+def test_wheelhouse_refuses_bad_arguments_in_one_line(args, message, tmp_path):
+    done = subprocess.run(["bash", str(REPO / "scripts" / "gpu_wheelhouse.sh"), *args],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=30)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        done.stderr.strip()] and message in done.stderr, (done.returncode, done.stderr)
+    assert not any(tmp_path.iterdir()), "a refused call made files"
+
+
+def test_gpu_setup_refuses_a_machine_without_a_gpu_before_installing(tmp_path):
+    """No nvidia-smi on PATH: one line, and no .venv made (the check comes first)."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for tool in ("bash", "dirname", "python3"):
+        (bindir / tool).symlink_to(subprocess.run(["which", tool], capture_output=True,
+                                                  text=True).stdout.strip())
+    copy = tmp_path / "repo"
+    (copy / "scripts").mkdir(parents=True)
+    (copy / "scripts" / "gpu_setup.sh").write_text(
+        (REPO / "scripts" / "gpu_setup.sh").read_text())
+    done = subprocess.run([str(bindir / "bash"), str(copy / "scripts" / "gpu_setup.sh")],
+                          capture_output=True, text=True, timeout=30,
+                          env={"PATH": str(bindir), "LBP_WHEELHOUSE": str(tmp_path)})
+    assert done.returncode == 2 and "nvidia-smi lists no GPU" in done.stderr, done.stderr
+    assert not (copy / ".venv").exists()
