@@ -153,7 +153,42 @@ def streams_and_events(device: torch.device, gemms: GemmQueue) -> dict[str, Any]
             "result_right": bool(torch.equal(result, expected))}
 
 
-def judge(rows: list[dict[str, Any]], stream: dict[str, Any] | None) -> list[dict[str, Any]]:
+def engine_streams(device: torch.device, gemms: GemmQueue | None) -> dict[str, Any]:
+    """The engine's own streams (megatron_lbp.engine.streams), as its step chains use them: a
+    collective on one communicator's stream, a second hop on another's after the first's
+    event, both submitted at once behind the GEMM queue; the compute stream (the host, on
+    CPU) waits for the second's event, then reads the result."""
+    from megatron_lbp.engine.streams import StreamWork, Streams
+
+    streams = Streams(device)
+    (_, (_, src, out, expected)), = list(collectives(device).items())[:1]
+    hop = torch.full_like(out, float("nan"))
+    if gemms:
+        torch.accelerator.synchronize()
+        gemms.queue()
+    t = time.perf_counter()
+    first = streams["inter_gather"].submit(
+        lambda: all_gather_single()(out, src, async_op=False), holds=(src, out),
+        what="first hop")
+    second = streams["grad_to_param_gather"].submit(lambda: hop.copy_(out), waits=(first,),
+                                                    holds=(out, hop), what="second hop")
+    submit_s = time.perf_counter() - t
+    done_while_queued = second.query() if gemms else False
+    t = time.perf_counter()
+    StreamWork(second).wait()
+    wait_s = time.perf_counter() - t
+    result = hop.clone()        # after the wait: on the compute stream, ordered after `second`
+    if gemms:
+        torch.accelerator.synchronize()
+    return {"streams": type(streams["inter_gather"]).__name__,
+            "submit_host_s": round(submit_s, 4), "wait_host_s": round(wait_s, 4),
+            "second_hop_done_while_queued": done_while_queued,
+            "second_hop_done_after_sync": second.query(),
+            "result_right": bool(torch.equal(result, expected))}
+
+
+def judge(rows: list[dict[str, Any]], stream: dict[str, Any] | None,
+          engine: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The checks over the measured behaviour (device run: host ahead of the device)."""
     checks = []
     for r in rows:
@@ -187,6 +222,19 @@ def judge(rows: list[dict[str, Any]], stream: dict[str, Any] | None) -> list[dic
              "ok": stream["result_right"] and stream["done_event_after_sync"],
              "detail": f"result right {stream['result_right']}"},
         ]
+    if engine is not None:
+        checks += [
+            {"name": "engine streams: a two-hop chain submitted without blocking the host",
+             "ok": (not engine["second_hop_done_while_queued"]
+                    and engine["submit_host_s"] < HOST_RETURN_S
+                    and engine["wait_host_s"] < HOST_RETURN_S),
+             "detail": f"{engine['streams']}: submit {engine['submit_host_s']} s, wait "
+                       f"{engine['wait_host_s']} s, second hop done while queued "
+                       f"{engine['second_hop_done_while_queued']}"},
+            {"name": "engine streams: the second hop read the first's result after its event",
+             "ok": engine["result_right"] and engine["second_hop_done_after_sync"],
+             "detail": f"result right {engine['result_right']}"},
+        ]
     return checks
 
 
@@ -204,5 +252,7 @@ def run(opts) -> dict[str, Any]:
     gemms = GemmQueue(device)
     rows = handles_behind_gemms(device, gemms)
     stream = streams_and_events(device, gemms)
+    engine = engine_streams(device, gemms)
     dist.destroy_process_group()
-    return {"checks": judge(rows, stream), "figures": {"collectives": rows, "side_stream": stream}}
+    return {"checks": judge(rows, stream, engine),
+            "figures": {"collectives": rows, "side_stream": stream, "engine_streams": engine}}

@@ -166,11 +166,14 @@ def _part_b_on_gloo():
     from megatron_lbp.gpucheck import part_b
 
     rows = part_b.handles_behind_gemms(torch.device("cpu"), None)
-    return rows
+    return rows, part_b.engine_streams(torch.device("cpu"), None)
 
 
 def test_part_b_collectives_and_release_on_gloo():
-    rows = run_single(_part_b_on_gloo, timeout=300)
+    rows, engine = run_single(_part_b_on_gloo, timeout=300)
+    # The engine's CPU streams: a two-hop chain, the second hop after the first's event.
+    assert engine["streams"] == "WorkerStream" and engine["result_right"], engine
+    assert engine["second_hop_done_after_sync"], engine
     assert [r["collective"] for r in rows] == ["all_gather", "reduce_scatter", "all_to_all"]
     for r in rows:
         assert r["result_right"], r
