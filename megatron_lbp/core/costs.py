@@ -544,6 +544,13 @@ def gpt_param_count(num_layers: int, hidden_size: int, vocab_size: int,
 
 # --- transient memory --------------------------------------------------------------------
 
+# The peaks are maxima over the step's segments, and only the first micro-batch (its forward
+# waits for the last step's refresh) and the last (its backward issues the network
+# reductions) differ from the others, which allocate alike: walking three micro-batches gives
+# every peak of K, at a cost that does not grow with K (a launcher's choice walks hundreds of
+# plans of up to ~50 micro-batches). tests/unit/test_transient_knobs.py holds it to the full walk.
+WALKED_MICRO_BATCHES = 3
+
 def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16",
                     grad_dtype: str = "fp32", prefetch_units: int = 1,
                     tied_embedding: bool = False, quantized_grad_families: Sequence[str] = (),
@@ -667,7 +674,8 @@ def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16
 
     spec = program.ProgramSpec(
         unit_kinds=tuple(unit_kinds or ("layer",) * n_units), group_sizes=program.group_sizes(cfg),
-        tied_embedding=tied, micro_batches=micro_batches, prefetch_units=prefetch_units,
+        tied_embedding=tied, micro_batches=min(micro_batches, WALKED_MICRO_BATCHES),
+        prefetch_units=prefetch_units,
         max_pending_reduces=max_pending_reduces, overlap=overlap,
         embedding_backward_gather=embedding_backward_gather, linear_biases=linear_biases,
         quantized_grad_families=tuple(quantized_grad_families))

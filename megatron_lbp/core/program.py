@@ -42,7 +42,7 @@ at the next forward, or before the step, with nothing issued between).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable, Mapping, Sequence
 
 from megatron_lbp.core.vocabulary import (DEFAULT_EMBEDDING_BACKWARD_GATHER,
@@ -188,8 +188,24 @@ class _Builder:
             self._add(action="wait", unit=self.ops[collective].unit, waits=(collective,))
 
 
+_BUILT: dict[tuple, StepProgram] = {}
+_BUILT_LIMIT = 512
+
+
 def step_program(spec: ProgramSpec) -> StepProgram:
-    """The program of one optimizer step (module docstring)."""
+    """The program of one optimizer step (module docstring). Built once per spec and shared
+    (callers only read it): a launcher's choice asks for the same few specs hundreds of times."""
+    key = tuple((f.name, tuple(sorted(v.items())) if isinstance(v, Mapping) else v)
+                for f in fields(spec) for v in [getattr(spec, f.name)])
+    built = _BUILT.get(key)
+    if built is None:
+        if len(_BUILT) >= _BUILT_LIMIT:
+            _BUILT.clear()
+        built = _BUILT[key] = _build(spec)
+    return built
+
+
+def _build(spec: ProgramSpec) -> StepProgram:
     b = _Builder(spec)
     n = len(spec.unit_kinds)
     d = spec.prefetch_units if spec.overlap else 0

@@ -155,3 +155,41 @@ def test_embedding_backward_gather_refuses_other_values():
         costs.transient_bytes(_hier(plan.make_plan(SHAPE)), [10, 10],
                               embedding_backward_gather="never")
     assert plan.main(SHAPE + ["--hier-embedding-backward-gather", "never"]) == 2
+
+
+@pytest.mark.parametrize("micro_batches", [4, 7])
+def test_walking_three_micro_batches_gives_the_peaks_of_all(micro_batches, monkeypatch):
+    """transient_bytes walks min(K, WALKED_MICRO_BATCHES) micro-batches: the same peaks as
+    walking all K, over hierarchies, knobs, tied/split units and quantized reductions."""
+    from types import SimpleNamespace
+    import itertools
+
+    def hier(W, P, G, O, S):
+        return SimpleNamespace(world_size=W, param_group_size=P, grad_group_size=G,
+                               optim_group_size=O, secondary_group_size=S,
+                               secondary_dtype="int8")
+
+    units = costs.gpt_units(4, 256, 1024, 128, position_embedding_type="rope")
+    numels = [n for _, n in units]
+    split = ("embedding",) + ("attention", "mlp") * 4 + ("output",)
+    cases = itertools.product(
+        [hier(16, 2, 8, 16, 0), hier(16, 2, 8, 16, 8), hier(16, 2, 4, 8, 2)],
+        [(1, 2), (0, 1), (2, 1)], [False, True], [(), ("grad", "inter")],
+        ["gather", "skip"])
+    checked = 0
+    for h, (d, r), tied, families, emb in cases:
+        kw = dict(prefetch_units=d, max_pending_reduces=r, tied_embedding=tied,
+                  quantized_grad_families=families, micro_batches=micro_batches,
+                  embedding_backward_gather=emb)
+        capped = costs.transient_bytes(h, numels, **kw)
+        monkeypatch.setattr(costs, "WALKED_MICRO_BATCHES", micro_batches)
+        full = costs.transient_bytes(h, numels, **kw)
+        monkeypatch.undo()
+        assert capped == full, (h, kw, capped, full)
+        checked += 1
+    split_numels = [numels[0]] + [n // 2 for n in numels[1:-1] for _ in (0, 1)] + [numels[-1]]
+    kw = dict(micro_batches=micro_batches, unit_kinds=split, tied_embedding=True)
+    capped = costs.transient_bytes(hier(16, 2, 8, 16, 8), split_numels, **kw)
+    monkeypatch.setattr(costs, "WALKED_MICRO_BATCHES", micro_batches)
+    assert capped == costs.transient_bytes(hier(16, 2, 8, 16, 8), split_numels, **kw)
+    assert checked == 72
