@@ -115,3 +115,33 @@ def test_the_health_check_runs_the_survey(tmp_path):
     assert data["command"] == "python -m megatron_lbp.launch health"
     assert {t["bytes"][0] for t in data["tables"] if t["dtype"] == "int8"} == {4096}
     assert all(o[1] == "" for o in out[1:]), "only rank 0 prints"
+
+
+def test_the_estimate_of_the_bound_is_the_public_models_sum_of_cases():
+    """--estimate: (1 + reps) x every case at the public figures' slow end, per shape; the
+    world shape is left out where it is the node (one node)."""
+    from megatron_lbp.core.costs import ring_sent
+    from megatron_lbp.projection import collectives as cm
+
+    sizes = [1 << 20, 1 << 30]
+    est = ls.estimate_seconds(48, 8, 2, sizes, reps=3, overlap_bytes=0)
+    m = cm.CollectiveModel.public()
+    want = sum(4 * m.seconds(op, dt, "world", float(ring_sent(op, b, 384)), 384, "slow")
+               for _, op, dt, sz in ls.cases(["world"], sizes) for b in sz)
+    assert est["world"] == pytest.approx(want)
+    assert set(est) == {"package", "node", "cross_node", "world", "overlap", "total"}
+    assert est["total"] == pytest.approx(sum(v for k, v in est.items() if k != "total"))
+    assert "world" not in ls.estimate_seconds(1, 8, 2, sizes, 3, 0)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--out", "x.json", "--sizes-mib", "a,b"], "--sizes-mib='a,b'"),
+    (["--out", "x.json", "--reps", "0"], "--reps=0"),
+    (["--out", "x.json", "--tasks-per-node", "3"], "--tasks-per-node=3"),
+    (["--sizes-mib", "1"], "--out FILE"),
+    (["--out", "/no/such/dir/x.json"], "its directory does not exist"),
+])
+def test_bad_arguments_are_refused_in_one_line_before_any_rank_work(argv, needle, capsys):
+    assert ls.main(argv, env={}) == 2      # no RANK: it never reached the ranks
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lbp_survey: error: ") and needle in err and "\n" not in err, err
