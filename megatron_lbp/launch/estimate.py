@@ -759,7 +759,8 @@ def report(a) -> tuple[list[str], dict, str | None]:
     band = chosen.band if row is None else row.choice.band
     source = "--step-seconds" if a.step_seconds else (
         f"{'replayed trace' if row and row.source == 'replay' else 'cost model'}, "
-        f"MFU {a.mfu:g}" + (", measured links" if getattr(a, "links", None) else ""))
+        f"MFU {a.mfu:g}" + (", measured links" if getattr(a, "links", None) else "")
+        + (", collectives from the link survey" if getattr(a, "survey", None) else ""))
     if a.save_interval == "auto":
         interval = nice_interval(a.save_minutes * 60 / step, a.train_iters, a.milestone_every)
         how = (f"SAVE_INTERVAL=auto: about every {a.save_minutes:g} min"
