@@ -406,7 +406,8 @@ def collective_model(a):
 def step_estimate(a, p: dict, recompute: str, micro_batch_size: int):
     """(seconds per iteration, its band or None) for one choice: --step-seconds (no band); with
     a survey, the band's point (its median rates and overlap); else the cost model's figure
-    (project.step_time on project.LinkModel or --links), inside a band over the public figures."""
+    (project.step_time on project.LinkModel), inside a band over the public figures; with
+    --links or --network-model shared_uplink (and no survey) that figure alone."""
     if a.step_seconds:
         return a.step_seconds, None
     from megatron_lbp.projection import collectives, project
@@ -419,6 +420,11 @@ def step_estimate(a, p: dict, recompute: str, micro_batch_size: int):
             compute.peak_flops * compute.mfu)
     point = None if getattr(a, "survey", None) else project.step_time(
         p, _model(a), links=link_model(a), compute=compute)["step_s"]
+    if point is not None and (getattr(a, "links", None)
+                              or getattr(a, "network_model", "per_rank") != "per_rank"):
+        # Measured link figures (--links) or another machine's network model: the public
+        # Frontier figures would not describe it, so no band (and no tie) around its point.
+        return point + extra, None
     band = collectives.step_band(p, _model(a), compute, collective_model(a), point=point)
     band = band.shifted(extra)
     return band.point, band
