@@ -10,6 +10,7 @@ COMMANDS = {
     "checkpoints": "megatron_lbp.launch.checkpoints",
     "placement": "megatron_lbp.launch.placement",
     "health": "megatron_lbp.launch.health",
+    "survey": "megatron_lbp.launch.link_survey",
     "contents": "megatron_lbp.launch.contents",
 }
 

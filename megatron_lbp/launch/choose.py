@@ -145,13 +145,17 @@ def rank(a) -> list[Row]:
         except plan.UsageError:
             continue   # the scheme cannot be built on this machine shape
         for c in options:
-            source = "idealised"
-            path = None if a.step_seconds else trace_for(b, label, c)
+            source = "survey" if getattr(a, "survey", None) else "idealised"
+            # With a survey the collective model times the step (its tables and overlap),
+            # which the committed traces' replay (on the cost model's link figures) does not.
+            path = None if a.step_seconds or source == "survey" else trace_for(b, label, c)
             if path:
                 t = replayed_step_s(b, estimate.cached_plan(estimate.plan_argv(
                     b, world, c.micro_batches, c.knobs)), path, c)
                 if t is not None:
-                    c, source = replace(c, step_s=t + c.knob_cost_s), "replay"
+                    # The band moves with the point (the replay refines the same schedule).
+                    c, source = replace(c, step_s=t + c.knob_cost_s, band=c.band and c.band.shifted(
+                        t + c.knob_cost_s - c.step_s)), "replay"
             rows.append(Row(label, preset, secondary, c, source))
     # Ties (--step-seconds: one figure for all) keep the old rule: the least recomputation,
     # the largest micro-batch, the schemes in their listed order. A projected tie otherwise
@@ -171,18 +175,71 @@ def allowed(a, r: Row) -> bool:
             and a.recompute in ("auto", r.choice.recompute))
 
 
+def headroom(a, r: Row) -> float:
+    """Bytes per GCD this row leaves free (its total or its construction peak, the larger)."""
+    return a.gcd_memory_gb * estimate.GB - max(r.choice.total_bytes, r.choice.construction_bytes)
+
+
+def tied(a, rows: list[Row]) -> list[Row]:
+    """The schemes tied with the fastest: each scheme's fastest fitting row the user's settings
+    allow whose step-time band ties with the fastest row's (projection/collectives.ties: at
+    some corner of what is not known, within its resolution of it or faster), fastest first;
+    just the fastest when there are no bands. Within a scheme the fastest row stands: its
+    recomputation and micro-batch are the scheme's best guess, not a scheme to weigh."""
+    open_ = [r for r in rows if r.choice.fits and allowed(a, r)]
+    if not open_ or open_[0].choice.band is None:
+        return open_[:1]
+    from megatron_lbp.projection import collectives
+
+    best: dict[str, Row] = {}
+    for r in open_:
+        best.setdefault(r.scheme, r)
+    return [r for r in best.values() if collectives.ties(r.choice.band, open_[0].choice.band)]
+
+
 def choose(a) -> tuple[Row | None, list[Row]]:
-    """(the fastest fitting row the user's settings allow, or None; the whole ranking)."""
+    """(the row to launch, or None; the whole ranking): among the fitting rows the user's settings
+    allow whose bands tie with the fastest's, the one with the most memory headroom (the
+    fastest itself where nothing ties)."""
     rows = rank(a)
-    return next((r for r in rows if r.choice.fits and allowed(a, r)), None), rows
+    ties = tied(a, rows)
+    if not ties:
+        return None, rows
+    return max(ties, key=lambda r: (headroom(a, r), -ties.index(r))), rows
 
 
-def row_text(r: Row, chosen_s: float) -> str:
+def row_text(r: Row, chosen) -> str:
+    """``chosen``: the chosen row (its band gives the ratio's band) or its seconds."""
     c = r.choice
+    t = chosen.choice.step_s if isinstance(chosen, Row) else chosen
+    band = ratio = ""
+    if c.band is not None:
+        band = f" [{c.band.low:.4g}, {c.band.high:.4g}]"
+        if isinstance(chosen, Row) and chosen.choice.band is not None:
+            from megatron_lbp.projection import collectives
+
+            lo, hi = collectives.ratio_band(c.band, chosen.choice.band)
+            ratio = f" [{lo:.3f}, {hi:.3f}]"
     return (f"{r.scheme:<14} RECOMPUTE={c.recompute:<9} MICRO_BATCH_SIZE={c.micro_batch_size:<2}"
-            f" ({c.micro_batches} per step){c.knob_text()}: step {c.step_s:.4g} s ({r.source}), "
-            f"{c.step_s / chosen_s:.3f}x the chosen's, total {estimate.gb(c.total_bytes)}"
-            f"{'' if c.fits else ' DOES NOT FIT'}")
+            f" ({c.micro_batches} per step){c.knob_text()}: step {c.step_s:.4g} s{band} "
+            f"({r.source}), {c.step_s / t:.3f}x{ratio} the chosen's, total "
+            f"{estimate.gb(c.total_bytes)}{'' if c.fits else ' DOES NOT FIT'}")
+
+
+def tie_line(a, rows: list[Row], chosen: Row) -> str | None:
+    """One line when bands tie: which rows, and that the chosen has the most headroom."""
+    ties = tied(a, rows)
+    if len(ties) < 2:
+        return None
+    fastest = ties[0]
+    others = [r for r in ties if r is not chosen]
+    return (f"tie: {len(ties)} schemes' step-time bands overlap the fastest's ({fastest.scheme} "
+            f"RECOMPUTE={fastest.choice.recompute} MICRO_BATCH_SIZE="
+            f"{fastest.choice.micro_batch_size}, {fastest.choice.band.text()}); chosen: "
+            f"{chosen.scheme} RECOMPUTE={chosen.choice.recompute} MICRO_BATCH_SIZE="
+            f"{chosen.choice.micro_batch_size}, the most memory headroom "
+            f"({estimate.gb(headroom(a, chosen))} per GCD free, against "
+            f"{estimate.gb(max(headroom(a, r) for r in others))} at most for the others)")
 
 
 def ranking_lines(a, rows: list[Row], chosen: Row, top: int = 5) -> list[str]:
@@ -191,25 +248,47 @@ def ranking_lines(a, rows: list[Row], chosen: Row, top: int = 5) -> list[str]:
     t = chosen.choice.step_s
     fitting = [r for r in rows if r.choice.fits]
     sources = sorted({r.source for r in fitting})
+    cm = estimate.collective_model(a)
     lines = [f"ranking at GLOBAL_BATCH_SIZE={a.global_batch_size} on {a.nodes} node(s) by "
              f"projected step time ({' or '.join(sources) or 'none'}: replay = the engine's "
-             f"committed trace replayed, idealised = the cost model; MFU {a.mfu:g}; "
-             f"{len(fitting)} of {len(rows)} candidates fit):"]
-    lines += ["  " + row_text(r, t) + ("  <- chosen" if r == chosen else "")
+             f"committed trace replayed, idealised = the cost model, survey = the link "
+             f"survey's tables; MFU {a.mfu:g}; {len(fitting)} of {len(rows)} candidates fit):"]
+    if chosen.choice.band is not None:
+        lines.append("  [bands]: over rates " + ("the survey's fastest to slowest repetitions"
+                     if getattr(a, "survey", None) else "the public figures' fast to slow ends")
+                     + " and overlap perfect to " + ("the survey's least hidden"
+                     if getattr(a, "survey", None) else "none (no survey measured it)")
+                     + f"; collective times from {cm.source}")
+    lines += ["  " + row_text(r, chosen) + ("  <- chosen" if r == chosen else "")
               for r in fitting[:top]]
     if chosen not in fitting[:top]:   # the explicit settings kept it out of the top rows
-        lines.append(f"  ... (#{fitting.index(chosen) + 1}) " + row_text(chosen, t) + "  <- chosen")
+        lines.append(f"  ... (#{fitting.index(chosen) + 1}) " + row_text(chosen, chosen)
+                     + "  <- chosen")
     for name in ("zeropp", "zero3"):
         best = next((r for r in fitting if r.scheme == name), None)
-        lines.append(f"best {name}: " + (row_text(best, t) + f"; chosen/{name} step-time ratio "
-                                         f"{t / best.choice.step_s:.3f}" if best else "none fits"))
+        ratio = ""
+        if best and best.choice.band is not None and chosen.choice.band is not None:
+            from megatron_lbp.projection import collectives
+
+            ratio = " [{:.3f}, {:.3f}]".format(*collectives.ratio_band(chosen.choice.band,
+                                                                       best.choice.band))
+        lines.append(f"best {name}: " + (row_text(best, chosen) + f"; chosen/{name} step-time "
+                                         f"ratio {t / best.choice.step_s:.3f}{ratio}"
+                                         if best else "none fits"))
+    tie = tie_line(a, rows, chosen)
+    if tie:
+        lines.append(tie)
+    if cm.fallbacks:
+        lines.append("survey gaps (read elsewhere): " + "; ".join(sorted(cm.fallbacks)))
     faster = next((r for r in fitting if r.scheme != chosen.scheme and r.choice.step_s < t), None)
     if faster:
         c = faster.choice
         lines.append(f"projected faster: HIER_PRESET={faster.preset} HIER_SECONDARY_GROUP_SIZE="
                      f"{faster.secondary} RECOMPUTE={c.recompute} MICRO_BATCH_SIZE="
                      f"{c.micro_batch_size}{c.knob_text()}, {c.step_s:.4g} s per step ({faster.source}) against "
-                     f"{t:.4g} s for the chosen {chosen.scheme} (your explicit settings win)")
+                     f"{t:.4g} s for the chosen {chosen.scheme} ("
+                     + ("tied within the bands: the most headroom wins" if faster in
+                        tied(a, rows) else "your explicit settings win") + ")")
     return lines
 
 

@@ -54,7 +54,8 @@ import functools
 import math
 import shlex
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from megatron_lbp.core import costs
 from megatron_lbp.launch import plan
@@ -106,6 +107,9 @@ class Choice:
     knob_cost_s: float = 0.0      # exposed seconds per step the knobs add (in step_s)
     layer_unit: str = DEFAULT_LAYER_UNIT   # --hier-layer-unit it runs with
     embedding_backward_gather: str = DEFAULT_EMBEDDING_BACKWARD_GATHER   # and that one
+    # step_s's band over what is not known (projection/collectives.Band; None with
+    # --step-seconds)
+    band: Any = field(default=None, compare=False)
 
     @property
     def knobs(self) -> tuple[int, int]:
@@ -391,19 +395,44 @@ def _model(a) -> dict:
             "num_attention_heads": a.num_attention_heads, "vocab_size": a.vocab_size}
 
 
-def step_seconds(a, p: dict, recompute: str, micro_batch_size: int) -> float:
-    """The cost model's seconds per iteration (or --step-seconds) for one choice."""
+def collective_model(a):
+    """The collective-time model the bands use: the link survey's (``--survey``) or the public
+    figures' (projection/collectives.py)."""
+    from megatron_lbp.projection import collectives
+
+    return getattr(a, "survey", None) or collectives.CollectiveModel.public()
+
+
+def step_estimate(a, p: dict, recompute: str, micro_batch_size: int):
+    """(seconds per iteration, its band or None) for one choice: --step-seconds (no band); with
+    a survey, the band's point (its median rates and overlap); else the cost model's figure
+    (project.step_time on project.LinkModel), inside a band over the public figures; with
+    --links or --network-model shared_uplink (and no survey) that figure alone."""
     if a.step_seconds:
-        return a.step_seconds
-    from megatron_lbp.projection import project
+        return a.step_seconds, None
+    from megatron_lbp.projection import collectives, project
 
     compute = compute_model(a, micro_batch_size, recompute == "full")
-    t = project.step_time(p, _model(a), links=link_model(a), compute=compute)["step_s"]
+    extra = 0.0
     if recompute == "selective":
         tokens = p["micro_batches"] * micro_batch_size * a.seq_length
-        t += tokens * 4 * a.num_layers * a.hidden_size * a.seq_length / (
+        extra = tokens * 4 * a.num_layers * a.hidden_size * a.seq_length / (
             compute.peak_flops * compute.mfu)
-    return t
+    point = None if getattr(a, "survey", None) else project.step_time(
+        p, _model(a), links=link_model(a), compute=compute)["step_s"]
+    if point is not None and (getattr(a, "links", None)
+                              or getattr(a, "network_model", "per_rank") != "per_rank"):
+        # Measured link figures (--links) or another machine's network model: the public
+        # Frontier figures would not describe it, so no band (and no tie) around its point.
+        return point + extra, None
+    band = collectives.step_band(p, _model(a), compute, collective_model(a), point=point)
+    band = band.shifted(extra)
+    return band.point, band
+
+
+def step_seconds(a, p: dict, recompute: str, micro_batch_size: int) -> float:
+    """The cost model's seconds per iteration (or --step-seconds) for one choice."""
+    return step_estimate(a, p, recompute, micro_batch_size)[0]
 
 
 def knob_settings(a) -> list[tuple[int, int]]:
@@ -496,9 +525,10 @@ def choices(a) -> tuple[list[Choice], dict]:
                 fits = total <= limit and construction <= limit
                 if fits or (d, r, lu, emb) == trials[-1]:
                     cost = knob_cost_s(a, p, rc, b, (d, r), lu, emb)
-                    c = Choice(rc, b, k, state, act, total, fits,
-                               step_seconds(a, p, rc, b) + cost, transient, int(reserve),
-                               construction, d, r, cost, lu, emb)
+                    t, band = step_estimate(a, p, rc, b)
+                    c = Choice(rc, b, k, state, act, total, fits, t + cost, transient,
+                               int(reserve), construction, d, r, cost, lu, emb,
+                               band and band.shifted(cost))
                     if fits:
                         fitting.append(c)
                     else:
@@ -732,9 +762,11 @@ def report(a) -> tuple[list[str], dict, str | None]:
         return lines, {}, refusal
 
     step = chosen.step_s if row is None else row.choice.step_s
+    band = chosen.band if row is None else row.choice.band
     source = "--step-seconds" if a.step_seconds else (
         f"{'replayed trace' if row and row.source == 'replay' else 'cost model'}, "
-        f"MFU {a.mfu:g}" + (", measured links" if getattr(a, "links", None) else ""))
+        f"MFU {a.mfu:g}" + (", measured links" if getattr(a, "links", None) else "")
+        + (", collectives from the link survey" if getattr(a, "survey", None) else ""))
     if a.save_interval == "auto":
         interval = nice_interval(a.save_minutes * 60 / step, a.train_iters, a.milestone_every)
         how = (f"SAVE_INTERVAL=auto: about every {a.save_minutes:g} min"
@@ -746,7 +778,10 @@ def report(a) -> tuple[list[str], dict, str | None]:
     save_s = save_seconds(ckpt, a.nodes, a.write_gbps_per_node, a.save_fixed_s)
     per = {"bf16": 14, "fp16": 14, "fp32": 12}[a.params_dtype]
     lines += [
-        f"step time: {step:.3g} s per iteration ({source})",
+        f"step time: {step:.3g} s per iteration ({source})"
+        + (f", band [{band.low:.3g}, {band.high:.3g}] s over "
+           + ("the survey's rates and overlap" if getattr(a, "survey", None) else
+              "the public link figures and overlap none to perfect") if band else ""),
         f"save interval: {interval} iterations = {interval * step / 60:.1f} min of training ({how})",
         f"checkpoint: {gb(ckpt)} per save ({per} B/param); save estimate {save_s:.0f} s "
         f"(2 x bytes at {a.write_gbps_per_node:g} GB/s per node x {a.nodes} node(s) + "
@@ -870,6 +905,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--links", default=None, metavar="FILE",
                     help="measured link bandwidths (the health check's --links-out file) for "
                          "the step time, instead of the cost model's Frontier figures")
+    ap.add_argument("--survey", default=None, metavar="FILE",
+                    help="a link survey (python -m megatron_lbp.launch survey, or the health "
+                         "check's --survey-out): step times and their bands from its tables "
+                         "and measured overlap instead of the public figures")
     ap.add_argument("--resolved", default=None, help="write KEY=VALUE lines here")
     return ap
 
@@ -910,6 +949,13 @@ def main(argv=None) -> int:
         a.links = load_links(a.links) if a.links else None
     except (OSError, ValueError) as exc:
         print(f"{PROG}: error: --links {a.links}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        from megatron_lbp.projection import collectives, survey_file
+
+        a.survey = collectives.CollectiveModel.from_file(a.survey) if a.survey else None
+    except survey_file.SurveyError as exc:
+        print(f"{PROG}: error: --survey {exc}", file=sys.stderr)
         return 2
     if a.preset == "auto" and not a.choose:
         a.choose = True

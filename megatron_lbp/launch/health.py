@@ -30,6 +30,11 @@ default: the cost model's ``megatron_lbp.projection.project.LinkModel``). A node
 rank is under ``--min-fraction`` of it on any class is named, and the check fails (exit 4)
 naming every such node. ``--skip-links`` keeps the device checks only.
 
+``--survey-out FILE``: after the checks, the link survey (megatron_lbp/launch/link_survey.py:
+every collective kind by dtype, size and group shape through the engine's collectives, and the
+overlap probe; ``--survey-*`` are its options) on the same ranks, rank 0 writing FILE for the
+estimate's ``--survey`` (LBP_SURVEY in the launcher).
+
 ``--links-out FILE``: rank 0 also writes the measured figures as JSON, the median over
 ranks per link class (network: over both rounds of pairs), for the plan and the launcher's
 choice to use instead of the cost model's (``--links FILE`` of ``python -m
@@ -393,10 +398,24 @@ def run_step(a, env: Mapping[str, str]) -> int:
                 print(f"[lbp health] {line}", flush=True)
             if verdict:
                 print(f"{PROG}: error: {verdict}", file=sys.stderr, flush=True)
+        if a.survey_out and not verdict:
+            _survey(a, rank, device, env)
         dist.barrier()
         return 4 if verdict else 0
     finally:
         dist.destroy_process_group()
+
+
+def _survey(a, rank: int, device, env: Mapping[str, str]) -> None:
+    from megatron_lbp.launch import link_survey
+
+    link_survey.run(out_path=a.survey_out, tasks_per_node=a.tasks_per_node,
+                    gcds_per_package=a.gcds_per_package, sizes=a.survey_sizes,
+                    reps=a.survey_reps, max_seconds=a.survey_max_seconds,
+                    overlap_bytes=int(a.survey_overlap_mib * MiB), gemm_dim=a.survey_gemm_dim,
+                    device=device, env=env, command="python -m megatron_lbp.launch health",
+                    log=(lambda line: print(f"[lbp survey] {line}", flush=True)) if rank == 0
+                    else (lambda line: None))
 
 
 def main(argv=None, env: Mapping[str, str] | None = None) -> int:
@@ -415,9 +434,20 @@ def main(argv=None, env: Mapping[str, str] | None = None) -> int:
     ap.add_argument("--skip-links", action="store_true")
     ap.add_argument("--links-out", default=None, metavar="FILE",
                     help="write the measured median GB/s per link class here (JSON)")
+    ap.add_argument("--survey-out", default=None, metavar="FILE",
+                    help="also run the link survey (megatron_lbp/launch/link_survey.py) and "
+                         "write it here")
+    from megatron_lbp.launch import link_survey
+
+    link_survey.add_arguments(ap, prefix="survey-")
     a = ap.parse_args(argv)
     env = os.environ if env is None else env
     try:
+        a.survey_sizes = link_survey.check_arguments(
+            a.survey_sizes_mib, a.survey_reps, a.survey_max_seconds, a.survey_overlap_mib,
+            a.survey_gemm_dim)
+        if a.survey_out and not os.path.isdir(os.path.dirname(os.path.abspath(a.survey_out))):
+            raise ValueError(f"--survey-out {a.survey_out}: its directory does not exist")
         parse_expect(a.expect or "")
         if not 0 <= a.min_fraction <= 1 or a.megabytes <= 0:
             raise ValueError(f"LBP_HEALTH_MIN_FRACTION={a.min_fraction:g} must be in [0, 1] and "

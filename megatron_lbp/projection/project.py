@@ -273,7 +273,8 @@ def _window(comm: float, compute: float, buckets: int, head: float | None = None
 
 
 def step_time(plan: Mapping[str, Any], model: Mapping[str, int], links: LinkModel = LinkModel(),
-              compute: ComputeModel = ComputeModel(), overlap: bool = True) -> dict[str, float]:
+              compute: ComputeModel = ComputeModel(), overlap: bool = True,
+              phase_times: Mapping[str, Mapping[str, float]] | None = None) -> dict[str, float]:
     """Predicted seconds of one optimizer step on one GCD, with its parts, and TFLOPS/GCD.
 
     With ``overlap`` the optimizer step's collectives are placed where the engine issues
@@ -284,6 +285,9 @@ def step_time(plan: Mapping[str, Any], model: Mapping[str, int], links: LinkMode
     micro-batch's forward window. In those two windows one unit's chain stays exposed: its
     per-micro-batch share and its step hops one after another (the hops run on different
     link classes in sequence, so their shares add up).
+
+    ``phase_times`` (seconds each phase keeps each link class busy, as ``_phase_times``
+    gives them) replaces ``links``: the collective model's (projection/collectives.py).
     """
     k, buckets = plan["micro_batches"], plan["buckets"]
     tokens_mb = compute.micro_batch_size * compute.seq_length
@@ -293,7 +297,7 @@ def step_time(plan: Mapping[str, Any], model: Mapping[str, int], links: LinkMode
     t_mb = per_token * tokens_mb / rate
     t_fwd = t_mb / 3
     t_bwd = 2 * t_mb / 3 + (t_fwd if compute.recompute else 0.0)
-    ph = _phase_times(plan, links)
+    ph = _phase_times(plan, links) if phase_times is None else phase_times
     fwd = {c: ph["forward_gather"][c] / k for c in LINK_CLASS_ORDER}
     bwd = {c: (ph["backward_gather"][c] + ph["grad_reduce"][c]) / k for c in LINK_CLASS_ORDER}
     fwd_comm, bwd_comm = max(fwd.values()), max(bwd.values())

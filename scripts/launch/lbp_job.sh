@@ -63,6 +63,9 @@ lbp_health_step() {
   fi
   # The measured figures, for the next estimate's choice (LBP_LINKS=$CHECKPOINT_DIR/lbp_links.json).
   [ "$LBP_HEALTH_CHECK" = 1 ] && args+=(--links-out "$CHECKPOINT_DIR/lbp_links.json")
+  # The link survey, for the next estimate's bands (LBP_SURVEY=$CHECKPOINT_DIR/lbp_survey.json).
+  [ "$LBP_HEALTH_CHECK" = 1 ] && [ "$LBP_LINK_SURVEY" = 1 ] && args+=(
+    --survey-out "$CHECKPOINT_DIR/lbp_survey.json" --survey-max-seconds "$LBP_SURVEY_MAX_S")
   if [ "$LBP_HEALTH_CHECK" = 0 ]; then
     [ "$GPUS_PER_TASK" -gt 0 ] || { lbp_log "health check: off (LBP_HEALTH_CHECK=0)"; return 0; }
     args+=(--skip-links)

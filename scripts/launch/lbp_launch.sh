@@ -100,6 +100,13 @@
 #                       (scripts/launch/lbp_study.sh: a later run on nodes an earlier run checked)
 #   LBP_HEALTH_EXPECT_GBPS  "package=200,node=50,network=12.5" (GB/s per GCD) [the cost model's]
 #   LBP_HEALTH_MIN_FRACTION [0.25]  LBP_HEALTH_MB [64]  LBP_GCD_BUS_IDS [Frontier's]
+#   LBP_LINK_SURVEY     [0]; 1 with LBP_HEALTH_CHECK=1: the health check also runs the link survey
+#                       (every collective by dtype, size 1 MiB-1 GiB and group shape, and the
+#                       overlap probe; megatron_lbp/launch/link_survey.py), at most
+#                       LBP_SURVEY_MAX_S [300] seconds of timed cases, into
+#                       $CHECKPOINT_DIR/lbp_survey.json
+#   LBP_SURVEY          a link survey file: step times and their bands from it instead of the
+#                       public figures (projection/collectives.py)
 #   PRECISION           bf16 (default) or fp32
 #   HIER_PRESET HIER_SECONDARY_GROUP_SIZE HIER_SECONDARY_DTYPE  the hierarchy (a preset implies
 #                       its secondary group size: the node for lbp and zeropp, 0 otherwise;
@@ -455,6 +462,7 @@ lbp_estimate() {
     [ "${LBP_CHOOSE_SCHEME:-0}" = 1 ] && args+=(--preset auto)
   fi
   [ -n "${LBP_LINKS:-}" ] && args+=(--links "$LBP_LINKS")
+  [ -n "${LBP_SURVEY:-}" ] && args+=(--survey "$LBP_SURVEY")
   lbp_py estimate "${args[@]}" | sed 's/^/[lbp] /'
   local status=${PIPESTATUS[0]}
   [ "$status" = 0 ] || return "$status"
@@ -652,7 +660,7 @@ lbp_defaults() {
   : "${LBP_EXIT_SLACK_S:=120}" "${LBP_KEEP_LAST:=2}" "${LBP_MILESTONE_EVERY:=10000}"
   : "${LBP_PRUNE_EVERY_S:=600}" "${LBP_HEALTH_CHECK:=1}" "${LBP_HEALTH_MIN_FRACTION:=0.25}"
   : "${LBP_HEALTH_MB:=64}" "${LBP_HEALTH_EXPECT_GBPS:=}" "${LBP_NODE_LOCAL_ROOT:=/tmp}"
-  : "${LBP_GCD_BUS_IDS:=c1,c6,c9,ce,d1,d6,d9,de}"
+  : "${LBP_GCD_BUS_IDS:=c1,c6,c9,ce,d1,d6,d9,de}" "${LBP_LINK_SURVEY:=0}" "${LBP_SURVEY_MAX_S:=300}"
   [ -n "${LBP_SIGNAL_S:-}" ] || LBP_SIGNAL_S=$(lbp_signal_lead)
   LBP_EXIT_AUTO=0
   [ "$EXIT_DURATION_MINS" = auto ] && LBP_EXIT_AUTO=1
@@ -701,7 +709,10 @@ lbp_defaults() {
   [[ "$LBP_HEALTH_EXPECT_GBPS" =~ ^((package|node|network)=$num,?)*$ ]] || { lbp_die 2 \
     "LBP_HEALTH_EXPECT_GBPS=$LBP_HEALTH_EXPECT_GBPS: give class=GB/s per GCD, e.g." \
     "package=200,node=50,network=12.5"; return; }
-  for v in LBP_HEALTH_MIN_FRACTION LBP_HEALTH_MB LBP_SAVE_MINUTES LBP_WRITE_GBPS LBP_SAVE_FIXED_S; do
+  case "$LBP_LINK_SURVEY" in 0|1) ;; *) lbp_die 2 "LBP_LINK_SURVEY=$LBP_LINK_SURVEY: use 1 (the" \
+    "health check also runs the link survey) or 0"; return ;; esac
+  for v in LBP_HEALTH_MIN_FRACTION LBP_HEALTH_MB LBP_SAVE_MINUTES LBP_WRITE_GBPS LBP_SAVE_FIXED_S \
+           LBP_SURVEY_MAX_S; do
     [[ "${!v}" =~ ^$num$ ]] || { lbp_die 2 "$v=${!v} must be a number >= 0"; return; }
   done
   [ -z "${LBP_STEP_SECONDS:-}" ] || [[ "$LBP_STEP_SECONDS" =~ ^$num$ ]] || { lbp_die 2 \

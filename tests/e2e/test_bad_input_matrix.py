@@ -241,6 +241,22 @@ TOKENIZER_CHECK = [
 ]
 
 
+def _partial_survey() -> str:
+    """A link survey as its writer leaves it before the last key: no "complete"."""
+    import json
+
+    from megatron_lbp.projection import survey_file as sf
+
+    return json.dumps({"schema": sf.SCHEMA, "version": sf.VERSION, "convention": sf.CONVENTION,
+                       "machine": {"nodes": 4, "tasks_per_node": 8, "gcds_per_package": 2,
+                                   "world": 32},
+                       "shapes": {"node": {"group_size": 8, "groups": 4, "link": "node"}},
+                       "tables": [{"op": "all_gather", "dtype": "bf16", "shape": "node",
+                                   "group_size": 8, "bytes": [1048576],
+                                   "sent_bytes": [917504.0], "seconds": [1e-4],
+                                   "seconds_min": [1e-4], "seconds_max": [1e-4]}]}, indent=1)
+
+
 def launch(name, script, args, env, needles, code=-1, build=None):
     needles = (needles,) if isinstance(needles, str) else needles
 
@@ -301,6 +317,16 @@ LAUNCHER = [
     launch("HuggingFaceTokenizer given a hub name", SCRIPTS["20b"], ["--dry-run"],
            {"NNODES": "2", "TOKENIZER_TYPE": "HuggingFaceTokenizer", "TOKENIZER_MODEL": "gpt2"},
            ("TOKENIZER_MODEL=gpt2 is not a local directory",)),
+    # a link survey (projection/survey_file.py) cut off before it finished, or not JSON at all
+    launch("LBP_SURVEY cut off", SCRIPTS["20b"], ["--dry-run"],
+           {**DRY, "LBP_SURVEY": "{tmp}/lbp_survey.json"},
+           ("--survey", "lbp_survey.json", 'no "complete": true'),
+           build=lambda c: c.write("lbp_survey.json", _partial_survey())),
+    launch("LBP_SURVEY not JSON", SCRIPTS["20b"], ["--dry-run"],
+           {**DRY, "LBP_SURVEY": "{tmp}/lbp_survey.json"}, ("lbp_survey.json", "not JSON"),
+           build=lambda c: c.write("lbp_survey.json", _partial_survey()[:200])),
+    launch("LBP_LINK_SURVEY=yes", SCRIPTS["20b"], ["--dry-run"], {**DRY, "LBP_LINK_SURVEY": "yes"},
+           "LBP_LINK_SURVEY=yes"),
     # the campaign's settings
     launch("--chain 0", SCRIPTS["20b"], ["--dry-run", "--chain", "0"], DRY, "--chain 0"),
     launch("--chain without a count", SCRIPTS["20b"], ["--dry-run", "--chain"], DRY, "--chain"),

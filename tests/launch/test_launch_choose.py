@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from megatron_lbp.launch import plan
+from megatron_lbp.projection import collectives
 from megatron_lbp.projection import project as pj
 from megatron_lbp.projection import knobs
 from megatron_lbp.projection import project_replay as pr
@@ -23,6 +24,13 @@ MODELS = {"20b": {}, "10b": dict(num_layers=32, hidden_size=5120, num_attention_
 def _auto(**over):
     return _shape(**{"preset": "auto", "recompute": "auto", "choose": True,
                      "hier_layer_unit": "auto", **over})
+
+
+def _fastest(a):
+    """(the fastest fitting row the settings allow, the ranking): what the projection prefers,
+    before the tie rule hands a tied scheme with more headroom the launch."""
+    rows = choose.rank(a)
+    return next(r for r in rows if r.choice.fits and choose.allowed(a, r)), rows
 
 
 def _independent_plan(a, row):
@@ -48,8 +56,19 @@ def test_the_chosen_total_is_the_plans_state_transient_activations_and_margin(mo
             + estimate.activation_bytes(a, c.recompute, c.micro_batch_size) + 4 * 10**9)
     assert c.total_bytes == want and max(want, c.construction_bytes) <= 64e9, (row, want)
     assert c.micro_batch_size * c.micro_batches * nodes * 8 == 1536
-    # the fastest of those that fit, and the report launches it
-    assert all(r.choice.step_s >= c.step_s for r in rows if r.choice.fits)
+    # the fastest of those that fit, or, where other schemes' step-time bands tie with it
+    # (projection/collectives.py: at some corner of rates x overlap within 1% of it or
+    # faster), the tied scheme's fastest row with the most memory headroom; the report
+    # launches it
+    fastest = min((r for r in rows if r.choice.fits), key=lambda r: r.choice.step_s)
+    ties = choose.tied(a, rows)
+    assert ties[0].choice.step_s == fastest.choice.step_s and row in ties, (row, ties)
+    for r in ties:
+        lo, hi = collectives.ratio_band(r.choice.band, fastest.choice.band)
+        assert lo <= 1 + collectives.TIE <= hi + collectives.TIE, (r, lo, hi)
+        assert choose.headroom(a, row) >= choose.headroom(a, r)
+        assert r.choice.step_s == min(x.choice.step_s for x in rows
+                                      if x.scheme == r.scheme and x.choice.fits)
     lines, resolved, refusal = estimate.report(a)
     assert refusal is None
     assert (resolved["HIER_PRESET"], resolved["HIER_SECONDARY_GROUP_SIZE"],
@@ -138,15 +157,22 @@ def test_the_idealised_step_agrees_with_the_replayed_schedule(model):
 
 def test_a_projected_tie_goes_to_the_row_with_more_memory_left():
     """10B on 16 nodes: lbp with the package's int8 copy and without one project the same
-    step (the backward's package gathers hide either way); the choice takes the one without,
-    5.6 GB smaller (whole layers: split ones let no recomputation fit, a faster row without
-    a tie). With --step-seconds every row ties and the old rule (listed order) holds."""
+    step (the backward's package gathers hide either way): both are tied with the fastest,
+    and so is every scheme whose band (rates x overlap, projection/collectives.py) reaches it;
+    the choice is the tied scheme's fastest row with the most memory left (whole layers:
+    split ones let no recomputation fit, a faster row). With --step-seconds there are no bands
+    and the old rule (listed order) holds."""
     a = _auto(nodes=16, hier_layer_unit="whole", **MODELS["10b"])
     row, rows = choose.choose(a)
-    tied = [r for r in rows if r.choice.fits and r.choice.step_s == row.choice.step_s]
-    assert {r.scheme for r in tied} >= {"lbp S=0", "lbp S=package"}, tied
-    assert row.scheme == "lbp S=0" and row.choice.total_bytes == min(
-        r.choice.total_bytes for r in tied), (row, tied)
+    ties = choose.tied(a, rows)
+    same = [r for r in rows if r.choice.fits and r.choice.step_s == ties[0].choice.step_s]
+    assert {r.scheme for r in same} >= {"lbp S=0", "lbp S=package"}, same
+    assert {"lbp S=0", "lbp S=package"} <= {r.scheme for r in ties}, ties
+    assert row in ties and choose.headroom(a, row) == max(choose.headroom(a, r) for r in ties)
+    lines, _, _ = estimate.report(a)
+    (tie,) = [l for l in lines if l.startswith("tie: ")]
+    assert f"chosen: {row.scheme} RECOMPUTE={row.choice.recompute} " in tie, tie
+    assert f"{len(ties)} schemes' step-time bands overlap the fastest's" in tie, tie
     b = _auto(nodes=16, step_seconds=30.0, **MODELS["10b"])
     fixed, fixed_rows = choose.choose(b)
     same = [r.scheme for r in fixed_rows if r.choice.fits and (
@@ -170,7 +196,7 @@ def test_the_ranking_replays_the_committed_traces_without_torch():
             "assert rc == 0 and not bad, (rc, bad)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "s (replay)," in r.stdout, r.stdout   # a row timed by a replayed trace
+    assert "] (replay)," in r.stdout, r.stdout   # a row timed by a replayed trace (band, source)
 
 
 def test_explicit_settings_win_and_the_faster_scheme_is_named():
@@ -212,11 +238,12 @@ def test_measured_links_change_the_projection(tmp_path):
 def test_split_layers_make_lbp_fit_without_full_recomputation_at_20b_on_16_nodes():
     """Whole layers: lbp (weights sharded over a package) fits 20B on 16 nodes only with full
     recomputation, and zeropp with selective is faster. Split layers hold half a layer's
-    weights and gradient at a time: lbp fits with selective recomputation and is chosen, its
+    weights and gradient at a time: lbp fits with selective recomputation and is the fastest
+    (the projection's preference; the tie rule may launch a tied scheme with more headroom), its
     step carrying what the split leaves exposed (projection/knobs.py), its launch line
     saying HIER_LAYER_UNIT=split."""
-    whole, _ = choose.choose(_auto(nodes=16, hier_layer_unit="whole"))
-    row, rows = choose.choose(_auto(nodes=16))
+    whole, _ = _fastest(_auto(nodes=16, hier_layer_unit="whole"))
+    row, rows = _fastest(_auto(nodes=16))
     assert whole.preset == "zeropp", whole
     c = row.choice
     assert (row.preset, c.recompute, c.layer_unit) == ("lbp", "selective", "split"), row
@@ -228,7 +255,8 @@ def test_split_layers_make_lbp_fit_without_full_recomputation_at_20b_on_16_nodes
         c.micro_batches, c.knobs))
     assert (c.state_bytes + same["transient_bytes"]["peak"] + c.activation_bytes
             + c.margin_bytes) > 64e9, same["transient_bytes"]
-    lines, resolved, _ = estimate.report(_auto(nodes=16))
+    lines, resolved, _ = estimate.report(_auto(nodes=16, preset="lbp",
+                                              hier_secondary_group_size=row.secondary))
     assert resolved["HIER_LAYER_UNIT"] == "split" and resolved["RECOMPUTE"] == "selective"
     # never with full recomputation
     assert all(r.choice.layer_unit == "whole" for r in rows if r.choice.recompute == "full")
@@ -238,10 +266,10 @@ def test_the_embeddings_skip_makes_a_row_fit_and_is_chosen_at_no_cost():
     """10B on 48 nodes with whole layers: no recomputation at micro-batch 1 fits only without
     the embedding's backward gather (the tied V*h weights no longer held across every
     layer's backward); skip trains bit for bit like gather and adds no exposed time, so the
-    row is chosen with it, and the launch line says so. An explicit setting is kept."""
+    fastest row has it, and its launch line (the scheme given) says so. An explicit setting is kept."""
     a = _auto(nodes=48, hier_layer_unit="whole", hier_embedding_backward_gather="auto",
               **MODELS["10b"])
-    row, rows = choose.choose(a)
+    row, rows = _fastest(a)
     c = row.choice
     assert (c.recompute, c.micro_batch_size, c.embedding_backward_gather) == (
         "none", 1, "skip"), row
@@ -251,8 +279,10 @@ def test_the_embeddings_skip_makes_a_row_fit_and_is_chosen_at_no_cost():
               **MODELS["10b"]), 384, c.micro_batches, c.knobs))
     assert (c.state_bytes + gathered["transient_bytes"]["peak"] + c.activation_bytes
             + c.margin_bytes) > 64e9, gathered["transient_bytes"]
-    _, resolved, _ = estimate.report(a)
+    _, resolved, _ = estimate.report(_auto(
+        nodes=48, hier_layer_unit="whole", hier_embedding_backward_gather="auto",
+        preset=row.preset, hier_secondary_group_size=row.secondary, **MODELS["10b"]))
     assert resolved["HIER_EMBEDDING_BACKWARD_GATHER"] == "skip"
-    kept, _ = choose.choose(_auto(nodes=48, hier_layer_unit="whole",
+    kept, _ = _fastest(_auto(nodes=48, hier_layer_unit="whole",
                                   hier_embedding_backward_gather="gather", **MODELS["10b"]))
     assert kept.choice.embedding_backward_gather == "gather" and kept.choice.recompute != "none"

@@ -54,7 +54,8 @@ CIRCLES = {
         "the unit context builds the step's communication, which gathers units back: the "
         "engine's step ownership is being redesigned (one owner of the step)",
     frozenset({"megatron_lbp.launch.choose", "megatron_lbp.launch.estimate",
-               "megatron_lbp.launch.health", "megatron_lbp.launch.plan",
+               "megatron_lbp.launch.health", "megatron_lbp.launch.link_survey",
+               "megatron_lbp.launch.plan", "megatron_lbp.projection.collectives",
                "megatron_lbp.projection.knobs", "megatron_lbp.projection.project",
                "megatron_lbp.projection.project_replay"}):
         "the planner calls itself through argv (the UPWARD entry above); it goes with it",

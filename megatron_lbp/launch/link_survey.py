@@ -1,0 +1,475 @@
+"""Link survey: the engine's collectives timed by op, dtype, message size and group shape, and an
+overlap probe; one JSON file (megatron_lbp/projection/survey_file.py) the cost model reads.
+
+    srun ... lbp_task.sh python -m megatron_lbp.launch survey --out lbp_survey.json \\
+        --tasks-per-node 8 --gcds-per-package 2 [--sizes-mib 1,4,16,64,256,1024] \\
+        [--max-seconds 600] [--reps 3]
+    python -m megatron_lbp.launch survey --estimate --nodes 48      # the time bound, no ranks
+
+The job's health check runs it too (``--survey-out FILE`` of ``python -m megatron_lbp.launch
+health``; the launchers with LBP_LINK_SURVEY=1 write ``$CHECKPOINT_DIR/lbp_survey.json``).
+
+Groups and collectives are the engine's: ``build_hier_groups`` with the lbp preset and the
+node's secondary copy gives the package groups (P, its "gather" communicators), the node
+groups (S's "gather", G's "reduce", the latter in the engine's chunk order), one rank per node
+(the optimizer step's inter-node hop, both channels) and the world (the optimizer group's
+"reduce" communicator, used for the world's gathers too). Every collective goes through
+``megatron_lbp.engine.comm.Collectives`` — on gloo its reduce-scatter is the engine's
+all-to-all exchange. Every group of a shape runs at once, as in training.
+
+What is timed: all-gather and all-to-all in int8, int4 (two per byte, uint8 storage: the
+bytes of qgZ's packed gradients) bf16 and fp32; reduce-scatter and all-reduce in bf16 and
+fp32 (a sum of int8 or packed int4 codes is not a reduction anyone runs: quantized
+reductions are all-to-alls, timed as such). Sizes ascend per (shape, op, dtype); each is a
+warm-up and ``--reps`` timed repetitions, each after a barrier, its time the slowest rank's.
+
+Bound: before each case the ranks agree (one MAX all-reduce) on the seconds spent so far and
+on the case's prediction (the previous size's time scaled by bytes, x (1 + reps)); a case
+that would pass ``--max-seconds`` is skipped with every larger one of its series, and listed
+in the file's "skipped". The timed part is therefore at most ``--max-seconds`` plus one
+case's misprediction; the overlap probe adds its four cases (each about ``4 x`` the
+collective's time at ``--overlap-mib``). ``--estimate`` prints what the whole survey takes at
+a node count on the cost model's public Frontier figures (projection/collectives.py), the
+derivation of the bound in docs/planning.md.
+
+Overlap probe (on the widest shape that crosses links: one rank per node, else the node):
+a GEMM-heavy layer (two square GEMMs of ``--gemm-dim``, as an MLP's) repeated to last about
+as long as the collective alone, timed alone, then while each collective kind runs
+asynchronously. ``slowdown`` = GEMMs' time with the collective / alone; ``hidden_fraction`` =
+(GEMMs alone + collective alone - both together) / the shorter of the two: 1 is perfect
+overlap, 0 none (the measure of Agrawal et al., arXiv 2412.14335).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+from megatron_lbp.projection import survey_file as sf
+
+PROG = "lbp_survey"
+MiB = 1 << 20
+FULL_SIZES_MIB = (1, 4, 16, 64, 256, 1024)
+OP_DTYPES = {"all_gather": sf.DTYPES, "all_to_all": sf.DTYPES,
+             "reduce_scatter": ("bf16", "fp32"), "all_reduce": ("bf16", "fp32")}
+# The overlap probe's collective per kind: the dtype the engine (or ZeRO++) sends it in.
+OVERLAP_DTYPES = {"all_gather": "bf16", "reduce_scatter": "fp32", "all_to_all": "int4",
+                  "all_reduce": "fp32"}
+
+
+class SurveyUsage(ValueError):
+    """Bad arguments; one line."""
+
+
+def cases(shapes: Sequence[str], sizes: Sequence[int]) -> list[tuple[str, str, str, list[int]]]:
+    """(shape, op, dtype, sizes ascending): every series the survey times, in order."""
+    return [(s, op, dt, sorted(sizes)) for s in shapes for op in sf.OPS for dt in OP_DTYPES[op]]
+
+
+# --------------------------------------------------------------------------- the groups
+
+
+def hier_args(tasks_per_node: int, gcds_per_package: int):
+    from megatron_lbp.core.config import add_hier_arguments
+
+    ap = add_hier_arguments(argparse.ArgumentParser())
+    return ap.parse_args(["--hier-preset", "lbp", "--hier-secondary-group-size",
+                          str(tasks_per_node), "--hier-gpus-per-node", str(tasks_per_node),
+                          "--hier-gcds-per-package", str(gcds_per_package)])
+
+
+def survey_collectives(tasks_per_node: int, gcds_per_package: int, env=None):
+    """(Collectives over the survey's shapes, {shape: (group size, groups, link class)}).
+
+    Each shape is one "family" of the engine's Collectives with the communicators the engine's
+    own families use for it."""
+    import torch.distributed as dist
+
+    from megatron_lbp.engine.comm import Collectives
+    from megatron_lbp.engine.process_groups import build_hier_groups
+
+    h = build_hier_groups(hier_args(tasks_per_node, gcds_per_package), env=env)
+    g, world = h.groups, dist.get_world_size()
+    sources = {"package": ("param", g["param"].get("gather"), g["param"].get("gather")),
+               "node": ("secondary", g.get("secondary", {}).get("gather"),
+                        g["grad"].get("reduce")),
+               "cross_node": ("inter", g.get("inter", {}).get("gather"),
+                              g.get("inter", {}).get("reduce")),
+               "world": ("optim", g["optim"]["reduce"], g["optim"]["reduce"])}
+    groups, sizes, links, info = {}, {}, {}, {}
+    seen_sizes = set()
+    for shape, (family, gather, reduce) in sources.items():
+        n = len(h.ranks.get(family, ()))
+        # A shape the machine does not have (one node: no cross-node groups, the world is the
+        # node; packages of one GCD) is left out rather than timed twice.
+        if n < 2 or gather is None or reduce is None or (shape == "world" and n in seen_sizes):
+            continue
+        seen_sizes.add(n)
+        groups[shape] = {"gather": gather, "reduce": reduce}
+        sizes[shape], links[shape] = n, h.link_classes[family]
+        info[shape] = {"group_size": n, "groups": world // n, "link": links[shape]}
+    return Collectives(groups, sizes, links), info
+
+
+# --------------------------------------------------------------------------- one case
+
+
+_TORCH_DTYPES = {"int8": "int8", "int4": "uint8", "bf16": "bfloat16", "fp32": "float32"}
+
+
+def buffers(torch, op: str, dtype: str, nbytes: int, n: int, device):
+    """(out, inp) of ``op`` for a message of about ``nbytes`` (a multiple of n elements)."""
+    dt = getattr(torch, _TORCH_DTYPES[dtype])
+    item = torch.empty((), dtype=dt).element_size()
+    elems = max(n, nbytes // item // n * n)
+    full = torch.ones(elems, dtype=dt, device=device)
+    if op == "all_gather":
+        return full, torch.ones(elems // n, dtype=dt, device=device)
+    if op == "reduce_scatter":
+        return torch.empty(elems // n, dtype=dt, device=device), full
+    if op == "all_to_all":
+        return torch.empty_like(full), full
+    return full, full
+
+
+def issue(coll, op: str, shape: str, out, inp, async_op: bool = False):
+    from megatron_lbp.engine.comm import CONTROL
+
+    if op == "all_gather":
+        return coll.all_gather(out, inp, shape, CONTROL, async_op=async_op)
+    if op == "reduce_scatter":
+        return coll.reduce_scatter(out, inp, shape, CONTROL, async_op=async_op)
+    if op == "all_to_all":
+        return coll.all_to_all(out, inp, shape, CONTROL, async_op=async_op)
+    return coll.all_reduce(out, shape, CONTROL, async_op=async_op)
+
+
+class Clock:
+    """Wall time that waits for the device: all streams (``sync``) or the compute stream only."""
+
+    def __init__(self, torch, device):
+        self.torch, self.cuda = torch, device.type == "cuda"
+
+    def sync(self) -> float:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def compute_done(self) -> float:
+        if self.cuda:
+            self.torch.cuda.current_stream().synchronize()
+        return time.perf_counter()
+
+
+def agree_max(torch, dist, values: Sequence[float], device) -> list[float]:
+    """The ranks' maximum of each value (one MAX all-reduce on the world): every rank decides alike."""
+    t = torch.tensor(list(values), dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def time_case(torch, dist, coll, clock, op, shape, dtype, nbytes, reps, device) -> list[float]:
+    """This rank's seconds of ``reps`` repetitions after a warm-up, every group of ``shape`` at once."""
+    out, inp = buffers(torch, op, dtype, nbytes, coll.sizes[shape], device)
+    times = []
+    for i in range(reps + 1):
+        dist.barrier()
+        t0 = clock.sync()
+        issue(coll, op, shape, out, inp)
+        dt = clock.sync() - t0
+        if i:
+            times.append(dt)
+    return times
+
+
+# --------------------------------------------------------------------------- the overlap probe
+
+
+def gemm_layer(torch, dim: int, device, dtype):
+    a = torch.randn(dim, dim, device=device).to(dtype)
+    w1 = torch.randn(dim, dim, device=device).to(dtype) / dim ** 0.5
+    w2 = torch.randn(dim, dim, device=device).to(dtype) / dim ** 0.5
+
+    def run(k: int):
+        x = a
+        for _ in range(k):
+            x = torch.relu(x @ w1) @ w2
+        return x
+    return run
+
+
+def overlap_probe(torch, dist, coll, clock, shape, nbytes, dim, gemm_dtype, device,
+                  reps: int = 3) -> dict:
+    """{op: {gemm_alone_s, gemm_with_s, comm_alone_s, together_s, slowdown, hidden_fraction}}
+    on ``shape`` with a ``nbytes`` message; every figure the slowest rank's median."""
+    layer = gemm_layer(torch, dim, device, gemm_dtype)
+    layer(1)
+    t0 = clock.sync()
+    layer(2)
+    one = max((clock.sync() - t0) / 2, 1e-6)
+    out = {}
+    for op in sf.OPS:
+        dtype = OVERLAP_DTYPES[op]
+        o, i = buffers(torch, op, dtype, nbytes, coll.sizes[shape], device)
+        issue(coll, op, shape, o, i)   # warm-up
+        rows = []
+        for _ in range(reps):
+            dist.barrier()
+            t0 = clock.sync()
+            issue(coll, op, shape, o, i)
+            comm = clock.sync() - t0
+            (k,) = agree_max(torch, dist, [max(1, round(comm / one))], device)
+            dist.barrier()
+            t0 = clock.sync()
+            layer(int(k))
+            alone = clock.sync() - t0
+            dist.barrier()
+            t0 = clock.sync()
+            work = issue(coll, op, shape, o, i, async_op=True)
+            layer(int(k))
+            with_ = clock.compute_done() - t0
+            if work is not None:
+                work.wait()
+            both = clock.sync() - t0
+            rows.append((alone, with_, comm, both))
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, rows)
+        # Per repetition the slowest rank, then the median over repetitions.
+        alone, with_, comm, both = (statistics.median(max(g[r][j] for g in gathered)
+                                                      for r in range(reps)) for j in range(4))
+        out[op] = {"gemm_alone_s": alone, "gemm_with_s": with_, "comm_alone_s": comm,
+                   "together_s": both, "slowdown": with_ / alone,
+                   "hidden_fraction": (alone + comm - both) / min(alone, comm),
+                   "dtype": dtype}
+    return out
+
+
+# --------------------------------------------------------------------------- the survey
+
+
+def run(*, out_path: str, tasks_per_node: int, gcds_per_package: int, sizes: Sequence[int],
+        reps: int, max_seconds: float, overlap_bytes: int, gemm_dim: int, device,
+        log: Callable[[str], None], env=None, command: str = "") -> dict | None:
+    """Time every case on this job's ranks (torch.distributed initialised); rank 0 writes
+    ``out_path`` and returns the survey, the others None."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_lbp.core.costs import ring_sent
+
+    start = time.perf_counter()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    coll, shapes = survey_collectives(tasks_per_node, gcds_per_package, env)
+    clock = Clock(torch, device)
+    tables, skipped, spent = [], [], 0.0
+    for shape in shapes:
+        t_shape, n = time.perf_counter(), coll.sizes[shape]
+        series = cases([shape], sizes)
+        mine: dict[tuple, list[list[float]]] = {}
+        for _, op, dtype, sz in series:
+            prev = None
+            for j, nbytes in enumerate(sz):
+                predicted = 0.0 if prev is None else prev[1] * nbytes / prev[0] * (reps + 1)
+                if spent + predicted > max_seconds:
+                    skipped += [f"{op} {dtype} {shape} {b}: past --max-seconds={max_seconds:g}"
+                                for b in sz[j:]]
+                    break
+                times = time_case(torch, dist, coll, clock, op, shape, dtype, nbytes, reps,
+                                  device)
+                (worst,) = agree_max(torch, dist, [max(times)], device)
+                spent += worst * (reps + 1)
+                prev = (nbytes, worst)
+                mine[(op, dtype, nbytes)] = times
+        gathered = [None] * world
+        dist.all_gather_object(gathered, mine)
+        done = 0
+        for _, op, dtype, sz in series:
+            row = {k: [] for k in sf.TABLE_KEYS}
+            for nbytes in sz:
+                if (op, dtype, nbytes) not in mine:
+                    continue
+                per_rep = [max(g[(op, dtype, nbytes)][r] for g in gathered) for r in range(reps)]
+                item = {"int8": 1, "int4": 1, "bf16": 2, "fp32": 4}[dtype]
+                actual = max(n, nbytes // item // n * n) * item
+                row["bytes"].append(actual)
+                row["sent_bytes"].append(float(ring_sent(op, actual, n)))
+                row["seconds"].append(statistics.median(per_rep))
+                row["seconds_min"].append(min(per_rep))
+                row["seconds_max"].append(max(per_rep))
+                done += 1
+            if row["bytes"]:
+                tables.append({"op": op, "dtype": dtype, "shape": shape, "group_size": n, **row})
+        big = max((t for t in tables if t["shape"] == shape), key=lambda t: t["bytes"][-1],
+                  default=None)
+        if big:
+            rate = big["sent_bytes"][-1] / big["seconds"][-1] / 1e9
+            log(f"shape {shape}: {shapes[shape]['groups']} group(s) of {n} on the "
+                f"{shapes[shape]['link']} link at once, {done} case(s) in "
+                f"{time.perf_counter() - t_shape:.1f} s; {big['op']} {big['dtype']} "
+                f"{big['bytes'][-1] / MiB:.3g} MiB: {big['seconds'][-1] * 1e3:.3g} ms, "
+                f"{rate:.3g} GB/s sent per rank")
+    overlap = None
+    probe = next((s for s in ("cross_node", "node", "package") if s in shapes), None)
+    if probe and overlap_bytes > 0:
+        t0 = time.perf_counter()
+        gemm_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        overlap = {"shape": probe, "message_bytes": overlap_bytes, "gemm_dim": gemm_dim,
+                   "by_op": overlap_probe(torch, dist, coll, clock, probe, overlap_bytes,
+                                          gemm_dim, gemm_dtype, device, reps)}
+        log(f"overlap on {probe}: " + ", ".join(
+            f"{op} hidden {o['hidden_fraction']:.2f} slowdown {o['slowdown']:.2f}"
+            for op, o in overlap["by_op"].items()) + f" ({time.perf_counter() - t0:.1f} s)")
+    if rank != 0:
+        return None
+    data = {"schema": sf.SCHEMA, "version": sf.VERSION, "convention": sf.CONVENTION,
+            "command": command,
+            "machine": {"nodes": world // tasks_per_node, "tasks_per_node": tasks_per_node,
+                        "gcds_per_package": gcds_per_package, "world": world,
+                        "backend": dist.get_backend(),
+                        "device": (torch.cuda.get_device_name(0) if device.type == "cuda"
+                                   else "cpu")},
+            "shapes": shapes, "tables": tables, "overlap": overlap, "skipped": skipped,
+            "reps": reps, "seconds": time.perf_counter() - start}
+    data["complete"] = True   # last: a reader refuses a file without it
+    sf.check(data, out_path)
+    tmp = f"{out_path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, out_path)
+    log(f"survey: {len(tables)} table(s), {len(skipped)} case(s) skipped, "
+        f"{data['seconds']:.1f} s; written to {out_path}")
+    return data
+
+
+# --------------------------------------------------------------------------- the bound
+
+
+def estimate_seconds(nodes: int, tasks_per_node: int = 8, gcds_per_package: int = 2,
+                     sizes: Sequence[int] = tuple(s * MiB for s in FULL_SIZES_MIB),
+                     reps: int = 3, overlap_bytes: int = 256 * MiB) -> dict:
+    """Seconds the survey takes at this shape on the public Frontier figures (the collective
+    model without a survey, at its slow end), per shape, and in all."""
+    from megatron_lbp.core.costs import ring_sent
+    from megatron_lbp.projection import collectives as cm
+
+    model = cm.CollectiveModel.public()
+    world = nodes * tasks_per_node
+    shapes = {"package": gcds_per_package, "node": tasks_per_node,
+              "cross_node": nodes, "world": world}
+    out = {}
+    for shape, n in shapes.items():
+        if n < 2 or (shape == "world" and n in list(shapes.values())[:3]):
+            continue
+        total = 0.0
+        for _, op, dtype, sz in cases([shape], sizes):
+            for b in sz:
+                total += (reps + 1) * model.seconds(op, dtype, shape, float(ring_sent(op, b, n)),
+                                                    n, rate="slow")
+        out[shape] = total
+    probe = next((s for s in ("cross_node", "node", "package") if s in out), None)
+    if probe:
+        n = shapes[probe]
+        out["overlap"] = sum(4 * (reps + 1) * model.seconds(
+            op, OVERLAP_DTYPES[op], probe, float(ring_sent(op, overlap_bytes, n)), n,
+            rate="slow") for op in sf.OPS)
+    out["total"] = sum(out.values())
+    return out
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def add_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
+    ap.add_argument(f"--{prefix}sizes-mib", default=",".join(map(str, FULL_SIZES_MIB)),
+                    help="message sizes in MiB (comma-separated; fractions allowed for a "
+                         "quick CPU run)")
+    ap.add_argument(f"--{prefix}reps", type=int, default=3)
+    ap.add_argument(f"--{prefix}max-seconds", type=float, default=300.0)
+    ap.add_argument(f"--{prefix}overlap-mib", type=float, default=256.0,
+                    help="the overlap probe's message (0: no probe)")
+    ap.add_argument(f"--{prefix}gemm-dim", type=int, default=8192)
+
+
+def parse_sizes(text: str) -> list[int]:
+    try:
+        sizes = sorted({int(float(x) * MiB) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise SurveyUsage(f"--sizes-mib={text!r}: comma-separated numbers of MiB") from None
+    if not sizes or sizes[0] < 64:
+        raise SurveyUsage(f"--sizes-mib={text!r}: give sizes of at least 64 bytes")
+    return sizes
+
+
+def check_arguments(sizes_mib: str, reps: int, max_seconds: float, overlap_mib: float,
+                    gemm_dim: int) -> list[int]:
+    sizes = parse_sizes(sizes_mib)
+    if reps < 1 or not max_seconds > 0 or overlap_mib < 0 or gemm_dim < 1:
+        raise SurveyUsage(f"--reps={reps} must be >= 1, --max-seconds={max_seconds:g} > 0, "
+                          f"--overlap-mib={overlap_mib:g} >= 0, --gemm-dim={gemm_dim} >= 1")
+    return sizes
+
+
+def main(argv=None, env: Mapping[str, str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m megatron_lbp.launch survey", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, metavar="FILE")
+    ap.add_argument("--tasks-per-node", type=int, default=8)
+    ap.add_argument("--gcds-per-package", type=int, default=2)
+    ap.add_argument("--gpus-per-task", type=int, default=1)
+    ap.add_argument("--estimate", action="store_true",
+                    help="print the survey's time at --nodes on the public figures and stop")
+    ap.add_argument("--nodes", type=int, default=48)
+    add_arguments(ap)
+    a = ap.parse_args(argv)
+    env = os.environ if env is None else env
+    try:
+        sizes = check_arguments(a.sizes_mib, a.reps, a.max_seconds, a.overlap_mib, a.gemm_dim)
+        if a.tasks_per_node < 1 or a.gcds_per_package < 1 or a.tasks_per_node % a.gcds_per_package:
+            raise SurveyUsage(f"--tasks-per-node={a.tasks_per_node} must be a multiple of "
+                              f"--gcds-per-package={a.gcds_per_package} (both >= 1)")
+        if a.estimate:
+            if a.nodes < 1:
+                raise SurveyUsage(f"--nodes={a.nodes} must be >= 1")
+            est = estimate_seconds(a.nodes, a.tasks_per_node, a.gcds_per_package, sizes,
+                                   a.reps, int(a.overlap_mib * MiB))
+            print(f"survey at {a.nodes} node(s) x {a.tasks_per_node} on the public figures "
+                  "(slow end): " + ", ".join(f"{k} {v:.1f} s" for k, v in est.items())
+                  + f"; bounded by --max-seconds={a.max_seconds:g} plus one case and the "
+                  "overlap probe")
+            return 0
+        if not a.out:
+            raise SurveyUsage("--out FILE is needed (where rank 0 writes the survey)")
+        if not os.path.isdir(os.path.dirname(os.path.abspath(a.out))):
+            raise SurveyUsage(f"--out {a.out}: its directory does not exist")
+    except SurveyUsage as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    use_gpu = a.gpus_per_task > 0 and torch.cuda.is_available()
+    device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
+    if use_gpu:
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if use_gpu else "gloo", rank=rank, world_size=world,
+                            device_id=device if use_gpu else None)
+    try:
+        run(out_path=a.out, tasks_per_node=a.tasks_per_node, gcds_per_package=a.gcds_per_package,
+            sizes=sizes, reps=a.reps, max_seconds=a.max_seconds,
+            overlap_bytes=int(a.overlap_mib * MiB), gemm_dim=a.gemm_dim, device=device,
+            log=(lambda line: print(f"[lbp survey] {line}", flush=True)) if rank == 0
+            else (lambda line: None), env=env,
+            command="python -m megatron_lbp.launch survey " + " ".join(argv or sys.argv[1:]))
+        dist.barrier()
+        return 0
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

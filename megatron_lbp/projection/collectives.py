@@ -1,0 +1,278 @@
+"""Collective time from the link survey's tables, or from stated public figures; step-time bands.
+
+A collective of ``op`` in ``dtype`` over a group of ``n`` ranks of a *shape* (survey_file.SHAPES:
+package, node, cross_node = one rank per node with every such group at once, world) in which
+one rank sends ``s`` bytes (ring accounting) takes
+
+    (n - 1) * alpha + s / beta                      (a ring: n - 1 steps)
+
+Without a survey alpha and beta are :data:`PUBLIC` (each with a fast and a slow end, the
+sources beside them). With one (megatron_lbp/projection/survey_file.py) the time is the
+survey's table for (op, dtype, shape) read at ``s``: piecewise linear in the bytes sent
+between its sizes, along the end segments beyond them, never below 0; a group size other
+than the surveyed one m adds (n - m) * alpha, alpha the table's fitted intercept / (m - 1).
+The median column is the point, seconds_min the fast end, seconds_max the slow end. A table
+missing for the dtype uses the same op in another dtype on that shape (bytes are what
+travel), then another op, then the public figures for the shape (``fallbacks`` says which).
+
+A step (``step_band``) is :func:`megatron_lbp.projection.project.step_time` with these phase
+times, at four corners: rates fast or slow x overlap perfect (the step model's windows) or
+pessimistic (the survey's least hidden fraction and largest compute slowdown; without a
+survey, none: every collective exposed). Partial overlap h with compute slowdown d:
+
+    perfect + (1 - h) * (exposed_none - perfect) + (d - 1) * min(compute, h * hideable)
+
+(hideable = exposed_none - perfect, the communication the windows hide). The point: with a
+survey its median rates and the median hidden fraction and slowdown over the collective
+kinds; without, the cost model's own figure (project.step_time with project.LinkModel). The
+band is the corners' range, widened to hold the point. A ratio of two steps is a band over
+the same four corners (the same machine under both schemes).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from megatron_lbp.projection import survey_file as sf
+
+GB = 1e9
+US = 1e-6
+RATES = ("fast", "mid", "slow")
+
+# (beta bytes/s per GCD one way, alpha s per ring step) at the fast and slow ends, per shape.
+# Sources: AMD's MI250X figures, 400 GB/s between the two GCDs of a package counting both
+# directions (200 each way: the fast end; half that at the slow end, what a collective achieves
+# of it not being published); OLCF's Frontier User Guide, 50-100 GB/s per direction between
+# GCDs on different packages (the two ends), and four 25 GB/s Slingshot-11 NICs per node, 12.5
+# GB/s per GCD with all 8 sending (the cross-node groups' fast end; half that at the slow end:
+# RCCL's achieved share at scale is not public, and PCCL, Singh et al., arXiv 2504.18658,
+# reports RCCL's ring far below it on Frontier). A world ring laid out node by node crosses the
+# NICs once per node: its fast end is the in-node lower end, its slow end the per-GCD NIC
+# share. Per-step latencies are assumptions (not published): 2.5-5 us in a package, 5-10 us in
+# a node, 5-20 us across nodes.
+PUBLIC = {
+    "package": {"fast": (200 * GB, 2.5 * US), "slow": (100 * GB, 5 * US)},
+    "node": {"fast": (100 * GB, 5 * US), "slow": (50 * GB, 10 * US)},
+    "cross_node": {"fast": (12.5 * GB, 5 * US), "slow": (6.25 * GB, 20 * US)},
+    "world": {"fast": (50 * GB, 5 * US), "slow": (12.5 * GB, 20 * US)},
+}
+PUBLIC_TEXT = ("public Frontier figures (AMD MI250X: 200 GB/s each way in a package; OLCF "
+               "Frontier User Guide: 50-100 GB/s between packages, 4 x 25 GB/s Slingshot-11 "
+               "per node; per-step latency assumed; projection/collectives.py)")
+# Without a survey the pessimistic overlap is none: nothing measured says more is hidden.
+NO_OVERLAP = {"hidden_fraction": 0.0, "slowdown": 1.0}
+# Ties: a row is tied with the fastest where at some corner it is within this of it (the step
+# model's resolution: its idealised and replayed steps differ by up to 1%).
+TIE = 0.01
+
+
+def _mid(a: float, b: float) -> float:
+    return math.sqrt(a * b)
+
+
+class CollectiveModel:
+    """Seconds of one collective by (op, dtype, shape, bytes sent per rank, group size, rate)."""
+
+    def __init__(self, survey: Mapping[str, Any] | None = None, source: str = ""):
+        self.survey = survey
+        self.source = source or (PUBLIC_TEXT if survey is None else "link survey")
+        self.tables = sf.table_index(survey) if survey else {}
+        self.fallbacks: set[str] = set()
+        self._fit: dict[tuple, tuple[float, float]] = {}
+
+    @classmethod
+    def public(cls) -> "CollectiveModel":
+        return cls(None)
+
+    @classmethod
+    def from_file(cls, path: str) -> "CollectiveModel":
+        return cls(sf.read(path), f"link survey {path}")
+
+    # ------------------------------------------------------------------ tables
+
+    def table(self, op: str, dtype: str, shape: str) -> Mapping[str, Any] | None:
+        for key in [(op, dtype, shape)] + [(op, d, shape) for d in sf.DTYPES] + \
+                [(o, d, shape) for o in sf.OPS for d in sf.DTYPES]:
+            if key in self.tables:
+                if key != (op, dtype, shape):
+                    self.fallbacks.add(f"{op} {dtype} {shape} read from {' '.join(key[:2])}")
+                return self.tables[key]
+        if self.tables:
+            self.fallbacks.add(f"{shape}: not surveyed, public figures")
+        return None
+
+    def alpha(self, t: Mapping[str, Any], column: str) -> float:
+        """Seconds per ring step: the least-squares intercept of seconds on bytes sent (>= 0)
+        over the table's sizes, / (m - 1)."""
+        key = (t["op"], t["dtype"], t["shape"], column)
+        if key not in self._fit:
+            xs, ys = t["sent_bytes"], t[column]
+            if len(xs) < 2:
+                a = 0.0
+            else:
+                mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+                sxx = sum((x - mx) ** 2 for x in xs)
+                slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+                a = max(0.0, my - slope * mx)
+            self._fit[key] = (a / (t["group_size"] - 1), a)
+        return self._fit[key][0]
+
+    @staticmethod
+    def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+        """Piecewise linear through (xs, ys), the end segments extended; one point: through 0."""
+        if len(xs) == 1:
+            return ys[0] * x / xs[0]
+        i = 1
+        while i < len(xs) - 1 and x > xs[i]:
+            i += 1
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+    # ------------------------------------------------------------------ the model
+
+    def seconds(self, op: str, dtype: str, shape: str, sent: float, n: int,
+                rate: str = "mid") -> float:
+        if n < 2 or sent <= 0:
+            return 0.0
+        t = self.table(op, dtype, shape) if self.tables else None
+        if t is None:
+            ends = PUBLIC[shape]
+            if rate == "mid":
+                beta = _mid(ends["fast"][0], ends["slow"][0])
+                alpha = _mid(ends["fast"][1], ends["slow"][1])
+            else:
+                beta, alpha = ends[rate]
+            return (n - 1) * alpha + sent / beta
+        column = {"fast": "seconds_min", "mid": "seconds", "slow": "seconds_max"}[rate]
+        base = self.interpolate(t["sent_bytes"], t[column], sent)
+        return max(base + (n - t["group_size"]) * self.alpha(t, column), 0.0)
+
+    def overlap(self, pessimistic: bool) -> dict[str, float]:
+        """{hidden_fraction, slowdown}: the survey's least hidden / largest slowdown
+        (``pessimistic``) or its medians; without a probe: none hidden (pessimistic) or
+        :data:`NO_OVERLAP` as well (there is no measured middle)."""
+        by_op = ((self.survey or {}).get("overlap") or {}).get("by_op") or {}
+        if not by_op:
+            return dict(NO_OVERLAP)
+        h = sorted(min(1.0, max(0.0, o["hidden_fraction"])) for o in by_op.values())
+        d = sorted(max(1.0, o["slowdown"]) for o in by_op.values())
+        if pessimistic:
+            return {"hidden_fraction": h[0], "slowdown": d[-1]}
+        return {"hidden_fraction": h[len(h) // 2], "slowdown": d[len(d) // 2]}
+
+    # ------------------------------------------------------------------ a plan's phases
+
+    def phase_times(self, plan: Mapping[str, Any], rate: str) -> dict[str, dict[str, float]]:
+        """Seconds each phase keeps each link class busy per optimizer step (project._phase_times'
+        shape), every collective of a bucket timed by :meth:`seconds`."""
+        from megatron_lbp.core.costs import LINK_CLASS_ORDER, PHASES
+        from megatron_lbp.projection.project import PER_MICRO_BATCH, PHASE_FAMILIES, _family_size
+
+        k, buckets = plan["micro_batches"], plan["buckets"]
+        out: dict[str, dict[str, float]] = {}
+        for phase in PHASES:
+            times = {c: 0.0 for c in LINK_CLASS_ORDER}
+            count = buckets * (k if phase in PER_MICRO_BATCH else 1)
+            charged = set()
+            for fam in PHASE_FAMILIES[phase]:
+                if fam == "secondary|param":
+                    fam = "secondary" if plan["group_sizes"]["secondary"] else "param"
+                n, cls = _family_size(plan, fam), plan["link_classes"].get(fam)
+                total = plan["traffic_by_phase"][phase].get(cls, 0) if cls else 0
+                # The plan adds a phase's families up per link class: the first family of a
+                # class carries its bytes.
+                if n <= 1 or cls in charged or total <= 0:
+                    continue
+                charged.add(cls)
+                op, dtype = phase_op(plan, phase, fam)
+                shape = shape_of(plan, fam, cls)
+                times[cls] += count * self.seconds(op, dtype, shape, total / count, n, rate)
+            out[phase] = times
+        return out
+
+
+def phase_op(plan: Mapping[str, Any], phase: str, family: str) -> tuple[str, str]:
+    """(op, dtype) of a phase's collective as the engine issues it."""
+    grad = plan.get("grad_dtype", "fp32")
+    if phase in ("forward_gather", "step_gather"):
+        return "all_gather", "int8" if plan.get("quantize_weight_gather") else "bf16"
+    if phase == "backward_gather":
+        return "all_gather", plan.get("secondary_dtype", "bf16") if family == "secondary" \
+            else "bf16"
+    if phase == "grad_reduce":
+        return ("all_to_all", "int4") if plan.get("quantize_grad_reduce") else \
+            ("reduce_scatter", grad)
+    return ("all_reduce", "fp32") if family == "replica" else ("reduce_scatter", "fp32")
+
+
+def shape_of(plan: Mapping[str, Any], family: str, cls: str) -> str:
+    """The survey shape a family's groups have: by link class, and for the network whether each
+    node holds one member (the cross-node hop, every such group at once) or several (a world-like
+    ring)."""
+    if cls != "network":
+        return cls
+    rpn = plan["gpus_per_node"]
+    in_node = sum(1 for r in plan["groups"][family] if r // rpn == 0)
+    return "cross_node" if in_node <= 1 else "world"
+
+
+# --------------------------------------------------------------------------- bands
+
+
+@dataclass(frozen=True)
+class Band:
+    """A step time (s): the point and the range over the four corners (rates x overlap)."""
+
+    point: float
+    low: float
+    high: float
+    corners: Mapping[str, float] = field(default_factory=dict)
+
+    def shifted(self, extra: float) -> "Band":
+        return Band(self.point + extra, self.low + extra, self.high + extra,
+                    {k: v + extra for k, v in self.corners.items()})
+
+    def text(self) -> str:
+        return f"{self.point:.4g} s [{self.low:.4g}, {self.high:.4g}]"
+
+
+def partial_overlap(perfect: Mapping[str, float], none: Mapping[str, float],
+                    hidden: float, slowdown: float) -> float:
+    hideable = max(0.0, none["step_s"] - perfect["step_s"])
+    return (perfect["step_s"] + (1 - hidden) * hideable
+            + (slowdown - 1) * min(perfect["compute_s"], hidden * hideable))
+
+
+def step_band(plan: Mapping[str, Any], model: Mapping[str, int], compute, cm: CollectiveModel,
+              point: float | None = None) -> Band:
+    """The step's band (see the module's doc); ``point`` (no survey: the cost model's own figure)
+    replaces the survey's median point."""
+    from megatron_lbp.projection.project import step_time
+
+    pess, mid = cm.overlap(True), cm.overlap(False)
+    corners, mid_s = {}, None
+    for rate in ("fast", "slow", "mid"):
+        ph = cm.phase_times(plan, rate)
+        perfect = step_time(plan, model, compute=compute, overlap=True, phase_times=ph)
+        none = step_time(plan, model, compute=compute, overlap=False, phase_times=ph)
+        if rate == "mid":
+            mid_s = partial_overlap(perfect, none, mid["hidden_fraction"], mid["slowdown"])
+            continue
+        corners[f"{rate}, perfect overlap"] = perfect["step_s"]
+        corners[f"{rate}, {'measured' if cm.survey else 'no'} overlap"] = partial_overlap(
+            perfect, none, pess["hidden_fraction"], pess["slowdown"])
+    p = mid_s if point is None else point
+    return Band(p, min(p, *corners.values()), max(p, *corners.values()), corners)
+
+
+def ratio_band(a: Band, b: Band) -> tuple[float, float]:
+    """(lowest, highest) of a / b over the corners both have (the same machine for both)."""
+    r = [a.corners[k] / b.corners[k] for k in a.corners if k in b.corners and b.corners[k] > 0]
+    r.append(a.point / b.point)
+    return min(r), max(r)
+
+
+def ties(a: Band, fastest: Band) -> bool:
+    """Whether ``a`` is tied with ``fastest``: at some corner within TIE of it or faster."""
+    return ratio_band(a, fastest)[0] <= 1 + TIE

@@ -1,0 +1,202 @@
+"""The link survey's reader, the collective-time model's interpolation and the step-time bands
+(megatron_lbp/projection/survey_file.py, collectives.py): pure Python, real files."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_lbp.projection import collectives as cm
+from megatron_lbp.projection import project as pj
+from megatron_lbp.projection import survey_file as sf
+
+
+def _table(op="all_gather", dtype="bf16", shape="cross_node", n=4, points=((1e6, 1e-3), (4e6, 3e-3))):
+    sent = [b for b, _ in points]
+    sec = [t for _, t in points]
+    return {"op": op, "dtype": dtype, "shape": shape, "group_size": n,
+            "bytes": [b * n / (n - 1) for b in sent], "sent_bytes": sent, "seconds": sec,
+            "seconds_min": [t * 0.9 for t in sec], "seconds_max": [t * 1.2 for t in sec]}
+
+
+def _survey(tables=None, overlap=None, **shapes):
+    shapes = shapes or {"cross_node": 4}
+    return {"schema": sf.SCHEMA, "version": sf.VERSION, "complete": True,
+            "convention": sf.CONVENTION,
+            "machine": {"nodes": 4, "tasks_per_node": 8, "gcds_per_package": 2, "world": 32},
+            "shapes": {s: {"group_size": n, "groups": 32 // n, "link": "network"}
+                       for s, n in shapes.items()},
+            "tables": tables if tables is not None else [_table()], "overlap": overlap,
+            "skipped": []}
+
+
+def _write(tmp_path, data, name="s.json"):
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return str(path)
+
+
+def test_a_good_survey_reads_back(tmp_path):
+    data = _survey()
+    assert sf.read(_write(tmp_path, data)) == data
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda d: d.pop("complete"), 'no "complete": true'),
+    (lambda d: d.update(complete=False), 'no "complete": true'),
+    (lambda d: d.update(version=2), '"version" is 2'),
+    (lambda d: d.update(schema="x"), '"schema"'),
+    (lambda d: d.update(tables=[]), '"tables" is empty'),
+    (lambda d: d["tables"][0].update(op="gather"), "op, dtype or shape unknown"),
+    (lambda d: d["tables"][0].update(shape="world"), "op, dtype or shape unknown"),
+    (lambda d: d["tables"][0].update(group_size=8), "group_size differs"),
+    (lambda d: d["tables"][0]["seconds"].pop(), "lists of one length"),
+    (lambda d: d["tables"][0]["seconds"].__setitem__(0, -1.0), "a number > 0"),
+    (lambda d: d["tables"][0]["seconds"].__setitem__(0, float("nan")), "a number > 0"),
+    (lambda d: d["tables"][0]["bytes"].reverse(), "bytes must ascend"),
+    (lambda d: d["tables"][0]["seconds_min"].__setitem__(0, 1.0), "seconds_min <= seconds"),
+    (lambda d: d["tables"].append(_table()), "given twice"),
+    (lambda d: d["shapes"].update(ring={"group_size": 2}), "unknown shape 'ring'"),
+    (lambda d: d.update(overlap={"by_op": {"all_gather": {"slowdown": 1.0}}}), "overlap all_gather"),
+    (lambda d: d["machine"].pop("world"), '"machine"'),
+])
+def test_a_malformed_survey_is_refused_in_one_line_naming_the_file(tmp_path, edit, needle):
+    data = _survey()
+    edit(data)
+    path = _write(tmp_path, data)
+    with pytest.raises(sf.SurveyError) as e:
+        sf.read(path)
+    msg = str(e.value)
+    assert needle in msg and msg.startswith(path) and "\n" not in msg, msg
+
+
+def test_a_cut_off_file_is_refused(tmp_path):
+    text = json.dumps(_survey())
+    path = _write(tmp_path, text[: len(text) // 2])
+    with pytest.raises(sf.SurveyError, match="not JSON .*cut-off"):
+        sf.read(path)
+
+
+def test_interpolation_is_exact_at_the_sizes_linear_between_and_along_the_ends():
+    xs, ys = [1.0, 2.0, 4.0], [10.0, 12.0, 20.0]
+    f = cm.CollectiveModel.interpolate
+    assert [f(xs, ys, x) for x in xs] == ys
+    assert f(xs, ys, 3.0) == pytest.approx(16.0)
+    assert f(xs, ys, 8.0) == pytest.approx(36.0)      # the last segment extended
+    assert f(xs, ys, 0.5) == pytest.approx(9.0)       # the first extended
+    assert f(xs, ys, -100.0) == 0.0                   # never below 0
+    assert f([2.0], [4.0], 3.0) == pytest.approx(6.0)  # one point: through the origin
+
+
+def test_survey_time_by_size_group_and_rate():
+    """Time = the table at the bytes sent, the median / min / max column by rate; a group of
+    another size adds (n - m) steps of the table's fitted latency."""
+    m = cm.CollectiveModel(_survey([_table(points=((1e6, 1e-3), (4e6, 3e-3)))]))
+    sec = lambda sent, n=4, rate="mid": m.seconds("all_gather", "bf16", "cross_node", sent, n, rate)
+    assert sec(1e6) == pytest.approx(1e-3) and sec(4e6) == pytest.approx(3e-3)
+    assert sec(2.5e6) == pytest.approx(2e-3)
+    assert sec(1e6, rate="fast") == pytest.approx(0.9e-3)
+    assert sec(1e6, rate="slow") == pytest.approx(1.2e-3)
+    # intercept of the fit: t = a + b s through both points: b = 2e-3 / 3e6, a = 1e-3 - b*1e6
+    a = 1e-3 - 2e-3 / 3e6 * 1e6
+    assert sec(1e6, n=10) == pytest.approx(1e-3 + 6 * a / 3)
+    assert not m.fallbacks
+
+
+def test_a_missing_table_falls_back_and_says_so():
+    m = cm.CollectiveModel(_survey([_table()]))
+    assert m.seconds("all_gather", "int8", "cross_node", 1e6, 4) == pytest.approx(1e-3)
+    assert m.seconds("reduce_scatter", "fp32", "cross_node", 1e6, 4) == pytest.approx(1e-3)
+    want = cm.PUBLIC["node"]
+    mid = 7 * (want["fast"][1] * want["slow"][1]) ** 0.5 + 1e6 / (want["fast"][0] * want["slow"][0]) ** 0.5
+    assert m.seconds("all_gather", "bf16", "node", 1e6, 8) == pytest.approx(mid)
+    assert m.fallbacks == {"all_gather int8 cross_node read from all_gather bf16",
+                           "reduce_scatter fp32 cross_node read from all_gather bf16",
+                           "node: not surveyed, public figures"}
+
+
+def test_public_figures_charge_n_minus_1_ring_steps():
+    m = cm.CollectiveModel.public()
+    beta, alpha = cm.PUBLIC["world"]["slow"]
+    assert m.seconds("all_gather", "bf16", "world", 1e8, 384, "slow") == pytest.approx(
+        383 * alpha + 1e8 / beta)
+    assert m.seconds("all_gather", "bf16", "world", 1e8, 1, "slow") == 0.0
+    assert "OLCF Frontier User Guide" in m.source and "AMD MI250X" in m.source
+
+
+def test_overlap_from_the_probe_or_none():
+    probe = {"by_op": {op: {"gemm_alone_s": 1, "gemm_with_s": s, "comm_alone_s": 1,
+                            "together_s": 1, "slowdown": s, "hidden_fraction": h}
+                       for op, h, s in (("all_gather", 0.9, 1.1), ("reduce_scatter", 0.2, 1.3),
+                                        ("all_to_all", 1.4, 0.9), ("all_reduce", 0.5, 1.0))}}
+    m = cm.CollectiveModel(_survey(overlap=probe))
+    assert m.overlap(True) == {"hidden_fraction": 0.2, "slowdown": 1.3}
+    # medians (upper) of the clamped values: hidden [0.2, 0.5, 0.9, 1.0], slowdown [1, 1, 1.1, 1.3]
+    assert m.overlap(False) == {"hidden_fraction": 0.9, "slowdown": 1.1}
+    assert cm.CollectiveModel.public().overlap(True) == cm.NO_OVERLAP
+
+
+PLAN = dict(model="20B", gcds=384, micro_batches=2)
+
+
+def _plan(scheme):
+    return pj.plan_for(pj.MODELS["20B"], 384, scheme, 2)
+
+
+def test_the_band_spans_the_corners_and_holds_the_point():
+    plan, compute = _plan("zeropp"), pj.ComputeModel(recompute=True)
+    public = cm.CollectiveModel.public()
+    point = pj.step_time(plan, pj.MODELS["20B"], compute=compute)["step_s"]
+    band = cm.step_band(plan, pj.MODELS["20B"], compute, public, point=point)
+    assert band.point == point and band.low <= point <= band.high
+    assert set(band.corners) == {"fast, perfect overlap", "fast, no overlap",
+                                 "slow, perfect overlap", "slow, no overlap"}
+    ph = public.phase_times(plan, "slow")
+    none = pj.step_time(plan, pj.MODELS["20B"], compute=compute, overlap=False, phase_times=ph)
+    assert band.corners["slow, no overlap"] == pytest.approx(none["step_s"]) == band.high
+    fast = pj.step_time(plan, pj.MODELS["20B"], compute=compute, phase_times=public.phase_times(plan, "fast"))
+    assert band.corners["fast, perfect overlap"] == pytest.approx(fast["step_s"])
+    # no overlap adds every collective: the slow corner is the compute plus all phase times
+    comm = sum(v for p in ph.values() for v in p.values())
+    assert none["step_s"] == pytest.approx(none["compute_s"] + comm + none["adam_s"])
+
+
+def test_partial_overlap_between_perfect_and_none():
+    perfect, none = {"step_s": 10.0, "compute_s": 8.0}, {"step_s": 14.0, "compute_s": 8.0}
+    assert cm.partial_overlap(perfect, none, 1.0, 1.0) == 10.0
+    assert cm.partial_overlap(perfect, none, 0.0, 1.0) == 14.0
+    assert cm.partial_overlap(perfect, none, 0.5, 1.0) == 12.0
+    # half hidden with the compute slowed 10% while it overlaps (2 s of it): +0.2 s
+    assert cm.partial_overlap(perfect, none, 0.5, 1.1) == pytest.approx(12.2)
+
+
+def test_ratio_bands_and_ties_use_the_same_corners():
+    a = cm.Band(10, 9, 20, {"x": 9, "y": 20})
+    b = cm.Band(11, 10, 15, {"x": 10, "y": 15})
+    assert cm.ratio_band(a, b) == (pytest.approx(0.9), pytest.approx(20 / 15))
+    assert cm.ties(b, a)          # b is faster than a at corner y
+    c = cm.Band(13, 12, 24, {"x": 12, "y": 24})
+    assert cm.ratio_band(c, a) == (pytest.approx(1.2), pytest.approx(12 / 9))   # corners and point
+    assert not cm.ties(c, a)
+
+
+def test_a_survey_of_a_slower_network_slows_the_network_bound_scheme_most():
+    """zero3's world gathers against lbp's once-per-step cross-node hop: with a survey whose
+    world tables are 4x slower than another's, zero3's point grows more than lbp's."""
+    def survey(world_scale):
+        tables = []
+        for shape, n in (("package", 2), ("node", 8), ("cross_node", 48), ("world", 384)):
+            for op in sf.OPS:
+                rate = {"package": 100e9, "node": 50e9, "cross_node": 12.5e9, "world": 25e9}[shape]
+                rate /= world_scale if shape == "world" else 1
+                pts = tuple((s, (n - 1) * 10e-6 + s / rate) for s in (1e6, 1e8, 1e9))
+                tables.append(_table(op, "bf16", shape, n, pts))
+        return cm.CollectiveModel(_survey(tables, package=2, node=8, cross_node=48, world=384))
+    compute = pj.ComputeModel(recompute=True)
+    pts = {}
+    for scale in (1, 4):
+        m = survey(scale)
+        pts[scale] = {s: cm.step_band(_plan(s), pj.MODELS["20B"], compute, m).point
+                      for s in ("lbp", "zero3")}
+    assert pts[4]["lbp"] == pytest.approx(pts[1]["lbp"], rel=1e-9)   # lbp has no world collective per micro-batch
+    assert pts[4]["zero3"] > pts[1]["zero3"] * 1.05, pts
