@@ -117,8 +117,15 @@ def rank_traffic(scheme: str, micro_batches: int, bucket_size: int | None,
     else:
         raise ValueError(f"unknown scheme {scheme!r}: must be one of {SCHEMES}")
     result = trainer.run(range(COUNTED_STEP))
+    engine = scheme in ENGINE_SCHEMES
+    if engine:
+        trainer.model.settle()   # the last step's weight refresh is not the counted step's
     with count_collectives(locations) as ledger:
         trainer.run([COUNTED_STEP], result=result)
+        if engine:
+            # The step's weight refresh runs on the engine's streams after the step returns
+            # (it lands under the next forward); the ledger charges it to this step.
+            trainer.model.settle()
     out: dict[str, Any] = {"wrapper": ledger.by_class(),
                            "wrapper_control": ledger.by_class(include_control=True),
                            "losses": result.losses, "calls": _call_summary(ledger.calls)}
