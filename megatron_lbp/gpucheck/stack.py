@@ -17,17 +17,6 @@ MEGATRON_CORE = "0.19.2"
 SETUP = "bash scripts/gpu_setup.sh"
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def nvidia_gpus() -> list[str]:
     """GPUs the driver lists (``nvidia-smi -L``), whatever torch was built for."""
     if shutil.which("nvidia-smi") is None:
@@ -43,10 +32,12 @@ def describe() -> dict[str, Any]:
     """The device and software stack, for the result's header (imports torch, not megatron)."""
     import torch
 
+    from megatron_lbp.quant import bench
+
     info: dict[str, Any] = {
         "torch": torch.__version__, "torch_cuda": torch.version.cuda,
         "torch_hip": getattr(torch.version, "hip", None), "python": platform.python_version(),
-        "cpu": cpu_model(), "cpu_count": os.cpu_count(),
+        "cpu": bench.cpu_model(), "cpu_count": os.cpu_count(),
         "driver_gpus": nvidia_gpus(), "cuda_available": torch.cuda.is_available(),
     }
     try:

@@ -102,7 +102,7 @@ def _machine(device: torch.device) -> dict:
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "device": str(device),
     }
     if device.type == "cuda":
@@ -110,7 +110,8 @@ def _machine(device: torch.device) -> dict:
     return info
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (for the records the benchmarks and the GPU check write)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
