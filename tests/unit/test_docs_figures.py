@@ -3,7 +3,8 @@
 Each check reads a figure from a docs page, runs the command the page names (the
 plan tool, `python -m megatron_lbp.plan ... --json`, pure Python, under a second
 each) and compares. A check first asserts that the page names the command, so a
-page cannot quote a figure without saying where it comes from. BENCHMARKS.md's
+page cannot quote a figure without saying where it comes from. gpu.md's part D
+table is checked against the committed result of the run it reports. BENCHMARKS.md's
 figures are checked against their results.json, and the README's quotes against
 BENCHMARKS.md, by tests/bench/test_bench_report.py.
 """
@@ -183,6 +184,41 @@ def test_int8_byte_table_is_what_the_plan_prints():
     assert not bad, "\n".join(bad)
 
 
+# ---------------------------------------------------------------- gpu.md's part D table
+
+GPU = "docs/gpu.md"
+GPU_RESULT = "docs/gpu-check/cpu/result.json"
+GPU_VARIANTS = {"int8 secondary (S=8)": "int8-secondary", "no secondary": "no-secondary"}
+GPU_COLUMNS = {"primary": "primary", "secondary": "secondary", "grad": "grad",
+               "optimizer": "optimizer", "total": "total", "engine's transient peak": "peak_transient"}
+
+
+def gpu_mismatches(rows: list[dict[str, str]], text: str, result: dict) -> list[str]:
+    part = next(p for p in result["parts"] if p["part"] == "D")
+    source = f"{GPU_RESULT} (python -m megatron_lbp.gpu_check --out DIR)"
+    bad = []
+    wall = re.search(r"ran part D in (\d+) s", _flat(text))
+    assert wall, f"{GPU} no longer states part D's wall time"
+    bad.append(differ(GPU, "part D wall seconds", wall.group(1), f"{part['wall_s']:.0f}", source))
+    for row in rows:
+        variant = part["figures"]["variants"][GPU_VARIANTS[row["variant"]]]
+        for col, key in GPU_COLUMNS.items():
+            measured = variant["bytes"][key]["measured"] / 2 ** 30
+            if number(row[col]) != round(measured, 3):
+                bad.append(differ(GPU, f"part D {row['variant']} {col} GiB", row[col],
+                                  f"{measured:.3f}", source))
+    return [b for b in bad if b]
+
+
+def test_gpu_part_d_table_is_the_committed_result():
+    text = page_text(GPU)
+    assert GPU_RESULT in text, f"{GPU} does not name {GPU_RESULT}, where its part D figures come from"
+    rows = table_after(text, "| variant | primary |")
+    assert {r["variant"] for r in rows} == set(GPU_VARIANTS), rows
+    bad = gpu_mismatches(rows, text, json.loads((REPO / GPU_RESULT).read_text()))
+    assert not bad, "\n".join(bad)
+
+
 # ---------------------------------------------------------------- the checks can fail
 
 def test_a_changed_figure_is_named_with_the_page_and_both_values():
@@ -202,3 +238,10 @@ def test_a_changed_figure_is_named_with_the_page_and_both_values():
     assert bad[0].endswith("peak (GB): the page says 7.000, "
                            f"`{KNOBS_20B}` prints 6.935"), bad
     assert "which the page's table lacks" in bad[-1], bad
+
+    text = page_text(GPU)
+    rows = table_after(text, "| variant | primary |")
+    rows[1] = dict(rows[1], total="1.100")
+    assert gpu_mismatches(rows, text, json.loads((REPO / GPU_RESULT).read_text())) == [
+        f"{GPU}: part D no secondary total GiB: the page says 1.100, "
+        f"`{GPU_RESULT} (python -m megatron_lbp.gpu_check --out DIR)` prints 1.087"]
