@@ -1,17 +1,14 @@
 """``python -m megatron_lbp.gpu_check [--out DIR] [--parts A,B,C,D,E] [--require-gpu]``
 
-What one GPU can prove about the engine, part by part, each in its own process under its
-own time limit (a part that hangs is killed and the others still run); writes
-``result.json`` and ``summary.md`` (default ``runs/gpu_check/<UTC time>``) and prints
-the summary.
+What one GPU can prove about the engine, part by part, each in its own process under
+its own time limit; writes result.json and summary.md and prints the summary.
 
-Parts: A the int8 Triton kernels against torch; B torch.distributed at world size 1
-(handles, streams, events); C the engine against stock megatron-core at world size 1;
-D the plan's memory at 384 ranks over torch's fake process group; E four gloo ranks with
-CUDA tensors on one GPU. Without a GPU only D runs. An unusable GPU or a megatron-core
-other than the pinned one is refused in one line before any part (gpucheck/stack.py).
-Exit status: 0 every part that ran passed, 1 a part failed, timed out or crashed,
-2 refused. What each part shows: docs/gpu.md.
+Parts: A the int8 Triton kernels against torch; B torch.distributed at world size 1;
+C the engine against stock megatron-core at world size 1; D the plan's memory at 384
+ranks over torch's fake process group; E four gloo ranks with CUDA tensors on one GPU.
+Without a GPU only D runs. An unusable GPU or another megatron-core is refused in one
+line before any part (gpucheck/stack.py). Exit status: 0 every part that ran passed,
+1 a part failed, timed out or crashed, 2 refused. Details: docs/gpu.md.
 """
 from __future__ import annotations
 
