@@ -47,7 +47,7 @@ from megatron_lbp.engine.streams import Streams
 from megatron_lbp.engine.memory import TransientLedger, tensor_bytes
 from megatron_lbp.engine.comm import Pending
 from megatron_lbp.engine.schedule import UnitSchedule, in_autograd_backward
-from megatron_lbp.engine.trace import ScheduleTrace, output_path
+from megatron_lbp.engine.trace import ScheduleTrace, TraceObserver, output_path
 from megatron_lbp.engine import checkpoint, mcore
 from megatron_lbp.engine.unit import GatherUnit, UnitContext
 from megatron_lbp.engine.process_groups import HierGroups
@@ -145,7 +145,7 @@ class HierDataParallel(mcore.base_data_parallel()):
         trace.prefetch_units = self.schedule.depth
         trace.units = [u.describe() for u in self.units]
         # It observes the collectives and hears the compute intervals from the schedule.
-        self.comm.observe(trace)
+        self.comm.observe(TraceObserver(trace))
         self.schedule.trace = self.trace = trace
 
     @property

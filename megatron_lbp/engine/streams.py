@@ -109,6 +109,7 @@ class WorkerStream:
         self.name = name
         self._tasks: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._last: CpuEvent | None = None     # the event of the task submitted last
 
     def submit(self, fn: Callable[[], Any], waits: Sequence[Any] = (),
                holds: Iterable[torch.Tensor | None] = (), what: str = "") -> CpuEvent:
@@ -123,7 +124,14 @@ class WorkerStream:
                                             daemon=True)
             self._thread.start()
         self._tasks.put((fn, list(waits), keys, label, event))
+        self._last = event
         return event
+
+    def drain(self) -> None:
+        """The host waits until every task submitted so far has run (a failed one's error
+        stays with its event)."""
+        if self._last is not None:
+            self._last._done.wait()
 
     def close(self) -> None:
         """The worker ends once the tasks submitted before have run."""
@@ -171,6 +179,10 @@ class DeviceStream:
             fn()
         return DeviceEvent(self.stream.record_event())
 
+    def drain(self) -> None:
+        """Nothing: a communicator runs its collectives in the order the host enqueued them,
+        whatever the stream."""
+
 
 class Streams:
     """The streams of one engine, one per communicator, created on first use."""
@@ -188,6 +200,14 @@ class Streams:
                  else WorkerStream(name))
             self._streams[name] = s
         return s
+
+
+    def drain(self, name: str) -> None:
+        """Before a collective on ``name``'s communicator runs on the host: what its stream
+        still holds goes first (:meth:`WorkerStream.drain`)."""
+        s = self._streams.get(name)
+        if s is not None:
+            s.drain()
 
 
 def _close_all(streams: dict[str, Any]) -> None:

@@ -155,18 +155,25 @@ class GatherUnit:
         elif ctx.quantize_weight_gather and phase != CONTROL:
             pending = all_gather_quantized(ctx.comm, b.full, b.primary, ctx.quant_block_size,
                                            "param", phase, ctx.transient, async_op=async_op,
-                                           unit=self.index)
+                                           unit=self.index, stream=self._stream("param", async_op))
         else:
             pending = Pending(ctx.comm.all_gather(b.full, b.primary, "param", phase,
-                                                  async_op=async_op, unit=self.index))
+                                                  async_op=async_op, unit=self.index,
+                                                  stream=self._stream("param", async_op)))
         if async_op and pending.in_flight:
             self._pending, self.state = pending, WeightState.GATHERING
         else:
             pending.wait()
             self.state = WeightState.GATHERED
 
+    def _stream(self, family: str, async_op: bool, channel: str = "gather"):
+        """Where an asynchronous collective of this unit runs: its communicator's stream
+        (megatron_lbp.engine.streams); a synchronous one runs on the host (None)."""
+        return self.ctx.comm.stream(family, channel) if async_op else None
+
     def _gather_secondary(self, async_op: bool) -> Pending:
         b, ctx = self.bucket, self.ctx
+        stream = self._stream("secondary", async_op)
         if not b.secondary_is_current():
             raise RuntimeError(
                 f"unit {self.index} ({self.kind}): the backward pass needs the secondary "
@@ -175,17 +182,17 @@ class GatherUnit:
         if b.secondary_dtype == "int8":
             return gather_packed_slices(ctx.comm, b.full, b.secondary, ctx.quant_block_size,
                                         "secondary", "backward_gather", ctx.transient,
-                                        async_op=async_op, unit=self.index)
+                                        async_op=async_op, unit=self.index, stream=stream)
         if b.full.dtype == b.secondary.dtype:
             return Pending(ctx.comm.all_gather(b.full, b.secondary, "secondary",
                                                "backward_gather", async_op=async_op,
-                                               unit=self.index))
+                                               unit=self.index, stream=stream))
         # bf16 copy of wider weights: gather in bf16, widen on arrival.
         tmp = torch.empty(b.layout.padded_numel, dtype=b.secondary.dtype, device=b.device)
         nbytes = tmp.numel() * tmp.element_size()
         ctx.transient.alloc(nbytes)
         work = ctx.comm.all_gather(tmp, b.secondary, "secondary", "backward_gather",
-                                   async_op=async_op, unit=self.index)
+                                   async_op=async_op, unit=self.index, stream=stream)
 
         def finish() -> None:
             b.full.copy_(tmp)
@@ -202,6 +209,7 @@ class GatherUnit:
     def reshard(self) -> None:
         """Free ``full`` (waiting first for a gather still in flight into it)."""
         self.wait_for_unshard()
+        check_free(self.bucket.full, f"unit {self.index}'s gathered weights")
         self.bucket.free_full()
         self.state = WeightState.SHARDED
 
@@ -255,7 +263,8 @@ class GatherUnit:
         if not fold:
             ctx.health.scale_and_count(send, scale)
         pending = ctx.reduce_scatter_grad(out, send, "grad", "grad_reduce", async_op=async_op,
-                                          unit=self.index, prescale=scale if fold else None)
+                                          unit=self.index, prescale=scale if fold else None,
+                                          stream=self._stream("grad", async_op, "reduce"))
         if fold and ctx.health.name_ranks:
             # A read of this rank's own gradient besides the collective's, only to name it:
             # the optimizer's pass over the reduced slices already detects any rank's
@@ -267,8 +276,10 @@ class GatherUnit:
         return ReduceInFlight(self, pending, out, send, nbytes, last)
 
     def finish_reduce(self, reduce: ReduceInFlight) -> None:
-        reduce.pending.wait()
+        reduce.pending.wait()   # its event: only then are its buffers read or freed
         b = self.bucket
+        check_free(reduce.send, f"unit {self.index}'s gradient sent to the reduce-scatter")
+        check_free(reduce.out, f"unit {self.index}'s reduce-scatter output")
         if reduce.out is not b.grad_shard:
             b.grad_shard.add_(reduce.out)
         self.ctx.transient.free(reduce.nbytes)
