@@ -29,11 +29,18 @@ pass that also counts this rank's inf/nan (int8 all-to-all with qgZ),
 straight into the persistent 1/G shard on the first micro-batch of a step and, at
 :meth:`GatherUnit.finish_reduce`, added to it on later ones.
 
+Every asynchronous collective of a unit runs on its communicator's stream
+(megatron_lbp.engine.streams); the host waits for its event where the data is
+used (:meth:`GatherUnit.wait_for_unshard`, :meth:`GatherUnit.finish_reduce`)
+and only then frees its buffers (``check_free``).
+
 The optimizer step's two hops (the 1/G shard to the 1/O optimizer slice, the
 updated weights back up) are not the unit's: megatron_lbp.engine.step_comm owns
-them (``UnitContext.step``). A gather of the unit waits for its refresh first
-(``StepComm.await_refresh`` in :meth:`GatherUnit.unshard`), so the weights a
-forward computes with are always the updated ones.
+them. Whoever gathers a unit waits for its refresh first
+(``StepComm.await_refresh``: the schedule, the wrapper's checkpoint gathers), so
+the weights a forward computes with are always the updated ones; a gather
+issued while the refresh still writes the primary slice is refused
+(``check_free``).
 """
 from __future__ import annotations
 
@@ -49,7 +56,6 @@ from megatron_lbp.engine.grad_health import GradHealth
 from megatron_lbp.engine.memory import TransientLedger
 from megatron_lbp.engine.quantized import (all_gather_quantized, gather_packed_slices,
                                            reduce_scatter_quantized)
-from megatron_lbp.engine.step_comm import StepComm
 from megatron_lbp.engine.streams import check_free
 
 
@@ -73,13 +79,10 @@ class UnitContext:
     group_index: dict[str, int]
     # Megatron's --gradient-accumulation-fusion: weight gradients arrive in main_grad.
     fused_wgrad: bool = False
-    # The optimizer step's communication (engine/step_comm.py), built with the context.
-    step: StepComm = field(init=False)
     # Whether the step's gradients are finite, and whose were not (engine/grad_health.py).
     health: GradHealth = field(init=False)
 
     def __post_init__(self) -> None:
-        self.step = StepComm(self)
         self.health = GradHealth(lambda: self.folds_prescale("grad"))
 
     def reduce_scatter_grad(self, out: torch.Tensor, inp: torch.Tensor, family: str,
@@ -147,7 +150,6 @@ class GatherUnit:
         """Start filling ``full``: from the secondary copy in backward when there is one,
         else from the primary slices in the P-group (int8 on the wire with qwZ)."""
         b, ctx = self.bucket, self.ctx
-        ctx.step.await_refresh(self)
         check_free(b.primary, f"unit {self.index}'s primary slice")
         b.alloc_full()
         if phase == "backward_gather" and b.has_secondary:
@@ -288,10 +290,9 @@ class GatherUnit:
     def reset_pass(self) -> None:
         self.grads_left = len(self.bucket.slots)
 
-    # --- the step's reduction (engine/step_comm.py) -----------------------------------------
-    def scale_gradients(self, factor: float) -> None:
-        """Megatron's scale_gradients: the step's reduction already started, and the 1/G shard."""
-        self.ctx.step.scale(self, factor)
+    def scale_grad_shard(self, factor: float) -> None:
+        """Megatron's scale_gradients on the 1/G shard (the step's reduction of it is
+        engine/step_comm.py's)."""
         if not self.bucket.grad_shard_fresh:
             self.bucket.grad_shard.mul_(factor)
 
