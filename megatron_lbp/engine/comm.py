@@ -213,7 +213,7 @@ class InjectionObserver(CollectiveObserver):
         self.seam.before_call(call.phase)
 
     def issued(self, call: Call) -> None:
-        if call.work is not None and not call.on_stream:
+        if call.work is not None:   # (a stream's too: the seam completes it before a kill)
             self.seam.issued(call.work)
 
 

@@ -59,8 +59,9 @@ last micro-batch  the backward that follows :meth:`UnitSchedule.mark_last_micro_
 next forward the optimizer issues each unit's updated-weights gathers (both hops,
             on their communicators' streams) at the end of the step, in the
             order the forward will need the units; the unit's first use waits
-            for them (``StepComm.await_refresh`` before its gather): its forward gather, issued as a prefetch under the unit
-            before it or at its need. On a GPU that wait only orders streams;
+            for them (``StepComm.await_refresh`` before its gather): its
+            forward gather, issued as a prefetch under the unit before it or
+            at its need. On a GPU that wait only orders streams;
             on gloo it blocks the host for what has not landed yet (usually
             nothing: they ran under the units before).
 
