@@ -64,10 +64,13 @@ class TraceObserver(CollectiveObserver):
                                         call.link, call.nbytes, call.async_op)
 
     def waiting(self, call: Call, polled: bool) -> None:
-        self.trace.waiting(call.record, polled=polled)
+        if call.record is not None:   # (None: issued before the trace observed)
+            self.trace.waiting(call.record, polled=polled)
 
     def completed(self, call: Call) -> None:
         rec = call.record
+        if rec is None:
+            return
         if rec.wait is None:   # synchronous: waited for where it was issued
             rec.wait, rec.wait_seq = rec.issued, rec.issued_seq
         self.trace.completed(rec)

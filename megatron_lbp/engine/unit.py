@@ -157,7 +157,8 @@ class GatherUnit:
         elif ctx.quantize_weight_gather and phase != CONTROL:
             pending = all_gather_quantized(ctx.comm, b.full, b.primary, ctx.quant_block_size,
                                            "param", phase, ctx.transient, async_op=async_op,
-                                           unit=self.index, stream=self._stream("param", async_op))
+                                           unit=self.index,
+                                           stream=self._stream("param", async_op))
         else:
             pending = Pending(ctx.comm.all_gather(b.full, b.primary, "param", phase,
                                                   async_op=async_op, unit=self.index,
