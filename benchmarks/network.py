@@ -187,6 +187,16 @@ def compute_ops(spec, train, adam_elements):
     return fwd_bwd, adam.step
 
 
+def _landed(trainer) -> None:
+    """Wait until the step's collectives still in flight have run (an engine scheme runs its
+    collectives on stream workers after issuing them: the recorder sees a call when it
+    runs, so without this each rank would record the step's last ones, or the step
+    before's, as its timing fell, and the replay would deadlock)."""
+    settle = getattr(getattr(trainer, "model", None), "settle", None)
+    if settle is not None:
+        settle()
+
+
 def rank_bench(ns_of_rank, master, schemes, spec, train, warmup, ranks_per_node, sizes_mb,
                adam_elements, tiered=False, trace_dir=None):
     """Every scheme, the link collectives and the compute, interleaved step by step on this rank.
@@ -229,9 +239,11 @@ def rank_bench(ns_of_rank, master, schemes, spec, train, warmup, ranks_per_node,
             if step == record_round:
                 # DeepSpeed calls the collectives it bound at start-up: make it call the recorder
                 visible = getattr(trainers[s], "collectives_visible", contextlib.nullcontext)
+                _landed(trainers[s])
                 with link_replay.recording() as calls[s], visible():
                     t, results[s] = timed(trainers[s].run, [step], None, results[s],
                                           until_all_done=True)
+                    _landed(trainers[s])
             else:
                 t, results[s] = timed(trainers[s].run, [step], None, results[s],
                                       until_all_done=True)

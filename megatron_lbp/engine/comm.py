@@ -21,13 +21,18 @@ all-gathers run on its "gather" communicator, reduce-scatters, all-to-alls and
 all-reduces on its "reduce" one, so a weight gather never waits behind a
 gradient reduction over the same ranks.
 
-Two observers see every collective: :class:`CommStats` (counts of synchronous
-and asynchronous calls and of those in flight, docs/design.md §6) and, with
-``--hier-trace``, the schedule trace (megatron_lbp.engine.trace), which records
-when each was issued, first waited for and done; it is an observer
-(:meth:`Collectives.observe`), which no other module reaches through the
-collectives: the wrapper hands the same trace to the schedule for its compute
-intervals.
+Every per-collective concern is an observer of the collectives
+(:class:`CollectiveObserver`, registered once): the ledger (bytes per phase
+and link), the fault-injection seam, the fault tracker (what is in flight, for
+a diagnosis; the stall watch on NCCL), :class:`CommStats` (counts of
+synchronous and asynchronous calls and of those in flight, docs/design.md §6)
+and, with ``--hier-trace``, the schedule trace (megatron_lbp.engine.trace),
+which records when each was issued, first waited for and done. Issuing a
+collective is one path (:meth:`Collectives._issue`) that tells them.
+
+Every asynchronous collective runs on the stream of its communicator
+(megatron_lbp.engine.streams); a synchronous one runs on the host, after what
+that communicator's stream still holds.
 
 A collective that fails (a peer died, or the group's timeout ran out) is
 diagnosed once by :mod:`megatron_lbp.engine.faults` and raised as a
@@ -112,6 +117,106 @@ class CommStats:
         self.in_flight -= 1
 
 
+@dataclass(eq=False)
+class Call:
+    """One collective as its observers see it, from issue to completion."""
+
+    family: str
+    phase: str
+    unit: int | None
+    comm: str               # the communicator's name (the trace's ``comm``)
+    link: str
+    nbytes: Fraction | int  # what this rank sends
+    async_op: bool          # issued asynchronously (or on a stream)
+    activity: faults.Activity   # what a fault diagnosis names
+    on_stream: bool = False
+    work: Any = None        # its work once issued asynchronously (None: done in the call)
+    record: Any = None      # the schedule trace's record (set by its observer)
+
+
+class CollectiveObserver:
+    """Something told of every collective of one :class:`Collectives`, in program order
+    (registered once: :meth:`Collectives.observe`). A hook not overridden does nothing.
+
+    ``issuing`` runs before anything is sent (it may refuse by raising), ``calling`` on
+    the thread that runs the torch.distributed call just before it (the stream's worker
+    for a collective on a CPU stream), ``issued`` once it was called or submitted,
+    ``waiting`` at each wait, ``completed`` once its data has landed (for a synchronous
+    one: right after ``issued``)."""
+
+    def issuing(self, call: Call) -> None:
+        pass
+
+    def calling(self, call: Call) -> None:
+        pass
+
+    def issued(self, call: Call) -> None:
+        pass
+
+    def waiting(self, call: Call, polled: bool) -> None:
+        pass
+
+    def completed(self, call: Call) -> None:
+        pass
+
+
+class LedgerObserver(CollectiveObserver):
+    """Charges each collective's bytes to its phase and link class (the comm report)."""
+
+    def __init__(self, ledger: CommLedger) -> None:
+        self.ledger = ledger
+
+    def issuing(self, call: Call) -> None:
+        self.ledger.record(call.phase, call.link, call.nbytes)
+
+
+class StatsObserver(CollectiveObserver):
+    """Feeds :class:`CommStats`."""
+
+    def __init__(self, stats: CommStats) -> None:
+        self.stats = stats
+
+    def issued(self, call: Call) -> None:
+        self.stats.issued(async_op=call.work is not None)
+
+    def completed(self, call: Call) -> None:
+        if call.work is not None:
+            self.stats.waited()
+
+
+class FaultObserver(CollectiveObserver):
+    """Keeps the fault tracker's list of collectives in flight (what a diagnosis names) and
+    hands each asynchronous one to the stall watch (NCCL; a stream's collective is watched
+    where its worker runs it, :meth:`Collectives._call`)."""
+
+    def issued(self, call: Call) -> None:
+        if call.work is not None:
+            faults.TRACKER.in_flight[call.activity.seq] = call.activity
+            if not call.on_stream:
+                faults.watch(call.work)
+
+    def completed(self, call: Call) -> None:
+        if call.work is not None:
+            faults.TRACKER.in_flight.pop(call.activity.seq, None)
+
+
+class InjectionObserver(CollectiveObserver):
+    """The fault-injection seam (LBP_FAULT_INJECT, faults.InjectionSeam)."""
+
+    def __init__(self, seam: faults.InjectionSeam) -> None:
+        self.seam = seam
+
+    def issuing(self, call: Call) -> None:
+        self.seam.before_issue(call.phase)
+
+    def calling(self, call: Call) -> None:
+        self.seam.before_call(call.phase)
+
+    def issued(self, call: Call) -> None:
+        if call.work is not None:   # (a stream's too: the seam completes it before a kill)
+            self.seam.issued(call.work)
+
+
 GATHER, REDUCE = "gather", "reduce"
 
 
@@ -133,12 +238,17 @@ class Collectives:
         self.stats = CommStats()
         self._folds: dict[str, bool] = {}   # family -> folds_prescale
         self._exchanges: dict[str, bool] = {}   # family -> scatters_by_exchange
-        self._observer = None   # told of every collective (observe): the schedule trace
         self._activity = {f: faults.Activity("", f, _group_ranks(next(iter(g.values()))))
                           for f, g in self.groups.items() if g}
         self._injection = faults.InjectionSeam.for_this_rank()
-        # One ordered stream per communicator, for what runs off the host's order (the
-        # optimizer step's chains): the wrapper sets its device's.
+        # Every per-collective concern, in the order each hook runs: the bytes are charged
+        # before the injection seam may refuse (as a failed send still counts), the trace
+        # (registered by the wrapper) last.
+        self._observers: list[CollectiveObserver] = [
+            LedgerObserver(self.ledger), InjectionObserver(self._injection),
+            FaultObserver(), StatsObserver(self.stats)]
+        # One ordered stream per communicator, for every asynchronous collective: the
+        # wrapper sets its device's.
         self.streams = Streams("cpu")
         faults.ensure_monitor()
 
@@ -147,98 +257,70 @@ class Collectives:
         one per communicator, so families that share one share its stream and its order."""
         return self.streams[self._comm_name(family, channel)]
 
-    def observe(self, observer) -> None:
-        """Tell ``observer`` of every collective from now on: ``issued`` (returns its record),
-        ``waiting`` and ``completed`` (the schedule trace, engine/trace.py:ScheduleTrace, with
-        --hier-trace on a rank that writes one). The collectives do not depend on it."""
-        self._observer = observer
+    def observe(self, observer: CollectiveObserver) -> None:
+        """Tell ``observer`` of every collective from now on (after those registered before).
+        The collectives do not depend on it."""
+        if any(o is observer for o in self._observers):
+            raise ValueError(f"{type(observer).__name__} already observes these collectives")
+        self._observers.append(observer)
 
     def _comm_name(self, family: str, channel: str) -> str:
         return self.comm_names.get(family, {}).get(channel, f"{family}_{channel}")
 
+    def _tell(self, hook: str, call: Call, *args) -> None:
+        for o in self._observers:
+            getattr(o, hook)(call, *args)
+
     def _issue(self, family: str, phase: str, collective, *args, group, async_op: bool,
-               trace_as: tuple | None = None, stream=None, waits=(), **kwargs):
-        """Issue one collective; a failure (now or at ``wait()``) becomes a diagnosed fault.
-
-        Its owners, in order: the fault-injection seam (faults.InjectionSeam), the fault
-        tracker's activity, the trace observer (``trace_as``: unit, comm name, link, bytes),
-        the stall watch (:meth:`_call`) and the counters (CommStats).
-        """
-        if stream is not None:
-            return self._submit(family, phase, collective, *args, group=group,
-                                trace_as=trace_as, stream=stream, waits=waits, **kwargs)
-        self._injection.before_issue(phase)
-        activity = self._activity_of(family, phase, group)
-        record = self._trace_issued(phase, family, async_op, trace_as)
-        work = self._call(activity, collective, *args, group=group, async_op=async_op, **kwargs)
-        self.stats.issued(async_op=work is not None)
-        if work is None:
-            self._trace_completed_at_issue(record)
-            return None
-        faults.TRACKER.in_flight[activity.seq] = activity
-        tracked = _TrackedWork(work, activity, self, record)
-        faults.watch(tracked)
-        self._injection.issued(tracked)
-        return tracked
-
-    def _submit(self, family: str, phase: str, collective, *args, group, trace_as, stream,
-                waits, **kwargs):
-        """Issue one collective on ``stream`` (megatron_lbp.engine.streams) after the events
-        ``waits``: recorded here, in program order (the trace, the counters, the fault
-        tracker), run by the stream; its work's ``wait()`` waits for the stream's event."""
-        self._injection.before_issue(phase)
-        activity = self._activity_of(family, phase, group)
-        record = self._trace_issued(phase, family, True, trace_as)
-
-        def run() -> None:
-            self._call(activity, collective, *args, group=group, async_op=False, **kwargs)
-
-        holds = [a for a in args if isinstance(a, torch.Tensor)]
-        event = stream.submit(run, waits, holds=holds, what=f"{phase} ({family})")
-        self.stats.issued(async_op=True)
-        faults.TRACKER.in_flight[activity.seq] = activity
-        return _TrackedWork(StreamWork(event), activity, self, record)
-
-    def _activity_of(self, family: str, phase: str, group) -> faults.Activity:
-        """What the fault diagnosis names: phase, family, the group's ranks, issue order."""
+               comm: str, link: str, nbytes: Fraction | int, unit: int | None = None,
+               stream=None, waits=(), **kwargs):
+        """Issue one collective, in program order (the observers hear of it here); a failure
+        (now or at ``wait()``) becomes a diagnosed fault. On ``stream`` it runs there after
+        the events ``waits`` and its work's ``wait()`` waits for the stream's event; without
+        one it runs on the host (synchronously unless ``async_op``)."""
         base = self._activity.get(family)
-        return faults.Activity(phase, family, base.ranks if base else _group_ranks(group),
-                               faults.TRACKER.next_seq(), faults.TRACKER.iteration)
+        activity = faults.Activity(phase, family, base.ranks if base else _group_ranks(group),
+                                   faults.TRACKER.next_seq(), faults.TRACKER.iteration)
+        call = Call(family, phase, unit, comm, link, nbytes,
+                    async_op or stream is not None, activity, on_stream=stream is not None)
+        self._tell("issuing", call)
+        if stream is not None:
+            def run() -> None:
+                self._call(call, collective, *args, group=group, async_op=False, **kwargs)
 
-    def _call(self, activity: faults.Activity, collective, *args, group, async_op: bool,
-              **kwargs):
+            holds = [a for a in args if isinstance(a, torch.Tensor)]
+            event = stream.submit(run, waits, holds=holds, what=f"{phase} ({family})")
+            work = StreamWork(event)
+        else:
+            # The communicator runs its collectives in the order they were issued: what its
+            # stream still has queued goes first (on a GPU the communicator orders them).
+            self.streams.drain(comm)
+            work = self._call(call, collective, *args, group=group, async_op=async_op,
+                              **kwargs)
+        call.work = _TrackedWork(work, call, self) if work is not None else None
+        self._tell("issued", call)
+        if call.work is None:
+            self._tell("completed", call)
+        return call.work
+
+    def _call(self, call: Call, collective, *args, group, async_op: bool, **kwargs):
         """Run the torch.distributed call; its work when asynchronous, else None."""
         # NCCL's wait() does not block the host: the stall watch needs a handle on every
         # collective, so a synchronous one is issued asynchronously and waited for at once.
         watch = faults.stall_watch()
-        with faults.diagnosed(activity):
-            self._injection.before_call(activity.phase)
+        with faults.diagnosed(call.activity):
+            self._tell("calling", call)
             work = collective(*args, group=group, async_op=async_op or watch is not None, **kwargs)
         if work is not None and not async_op:
-            done = _TrackedWork(work, activity, self, counted=False)
+            done = _TrackedWork(work, call, self, counted=False)
             watch.add(done)
             done.wait()
             work = None
         return work
 
-    def _trace_issued(self, phase: str, family: str, async_op: bool, trace_as: tuple | None):
-        if self._observer is None or trace_as is None:
-            return None
-        unit, comm, link, nbytes = trace_as
-        return self._observer.issued(phase, unit, family, comm, link, nbytes, async_op)
-
-    def _trace_completed_at_issue(self, record) -> None:
-        """A synchronous collective: waited for when issued, done on return."""
-        if record is not None:
-            record.wait, record.wait_seq = record.issued, record.issued_seq
-            self._observer.completed(record)
-
     def poison_if_injected(self, grad: torch.Tensor, phase: str) -> None:
         """The fault-injection hook for gradients (LBP_FAULT_INJECT with action=nan)."""
         self._injection.poison(grad, phase)
-
-    def _charge(self, family: str, phase: str, nbytes: Fraction | int) -> None:
-        self.ledger.record(phase, self.links[family], nbytes)
 
     def _exchange(self, collective, channel: str, out: torch.Tensor, inp: torch.Tensor,
                   family: str, phase: str, total_bytes: int, async_op: bool, unit: int | None,
@@ -257,12 +339,10 @@ class Collectives:
             return None
         nbytes = ring_sent("all_gather" if channel == GATHER else "reduce_scatter",
                            total_bytes, n)
-        self._charge(family, phase, nbytes)
         return self._issue(family, phase, collective, out, inp,
                            group=self.groups[family][channel], async_op=async_op,
-                           trace_as=(unit, self._comm_name(family, channel),
-                                     self.links[family], nbytes), stream=stream, waits=waits,
-                           **kwargs)
+                           comm=self._comm_name(family, channel), link=self.links[family],
+                           nbytes=nbytes, unit=unit, stream=stream, waits=waits, **kwargs)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, family: str, phase: str,
                    async_op: bool = False, unit: int | None = None, stream=None, waits=()):
@@ -324,11 +404,10 @@ class Collectives:
         if n == 1:
             return None
         nbytes = ring_sent("all_reduce", _nbytes(t), n)
-        self._charge(family, phase, nbytes)
         return self._issue(family, phase, dist.all_reduce, t, op=op,
                            group=self.groups[family][REDUCE], async_op=async_op,
-                           trace_as=(unit, self._comm_name(family, REDUCE),
-                                     self.links[family], nbytes), stream=stream, waits=waits)
+                           comm=self._comm_name(family, REDUCE), link=self.links[family],
+                           nbytes=nbytes, unit=unit, stream=stream, waits=waits)
 
     def broadcast(self, t: torch.Tensor, src: int, group: Any, link: str, group_size: int,
                   phase: str = CONTROL) -> None:
@@ -336,9 +415,8 @@ class Collectives:
         if group_size > 1:
             nbytes = int(ring_sent("broadcast", _nbytes(t), group_size)) \
                 if dist.get_rank() == src else 0
-            self.ledger.record(phase, link, nbytes)
             self._issue("broadcast", phase, dist.broadcast, t, src=src, group=group,
-                        async_op=False, trace_as=(None, "dp_broadcast", link, nbytes))
+                        async_op=False, comm="dp_broadcast", link=link, nbytes=nbytes)
 
 
 class PremulSum:
@@ -431,22 +509,24 @@ class _SumWhenReceived:
 
 
 class _TrackedWork:
-    """An issued collective that reports its own phase if waiting for it fails,
-    and tells the counters (and the trace) when it was waited for."""
+    """An issued collective that reports its own phase if waiting for it fails, and tells
+    its observers when it is waited for and when its data has landed."""
 
-    __slots__ = ("work", "activity", "_owner", "_record", "waited", "_counted", "_polled")
+    __slots__ = ("work", "call", "_owner", "waited", "_counted", "_polled")
 
-    def __init__(self, work: Any, activity: faults.Activity, owner: Collectives,
-                 record=None, counted: bool = True) -> None:
-        self.work, self.activity = work, activity
-        self._owner, self._record, self.waited = owner, record, False
-        self._counted = counted   # one of the asynchronous collectives CommStats counts
+    def __init__(self, work: Any, call: Call, owner: Collectives, counted: bool = True) -> None:
+        self.work, self.call, self._owner, self.waited = work, call, owner, False
+        self._counted = counted   # told to the observers (not the stall watch's inner handle)
         self._polled = False      # the engine's poll found it complete before its wait
+
+    @property
+    def activity(self) -> faults.Activity:
+        return self.call.activity
 
     @property
     def record(self):
         """Its schedule trace record (None without a trace)."""
-        return self._record
+        return self.call.record
 
     def poll(self) -> bool:
         """The engine's non-blocking check (the stall watch's thread calls is_completed)."""
@@ -455,16 +535,12 @@ class _TrackedWork:
         return done
 
     def wait(self) -> None:
-        trace, record = self._owner._observer, self._record
-        if record is not None and trace is not None:
-            trace.waiting(record, polled=self._polled)
-        with faults.diagnosed(self.activity):
+        if self._counted:
+            self._owner._tell("waiting", self.call, self._polled)
+        with faults.diagnosed(self.call.activity):
             self.work.wait()
         if not self.waited and self._counted:
-            self._owner.stats.waited()
-            faults.TRACKER.in_flight.pop(self.activity.seq, None)
-            if record is not None and trace is not None:
-                trace.completed(record)
+            self._owner._tell("completed", self.call)
         self.waited = True
 
     def is_completed(self) -> bool:

@@ -42,12 +42,14 @@ from megatron_lbp.core.config import (EngineOptions, check_quantized_grad_famili
                                  check_training_dtypes)
 from megatron_lbp.engine.buckets import FlatBucket
 from megatron_lbp.engine.comm import CONTROL, Collectives, CommLedger
+from megatron_lbp.engine.grad_health import GradHealth
 from megatron_lbp.engine.grouping import UnitSpec, group_into_units
 from megatron_lbp.engine.streams import Streams
 from megatron_lbp.engine.memory import TransientLedger, tensor_bytes
 from megatron_lbp.engine.comm import Pending
 from megatron_lbp.engine.schedule import UnitSchedule, in_autograd_backward
-from megatron_lbp.engine.trace import ScheduleTrace, output_path
+from megatron_lbp.engine.step_comm import StepComm
+from megatron_lbp.engine.trace import ScheduleTrace, TraceObserver, output_path
 from megatron_lbp.engine import checkpoint, mcore
 from megatron_lbp.engine.unit import GatherUnit, UnitContext
 from megatron_lbp.engine.process_groups import HierGroups
@@ -99,12 +101,15 @@ class HierDataParallel(mcore.base_data_parallel()):
             self.units.append(GatherUnit(index, plan.kind, plan.layer, bucket, self.ctx))
         self.buckets: list[FlatBucket] = [u.bucket for u in self.units]
         self.comm.streams = Streams(self.buckets[0].device if self.buckets else "cpu")
-        self.schedule = UnitSchedule(self.units, unit_map, self.comm, overlap=options.overlap,
+        # The one owner of the optimizer step's communication (its reductions and refreshes).
+        self.step = StepComm(self.ctx)
+        self.schedule = UnitSchedule(self.units, unit_map, self.comm, self.step,
+                                     overlap=options.overlap,
                                      prefetch_units=options.prefetch_units,
                                      max_pending_reduces=options.max_pending_reduces,
                                      embedding_backward_gather=options.embedding_backward_gather)
         # The step refreshes the updated weights in the order the next forward uses them.
-        self.ctx.step.forward_order = self.schedule.forward_order
+        self.step.forward_order = self.schedule.forward_order
         if materialize is not None:
             materialize(self)
             for b in self.buckets:
@@ -145,7 +150,7 @@ class HierDataParallel(mcore.base_data_parallel()):
         trace.prefetch_units = self.schedule.depth
         trace.units = [u.describe() for u in self.units]
         # It observes the collectives and hears the compute intervals from the schedule.
-        self.comm.observe(trace)
+        self.comm.observe(TraceObserver(trace))
         self.schedule.trace = self.trace = trace
 
     @property
@@ -258,7 +263,27 @@ class HierDataParallel(mcore.base_data_parallel()):
 
     def scale_gradients(self, scaling_factor: float) -> None:
         for u in self.units:
-            u.scale_gradients(scaling_factor)
+            self.step.scale(u, scaling_factor)
+            u.scale_grad_shard(scaling_factor)
+
+    # --- the optimizer's calls (engine/optimizer.py) --------------------------------------
+    @property
+    def grad_health(self) -> GradHealth:
+        """Whether this step's gradients are finite, and whose were not."""
+        return self.ctx.health
+
+    def reduced_grad(self, unit: GatherUnit) -> torch.Tensor:
+        """This rank's reduced 1/O gradient slice of ``unit`` (fp32), once it has landed."""
+        return self.step.reduced_grad(unit)
+
+    def release_reduced_grad(self, unit: GatherUnit) -> None:
+        """Drop ``unit``'s reduced gradient slice (used, or discarded)."""
+        self.step.release(unit)
+
+    def send_updated_weights(self, write_own) -> None:
+        """``write_own(unit)`` puts the updated 1/O slice into the unit's primary slice; each
+        unit is then refreshed in the next forward's order (engine/step_comm.py)."""
+        self.step.send_updated_weights(write_own, async_op=self.options.overlap)
 
     def start_param_sync(self, *unused, force_sync: bool = False, **kwargs) -> None:
         """Weights are gathered on demand; ``force_sync`` waits for the updated weights' gathers."""
@@ -267,7 +292,7 @@ class HierDataParallel(mcore.base_data_parallel()):
 
     def settle(self) -> None:
         """Wait until every unit's primary slice holds the updated weights (nothing in flight)."""
-        self.ctx.step.settle()
+        self.step.settle()
 
     def broadcast_params(self) -> None:
         """Make every rank's weights those of data-parallel rank 0's P-group.
@@ -292,6 +317,7 @@ class HierDataParallel(mcore.base_data_parallel()):
         self.finish_grad_sync()
         self.settle()
         for u in self.units:
+            self.step.await_refresh(u)
             u.unshard(CONTROL, async_op=False)
             try:
                 yield u.bucket

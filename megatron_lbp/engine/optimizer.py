@@ -141,7 +141,7 @@ class HierDistributedOptimizer(mcore.megatron_optimizer()):
     def check_for_nan_in_grad(self, value: bool) -> None:
         self._check_for_nan_in_grad = bool(value)
         for model in self.models:
-            model.ctx.health.name_ranks = bool(value)
+            model.grad_health.name_ranks = bool(value)
 
     # --- step ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -211,7 +211,7 @@ class HierDistributedOptimizer(mcore.megatron_optimizer()):
             model.finish_grad_sync()
             model.start_step_reduces()
         for st in self.states:
-            st.grad = st.model.ctx.step.reduced_grad(st.unit)
+            st.grad = st.model.reduced_grad(st.unit)
 
     def _norm_and_inf_check(self) -> tuple[bool, float]:
         """The global gradient norm and whether any gradient is inf/nan, agreed on every rank.
@@ -230,7 +230,7 @@ class HierDistributedOptimizer(mcore.megatron_optimizer()):
         hier = self.models[0].hier
         local = torch.zeros((), dtype=torch.float64, device=self._device)
         for m in self.models:
-            local += m.ctx.health.take_count(self._device)
+            local += m.grad_health.take_count(self._device)
         sq = torch.zeros((), dtype=torch.float64, device=self._device)
         for st in self.states:
             if self.grad_scaler is not None:
@@ -260,7 +260,7 @@ class HierDistributedOptimizer(mcore.megatron_optimizer()):
         gradients and no --check-for-nan-in-loss-and-grad) there is no one to
         name, and no collective: every rank knows that alike.
         """
-        counted = all(m.ctx.health.counts_own for m in self.models)
+        counted = all(m.grad_health.counts_own for m in self.models)
         self.nonfinite_ranks = []
         if counted:
             flags = torch.zeros(len(hier.dp_ranks) + 1, dtype=torch.uint8, device=self._device)
@@ -297,10 +297,10 @@ class HierDistributedOptimizer(mcore.megatron_optimizer()):
                 shard.grad = None
         for st in self.states:
             st.grad = None
-            st.model.ctx.step.release(st.unit)
+            st.model.release_reduced_grad(st.unit)
 
     def _gather_updated_weights(self) -> None:
-        """Each unit's updated 1/O slice handed to the model's step communication, which
+        """Each unit's updated 1/O slice handed to the model, whose step communication
         refreshes the primary slices in next-forward order (engine/step_comm.py)."""
         of_unit = {(id(st.model), st.unit.index): st for st in self.states}
         for model in self.models:
@@ -310,7 +310,7 @@ class HierDistributedOptimizer(mcore.megatron_optimizer()):
                 if st.master.data_ptr() != own.data_ptr():
                     own.copy_(st.master)
 
-            model.ctx.step.send_updated_weights(write_own, async_op=model.options.overlap)
+            model.send_updated_weights(write_own)
 
     def _finish_step(self) -> None:
         self.steps_done += 1

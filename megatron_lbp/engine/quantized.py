@@ -58,10 +58,11 @@ def gather_packed_slices(comm: Collectives, out: torch.Tensor, packed: torch.Ten
                          block_size: int, family: str, phase: str,
                          transient: TransientLedger, async_op: bool = False,
                          release: Callable[[], None] | None = None,
-                         unit: int | None = None) -> Pending:
+                         unit: int | None = None, stream=None) -> Pending:
     """All-gather each rank's packed slice of ``out.numel() / n`` elements and dequantize into ``out``.
 
-    ``release`` runs after landing (e.g. to free the caller's send buffer).
+    ``release`` runs after landing (e.g. to free the caller's send buffer); ``stream``: the
+    gather runs there (the dequantization where it is waited for).
     """
     n = comm.sizes[family]
     numel = out.numel() // n
@@ -73,7 +74,7 @@ def gather_packed_slices(comm: Collectives, out: torch.Tensor, packed: torch.Ten
         recv = torch.empty(n * nb, dtype=torch.uint8, device=packed.device)
         transient.alloc(_nbytes(recv))
     work = comm.all_gather(recv, packed, family, phase, async_op=async_op,
-                           unit=unit) if n > 1 else None
+                           unit=unit, stream=stream) if n > 1 else None
 
     def finish() -> None:
         for i in range(n):
@@ -92,7 +93,7 @@ def gather_packed_slices(comm: Collectives, out: torch.Tensor, packed: torch.Ten
 def all_gather_quantized(comm: Collectives, out: torch.Tensor, shard: torch.Tensor,
                          block_size: int, family: str, phase: str,
                          transient: TransientLedger, async_op: bool = False,
-                         unit: int | None = None) -> Pending:
+                         unit: int | None = None, stream=None) -> Pending:
     """qwZ: ``out`` = the group's shards, sent as int8 + scales and dequantized on arrival.
 
     Every rank, this one included, ends up with the dequantized values of every
@@ -104,7 +105,7 @@ def all_gather_quantized(comm: Collectives, out: torch.Tensor, shard: torch.Tens
     quantize_into(shard, send, block_size)
     return gather_packed_slices(comm, out, send, block_size, family, phase, transient,
                                 async_op=async_op, release=lambda: transient.free(nb),
-                                unit=unit)
+                                unit=unit, stream=stream)
 
 
 def reduce_scatter_quantized(comm: Collectives, out: torch.Tensor, inp: torch.Tensor,

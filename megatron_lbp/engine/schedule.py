@@ -27,7 +27,10 @@ backward    the first backward hook opens the pass. A module's pre-backward (a
             most ``max_pending_reduces`` (--hier-max-pending-reduces, default
             MAX_PENDING_REDUCES) of them in flight before the oldest is
             waited for. Weight gathers and reductions run on separate
-            communicators, so a gather never queues behind a reduce-scatter.
+            communicators, each asynchronous one on its communicator's stream
+            (megatron_lbp.engine.streams), so a gather never queues behind a
+            reduce-scatter and the compute waits only where it uses the data
+            (the unit's need, the bound).
             With ``embedding_backward_gather="skip"``
             (--hier-embedding-backward-gather skip) the embedding unit is not
             gathered (nor prefetched) for its own modules' backward: a lookup's
@@ -56,8 +59,9 @@ last micro-batch  the backward that follows :meth:`UnitSchedule.mark_last_micro_
 next forward the optimizer issues each unit's updated-weights gathers (both hops,
             on their communicators' streams) at the end of the step, in the
             order the forward will need the units; the unit's first use waits
-            for them: its forward gather, issued as a prefetch under the unit
-            before it or at its need. On a GPU that wait only orders streams;
+            for them (``StepComm.await_refresh`` before its gather): its
+            forward gather, issued as a prefetch under the unit before it or
+            at its need. On a GPU that wait only orders streams;
             on gloo it blocks the host for what has not landed yet (usually
             nothing: they ran under the units before).
 
@@ -92,6 +96,7 @@ from megatron_lbp.core.vocabulary import (DEFAULT_EMBEDDING_BACKWARD_GATHER,
 from megatron_lbp.engine.buckets import ParamSlot
 from megatron_lbp.engine.comm import Collectives
 from megatron_lbp.engine.grouping import UnitMap
+from megatron_lbp.engine.step_comm import StepComm
 from megatron_lbp.engine.trace import record_of
 from megatron_lbp.engine.unit import GatherUnit, ReduceInFlight, WeightState, unfused_gradient
 
@@ -110,8 +115,8 @@ def in_autograd_backward() -> bool:
 
 
 class UnitSchedule:
-    def __init__(self, units: list[GatherUnit], unit_map: UnitMap, comm: Collectives, *,
-                 overlap: bool, prefetch_units: int,
+    def __init__(self, units: list[GatherUnit], unit_map: UnitMap, comm: Collectives,
+                 step: StepComm, *, overlap: bool, prefetch_units: int,
                  max_pending_reduces: int = MAX_PENDING_REDUCES,
                  embedding_backward_gather: str = DEFAULT_EMBEDDING_BACKWARD_GATHER) -> None:
         if max_pending_reduces < 1:
@@ -121,6 +126,7 @@ class UnitSchedule:
                              f"one of {EMBEDDING_BACKWARD_GATHERS}")
         self.units = units
         self.comm = comm
+        self.step = step    # the optimizer step's communication (engine/step_comm.py)
         self.overlap = overlap
         self.depth = prefetch_units if overlap else 0
         # Without overlap every reduction completes at once (the bound is moot).
@@ -162,7 +168,6 @@ class UnitSchedule:
         self._open_backward: dict[int, Any] = {}         # unit -> its backward interval
         self._pending_reduces: list[ReduceInFlight] = []
         self._backward_ran = False
-        self.ctx = units[0].ctx if units else None
         self.trace = None   # the schedule trace (--hier-trace): the wrapper sets it
         self.last_micro_batch = False       # the next backward is the step's last
         self._backward_is_last = False      # the running backward is
@@ -284,7 +289,7 @@ class UnitSchedule:
         reduce.unit.finish_reduce(reduce)
         if reduce.last:
             # Its 1/G shard is final: the network reduction runs under the rest of the backward.
-            self.ctx.step.shard_final(reduce.unit, async_op=self.overlap, after=landed)
+            self.step.shard_final(reduce.unit, async_op=self.overlap, after=landed)
 
     def flush_backward(self) -> None:
         """Reduce what the last backward left (unused parameters) and wait for every reduce."""
@@ -304,14 +309,14 @@ class UnitSchedule:
         """finish the backward, then issue the network reduction of every unit not yet reduced."""
         self.flush_backward()
         for u in self.units:
-            self.ctx.step.start_reduction(u, async_op=self.overlap)
+            self.step.start_reduction(u, async_op=self.overlap)
         self.step_reduce_started = True
 
     def reset_step(self) -> None:
         """zero_grad_buffer: a new step; reductions of the last one still running are dropped."""
         self.flush_backward()
         for u in self.units:
-            self.ctx.step.release(u)
+            self.step.release(u)
         self.step_reduce_started = self.last_micro_batch = self._backward_is_last = False
 
     def finish(self) -> None:
@@ -336,7 +341,7 @@ class UnitSchedule:
                 self._recording.append(u.index)
                 first.append(u)
             if u.state is WeightState.SHARDED:
-                u.unshard(phase, async_op=self.overlap)
+                self._unshard(u, phase, self.overlap)
         home = self.home.get(module)
         if self.depth and home is not None:
             self._prefetch_after(home, phase, kind)
@@ -368,9 +373,13 @@ class UnitSchedule:
                     and not unit.bucket.secondary_is_current()):
                 continue  # not run forward this micro-batch: its own need will say so
             if unit.state is WeightState.SHARDED:
-                # (waits for the unit's updated weights first: their first use)
-                unit.unshard(phase, async_op=True)
+                self._unshard(unit, phase, True)
             ahead += 1
+
+    def _unshard(self, unit: GatherUnit, phase: str, async_op: bool) -> None:
+        """Gather ``unit``, after its updated weights have landed (their first use)."""
+        self.step.await_refresh(unit)
+        unit.unshard(phase, async_op=async_op)
 
     def _keep_order(self, kind: str) -> None:
         """The pass just ended sets the order the next pass of its kind prefetches in."""

@@ -1,11 +1,14 @@
 """Ordered streams for the step's collectives, and the events that order them across streams.
 
-The optimizer step's chains (megatron_lbp.engine.chains) run each hop on the
-stream of its communicator: every hop of a chain is issued at once, at the
-chain's program point, and a hop that reads what another communicator's hop
-wrote waits for that hop's *event* (recorded on the producer's stream, waited
-on by the consumer's). Nothing is issued because the host saw something
-finish, so every rank issues the same collectives in the same order
+Every asynchronous collective runs on the stream of its communicator
+(megatron_lbp.engine.comm.Collectives.stream): a unit's forward and backward
+weight gathers and its gradient reduce-scatter (megatron_lbp.engine.unit), and
+the optimizer step's chains (megatron_lbp.engine.chains), whose hops are all
+issued at once, at the chain's program point: a hop that reads what another
+communicator's hop wrote waits for that hop's *event* (recorded on the
+producer's stream, waited on by the consumer's). The compute waits for an
+event only where it uses the data. Nothing is issued because the host saw
+something finish, so every rank issues the same collectives in the same order
 (megatron_lbp.core.program).
 
 One interface, two implementations, chosen by the device:
@@ -26,8 +29,9 @@ Buffers: a task names the tensors it reads or writes (``holds``); a
 :class:`WorkerStream` keeps their storages registered until the task is done, and
 :func:`check_free` (called by the engine where it frees or overwrites such a
 buffer) raises :class:`BufferInFlight` if one is still in use. On a GPU the
-engine's rule is the same (free only after waiting for the event), and the
-allocator then orders the reuse after it.
+engine's rule is the same (free only after waiting for the event), and each held
+tensor is recorded on the task's stream (``Tensor.record_stream``), so the
+allocator reuses its memory only after the stream's work on it.
 """
 from __future__ import annotations
 
@@ -109,6 +113,7 @@ class WorkerStream:
         self.name = name
         self._tasks: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._last: CpuEvent | None = None     # the event of the task submitted last
 
     def submit(self, fn: Callable[[], Any], waits: Sequence[Any] = (),
                holds: Iterable[torch.Tensor | None] = (), what: str = "") -> CpuEvent:
@@ -123,7 +128,14 @@ class WorkerStream:
                                             daemon=True)
             self._thread.start()
         self._tasks.put((fn, list(waits), keys, label, event))
+        self._last = event
         return event
+
+    def drain(self) -> None:
+        """The host waits until every task submitted so far has run (a failed one's error
+        stays with its event)."""
+        if self._last is not None:
+            self._last._done.wait()
 
     def close(self) -> None:
         """The worker ends once the tasks submitted before have run."""
@@ -169,7 +181,16 @@ class DeviceStream:
             self.stream.wait_event(w.event)
         with self.stream:
             fn()
+        # A buffer allocated on the compute stream and dropped by the host before this
+        # stream is done with it (a packed send buffer) is not reused until it is.
+        for t in holds:
+            if t is not None:
+                t.record_stream(self.stream)
         return DeviceEvent(self.stream.record_event())
+
+    def drain(self) -> None:
+        """Nothing: a communicator runs its collectives in the order the host enqueued them,
+        whatever the stream."""
 
 
 class Streams:
@@ -188,6 +209,14 @@ class Streams:
                  else WorkerStream(name))
             self._streams[name] = s
         return s
+
+
+    def drain(self, name: str) -> None:
+        """Before a collective on ``name``'s communicator runs on the host: what its stream
+        still holds goes first (:meth:`WorkerStream.drain`)."""
+        s = self._streams.get(name)
+        if s is not None:
+            s.drain()
 
 
 def _close_all(streams: dict[str, Any]) -> None:

@@ -47,8 +47,33 @@ import time
 from typing import Any
 
 from megatron_lbp.core.costs import number
+from megatron_lbp.engine.comm import Call, CollectiveObserver
 
 PASSES = ("forward", "recompute", "backward", "optimizer")
+
+
+class TraceObserver(CollectiveObserver):
+    """The trace's view of the collectives (registered once with them by the wrapper): a
+    record per collective, its wait and its landing."""
+
+    def __init__(self, trace: "ScheduleTrace") -> None:
+        self.trace = trace
+
+    def issuing(self, call: Call) -> None:
+        call.record = self.trace.issued(call.phase, call.unit, call.family, call.comm,
+                                        call.link, call.nbytes, call.async_op)
+
+    def waiting(self, call: Call, polled: bool) -> None:
+        if call.record is not None:   # (None: issued before the trace observed)
+            self.trace.waiting(call.record, polled=polled)
+
+    def completed(self, call: Call) -> None:
+        rec = call.record
+        if rec is None:
+            return
+        if rec.wait is None:   # synchronous: waited for where it was issued
+            rec.wait, rec.wait_seq = rec.issued, rec.issued_seq
+        self.trace.completed(rec)
 
 
 def output_path(path: str, rank: int) -> str | None:

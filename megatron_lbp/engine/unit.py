@@ -29,11 +29,18 @@ pass that also counts this rank's inf/nan (int8 all-to-all with qgZ),
 straight into the persistent 1/G shard on the first micro-batch of a step and, at
 :meth:`GatherUnit.finish_reduce`, added to it on later ones.
 
+Every asynchronous collective of a unit runs on its communicator's stream
+(megatron_lbp.engine.streams); the host waits for its event where the data is
+used (:meth:`GatherUnit.wait_for_unshard`, :meth:`GatherUnit.finish_reduce`)
+and only then frees its buffers (``check_free``).
+
 The optimizer step's two hops (the 1/G shard to the 1/O optimizer slice, the
 updated weights back up) are not the unit's: megatron_lbp.engine.step_comm owns
-them (``UnitContext.step``). A gather of the unit waits for its refresh first
-(``StepComm.await_refresh`` in :meth:`GatherUnit.unshard`), so the weights a
-forward computes with are always the updated ones.
+them. Whoever gathers a unit waits for its refresh first
+(``StepComm.await_refresh``: the schedule, the wrapper's checkpoint gathers), so
+the weights a forward computes with are always the updated ones; a gather
+issued while the refresh still writes the primary slice is refused
+(``check_free``).
 """
 from __future__ import annotations
 
@@ -49,7 +56,6 @@ from megatron_lbp.engine.grad_health import GradHealth
 from megatron_lbp.engine.memory import TransientLedger
 from megatron_lbp.engine.quantized import (all_gather_quantized, gather_packed_slices,
                                            reduce_scatter_quantized)
-from megatron_lbp.engine.step_comm import StepComm
 from megatron_lbp.engine.streams import check_free
 
 
@@ -73,13 +79,10 @@ class UnitContext:
     group_index: dict[str, int]
     # Megatron's --gradient-accumulation-fusion: weight gradients arrive in main_grad.
     fused_wgrad: bool = False
-    # The optimizer step's communication (engine/step_comm.py), built with the context.
-    step: StepComm = field(init=False)
     # Whether the step's gradients are finite, and whose were not (engine/grad_health.py).
     health: GradHealth = field(init=False)
 
     def __post_init__(self) -> None:
-        self.step = StepComm(self)
         self.health = GradHealth(lambda: self.folds_prescale("grad"))
 
     def reduce_scatter_grad(self, out: torch.Tensor, inp: torch.Tensor, family: str,
@@ -147,7 +150,6 @@ class GatherUnit:
         """Start filling ``full``: from the secondary copy in backward when there is one,
         else from the primary slices in the P-group (int8 on the wire with qwZ)."""
         b, ctx = self.bucket, self.ctx
-        ctx.step.await_refresh(self)
         check_free(b.primary, f"unit {self.index}'s primary slice")
         b.alloc_full()
         if phase == "backward_gather" and b.has_secondary:
@@ -155,18 +157,26 @@ class GatherUnit:
         elif ctx.quantize_weight_gather and phase != CONTROL:
             pending = all_gather_quantized(ctx.comm, b.full, b.primary, ctx.quant_block_size,
                                            "param", phase, ctx.transient, async_op=async_op,
-                                           unit=self.index)
+                                           unit=self.index,
+                                           stream=self._stream("param", async_op))
         else:
             pending = Pending(ctx.comm.all_gather(b.full, b.primary, "param", phase,
-                                                  async_op=async_op, unit=self.index))
+                                                  async_op=async_op, unit=self.index,
+                                                  stream=self._stream("param", async_op)))
         if async_op and pending.in_flight:
             self._pending, self.state = pending, WeightState.GATHERING
         else:
             pending.wait()
             self.state = WeightState.GATHERED
 
+    def _stream(self, family: str, async_op: bool, channel: str = "gather"):
+        """Where an asynchronous collective of this unit runs: its communicator's stream
+        (megatron_lbp.engine.streams); a synchronous one runs on the host (None)."""
+        return self.ctx.comm.stream(family, channel) if async_op else None
+
     def _gather_secondary(self, async_op: bool) -> Pending:
         b, ctx = self.bucket, self.ctx
+        stream = self._stream("secondary", async_op)
         if not b.secondary_is_current():
             raise RuntimeError(
                 f"unit {self.index} ({self.kind}): the backward pass needs the secondary "
@@ -175,17 +185,17 @@ class GatherUnit:
         if b.secondary_dtype == "int8":
             return gather_packed_slices(ctx.comm, b.full, b.secondary, ctx.quant_block_size,
                                         "secondary", "backward_gather", ctx.transient,
-                                        async_op=async_op, unit=self.index)
+                                        async_op=async_op, unit=self.index, stream=stream)
         if b.full.dtype == b.secondary.dtype:
             return Pending(ctx.comm.all_gather(b.full, b.secondary, "secondary",
                                                "backward_gather", async_op=async_op,
-                                               unit=self.index))
+                                               unit=self.index, stream=stream))
         # bf16 copy of wider weights: gather in bf16, widen on arrival.
         tmp = torch.empty(b.layout.padded_numel, dtype=b.secondary.dtype, device=b.device)
         nbytes = tmp.numel() * tmp.element_size()
         ctx.transient.alloc(nbytes)
         work = ctx.comm.all_gather(tmp, b.secondary, "secondary", "backward_gather",
-                                   async_op=async_op, unit=self.index)
+                                   async_op=async_op, unit=self.index, stream=stream)
 
         def finish() -> None:
             b.full.copy_(tmp)
@@ -202,6 +212,7 @@ class GatherUnit:
     def reshard(self) -> None:
         """Free ``full`` (waiting first for a gather still in flight into it)."""
         self.wait_for_unshard()
+        check_free(self.bucket.full, f"unit {self.index}'s gathered weights")
         self.bucket.free_full()
         self.state = WeightState.SHARDED
 
@@ -255,7 +266,8 @@ class GatherUnit:
         if not fold:
             ctx.health.scale_and_count(send, scale)
         pending = ctx.reduce_scatter_grad(out, send, "grad", "grad_reduce", async_op=async_op,
-                                          unit=self.index, prescale=scale if fold else None)
+                                          unit=self.index, prescale=scale if fold else None,
+                                          stream=self._stream("grad", async_op, "reduce"))
         if fold and ctx.health.name_ranks:
             # A read of this rank's own gradient besides the collective's, only to name it:
             # the optimizer's pass over the reduced slices already detects any rank's
@@ -267,8 +279,10 @@ class GatherUnit:
         return ReduceInFlight(self, pending, out, send, nbytes, last)
 
     def finish_reduce(self, reduce: ReduceInFlight) -> None:
-        reduce.pending.wait()
+        reduce.pending.wait()   # its event: only then are its buffers read or freed
         b = self.bucket
+        check_free(reduce.send, f"unit {self.index}'s gradient sent to the reduce-scatter")
+        check_free(reduce.out, f"unit {self.index}'s reduce-scatter output")
         if reduce.out is not b.grad_shard:
             b.grad_shard.add_(reduce.out)
         self.ctx.transient.free(reduce.nbytes)
@@ -277,10 +291,9 @@ class GatherUnit:
     def reset_pass(self) -> None:
         self.grads_left = len(self.bucket.slots)
 
-    # --- the step's reduction (engine/step_comm.py) -----------------------------------------
-    def scale_gradients(self, factor: float) -> None:
-        """Megatron's scale_gradients: the step's reduction already started, and the 1/G shard."""
-        self.ctx.step.scale(self, factor)
+    def scale_grad_shard(self, factor: float) -> None:
+        """Megatron's scale_gradients on the 1/G shard (the step's reduction of it is
+        engine/step_comm.py's)."""
         if not self.bucket.grad_shard_fresh:
             self.bucket.grad_shard.mul_(factor)
 

@@ -14,7 +14,10 @@ same ranks. Checked:
   unit's updated-weights gather in flight, waited for only in the next step, whose
   forward issues the second hop;
 - the G-group's reduce communicator is in chunk order (no transpose copy) and gloo
-  takes the scaling pass, not the collective (the choice is by capability).
+  takes the scaling pass, not the collective (the choice is by capability);
+- seen by an observer of the collectives registered once (a second registration is
+  refused): with overlap every bulk collective of the micro-batches and the step runs
+  on its communicator's stream, without it none does.
 """
 from __future__ import annotations
 
@@ -40,16 +43,41 @@ TRAIN = TrainSpec(steps=2, micro_batches=2)
 def _right_after_training(trace_dir):
     import torch.distributed as dist
 
+    from megatron_lbp.engine.comm import CollectiveObserver
     from megatron_lbp.testing.tiny_gpt import setup_hier
+
+    class Where(CollectiveObserver):
+        """(phase, on a stream) of every collective issued, and the hooks' order per call."""
+
+        def __init__(self):
+            self.calls, self.hooks, self.kept = [], defaultdict(list), []
+
+        def issuing(self, call):
+            self.calls.append((call.phase, call.on_stream))
+            self.kept.append(call)   # alive, so that no later call reuses its id
+            self.hooks[id(call)].append("issuing")
+
+        def issued(self, call):
+            self.hooks[id(call)].append("issued")
+
+        def completed(self, call):
+            self.hooks[id(call)].append("completed")
 
     out = {}
     for name, extra in (("on", []), ("off", ["--no-hier-overlap"])):
         trainer = setup_hier(SPEC, TRAIN, HIER + extra + [
             "--hier-trace", f"{trace_dir}/{name}-{{rank}}.jsonl"])
         model = trainer.model
+        where = Where()
+        model.comm.observe(where)
+        try:
+            model.comm.observe(where)
+            twice = None
+        except ValueError as e:
+            twice = str(e)
         result = trainer.run(range(TRAIN.steps))
         got = {"losses": result.losses, "grad_norms": result.grad_norms,
-               "in_flight": model.comm.stats.in_flight}
+               "in_flight": model.comm.stats.in_flight, "observed_twice": twice}
         # A checkpoint right after the step: its pieces as they are when the dict is made.
         pieces = model.sharded_state_dict()
         got["pieces"] = {k: v.data.clone() for k, v in pieces.items()
@@ -67,6 +95,8 @@ def _right_after_training(trace_dir):
         model.train()
         model.settle()   # the end of training
         got["in_flight_at_end"] = model.comm.stats.in_flight
+        got["calls"] = list(where.calls)
+        got["hooks"] = sorted({tuple(h) for h in where.hooks.values()})
         got["grad_chunk_ordered"] = trainer.hier.grad_chunk_ordered
         got["folds_prescale"] = model.comm.folds_prescale("grad")
         b = model.buckets[1]
@@ -197,3 +227,19 @@ def _refuses_prescale_on_gloo():
 def test_a_prescaled_reduce_scatter_is_refused_where_the_backend_cannot():
     for msg in run_on_ranks(_refuses_prescale_on_gloo, 2):
         assert msg and "cannot prescale" in msg, msg
+
+
+def test_every_bulk_collective_runs_on_its_stream_with_overlap_and_none_without(ranks):
+    _, out = ranks
+    bulk = ("forward_gather", "backward_gather", "grad_reduce", "step_reduce", "step_gather")
+    for got in out:
+        r = got["rank"]
+        for name, want in (("on", True), ("off", False)):
+            calls = got[name]["calls"]
+            assert {p for p, _ in calls} >= set(bulk), (r, name, sorted({p for p, _ in calls}))
+            wrong = sorted({p for p, on in calls if p in bulk and on is not want})
+            assert not wrong, (f"rank {r}, overlap {name}: {wrong} "
+                               f"{'not ' if want else ''}on their communicators' streams")
+            assert got[name]["hooks"] == [("issuing", "issued", "completed")], (
+                f"rank {r}, overlap {name}: an observer heard {got[name]['hooks']}")
+            assert "already observes" in (got[name]["observed_twice"] or ""), got[name]

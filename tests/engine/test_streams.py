@@ -69,3 +69,18 @@ def test_the_workers_end_with_the_streams_that_own_them():
     gc.collect()
     thread.join(timeout=30)
     assert not thread.is_alive(), "a worker outlived its streams"
+
+
+def test_drain_returns_once_everything_submitted_before_has_run():
+    s = WorkerStream("drained")
+    gate, ran = threading.Event(), []
+    s.submit(lambda: (gate.wait(), ran.append(1)))
+    s.submit(lambda: ran.append(2))
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (s.drain(), done.set()))
+    t.start()
+    assert not done.wait(0.2), "drain returned while a task was still queued"
+    gate.set()
+    t.join(timeout=30)
+    assert done.is_set() and ran == [1, 2], ran
+    WorkerStream("never used").drain()   # nothing submitted: returns at once

@@ -65,7 +65,7 @@ def live_transient_bytes(model, extra=()) -> int:
     tensors = []
     for u in model.units:
         # The reduced 1/O slice is held by the step's communication (engine/step_comm.py).
-        step = u.ctx.step._units.get(id(u))
+        step = model.step._units.get(id(u))
         tensors += [u.bucket.full, u.bucket.grad_full, step.grad if step else None]
         if u._pending is not None:
             tensors += _tensors_of_pending(u._pending)

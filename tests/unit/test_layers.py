@@ -50,9 +50,6 @@ UPWARD = {
 # Import circles still allowed (every module of each, function-level imports included), with
 # why; any other circle fails, and so does an entry no circle matches any more.
 CIRCLES = {
-    frozenset({"megatron_lbp.engine.step_comm", "megatron_lbp.engine.unit"}):
-        "the unit context builds the step's communication, which gathers units back: the "
-        "engine's step ownership is being redesigned (one owner of the step)",
     frozenset({"megatron_lbp.launch.choose", "megatron_lbp.launch.estimate",
                "megatron_lbp.launch.health", "megatron_lbp.launch.link_survey",
                "megatron_lbp.launch.plan", "megatron_lbp.projection.collectives",
