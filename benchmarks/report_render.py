@@ -176,8 +176,9 @@ def frontier_section(report, out: Path, plots: Path) -> list[str]:
     if c.get("rate_derivation"):
         d = c["rate_derivation"]
         lines += ["```", *derivation_lines(d),
-                  f"  achieved: zero3's collectives alone / compute alone = "
-                  f"{d.get('achieved_ratio', float('nan')):.3f}", "```", ""]
+                  *([f"  in the run: zero3's collectives alone / compute alone = "
+                     f"{d['achieved_ratio']:.3f}"] if "achieved_ratio" in d else []),
+                  "```", ""]
     lines += [f"Compute alone: {c.get('compute_alone', '')}. Link alone: the scheme's own step "
               f"collectives issued again back to back. Trace waits: the time the engine's "
               f"schedule trace has the rank waiting on collectives; below, per phase, waited "
