@@ -1,6 +1,6 @@
 """python -m benchmarks <command> [options]; commands: overhead, traffic, project, network, report,
 trace, construction, study-network, network-choice,
-survey-network."""
+survey-network, headline."""
 import importlib
 import sys
 
@@ -13,7 +13,8 @@ COMMANDS = {"overhead": "benchmarks.overhead",
             "trace": "megatron_lbp.projection.trace",
             "construction": "benchmarks.construction",
             "study-network": "benchmarks.study_network",
-            "survey-network": "benchmarks.survey_network"}
+            "survey-network": "benchmarks.survey_network",
+            "headline": "benchmarks.headline"}
 
 
 def main(argv=None) -> int:

@@ -39,6 +39,13 @@ SUBNET = "10.77.0"
 UPLINK = "up0"
 CLONE_NEWNET = 0x40000000
 _NAME = re.compile(rf"^{PREFIX}(\d+)-")
+# Per namespace (these sysctls are per network namespace; the host's are not touched). A
+# collective's connection sits idle between collectives longer than TCP's retransmission
+# timeout, and Linux then restarts slow start (RFC 2861): every collective would begin by
+# probing the tbf again, its round trips lengthened by the other direction's queue, and a
+# megabyte message would see well under the shaped rate. An emulated NIC has no such
+# start-up cost (RCCL's transports do not slow-start), so it is switched off.
+TCP_SETTINGS = {"net.ipv4.tcp_slow_start_after_idle": 0}
 
 
 class NetworkSetupError(RuntimeError):
@@ -177,6 +184,8 @@ class EmulatedNetwork:
         _run("ip", "netns", "add", ns)
         self.created.append(ns)
         _run("ip", "-n", ns, "link", "set", "lo", "up")
+        for key, value in TCP_SETTINGS.items():
+            _run("ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"{key}={value}")
 
     def _tbf(self, rate_mbit: float) -> list[str]:
         return ["tbf", "rate", f"{rate_mbit}mbit", "burst", f"{self.burst_kb}kb", "latency",

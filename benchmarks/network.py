@@ -270,7 +270,8 @@ def _specs(args):
     spec = TinyGPTSpec(num_layers=args.layers, hidden_size=args.hidden,
                        num_attention_heads=args.heads, vocab_size=args.vocab,
                        seq_length=args.seq, params_dtype=torch.bfloat16,
-                       recompute=args.recompute)
+                       recompute=args.recompute,
+                       recompute_modules=tuple(getattr(args, "recompute_modules", ())))
     train = TrainSpec(steps=args.warmup + args.steps, micro_batch_size=args.micro_batch_size,
                       micro_batches=args.micro_batches)
     return spec, train
@@ -477,7 +478,8 @@ def run(args) -> dict[str, Any]:
         row.update(nx.figures(row["median_s"], compute_s, statistics.median(replay_s[scheme])))
         if scheme in ENGINE_SCHEMES:
             row["trace"] = nx.trace_summary([trace_path(d, scheme) for d in trace_dirs], kept)
-    out["config"]["compute_alone"] = nx.compute_alone_text(args.recompute)
+    out["config"]["compute_alone"] = nx.compute_alone_text(
+        args.recompute or bool(getattr(args, "recompute_modules", ())))
     out["config"]["trace_dir"] = trace_root if args.trace_dir else None
     if not args.trace_dir:
         shutil.rmtree(trace_root, ignore_errors=True)
@@ -525,7 +527,7 @@ def config(args) -> dict[str, Any]:
         "model": {"num_layers": args.layers, "hidden_size": args.hidden,
                   "num_attention_heads": args.heads, "vocab_size": args.vocab,
                   "seq_length": args.seq, "params": plan["params"], "dtype": "bf16",
-                  "grad_reduce": "fp32", "recompute": "full" if args.recompute else "none",
+                  "grad_reduce": "fp32", "recompute": getattr(args, "recompute_mode", "full" if args.recompute else "none"),
                   "units": plan["units"]},
         "micro_batch_size": args.micro_batch_size, "micro_batches": args.micro_batches,
         "warmup_steps": args.warmup, "timed_steps": args.steps, "schemes": list(args.schemes),
@@ -645,6 +647,9 @@ def parse(argv) -> argparse.Namespace:
     for flag in ("layers", "hidden", "heads", "vocab", "seq", "micro-batch-size",
                  "micro-batches"):
         shape.add_argument(f"--{flag}", type=int, default=None)
+    p.add_argument("--recompute", dest="recompute_mode", choices=("none", "selective", "full"),
+                   default=None, help="activation recomputation (default: none for the default "
+                                      "model, full for frontier-shaped)")
     p.add_argument("--trace-dir", default=None,
                    help="keep the engine schemes' schedule traces here (run<N>/<scheme>-trace-"
                         "<rank>.jsonl; default: a temporary directory, removed)")

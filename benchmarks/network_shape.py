@@ -36,9 +36,9 @@ TWENTY_B = {"hidden": 6144, "seq": 2048, "vocab": 50304}
 FRONTIER_SCHEMES = ("lbp", "zeropp", "zero3", "megatron-fsdp", "ds-zero3", "ds-zeropp")
 DEFAULTS = {
     "default": {"layers": 4, "hidden": 256, "heads": 4, "vocab": 1024, "seq": 64,
-                "micro_batch_size": 1, "micro_batches": 1, "recompute": False},
+                "micro_batch_size": 1, "micro_batches": 1, "recompute": "none"},
     "frontier-shaped": {"layers": 4, "hidden": 256, "heads": 4, "micro_batch_size": 4,
-                        "micro_batches": 2, "recompute": True},
+                        "micro_batches": 2, "recompute": "full"},
 }
 # Above this the 2-core machine's TCP stack, not the tbf, limits an uplink (docs/benchmarks.md).
 TBF_LIMIT_MBIT = 500.0
@@ -65,7 +65,12 @@ def fill_model(args) -> None:
     for key in ("vocab", "seq"):
         if getattr(args, key) is None:
             setattr(args, key, d[key])
-    args.recompute = d["recompute"]
+    # full: every layer recomputed (args.recompute); selective: the core attention's forward
+    # again in the backward (megatron-core's --recompute-modules core_attn), as the launcher runs it
+    mode = getattr(args, "recompute_mode", None) or d["recompute"]
+    args.recompute_mode = mode
+    args.recompute = mode == "full"
+    args.recompute_modules = ("core_attn",) if mode == "selective" else ()
 
 
 def uplink_rate(node_flops_per_s: float, flops_per_byte: float) -> float:

@@ -37,6 +37,10 @@ SIZES_MIB = "0.25,1,4"
 ALLOWED = 0.20
 
 
+def _log(line: str) -> None:
+    print(f"[survey-network] {line}", file=sys.stderr, flush=True)
+
+
 def survey_rank(ns_of_rank, master, out_path, tasks_per_node, sizes, reps):
     """On one rank: join the emulated network, run the survey (no overlap probe)."""
     import torch
@@ -48,7 +52,8 @@ def survey_rank(ns_of_rank, master, out_path, tasks_per_node, sizes, reps):
     data = link_survey.run(out_path=out_path, tasks_per_node=tasks_per_node,
                            gcds_per_package=min(2, tasks_per_node), sizes=sizes, reps=reps,
                            max_seconds=1e9, overlap_bytes=0, gemm_dim=1,
-                           device=torch.device("cpu"), log=lambda line: None,
+                           device=torch.device("cpu"),
+                           log=_log if os.environ["RANK"] == "0" else (lambda line: None),
                            command="bench survey-network")
     import torch.distributed as dist
 
