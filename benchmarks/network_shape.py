@@ -107,8 +107,10 @@ def probe_rank(ns_of_rank, master, spec, train, rounds: int) -> list[float]:
     import torch.distributed as dist
 
     from benchmarks.network import _join, compute_ops
+    from megatron_lbp.testing.tiny_gpt import init_megatron_state
 
     _join(ns_of_rank, master)
+    init_megatron_state()   # megatron-core builds its model under its groups
     fwd_bwd, _ = compute_ops(spec, train, 1)
     out = []
     for step in range(rounds):
