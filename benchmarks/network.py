@@ -518,7 +518,7 @@ def config(args) -> dict[str, Any]:
         "uplink_rate_mbit": args.rate_mbit,
         "uplink_rate_MB_per_s": None if args.rate_mbit is None else args.rate_mbit / 8,
         "uplink_shaping": "tc tbf on both ends of each node's veth (both directions), "
-                          "burst 64 kB, queue 200 ms",
+                          "bucket 5 ms of the rate (4-64 kB), queue 200 ms",
         "delay_ms": args.delay_ms,
         "intra_node": ("loopback inside a package's namespace (unshaped), package links "
                        "between packages" if args.package_rate_mbit > 0 else

@@ -83,6 +83,11 @@ def uplink_rate(node_flops_per_s: float, flops_per_byte: float) -> float:
 
 
 def derivation_lines(d: Mapping[str, Any]) -> list[str]:
+    if "source" not in d:   # a run whose uplink matched zero3's ratio in the cost model
+        return [f"uplink rate {d['rate_mbit']:.1f} Mbit/s, set by this run from zero3's network "
+                f"time over compute in the cost model ({d['target']['ratio']:.3f}), not from "
+                f"stated inputs: rerun it for a rate at Frontier's stated compute-to-network "
+                f"ratio"]
     lines = [
         f"uplink rate from Frontier's compute-to-network ratio ({d['source']}): "
         f"{d['flops_per_byte']:.0f} achieved model FLOP per network byte per node",

@@ -94,6 +94,7 @@ def run(args) -> dict[str, Any]:
                                         "survey.json")
     cpu_start = cpu_share.snapshot()
     with netns.EmulatedNetwork(args.nodes, args.rate_mbit, burst_kb=args.burst_kb) as net:
+        burst = net.burst_for(args.rate_mbit)
         args.package_rate_mbit = 0
         _on_network(net, args, survey_rank, out_path, args.ranks_per_node, sizes, args.reps,
                     timeout=args.timeout)
@@ -105,7 +106,7 @@ def run(args) -> dict[str, Any]:
     config = {"cpus": len(os.sched_getaffinity(0))}
     cpu_share.record(config, cpu_start, config["cpus"])
     return {"config": {**config, "nodes": args.nodes, "ranks_per_node": args.ranks_per_node,
-                       "rate_mbit": args.rate_mbit, "burst_kb": args.burst_kb,
+                       "rate_mbit": args.rate_mbit, "burst_kb": burst,
                        "sizes_mib": args.sizes_mib, "reps": args.reps, "survey": out_path,
                        "survey_seconds": survey["seconds"], "qdisc_stats_end": qdiscs},
             "cross_node": rows,
@@ -141,7 +142,8 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=2)
     p.add_argument("--rate-mbit", type=float, default=RATE_MBIT)
-    p.add_argument("--burst-kb", type=int, default=netns.EmulatedNetwork.burst_kb)
+    p.add_argument("--burst-kb", type=int, default=None,
+                   help="the tbf's bucket (default: benchmarks/netns.py's, 5 ms of the rate)")
     p.add_argument("--sizes-mib", default=SIZES_MIB)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--timeout", type=float, default=900.0)
@@ -149,7 +151,7 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     if a.nodes < 2 or a.ranks_per_node < 1 or a.reps < 1 or not a.rate_mbit > 0 \
-            or a.burst_kb < 1:
+            or (a.burst_kb is not None and a.burst_kb < 1):
         p.error(f"--nodes={a.nodes} must be >= 2, --ranks-per-node={a.ranks_per_node} and "
                 f"--reps={a.reps} >= 1, --rate-mbit={a.rate_mbit:g} and --burst-kb > 0")
     if a.ranks_per_node > 1 and a.ranks_per_node % 2:
