@@ -21,7 +21,8 @@ The frontier-shaped uplink rate is a stated input, Frontier's compute-to-network
 (:func:`derive`): a Frontier node's achieved model FLOP/s per byte/s of its NICs, from public
 figures (projection/collectives.FRONTIER_NODE, with their sources), times the emulated node's
 own model FLOP/s, measured first on the same ranks (:func:`probe_rank`: the compute alone of
-one step, every rank at once, the slowest rank). Nothing of the cost model's step times or of
+one step, every rank at once, the slowest rank), times :func:`balance`'s factor (the scaled
+model's short sequence gives each parameter byte less compute than 20B's). Nothing of the cost model's step times or of
 any scheme's traffic enters it: the emulation then measures what each scheme's bytes cost at
 that balance.
 """
@@ -96,8 +97,12 @@ def derivation_lines(d: Mapping[str, Any]) -> list[str]:
         f"{d['micro_batch_size']}) in {d['compute_alone_s']:.3f} s (compute alone, slowest rank, "
         f"median of {len(d['probe']['compute_s'])} rounds) = {d['node_flops_per_s'] / 1e9:.3f} "
         f"GFLOP/s",
-        f"  rate = {d['node_flops_per_s'] / 1e9:.3f} GFLOP/s / {d['flops_per_byte']:.0f} FLOP/B = "
-        f"{d['rate_MB_per_s']:.3f} MB/s = {d['rate_mbit']:.1f} Mbit/s per node uplink, each way"]
+        f"  a parameter's bytes meet {d['balance']['flops_per_param_20B']:.4g} FLOP on 20B "
+        f"(sequence 2048) and {d['balance']['flops_per_param']:.4g} here: x "
+        f"{d['balance']['factor']:.2f}",
+        f"  rate = {d['node_flops_per_s'] / 1e9:.3f} GFLOP/s / {d['flops_per_byte']:.0f} FLOP/B x "
+        f"{d['balance']['factor']:.2f} = {d['rate_MB_per_s']:.3f} MB/s = {d['rate_mbit']:.1f} "
+        f"Mbit/s per node uplink, each way"]
     if d.get("warning"):
         lines.append(f"  WARNING: {d['warning']}")
     return lines
@@ -126,9 +131,31 @@ def probe_rank(ns_of_rank, master, spec, train, rounds: int) -> list[float]:
     return out
 
 
+def balance(model: Mapping[str, int], seq: int) -> dict[str, float]:
+    """How much more compute a parameter's bytes meet on 20B than on ``model`` at ``seq``.
+
+    Every scheme's network bytes per step are a multiple of the parameters (the same units,
+    dtypes and collectives at either size); the compute is the model FLOPs per token times the
+    tokens, which at the same micro-batches scale with the sequence. The emulated uplink is
+    this factor faster than the stated FLOP-per-byte alone would make it, so that a parameter's
+    bytes take the same share of the step on the emulated node as on a Frontier node running
+    20B (the scaled-down model has a 21-85 token sequence where 20B has 2048)."""
+    from megatron_lbp.projection import project as pj
+
+    big = pj.MODELS["20B"]
+    p20 = pj.plan_for(big, 384, "lbp", 1)["params"]
+    fpt20 = pj.model_flops_per_token(p20, big["num_layers"], big["hidden_size"], TWENTY_B["seq"])
+    pe = pj.plan_for(model, 8, "lbp", 1, gpus_per_node=8)["params"]
+    fpte = pj.model_flops_per_token(pe, model["num_layers"], model["hidden_size"], seq)
+    return {"params_20B": p20, "params": pe, "flops_per_param_20B": fpt20 * TWENTY_B["seq"] / p20,
+            "flops_per_param": fpte * seq / pe,
+            "factor": (fpt20 * TWENTY_B["seq"] / p20) / (fpte * seq / pe)}
+
+
 def derive(args, net, spec, train, on_network, log) -> dict[str, Any]:
     """The frontier-shaped uplink rate: the emulated node's measured model FLOP/s over a
-    Frontier node's achieved FLOP per NIC byte (collectives.FRONTIER_NODE)."""
+    Frontier node's achieved FLOP per NIC byte (collectives.FRONTIER_NODE), times
+    :func:`balance`'s factor (20B's compute per parameter byte over this model's)."""
     from megatron_lbp.projection import collectives
     from megatron_lbp.projection import project as pj
 
@@ -137,20 +164,21 @@ def derive(args, net, spec, train, on_network, log) -> dict[str, Any]:
     per_rank = on_network(net, args, probe_rank, spec, train, PROBE_ROUNDS, timeout=args.timeout)
     slowest = [max(r[i] for r in per_rank) for i in range(PROBE_ROUNDS)]
     compute = statistics.median(slowest)
-    params = pj.plan_for({"num_layers": args.layers, "hidden_size": args.hidden,
-                          "vocab_size": args.vocab}, world, "lbp", args.micro_batches,
+    model = {"num_layers": args.layers, "hidden_size": args.hidden, "vocab_size": args.vocab}
+    params = pj.plan_for(model, world, "lbp", args.micro_batches,
                          gpus_per_node=args.ranks_per_node)["params"]
     flops = pj.model_flops_per_token(params, args.layers, args.hidden, args.seq) * args.seq \
         * args.micro_batch_size * args.micro_batches
     node_rate = args.ranks_per_node * flops / compute
     per_byte = collectives.frontier_flops_per_network_byte()
-    rate = uplink_rate(node_rate, per_byte)
+    bal = balance(model, args.seq)
+    rate = uplink_rate(node_rate, per_byte) * bal["factor"]
     d = {"source": collectives.FRONTIER_NODE_TEXT, "frontier_node": dict(collectives.FRONTIER_NODE),
          "flops_per_byte": per_byte, "ranks_per_node": args.ranks_per_node,
          "micro_batches": args.micro_batches, "micro_batch_size": args.micro_batch_size,
          "flops_per_step_per_rank": flops, "compute_alone_s": compute,
-         "node_flops_per_s": node_rate, "rate_mbit": rate, "rate_MB_per_s": rate / 8,
-         "probe": {"compute_s": slowest}}
+         "node_flops_per_s": node_rate, "balance": bal, "rate_mbit": rate,
+         "rate_MB_per_s": rate / 8, "probe": {"compute_s": slowest}}
     if rate > TBF_LIMIT_MBIT:
         d["warning"] = (f"{rate:.0f} Mbit/s is above ~{TBF_LIMIT_MBIT:.0f} Mbit/s, where this "
                         f"machine's TCP stack rather than the tbf limits an uplink: the network "

@@ -138,8 +138,10 @@ def test_reduced_run_json_shaping_and_cleanup(launch):
                          gpus_per_node=2)["params"]
     flops = pj.model_flops_per_token(params, 2, 64, 21) * 21 * 4 * 2
     assert d["flops_per_step_per_rank"] == pytest.approx(flops)
+    bal = network_shape.balance({"num_layers": 2, "hidden_size": 64, "vocab_size": 512}, 21)
+    assert d["balance"]["factor"] == pytest.approx(bal["factor"])
     assert d["rate_mbit"] == pytest.approx(
-        2 * flops / d["compute_alone_s"] / d["flops_per_byte"] * 8 / 1e6)
+        2 * flops / d["compute_alone_s"] / d["flops_per_byte"] * bal["factor"] * 8 / 1e6)
     rate_mbit = c["uplink_rate_mbit"]
     assert rate_mbit == d["rate_mbit"]
     shaped = [float(x) * {"K": 1e-3, "M": 1, "G": 1e3}[unit]
