@@ -20,6 +20,8 @@ from megatron_lbp.projection import survey_file as sf
 
 REQUIREMENT = netns.missing_requirements()
 needs_root = pytest.mark.skipif(REQUIREMENT is not None, reason=f"emulated network: {REQUIREMENT}")
+# Above this share of the cores taken by other processes the survey times their time slices.
+BUSY = 0.5
 
 
 def _survey(tables):
@@ -67,6 +69,11 @@ def test_the_survey_recovers_the_configured_uplink_rate():
     out = json.loads(done.stdout.strip().splitlines()[-1])
     print(sn.render(out))
     rows = out["cross_node"]
+    share = (out["config"].get("other_cpu") or {}).get("others_share", 0.0)
+    if share > BUSY:
+        pytest.skip(f"other processes used {share:.0%} of the cores during the survey: its "
+                    f"figures ({min(r['ratio'] for r in rows):.2f}-"
+                    f"{max(r['ratio'] for r in rows):.2f} of the rate) measure them, not the link")
     assert {(r["op"], r["dtype"]) for r in rows} >= {("all_gather", "bf16"),
                                                        ("reduce_scatter", "fp32"),
                                                        ("all_to_all", "int4")}, rows
