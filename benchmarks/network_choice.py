@@ -333,7 +333,7 @@ def run(args) -> dict[str, Any]:
 def render(out: dict[str, Any]) -> str:
     c = out["config"]
     links = out["links"].get("GB_per_s_per_gcd") or {
-        f"cross-node {r['op']} {r['dtype']} / rate": r["ratio_largest"]
+        f"cross-node {r['op']} {r['dtype']} / rate": r["ratio"]
         for r in out["links"]["cross_node"]}
     lines = [f"emulated network: {c['nodes']} nodes x {c['ranks_per_node']} ranks, uplink "
              f"{c['rate_mbit']:g} Mbit/s each way; GPT {c['model']}; {c['warmup']} warm-up + "
