@@ -84,7 +84,7 @@ def test_the_survey_recovers_the_configured_uplink_rate():
                      f"{out['config'].get('load_warning') or ''}")
 
 
-@pytest.mark.slow   # minutes: the survey, then 8 ranks train 4 configurations for 3 rounds
+@pytest.mark.slow   # ~30 min on the shared 2-core machine: the survey at the auto rate, then 3 rounds
 @needs_root
 def test_the_choice_from_the_survey_follows_the_measured_step_times():
     """network-choice with the choice reading the link survey run on the emulated nodes: at
@@ -93,7 +93,7 @@ def test_the_choice_from_the_survey_follows_the_measured_step_times():
 
     done = subprocess.run([sys.executable, "-m", "benchmarks", "network-choice", "--json",
                            "--links-from", "survey"], capture_output=True, text=True,
-                          timeout=3000)
+                          timeout=3600)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     print(nc.render(out))
