@@ -1,5 +1,6 @@
 """python -m benchmarks <command> [options]; commands: overhead, traffic, project, network, report,
-trace, construction, study-network, network-choice."""
+trace, construction, study-network, network-choice,
+survey-network, headline."""
 import importlib
 import sys
 
@@ -11,7 +12,9 @@ COMMANDS = {"overhead": "benchmarks.overhead",
             "network-choice": "benchmarks.network_choice",
             "trace": "megatron_lbp.projection.trace",
             "construction": "benchmarks.construction",
-            "study-network": "benchmarks.study_network"}
+            "study-network": "benchmarks.study_network",
+            "survey-network": "benchmarks.survey_network",
+            "headline": "benchmarks.headline"}
 
 
 def main(argv=None) -> int:

@@ -39,6 +39,20 @@ SUBNET = "10.77.0"
 UPLINK = "up0"
 CLONE_NEWNET = 0x40000000
 _NAME = re.compile(rf"^{PREFIX}(\d+)-")
+# Per namespace (these sysctls are per network namespace; the host's are not touched). A
+# collective's connection sits idle between collectives longer than TCP's retransmission
+# timeout, and Linux then restarts slow start (RFC 2861): every collective would begin by
+# probing the tbf again, its round trips lengthened by the other direction's queue, and a
+# megabyte message would see well under the shaped rate. An emulated NIC has no such
+# start-up cost (RCCL's transports do not slow-start), so it is switched off.
+TCP_SETTINGS = {"net.ipv4.tcp_slow_start_after_idle": 0}
+# The tbf's bucket: what may leave at the veth's own speed after an idle spell. A NIC sends
+# nothing above its line rate, so the bucket is kept to 5 ms of the rate (64 kB at 100 Mbit/s),
+# enough for the tbf's timer to hold the rate on a loaded host; at least 4 kB (two full
+# frames), at most 64 kB. A fixed 64 kB would let 0.65 s of a 0.8 Mbit/s uplink's traffic
+# through at once after every pause.
+BURST_S = 0.005
+BURST_KB_RANGE = (4, 64)
 
 
 class NetworkSetupError(RuntimeError):
@@ -138,7 +152,7 @@ class EmulatedNetwork:
     rate_mbit: float
     packages: int = 0
     package_rate_mbit: float = 0.0
-    burst_kb: int = 64
+    burst_kb: int | None = None     # None: BURST_S of the rate, within BURST_KB_RANGE
     queue_ms: int = 200
     delay_ms: float = 0.0
     tag: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}-")
@@ -177,10 +191,20 @@ class EmulatedNetwork:
         _run("ip", "netns", "add", ns)
         self.created.append(ns)
         _run("ip", "-n", ns, "link", "set", "lo", "up")
+        for key, value in TCP_SETTINGS.items():
+            _run("ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"{key}={value}")
+
+    def burst_for(self, rate_mbit: float) -> int:
+        """The tbf's bucket (kB) at ``rate_mbit``: ``burst_kb`` when given, else BURST_S of the
+        rate within BURST_KB_RANGE."""
+        if self.burst_kb:
+            return self.burst_kb
+        lo, hi = BURST_KB_RANGE
+        return int(max(lo, min(hi, round(rate_mbit * 1e6 / 8 * BURST_S / 1024))))
 
     def _tbf(self, rate_mbit: float) -> list[str]:
-        return ["tbf", "rate", f"{rate_mbit}mbit", "burst", f"{self.burst_kb}kb", "latency",
-                f"{self.queue_ms}ms"]
+        return ["tbf", "rate", f"{rate_mbit}mbit", "burst", f"{self.burst_for(rate_mbit)}kb",
+                "latency", f"{self.queue_ms}ms"]
 
     def _shape(self, ns: str, dev: str, rate_mbit: float | None = None) -> None:
         self.shaped.append((ns, dev))

@@ -172,15 +172,18 @@ def _on_network(net, args, fn, *fn_args):
 
 def estimate_argv(args, global_batch: int, micro_batch_size: int, links: str,
                   rate_tflops: float, network_model: str) -> list[str]:
-    """The estimate/choice flags of this run: the model, the machine, the measured inputs."""
+    """The estimate/choice flags of this run: the model, the machine, the measured inputs
+    (``links``: the health check's link file, or with ``--links-from survey`` the survey's)."""
+    measured = (["--survey", links] if args.links_from == "survey" else
+                ["--links", links, "--network-model", network_model])
     return ["--nodes", str(args.nodes), "--tasks-per-node", str(args.ranks_per_node),
             "--gcds-per-package", str(GCDS_PER_PACKAGE), "--num-layers", str(MODEL["layers"]),
             "--hidden-size", str(MODEL["hidden"]), "--num-attention-heads", str(MODEL["heads"]),
             "--seq-length", str(MODEL["seq"]), "--vocab-size", str(MODEL["vocab"]),
             "--global-batch-size", str(global_batch),
             "--micro-batch-size", str(micro_batch_size), "--recompute", "none",
-            "--preset", "auto", "--choose", "--links", links, "--mfu", "1",
-            "--peak-tflops", f"{rate_tflops:.9g}", "--network-model", network_model]
+            "--preset", "auto", "--choose", "--mfu", "1",
+            "--peak-tflops", f"{rate_tflops:.9g}", *measured]
 
 
 def projected(args, global_batch: int, micro_batch_size: int, links: str, rate_tflops: float,
@@ -191,7 +194,12 @@ def projected(args, global_batch: int, micro_batch_size: int, links: str, rate_t
 
     a = estimate.build_parser().parse_args(
         estimate_argv(args, global_batch, micro_batch_size, links, rate_tflops, network_model))
-    a.links = estimate.load_links(a.links)
+    if args.links_from == "survey":
+        from megatron_lbp.projection import collectives
+
+        a.links, a.survey = None, collectives.CollectiveModel.from_file(a.survey)
+    else:
+        a.links = estimate.load_links(a.links)
     rows = choose.rank(a)
     out = {}
     for s in args.schemes:
@@ -268,11 +276,23 @@ def run(args) -> dict[str, Any]:
             args.rate_mbit = out["config"]["rate_mbit"] = \
                 out["config"]["rate_derivation"]["rate_mbit"]
             net.set_rate(args.rate_mbit)
-        codes = _on_network(net, args, health_rank, links, args.ranks_per_node)
-        if any(codes):
-            raise RuntimeError(f"the health check failed on some rank: exit codes {codes}")
-        with open(links) as f:
-            out["links"] = json.load(f)
+        if args.links_from == "survey":
+            from benchmarks import survey_network as sn
+            from megatron_lbp.launch import link_survey
+
+            links = os.path.join(work, "survey.json")
+            _on_network(net, args, sn.survey_rank, net.address(0), links, args.ranks_per_node,
+                        link_survey.parse_sizes(args.survey_sizes_mib), 3)
+            from megatron_lbp.projection import survey_file
+
+            out["links"] = {"survey": links, "cross_node": sn.uplink_figures(
+                survey_file.read(links), args.rate_mbit)}
+        else:
+            codes = _on_network(net, args, health_rank, links, args.ranks_per_node)
+            if any(codes):
+                raise RuntimeError(f"the health check failed on some rank: exit codes {codes}")
+            with open(links) as f:
+                out["links"] = json.load(f)
         ranks = _on_network(net, args, rank_rounds, net.address(0), list(args.schemes), spec,
                             trains, args.rounds, args.warmup, args.ranks_per_node)
     first = ranks[0]
@@ -286,7 +306,9 @@ def run(args) -> dict[str, Any]:
         rate = flops / mb_s / 1e12
         measured = {s: statistics.median(first["step_s"][f"{s}@{name}"]) for s in args.schemes}
         proj = projected(args, gb, b, links, rate, "shared_uplink")
-        per_rank = projected(args, gb, b, links, rate, "per_rank")
+        # With a survey its cross-node tables already hold the shared uplink (every group at once)
+        per_rank = proj if args.links_from == "survey" else projected(args, gb, b, links, rate,
+                                                                      "per_rank")
         out["batches"][name] = {
             "global_batch": gb, "micro_batch_size": b, "micro_batches": k,
             "compute": {"micro_batch_s": mb_s, "flops_per_micro_batch": flops,
@@ -310,12 +332,15 @@ def run(args) -> dict[str, Any]:
 
 def render(out: dict[str, Any]) -> str:
     c = out["config"]
-    links = out["links"]["GB_per_s_per_gcd"]
+    links = out["links"].get("GB_per_s_per_gcd") or {
+        f"cross-node {r['op']} {r['dtype']} / rate": r["ratio"]
+        for r in out["links"]["cross_node"]}
     lines = [f"emulated network: {c['nodes']} nodes x {c['ranks_per_node']} ranks, uplink "
              f"{c['rate_mbit']:g} Mbit/s each way; GPT {c['model']}; {c['warmup']} warm-up + "
              f"{c['rounds']} kept rounds; load {c['loadavg_start'][0]:.1f} -> "
              f"{c['loadavg_end'][0]:.1f}",
-             "health check links (GB/s per GCD, one direction): " + ", ".join(
+             "links measured (health check: GB/s per GCD, one direction; survey: the uplink's "
+             "figure over its rate): " + ", ".join(
                  f"{k} {v:.4g}" for k, v in links.items())]
     for name, b in out["batches"].items():
         lines.append(
@@ -364,6 +389,11 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=0,
                    help="rounds dropped first (each round's first step of a scheme is untimed)")
     p.add_argument("--timeout", type=float, default=1500.0, help="seconds per multi-rank run")
+    p.add_argument("--links-from", choices=("health", "survey"), default="health",
+                   help="what the choice reads: the health check's link file (--links, with "
+                        "--network-model shared_uplink), or the link survey's tables (--survey)")
+    p.add_argument("--survey-sizes-mib", default="0.25,1,4",
+                   help="the survey's message sizes with --links-from survey")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:

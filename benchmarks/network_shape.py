@@ -17,14 +17,14 @@ Two models (``bench network --model``):
   each layer has 20B's structure: one gather and one gradient reduction per
   layer and pass, and the optimizer step's per-unit collectives.
 
-The frontier-shaped uplink rate is derived, not chosen (:func:`derive`):
-zero3's network time over its compute time equals the cost model's figure
-for 20B at 384 GCDs with the same schedule (project.network_time_over_compute),
-so lbp, zeropp and the others meet the network/compute balance that Frontier
-would give zero3. Both are measured first on the same ranks and network
-(:func:`probe_rank`): zero3's step collectives alone (all of them cross the
-uplinks) at a probe rate, and the compute alone; the rate then follows from
-link time ~ 1 / rate (:func:`uplink_rate`).
+The frontier-shaped uplink rate is a stated input, Frontier's compute-to-network ratio
+(:func:`derive`): a Frontier node's achieved model FLOP/s per byte/s of its NICs, from public
+figures (projection/collectives.FRONTIER_NODE, with their sources), times the emulated node's
+own model FLOP/s, measured first on the same ranks (:func:`probe_rank`: the compute alone of
+one step, every rank at once, the slowest rank), times :func:`balance`'s factor (the scaled
+model's short sequence gives each parameter byte less compute than 20B's). Nothing of the cost model's step times or of
+any scheme's traffic enters it: the emulation then measures what each scheme's bytes cost at
+that balance.
 """
 from __future__ import annotations
 
@@ -37,13 +37,13 @@ TWENTY_B = {"hidden": 6144, "seq": 2048, "vocab": 50304}
 FRONTIER_SCHEMES = ("lbp", "zeropp", "zero3", "megatron-fsdp", "ds-zero3", "ds-zeropp")
 DEFAULTS = {
     "default": {"layers": 4, "hidden": 256, "heads": 4, "vocab": 1024, "seq": 64,
-                "micro_batch_size": 1, "micro_batches": 1, "recompute": False},
+                "micro_batch_size": 1, "micro_batches": 1, "recompute": "none"},
     "frontier-shaped": {"layers": 4, "hidden": 256, "heads": 4, "micro_batch_size": 4,
-                        "micro_batches": 2, "recompute": True},
+                        "micro_batches": 2, "recompute": "full"},
 }
 # Above this the 2-core machine's TCP stack, not the tbf, limits an uplink (docs/benchmarks.md).
 TBF_LIMIT_MBIT = 500.0
-# The probe's uplink: well below that, so that the link time scales with 1 / rate.
+# The uplink while the compute is timed (nothing crosses it then but the barriers).
 PROBE_RATE_MBIT = 100.0
 PROBE_ROUNDS = 3
 
@@ -66,55 +66,43 @@ def fill_model(args) -> None:
     for key in ("vocab", "seq"):
         if getattr(args, key) is None:
             setattr(args, key, d[key])
-    args.recompute = d["recompute"]
+    # full: every layer recomputed (args.recompute); selective: the core attention's forward
+    # again in the backward (megatron-core's --recompute-modules core_attn), as the launcher runs it
+    mode = getattr(args, "recompute_mode", None) or d["recompute"]
+    args.recompute_mode = mode
+    args.recompute = mode == "full"
+    args.recompute_modules = ("core_attn",) if mode == "selective" else ()
 
 
-def zero3_uplink_bytes(model: Mapping[str, int], world: int, ranks_per_node: int,
-                       micro_batches: int, gcds_per_package: int) -> float:
-    """Bytes zero3 puts on one node's uplink per optimizer step, each way (the plan's bytes)."""
-    from megatron_lbp.projection import project as pj
-    from megatron_lbp.core.costs import PHASES
-
-    plan = pj.plan_for(model, world, "zero3", micro_batches, gpus_per_node=ranks_per_node,
-                       gcds_per_package=gcds_per_package)
-    return float(sum(plan["traffic_by_phase"][ph]["network"] * pj._uplink_multiplicity(plan, ph)
-                     for ph in PHASES))
-
-
-def uplink_rate(probe_mbit: float, link_s: float, compute_s: float,
-                target: Mapping[str, Any]) -> dict[str, Any]:
-    """The uplink rate at which zero3's link time / compute time is ``target["ratio"]``.
-
-    ``link_s``: zero3's collectives alone through uplinks of ``probe_mbit``;
-    link time taken as inversely proportional to the rate.
-    """
-    if link_s <= 0 or compute_s <= 0 or probe_mbit <= 0:
-        raise ValueError(f"probe rate {probe_mbit} Mbit/s, zero3 link {link_s} s and compute "
-                         f"{compute_s} s must be > 0")
-    rate = probe_mbit * link_s / (target["ratio"] * compute_s)
-    return {"target": dict(target), "probe_rate_mbit": probe_mbit, "probe_link_s": link_s,
-            "compute_alone_s": compute_s, "rate_mbit": rate, "rate_MB_per_s": rate / 8}
+def uplink_rate(node_flops_per_s: float, flops_per_byte: float) -> float:
+    """Mbit/s each way of an uplink that gives a node of ``node_flops_per_s`` Frontier's
+    ``flops_per_byte`` (achieved FLOP/s over network bytes/s)."""
+    if node_flops_per_s <= 0 or flops_per_byte <= 0:
+        raise ValueError(f"node FLOP/s {node_flops_per_s} and FLOP per byte {flops_per_byte} "
+                         f"must be > 0")
+    return node_flops_per_s / flops_per_byte * 8 / 1e6
 
 
 def derivation_lines(d: Mapping[str, Any]) -> list[str]:
-    t = d["target"]
-    recompute = "full recomputation" if t["recompute"] else "no recomputation"
+    if "source" not in d:   # a run whose uplink matched zero3's ratio in the cost model
+        return [f"uplink rate {d['rate_mbit']:.1f} Mbit/s, set by this run from zero3's network "
+                f"time over compute in the cost model ({d['target']['ratio']:.3f}), not from "
+                f"stated inputs: rerun it for a rate at Frontier's stated compute-to-network "
+                f"ratio"]
     lines = [
-        f"uplink rate derived: zero3's network time / compute time for {t['model']} at "
-        f"{t['gcds']} GCDs in the cost model (project.network_time_over_compute: "
-        f"{t['micro_batches']} micro-batches, {recompute}, {t['mfu']:.0%} MFU, "
-        f"{t['network_GB_per_s_per_gcd']:g} GB/s network per GCD) = {t['network_s']:.2f} s / "
-        f"{t['compute_s']:.2f} s = {t['ratio']:.3f}",
-        f"  probe at {d['probe_rate_mbit']:g} Mbit/s: zero3's step collectives alone take "
-        f"{d['probe_link_s']:.3f} s, the compute alone (forward, recomputation, backward; "
-        f"slowest rank) {d['compute_alone_s']:.3f} s (medians of "
-        f"{len(d['probe']['link_s'])} rounds)",
-        f"  rate = {d['probe_rate_mbit']:g} Mbit/s x {d['probe_link_s']:.3f} s / "
-        f"({t['ratio']:.3f} x {d['compute_alone_s']:.3f} s) = {d['rate_mbit']:.1f} Mbit/s = "
-        f"{d['rate_MB_per_s']:.2f} MB/s per node uplink, each way",
-        f"  (the plan's {d['zero3_uplink_bytes_per_step'] / 1e6:.2f} MB per uplink per step "
-        f"would ask {d['plan_rate_mbit']:.1f} Mbit/s of a perfect link: TCP through the tbf "
-        f"does not fill it, and gathers and reduce-scatters run one after another)"]
+        f"uplink rate from Frontier's compute-to-network ratio ({d['source']}): "
+        f"{d['flops_per_byte']:.0f} achieved model FLOP per network byte per node",
+        f"  the emulated node: {d['ranks_per_node']} ranks x {d['flops_per_step_per_rank'] / 1e9:.3f}"
+        f" GFLOP per step (model FLOPs, {d['micro_batches']} micro-batch(es) of "
+        f"{d['micro_batch_size']}) in {d['compute_alone_s']:.3f} s (compute alone, slowest rank, "
+        f"median of {len(d['probe']['compute_s'])} rounds) = {d['node_flops_per_s'] / 1e9:.3f} "
+        f"GFLOP/s",
+        f"  a parameter's bytes meet {d['balance']['flops_per_param_20B']:.4g} FLOP on 20B "
+        f"(sequence 2048) and {d['balance']['flops_per_param']:.4g} here: x "
+        f"{d['balance']['factor']:.2f}",
+        f"  rate = {d['node_flops_per_s'] / 1e9:.3f} GFLOP/s / {d['flops_per_byte']:.0f} FLOP/B x "
+        f"{d['balance']['factor']:.2f} = {d['rate_MB_per_s']:.3f} MB/s = {d['rate_mbit']:.1f} "
+        f"Mbit/s per node uplink, each way"]
     if d.get("warning"):
         lines.append(f"  WARNING: {d['warning']}")
     return lines
@@ -123,75 +111,76 @@ def derivation_lines(d: Mapping[str, Any]) -> list[str]:
 # --------------------------------------------------------------------------- the probe
 
 
-def probe_rank(ns_of_rank, master, spec, train, rounds: int, ranks_per_node: int
-               ) -> dict[str, list[float]]:
-    """On this rank: zero3's step collectives alone and the compute alone, ``rounds`` times.
-
-    zero3 trains two steps (the second recorded, benchmarks.link_replay),
-    then each round replays that step's collectives (barrier to barrier: all
-    ranks done) and runs the compute alone (this rank's own time).
-    """
+def probe_rank(ns_of_rank, master, spec, train, rounds: int) -> list[float]:
+    """On this rank: the compute alone of one step (forward, recomputation, backward of every
+    micro-batch; no collective), ``rounds`` times, every rank at once."""
     import torch.distributed as dist
 
-    from benchmarks import link_replay
-    from benchmarks.network import _join, _trainer, compute_ops
+    from benchmarks.network import _join, compute_ops
+    from megatron_lbp.testing.tiny_gpt import init_megatron_state
 
     _join(ns_of_rank, master)
-    trainer = _trainer("zero3", spec, train, ranks_per_node, None)
-    result = trainer.run([0])
-    with link_replay.recording() as calls:
-        trainer.run([1], None, result)
-    replay = link_replay.Replay(calls)
+    init_megatron_state()   # megatron-core builds its model under its groups
     fwd_bwd, _ = compute_ops(spec, train, 1)
-    out: dict[str, list[float]] = {"link_s": [], "compute_s": []}
+    out = []
     for step in range(rounds):
         dist.barrier()
         t0 = time.perf_counter()
-        replay()
-        dist.barrier()
-        out["link_s"].append(time.perf_counter() - t0)
-        dist.barrier()
-        t0 = time.perf_counter()
         fwd_bwd(step)
-        out["compute_s"].append(time.perf_counter() - t0)
+        out.append(time.perf_counter() - t0)
     return out
 
 
-def derive(args, net, spec, train, on_network, log) -> dict[str, Any]:
-    """The frontier-shaped uplink rate, from a probe run on ``net`` at PROBE_RATE_MBIT.
+def balance(model: Mapping[str, int], seq: int) -> dict[str, float]:
+    """How much more compute a parameter's bytes meet on 20B than on ``model`` at ``seq``.
 
-    zero3's collectives alone take T seconds through uplinks of rate r0 and
-    the compute alone takes C; the link time scales as 1/rate while the tbf,
-    not the CPU, limits the uplink, so the rate giving T'/C = target ratio is
-    r0 x T / (ratio x C). The plan's bytes are printed beside: what a perfect
-    uplink would need (TCP does not fill the tbf, so the measured link time is
-    longer; the engine's reduce-scatters send a reduce-scatter's bytes on gloo
-    too: megatron_lbp.engine.comm.exchange_reduce_scatter).
-    """
+    Every scheme's network bytes per step are a multiple of the parameters (the same units,
+    dtypes and collectives at either size); the compute is the model FLOPs per token times the
+    tokens, which at the same micro-batches scale with the sequence. The emulated uplink is
+    this factor faster than the stated FLOP-per-byte alone would make it, so that a parameter's
+    bytes take the same share of the step on the emulated node as on a Frontier node running
+    20B (the scaled-down model has a 21-85 token sequence where 20B has 2048)."""
     from megatron_lbp.projection import project as pj
-    from benchmarks.traffic import GCDS_PER_PACKAGE
+
+    big = pj.MODELS["20B"]
+    p20 = pj.plan_for(big, 384, "lbp", 1)["params"]
+    fpt20 = pj.model_flops_per_token(p20, big["num_layers"], big["hidden_size"], TWENTY_B["seq"])
+    pe = pj.plan_for(model, 8, "lbp", 1, gpus_per_node=8)["params"]
+    fpte = pj.model_flops_per_token(pe, model["num_layers"], model["hidden_size"], seq)
+    return {"params_20B": p20, "params": pe, "flops_per_param_20B": fpt20 * TWENTY_B["seq"] / p20,
+            "flops_per_param": fpte * seq / pe,
+            "factor": (fpt20 * TWENTY_B["seq"] / p20) / (fpte * seq / pe)}
+
+
+def derive(args, net, spec, train, on_network, log) -> dict[str, Any]:
+    """The frontier-shaped uplink rate: the emulated node's measured model FLOP/s over a
+    Frontier node's achieved FLOP per NIC byte (collectives.FRONTIER_NODE), times
+    :func:`balance`'s factor (20B's compute per parameter byte over this model's)."""
+    from megatron_lbp.projection import collectives
+    from megatron_lbp.projection import project as pj
 
     world = args.nodes * args.ranks_per_node
-    log(f"probing zero3's collectives alone and the compute alone on {world} ranks at "
-        f"{PROBE_RATE_MBIT:g} Mbit/s ({PROBE_ROUNDS} rounds) to set the uplink")
-    per_rank = on_network(net, args, probe_rank, spec, train, PROBE_ROUNDS, args.ranks_per_node,
-                          timeout=args.timeout)
-    link = statistics.median(per_rank[0]["link_s"])
-    compute = statistics.median(max(r["compute_s"][i] for r in per_rank)
-                                for i in range(PROBE_ROUNDS))
-    target = pj.network_time_over_compute(micro_batches=args.micro_batches,
-                                          recompute=args.recompute)
+    log(f"timing the compute alone on {world} ranks ({PROBE_ROUNDS} rounds) to set the uplink")
+    per_rank = on_network(net, args, probe_rank, spec, train, PROBE_ROUNDS, timeout=args.timeout)
+    slowest = [max(r[i] for r in per_rank) for i in range(PROBE_ROUNDS)]
+    compute = statistics.median(slowest)
     model = {"num_layers": args.layers, "hidden_size": args.hidden, "vocab_size": args.vocab}
-    d = uplink_rate(PROBE_RATE_MBIT, link, compute, target)
-    d["zero3_uplink_bytes_per_step"] = zero3_uplink_bytes(
-        model, world, args.ranks_per_node, args.micro_batches, GCDS_PER_PACKAGE)
-    d["plan_rate_mbit"] = d["zero3_uplink_bytes_per_step"] * 8 / 1e6 / (target["ratio"] * compute)
-    d["probe"] = {"link_s": per_rank[0]["link_s"],
-                  "compute_s": [max(r["compute_s"][i] for r in per_rank)
-                                for i in range(PROBE_ROUNDS)]}
-    if d["rate_mbit"] > TBF_LIMIT_MBIT:
-        d["warning"] = (f"{d['rate_mbit']:.0f} Mbit/s is above ~{TBF_LIMIT_MBIT:.0f} Mbit/s, "
-                        f"where this machine's TCP stack rather than the tbf limits an uplink: "
-                        f"zero3's network time will stay above the target (raise "
-                        f"--micro-batch-size for more compute)")
+    params = pj.plan_for(model, world, "lbp", args.micro_batches,
+                         gpus_per_node=args.ranks_per_node)["params"]
+    flops = pj.model_flops_per_token(params, args.layers, args.hidden, args.seq) * args.seq \
+        * args.micro_batch_size * args.micro_batches
+    node_rate = args.ranks_per_node * flops / compute
+    per_byte = collectives.frontier_flops_per_network_byte()
+    bal = balance(model, args.seq)
+    rate = uplink_rate(node_rate, per_byte) * bal["factor"]
+    d = {"source": collectives.FRONTIER_NODE_TEXT, "frontier_node": dict(collectives.FRONTIER_NODE),
+         "flops_per_byte": per_byte, "ranks_per_node": args.ranks_per_node,
+         "micro_batches": args.micro_batches, "micro_batch_size": args.micro_batch_size,
+         "flops_per_step_per_rank": flops, "compute_alone_s": compute,
+         "node_flops_per_s": node_rate, "balance": bal, "rate_mbit": rate,
+         "rate_MB_per_s": rate / 8, "probe": {"compute_s": slowest}}
+    if rate > TBF_LIMIT_MBIT:
+        d["warning"] = (f"{rate:.0f} Mbit/s is above ~{TBF_LIMIT_MBIT:.0f} Mbit/s, where this "
+                        f"machine's TCP stack rather than the tbf limits an uplink: the network "
+                        f"will be slower than Frontier's balance")
     return d

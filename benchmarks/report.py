@@ -8,7 +8,7 @@ Each section is produced by running the command's ``--json`` form in a fresh
 subprocess (the exact argv is recorded): traffic at K=1 and K=4, project (with
 its replayed schedule), overhead (plus the plan tool for the overhead run's
 configuration, to say where its extra time goes) and network (the default model
-and ``--model frontier-shaped``). Every result is saved in
+and ``--model frontier-shaped``; the leading table, benchmarks/headline.py). Every result is saved in
 ``<plots-dir>/results.json`` together with the machine (CPU model, cores, load
 average, kernel), the versions (python, torch, megatron-core, git commit and
 dirty flag) and each command's wall time and exit status; the markdown is
@@ -72,6 +72,9 @@ QUICK_NETWORK = ["--ranks-per-node", "2", "--schemes", "zeropp", "--steps", "1",
 # at load average ~100 (2026-12-05). Every scheme trains the same rounds in the same run.
 FRONTIER_RUN_TIMEOUT_S = 2700
 FRONTIER_STEPS = 2
+# The leading table (benchmarks/headline.py) at its default size, which fits the 2-core
+# machine; quick: one round of a one-layer model.
+QUICK_HEADLINE = ["--steps", "1", "--warmup", "1", "--layers", "1", "--hidden", "32"]
 QUICK_FRONTIER = ["--ranks-per-node", "2", "--schemes", "lbp,zeropp", "--steps", "1",
                   "--warmup", "1", "--layers", "2", "--hidden", "64"]
 
@@ -85,7 +88,8 @@ def section_commands(quick: bool) -> dict[str, dict[str, list[str]]]:
         "project": {"project": BENCH + ["project", "--json"]},
         "overhead": {"overhead": BENCH + ["overhead", "--json"]
                      + (QUICK_OVERHEAD if quick else ["--profile"])},
-        "network": {"network": BENCH + ["network", "--json"] + (QUICK_NETWORK if quick else []),
+        "network": {"headline": BENCH + ["headline", "--json"] + (QUICK_HEADLINE if quick else []),
+                    "network": BENCH + ["network", "--json"] + (QUICK_NETWORK if quick else []),
                     "network_frontier": BENCH + ["network", "--json", "--model", "frontier-shaped"]
                     + (QUICK_FRONTIER if quick else ["--steps", str(FRONTIER_STEPS),
                                                        "--timeout", str(FRONTIER_RUN_TIMEOUT_S)])},
@@ -255,7 +259,7 @@ def rederive_predictions(runs: dict[str, dict[str, Any]], git: dict[str, Any],
     dirty = git.get("dirty_code_paths") or []
     model = f"the cost model at commit {git['commit']}" + (
         f" with uncommitted changes to {', '.join(dirty)}" if dirty else "")
-    for key in section_commands(False)["network"]:
+    for key in ("network", "network_frontier"):   # the runs with a calibration
         run = runs.get(key)
         if not run or run.get("status") != "ok":
             continue

@@ -17,6 +17,8 @@ from benchmarks.report_goals import calibration_rows, fmt_ratio, result, traffic
 from megatron_lbp.core.costs import LINK_CLASS_ORDER
 
 NOT_RUN = "not run: "
+# The one line that regenerates the leading table (docs/benchmarks.md, "The headline table").
+HEADLINE_COMMAND = "python -m benchmarks report --only headline"
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 
 
@@ -46,6 +48,28 @@ def _not_run(runs, *keys) -> str | None:
         if r["status"] != "ok":
             return f"{NOT_RUN}{r.get('reason', 'unknown')}"
     return None
+
+
+def flagship_table(report) -> list[str]:
+    """The leading table: the four schemes at the flagship's chosen settings, measured side by
+    side with repeats, the projected band beside each (benchmarks/headline.py)."""
+    from benchmarks import headline as hl
+
+    runs = report["runs"]
+    if "headline" not in runs:
+        return []
+    lines = ["## At the flagship's settings", "",
+             f"One command: `{HEADLINE_COMMAND}` (this table alone, every other section "
+             f"reused). Command of this run: {_provenance(runs['headline'])}", ""]
+    missing = _not_run(runs, "headline")
+    if missing:
+        return lines + [missing, ""]
+    out = result(runs, "headline")
+    lines += hl.setting_lines(out) + [""] + hl.table(out)
+    return lines + ["", "Measured / lbp: each round's step over lbp's step of the same round "
+                        "(the schemes stepped in turns); projected: the chooser's row of each "
+                        "scheme at the same settings, its band over the public figures' fast "
+                        "and slow rates and overlap from none to perfect (docs/planning.md).", ""]
 
 
 def headline(report) -> list[str]:
@@ -176,8 +200,9 @@ def frontier_section(report, out: Path, plots: Path) -> list[str]:
     if c.get("rate_derivation"):
         d = c["rate_derivation"]
         lines += ["```", *derivation_lines(d),
-                  f"  achieved: zero3's collectives alone / compute alone = "
-                  f"{d.get('achieved_ratio', float('nan')):.3f}", "```", ""]
+                  *([f"  in the run: zero3's collectives alone / compute alone = "
+                     f"{d['achieved_ratio']:.3f}"] if "achieved_ratio" in d else []),
+                  "```", ""]
     lines += [f"Compute alone: {c.get('compute_alone', '')}. Link alone: the scheme's own step "
               f"collectives issued again back to back. Trace waits: the time the engine's "
               f"schedule trace has the rank waiting on collectives; below, per phase, waited "
@@ -377,8 +402,10 @@ def markdown(report: dict[str, Any], out: Path, results_path: Path) -> str:
              f"the command. Every figure below is in "
              f"[{_rel(results_path, out)}]({_rel(results_path, out)}), with each command, its "
              f"exit status and wall time; how each command counts and what it assumes is in "
-             f"[docs/benchmarks.md]({_rel(DOCS, out)}).",
+             f"[docs/benchmarks.md]({_rel(DOCS, out)}). The leading table alone: "
+             f"`{HEADLINE_COMMAND}`.",
              ""]
+    lines += flagship_table(report)
     lines += headline(report)
     lines += goals_table(report)
     lines += traffic_section(report, out, plots)

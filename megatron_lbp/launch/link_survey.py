@@ -21,7 +21,8 @@ What is timed: all-gather and all-to-all in int8, int4 (two per byte, uint8 stor
 bytes of qgZ's packed gradients) bf16 and fp32; reduce-scatter and all-reduce in bf16 and
 fp32 (a sum of int8 or packed int4 codes is not a reduction anyone runs: quantized
 reductions are all-to-alls, timed as such). Sizes ascend per (shape, op, dtype); each is a
-warm-up and ``--reps`` timed repetitions, each after a barrier, its time the slowest rank's.
+warm-up and ``--reps`` timed repetitions after one barrier, back to back, each timed from the
+one before's end (:func:`time_case`), its time the slowest rank's.
 
 Bound: before each case the ranks agree (one MAX all-reduce) on the seconds spent so far and
 on the case's prediction (the previous size's time scaled by bytes, x (1 + reps)); a case
@@ -173,16 +174,25 @@ def agree_max(torch, dist, values: Sequence[float], device) -> list[float]:
 
 
 def time_case(torch, dist, coll, clock, op, shape, dtype, nbytes, reps, device) -> list[float]:
-    """This rank's seconds of ``reps`` repetitions after a warm-up, every group of ``shape`` at once."""
+    """This rank's seconds of ``reps`` repetitions after a warm-up, every group of ``shape`` at once.
+
+    One barrier, then the warm-up and the repetitions back to back, each timed from the end of
+    the one before. Ranks leave a barrier at different times (a scheduler's time slice apart
+    on a loaded host, a straggler's delay on a cluster), and a collective timed from each
+    rank's own exit counts that skew into the slowest rank's figure: 10-40% of a 0.3 s
+    transfer on the emulated network (benchmarks/survey_network.py). After the warm-up every
+    rank's end waits on the data of every other, so the ranks are in step, and each
+    repetition is the collective's own time."""
     out, inp = buffers(torch, op, dtype, nbytes, coll.sizes[shape], device)
     times = []
-    for i in range(reps + 1):
-        dist.barrier()
-        t0 = clock.sync()
+    dist.barrier()
+    issue(coll, op, shape, out, inp)
+    last = clock.sync()
+    for _ in range(reps):
         issue(coll, op, shape, out, inp)
-        dt = clock.sync() - t0
-        if i:
-            times.append(dt)
+        now = clock.sync()
+        times.append(now - last)
+        last = now
     return times
 
 

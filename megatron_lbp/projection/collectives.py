@@ -60,6 +60,25 @@ PUBLIC = {
 PUBLIC_TEXT = ("public Frontier figures (AMD MI250X: 200 GB/s each way in a package; OLCF "
                "Frontier User Guide: 50-100 GB/s between packages, 4 x 25 GB/s Slingshot-11 "
                "per node; per-step latency assumed; projection/collectives.py)")
+# A Frontier node's compute against its network, for what emulates it (benchmarks/network_shape.py
+# sets an emulated uplink from these, never from this model's step times). Sources: AMD's MI250X
+# figures, 383 TFLOP/s bf16 dense per module of 2 GCDs; OLCF's Frontier User Guide, 8 GCDs and
+# four 25 GB/s Slingshot-11 NICs per node; Dash et al., "Optimizing Distributed Training on
+# Frontier for Large Language Models" (arXiv 2312.12705), 38.38% of peak achieved for a 22B GPT
+# on Frontier, the published figure nearest the 20B flagship.
+FRONTIER_NODE = {"gcds": 8, "peak_flops_per_gcd": 191.5e12, "nic_bytes_per_s": 4 * 25 * GB,
+                 "achieved_share_of_peak": 0.3838}
+FRONTIER_NODE_TEXT = ("Frontier node: 8 GCDs x 191.5 TFLOP/s bf16 (AMD MI250X), 38.38% of peak "
+                      "achieved (Dash et al., arXiv 2312.12705, 22B GPT), 4 x 25 GB/s "
+                      "Slingshot-11 NICs (OLCF Frontier User Guide)")
+
+
+def frontier_flops_per_network_byte() -> float:
+    """A Frontier node's achieved model FLOP/s over its NICs' bytes/s each way (FRONTIER_NODE)."""
+    f = FRONTIER_NODE
+    return f["gcds"] * f["peak_flops_per_gcd"] * f["achieved_share_of_peak"] / f["nic_bytes_per_s"]
+
+
 # Without a survey the pessimistic overlap is none: nothing measured says more is hidden.
 NO_OVERLAP = {"hidden_fraction": 0.0, "slowdown": 1.0}
 # Ties: a row is tied with the fastest where at some corner it is within this of it (the step

@@ -1,8 +1,7 @@
 """The issue 13 goals of the report (report_goals): met or missed against the issue's targets,
 and a missed goal's reason built from the trace of the run it judges.
 
-The replay goals are judged on a real replayed projection (the committed traces); the
-Frontier-shaped emulation's on a run record of the shape ``bench network --json`` prints
+The replayed projection (the committed traces) is quoted, not judged; the Frontier-shaped emulation's on a run record of the shape ``bench network --json`` prints
 (the command itself is tested in test_bench_network.py), with its figures moved across
 the targets to see both outcomes.
 """
@@ -13,8 +12,6 @@ import pytest
 from megatron_lbp.projection import project as pj
 from megatron_lbp.projection import project_replay as pr
 from benchmarks import report_goals as rg
-
-EFF_KEY, RATIO_KEY = "20B lbp scaling efficiency 8->384", "20B lbp/zeropp TFLOPS at 384"
 
 
 @pytest.fixture(scope="module")
@@ -30,63 +27,20 @@ def _by_id(goals):
     return {g["id"]: g for g in goals}
 
 
-def test_replay_goals_follow_the_targets_and_a_miss_says_why_from_the_trace(project_run):
+def test_goals_the_model_meets_by_construction_are_not_judged(project_run):
+    """The replayed lbp scaling efficiency (>= 1 by construction) and a replayed lbp / zeropp
+    target above the replay's own ceiling are figures, not goals: no goal names them, and the
+    headline still quotes the replayed ratio."""
+    project_run = copy.deepcopy(project_run)
+    project_run["project"]["result"].update(results={}, ratios={})   # no idealised projection
+    ids = {g["id"] for g in rg.goals(project_run)}
+    assert not {i for i in ids if i.startswith("replay")}, ids
     rep = project_run["project"]["result"]["replay"]
-    got = _by_id(rg.replay_goals(project_run))
-    for gid, key, target in (("replay_efficiency", EFF_KEY, rg.REPLAY_EFFICIENCY),
-                             ("replay_lbp_over_zeropp", RATIO_KEY, rg.REPLAY_LBP_OVER_ZEROPP)):
-        value = rep["ratios"][key]
-        assert got[gid]["value"] == value
-        assert got[gid]["status"] == ("met" if value >= target else "missed"), got[gid]
-    for gid, key in (("replay_efficiency", EFF_KEY), ("replay_lbp_over_zeropp", RATIO_KEY)):
-        for value, status in ((9.0, "met"), (0.01, "missed")):
-            runs = copy.deepcopy(project_run)
-            runs["project"]["result"]["replay"]["ratios"][key] = value
-            goal = _by_id(rg.replay_goals(runs))[gid]
-            assert goal["status"] == status, (gid, value, goal)
-            if status == "met":
-                assert goal["reason"] == ""
-                continue
-            # why: lbp's step as compute + exposed, and the trace's top exposed phase and
-            # what it waited behind, as the replay explains it
-            lbp = rep["results"]["20B"]["lbp"]["384"]
-            assert f"compute {lbp['compute_s']:.2f} + exposed {lbp['exposed_s']:.2f}" in \
-                goal["reason"], goal["reason"]
-            assert lbp["explain"][0] in goal["reason"], goal["reason"]
-            assert "prefetch 1" in goal["reason"] and "paper" in goal["reason"]
-
-
-def test_a_missed_ratio_says_whether_any_lbp_schedule_could_reach_it(project_run):
-    """zeropp's replayed step over lbp's compute alone is the ratio with nothing of lbp's
-    exposed; the reason says whether the target lies above it."""
-    runs = copy.deepcopy(project_run)
-    rep = runs["project"]["result"]["replay"]
-    rep["ratios"][RATIO_KEY] = 0.01
     r20 = rep["results"]["20B"]
-    best = r20["zeropp"]["384"]["step_s"] / r20["lbp"]["384"]["compute_s"]
-    reason = _by_id(rg.replay_goals(runs))["replay_lbp_over_zeropp"]["reason"]
-    assert f"the ratio would be {best:.3f}" in reason, reason
-    reachable = "hiding the rest of lbp's exposed time would reach the goal"
-    assert (reachable in reason) is (best >= rg.REPLAY_LBP_OVER_ZEROPP), reason
-    # the other outcome, with zeropp's step moved across the target
-    r20["zeropp"]["384"]["step_s"] = r20["lbp"]["384"]["compute_s"] * (
-        rg.REPLAY_LBP_OVER_ZEROPP + (-0.1 if best >= rg.REPLAY_LBP_OVER_ZEROPP else 0.1))
-    reason = _by_id(rg.replay_goals(runs))["replay_lbp_over_zeropp"]["reason"]
-    assert (reachable in reason) is not (best >= rg.REPLAY_LBP_OVER_ZEROPP), reason
-
-
-def test_replay_goals_say_when_the_traces_are_stale(project_run):
-    runs = copy.deepcopy(project_run)
-    rep = runs["project"]["result"]["replay"]
-    rep["stale"] = "the committed traces were recorded with other sources: re-record"
-    rep["ratios"][RATIO_KEY] = 0.01
-    assert rep["stale"] in _by_id(rg.replay_goals(runs))["replay_lbp_over_zeropp"]["reason"]
-
-
-def test_replay_goals_not_measured_without_the_project_run():
-    runs = {"project": {"status": "failed", "reason": "timed out after 1 s"}}
-    for goal in rg.replay_goals(runs):
-        assert goal["status"] == "not measured" and "timed out after 1 s" in goal["reason"]
+    (line,) = [h for h in rg.headline(project_run, rg.goals(project_run)) if h["id"] == "replay"]
+    assert line["values"] == [r20["lbp"]["384"]["tflops_per_gcd"]
+                              / r20["zeropp"]["384"]["tflops_per_gcd"]]
+    assert "efficiency" not in line["text"], line["text"]
 
 
 def _row(median, compute, link, trace_phases=None):
