@@ -20,11 +20,14 @@ optim           O consecutive ranks                    o = r % O = G*a + j
 inter           {base_O + G*a + j  for a < O/G}        a = (r % O) // G
 grad_to_param   {base_G + P*q + p  for q < G/P}        q = (r % G) // P
 secondary       S consecutive ranks                    s = r % S
+grad_cross      {base_G + s + S*b      for b < G/S}    b = (r % G) // S
 replica         {o + O*b           for b < R}          b = r // O
 ==============  =====================================  ====================
 
 ("inter" carries the optimizer step's network reduce-scatter 1/G -> 1/O and
-the all-gather back; "grad_to_param" the in-node all-gather 1/G -> 1/P.)
+the all-gather back; "grad_to_param" the in-node all-gather 1/G -> 1/P;
+"grad_cross", only where S | G, the second hop of ZeRO++'s hierarchical qgZ:
+the G-group's ranks at one position of their S-groups.)
 
 The bucket
 ----------
@@ -116,7 +119,8 @@ __all__ = [
     "grad_reduce_order",
 ]
 
-LEVELS = ("param", "grad", "optim", "inter", "grad_to_param", "secondary", "replica")
+LEVELS = ("param", "grad", "optim", "inter", "grad_to_param", "secondary", "grad_cross",
+          "replica")
 
 T = TypeVar("T")
 
@@ -190,11 +194,16 @@ def _check_rank(rank: object, world_size: int) -> None:
         raise LayoutError(f"rank={rank} must be in [0, world_size={world_size})")
 
 
-def _check_level(level: object, secondary_group_size: int) -> None:
+def _check_level(level: object, secondary_group_size: int,
+                 grad_group_size: int | None = None) -> None:
     if level not in LEVELS:
         raise LayoutError(f"level={level!r} must be one of {', '.join(LEVELS)}")
     if level == "secondary" and not secondary_group_size:
         raise LayoutError("secondary_group_size=0 has no 'secondary' level (secondary copy is off)")
+    if level == "grad_cross" and (not secondary_group_size or grad_group_size is None
+                                  or grad_group_size % secondary_group_size):
+        raise LayoutError(f"level 'grad_cross' needs secondary_group_size={secondary_group_size} "
+                          f"to divide grad_group_size={grad_group_size}")
 
 
 # --------------------------------------------------------------------- groups
@@ -212,6 +221,8 @@ def _group_index(level: str, rank: int, P: int, G: int, O: int, S: int) -> int:
         return (rank % G) // P
     if level == "secondary":
         return rank % S
+    if level == "grad_cross":
+        return (rank % G) // S
     return rank // O  # replica
 
 
@@ -222,8 +233,11 @@ def group_ranks(level: str, rank: int, world_size: int, param_group_size: int,
     W, P, G, O, S = (world_size, param_group_size, grad_group_size, optim_group_size,
                      secondary_group_size)
     _check_sizes(W, P, G, O, S)
-    _check_level(level, S)
+    _check_level(level, S, G)
     _check_rank(rank, W)
+    if level == "grad_cross":
+        base, s = rank - rank % G, rank % S
+        return tuple(base + s + S * b for b in range(G // S))
     if level == "inter":
         base, j = rank - rank % O, rank % G
         return tuple(base + G * a + j for a in range(O // G))
@@ -266,7 +280,7 @@ def all_groups(level: str, world_size: int, param_group_size: int, grad_group_si
     args = (world_size, param_group_size, grad_group_size, optim_group_size,
             secondary_group_size)
     _check_sizes(*args)
-    _check_level(level, secondary_group_size)
+    _check_level(level, secondary_group_size, grad_group_size)
     groups, seen = [], set()
     for r in range(world_size):
         if r not in seen:
@@ -362,7 +376,7 @@ class BucketLayout:
     # indices
     def group_index(self, level: str, rank: int) -> int:
         """Position of ``rank`` inside its ``level`` group (== its index in group_ranks)."""
-        _check_level(level, self.secondary_group_size)
+        _check_level(level, self.secondary_group_size, self.grad_group_size)
         _check_rank(rank, self.world_size)
         return _group_index(level, rank, self.param_group_size, self.grad_group_size,
                             self.optim_group_size, self.secondary_group_size)
