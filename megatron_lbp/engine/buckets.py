@@ -210,6 +210,12 @@ class FlatBucket:
     def secondary_is_current(self) -> bool:
         return self.secondary_version == self.primary._version
 
+    def invalidate_secondary(self) -> None:
+        """The weights are about to change on some rank (the optimizer step): no rank may read
+        this copy until a forward rebuilds it, even where this rank's own slice stays as it was
+        (a slice of padding only), or ranks would gather from different copies."""
+        self.secondary_version = -1
+
     # --- gradients -----------------------------------------------------------------------
     @property
     def grad_full_nbytes(self) -> int:
