@@ -42,7 +42,8 @@ from megatron_lbp.launch import estimate
 # (label, preset, secondary: "node", "package" or 0) — the schemes every ranking covers.
 SCHEMES = estimate.SCHEMES
 # label -> the scheme name of the committed traces (megatron_lbp/projection/traces/index.json).
-# (zeropp's committed trace is of the engine's earlier zeropp, not ZeRO++: not replayed.)
+# (zeropp, ZeRO++, is timed by the idealised model: its committed traces are not yet held
+# to the idealised step the way lbp's are, tests/launch/test_launch_choose.py.)
 TRACED = {"lbp S=node": "lbp-int8-S8", "lbp S=0": "lbp", "zero3": "zero3"}
 
 

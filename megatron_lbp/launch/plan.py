@@ -380,6 +380,8 @@ def plan_from_args(args: argparse.Namespace, *, knob_table: bool = True) -> dict
         "quant_block_size": block,
         "quantize_weight_gather": cfg.quantize_weight_gather,
         "quantize_grad_reduce": list(qgz),
+        "secondary_scope": cfg.secondary_scope,
+        "grad_quant_scheme": cfg.grad_quant_scheme,
         "params": result["params"],
         "padded_params": result["padded_params"],
         "padding": result["padded_params"] - result["params"],
