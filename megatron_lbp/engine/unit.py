@@ -12,7 +12,9 @@ copy when S > 0) -> :meth:`GatherUnit.unshard` -> ``GATHERING`` (an asynchronous
 all-gather into ``full`` in flight) -> :meth:`GatherUnit.wait_for_unshard` ->
 ``GATHERED`` -> :meth:`GatherUnit.reshard` -> ``SHARDED``. In forward the gather
 reads the primary slices in the P-group (int8 + scales with qwZ); in backward,
-the secondary copies in the S-group when S > 0.
+the secondary copies in the S-group when S > 0, and with the secondary copy's step
+scope (zeropp's hpZ) also in every forward after the step's first
+(:meth:`GatherUnit.reads_secondary`).
 
 Gradients: each parameter's gradient is written into the unit's transient
 fp32 ``grad_full`` (:meth:`GatherUnit.accumulate`: copied on its first arrival,
@@ -25,7 +27,8 @@ weights and reduce-scatters in the G-group with the 1/W average folded into
 the collective where the backend can (NCCL's PREMUL_SUM,
 :meth:`Collectives.folds_prescale`; this rank's inf/nan then counted only with
 --check-for-nan-in-loss-and-grad, which names the rank), else into the one
-pass that also counts this rank's inf/nan (int8 all-to-all with qgZ),
+pass that also counts this rank's inf/nan (qgZ's quantized all-to-all, in two hops
+for zeropp: engine/quantized.py),
 straight into the persistent 1/G shard on the first micro-batch of a step and, at
 :meth:`GatherUnit.finish_reduce`, added to it on later ones.
 
