@@ -7,7 +7,7 @@ validate a launch command without a GPU or a process group.
 Sizes count *data-parallel* ranks:
 
     P  param_group_size      bf16 primary weights sharded 1/P  (package)
-    S  secondary_group_size  optional int8 copy for backward, 1/S (0 = off)
+    S  secondary_group_size  optional secondary weight copy, 1/S (0 = off)
     G  grad_group_size       fp32 gradient shard 1/G            (node)
     O  optim_group_size      fp32 master + Adam state 1/O       (network)
     R  = W / O               optimizer replicas (HSDP-style when > 1)
@@ -39,6 +39,10 @@ from megatron_lbp.core.vocabulary import (DEFAULT_EMBEDDING_BACKWARD_GATHER,
 __all__ = [
     "PRESETS",
     "SECONDARY_DTYPES",
+    "SECONDARY_SCOPES",
+    "GRAD_QUANT_SCHEMES",
+    "hierarchical_grad_reduce",
+    "default_grad_reduce_dtype",
     "DEFAULT_PRESET",
     "DEFAULT_GPUS_PER_NODE",
     "DEFAULT_GCDS_PER_PACKAGE",
@@ -66,7 +70,18 @@ __all__ = [
 ]
 
 PRESETS = ("lbp", "zero3", "zeropp", "zero2", "hsdp")
-SECONDARY_DTYPES = ("int8", "bf16")
+# "param": the weights' own dtype (ZeRO++'s hpZ secondary partition).
+SECONDARY_DTYPES = ("int8", "bf16", "param")
+# When the secondary copy is built and which gathers read it:
+# "backward": rebuilt by every forward, read by the backward of that micro-batch;
+# "step": built by the step's first forward gather of each unit, then read by every later
+# gather of the step (later micro-batches' forwards, every backward) until the optimizer
+# step changes the weights (DeepSpeed's hpZ: ds_secondary_tensor, invalidated after the step).
+SECONDARY_SCOPES = ("backward", "step")
+# qgZ's payload: "int8" one all-to-all over the reduce-scatter's group; "int4-hier" ZeRO++'s
+# int4 all-to-all, in the S-group first and across S-groups second where the S-groups nest in
+# the gradient group (DeepSpeed's all_to_all_quant_reduce: in the node, then across nodes).
+GRAD_QUANT_SCHEMES = ("int8", "int4-hier")
 DEFAULT_PRESET = "lbp"
 # Frontier: 8 GCDs per node, 2 GCDs per MI250X package.
 DEFAULT_GPUS_PER_NODE = 8
@@ -83,6 +98,8 @@ FLAGS = {
     "optim_group_size": "--hier-optim-group-size",
     "secondary_group_size": "--hier-secondary-group-size",
     "secondary_dtype": "--hier-secondary-dtype",
+    "secondary_scope": "--hier-secondary-scope",
+    "grad_quant_scheme": "--hier-grad-quant-scheme",
     "gpus_per_node": "--hier-gpus-per-node",
     "gcds_per_package": "--hier-gcds-per-package",
     "preset": "--hier-preset",
@@ -210,25 +227,30 @@ class HierConfig:
     gpus_per_node: int
     gcds_per_package: int
     preset: str
-    # Quantized communication (blockwise int8, one fp32 scale per block):
-    # qwZ: every P-group weight all-gather that feeds compute (forward, and the
-    # backward regather when S = 0) carries int8 + scales instead of the weights;
-    # qgZ: every gradient reduce-scatter whose groups cross nodes runs as an int8
-    # all-to-all, dequantized and summed in fp32 by the receiver.
+    # Quantized communication (blockwise, one fp32 scale per block):
+    # qwZ: every weight all-gather that feeds compute (from the primary slices, and from a
+    # secondary copy not stored as int8) carries int8 + scales instead of the weights;
+    # qgZ: every gradient reduce-scatter whose groups cross nodes runs as an all-to-all of
+    # quantized chunks (grad_quant_scheme), dequantized and summed in fp32 by the receiver.
     quant_block_size: int = DEFAULT_QUANT_BLOCK_SIZE
     quantize_weight_gather: bool = False
     quantize_grad_reduce: bool = False
+    secondary_scope: str = "backward"
+    grad_quant_scheme: str = "int8"
 
     def __post_init__(self) -> None:
         _check_machine(self.world_size, self.gpus_per_node, self.gcds_per_package)
         _check_choice("preset", self.preset, PRESETS)
         _check_choice("secondary_dtype", self.secondary_dtype, SECONDARY_DTYPES)
+        _check_choice("secondary_scope", self.secondary_scope, SECONDARY_SCOPES)
+        _check_choice("grad_quant_scheme", self.grad_quant_scheme, GRAD_QUANT_SCHEMES)
         sizes = {k: getattr(self, k) for k in _SIZE_FIELDS}
         for field, value in sizes.items():
             _check_int(field, value, 0 if field == "secondary_group_size" else 1)
         _check_nesting(sizes, self.world_size, {})
         _check_quantization(self.quant_block_size, self.quantize_weight_gather,
                             self.quantize_grad_reduce, self.param_group_size, {})
+        _check_hierarchical_reduce(self)
 
     @property
     def replicas(self) -> int:
@@ -260,6 +282,31 @@ def _check_quantization(block_size: Any, qwz: Any, qgz: Any, param_group_size: i
             f"{FLAGS['quantize_weight_gather']} needs a weight all-gather to quantize, but "
             f"{_describe('param_group_size', 1, origins.get('param_group_size'))} keeps "
             "every weight on every rank; drop the flag or raise the weight group size")
+
+
+def hierarchical_grad_reduce(cfg: Any) -> bool:
+    """Whether qgZ reduces the gradient group in two hops: int4 all-to-all in the S-group,
+    then across S-groups ("grad_cross"); needs 1 < S < G with S | G."""
+    S, G = int(getattr(cfg, "secondary_group_size", 0) or 0), int(cfg.grad_group_size)
+    return (bool(getattr(cfg, "quantize_grad_reduce", False))
+            and getattr(cfg, "grad_quant_scheme", "int8") == "int4-hier"
+            and 1 < S < G and G % S == 0)
+
+
+def _check_hierarchical_reduce(cfg: "HierConfig") -> None:
+    p, g = cfg.param_group_size, cfg.grad_group_size
+    if hierarchical_grad_reduce(cfg) and 1 < p < g:
+        raise HierConfigError(
+            f"{_flag('grad_quant_scheme', 'int4-hier')} with {_flag('param_group_size', p)} "
+            f"inside {_flag('grad_group_size', g)} is not supported: its two-hop all-to-all "
+            "hands out gradient chunks in rank order, which needs P = 1 or P = G; use "
+            f"{FLAGS['grad_quant_scheme']} int8")
+
+
+def default_grad_reduce_dtype(preset: str | None, param_dtype: str) -> str:
+    """--hier-grad-reduce-dtype when not given: bf16 for zeropp under bf16 training (DeepSpeed
+    reduces in its training dtype, ``communication_data_type``), else fp32."""
+    return "bf16" if preset == "zeropp" and param_dtype == "bf16" else "fp32"
 
 
 def check_training_dtypes(cfg: "HierConfig", param_dtype: str) -> None:
@@ -307,6 +354,8 @@ def _preset_sizes(preset: str, world: int, node: int, pkg: int) -> dict[str, tup
                     optim_group_size=(w, False)),
         "zero3": dict(param_group_size=(w, True), secondary_group_size=(off, True),
                       grad_group_size=(w, True), optim_group_size=(w, True)),
+        # ZeRO++ as DeepSpeed ships it: zero3 + hpZ (a node-sized secondary) + qwZ + qgZ;
+        # its dtype, scope and quantization come from resolve_hier_config.
         "zeropp": dict(param_group_size=(w, True), secondary_group_size=(n, False),
                        grad_group_size=(w, True), optim_group_size=(w, True)),
         "zero2": dict(param_group_size=(one, True), secondary_group_size=(off, True),
@@ -327,10 +376,12 @@ def resolve_hier_config(
     grad_group_size: int | None = None,
     optim_group_size: int | None = None,
     secondary_group_size: int | None = None,
-    secondary_dtype: str = DEFAULT_SECONDARY_DTYPE,
+    secondary_dtype: str | None = None,
     quant_block_size: int | None = None,
     quantize_weight_gather: bool | None = None,
     quantize_grad_reduce: bool | None = None,
+    secondary_scope: str | None = None,
+    grad_quant_scheme: str | None = None,
 ) -> HierConfig:
     """Apply the preset, then the user's explicit sizes, and validate.
 
@@ -338,14 +389,26 @@ def resolve_hier_config(
     are checked (type, range, preset lock) before anything is derived from
     them, so the message always points at what the user typed.
 
-    Quantization: qwZ (``quantize_weight_gather``) defaults to on for zeropp
-    (ZeRO++'s quantized weight all-gather; off there only with an explicit
-    False, i.e. --no-hier-quantize-weight-gather) and off for every other
-    preset; qgZ is off unless asked for; the block size defaults to 256.
+    zeropp is ZeRO++ with DeepSpeed's defaults for what its tutorial turns on:
+    the secondary copy (hpZ) in the weights' dtype with the step scope, qwZ on,
+    qgZ on as int4-hier wherever the world spans more than one node (one node:
+    nothing crosses a node, as DeepSpeed skips qgZ there). Every other preset:
+    int8 secondary copy rebuilt every forward (backward scope), qwZ and qgZ off,
+    qgZ int8 when asked for. Explicit values win; the block size defaults to 256.
     """
     _check_machine(world_size, gpus_per_node, gcds_per_package)
     preset = DEFAULT_PRESET if preset is None else _check_choice("preset", preset, PRESETS)
+    zeropp = preset == "zeropp"
+    if secondary_dtype is None:
+        secondary_dtype = "param" if zeropp else DEFAULT_SECONDARY_DTYPE
     secondary_dtype = _check_choice("secondary_dtype", secondary_dtype, SECONDARY_DTYPES)
+    if secondary_scope is None:
+        secondary_scope = "step" if zeropp else "backward"
+    secondary_scope = _check_choice("secondary_scope", secondary_scope, SECONDARY_SCOPES)
+    if grad_quant_scheme is None:
+        grad_quant_scheme = "int4-hier" if zeropp else "int8"
+    grad_quant_scheme = _check_choice("grad_quant_scheme", grad_quant_scheme,
+                                      GRAD_QUANT_SCHEMES)
     explicit = {
         "param_group_size": param_group_size,
         "secondary_group_size": secondary_group_size,
@@ -377,14 +440,17 @@ def resolve_hier_config(
         # zeropp = zero3 + hpZ (the secondary) + qwZ; nothing to gather when P = 1.
         quantize_weight_gather = preset == "zeropp" and sizes["param_group_size"] > 1
     if quantize_grad_reduce is None:
-        quantize_grad_reduce = False
+        # zeropp's gradient group is the world: it crosses nodes exactly when W > a node.
+        quantize_grad_reduce = zeropp and world_size > min(gpus_per_node, world_size)
     _check_quantization(block, quantize_weight_gather, quantize_grad_reduce,
                         sizes["param_group_size"], origins)
     return HierConfig(world_size=world_size, secondary_dtype=secondary_dtype,
                       gpus_per_node=gpus_per_node, gcds_per_package=gcds_per_package,
                       preset=preset, quant_block_size=block,
                       quantize_weight_gather=quantize_weight_gather,
-                      quantize_grad_reduce=quantize_grad_reduce, **sizes)
+                      quantize_grad_reduce=quantize_grad_reduce,
+                      secondary_scope=secondary_scope, grad_quant_scheme=grad_quant_scheme,
+                      **sizes)
 
 
 # --------------------------------------------------------------------------- argparse
@@ -422,8 +488,11 @@ def add_hier_arguments(parser: argparse.ArgumentParser, *, include_world: bool =
                         "of weights, gradients and optimizer state.")
     g.add_argument("--hier-preset", choices=PRESETS, default=None,
                    help="Scheme to start from (default lbp). lbp: P=package, G=node, "
-                        "O=world; zero3: P=G=O=world; zeropp: zero3 plus an int8 "
-                        "secondary copy per node and int8 weight gathers (qwZ); zero2: P=1, G=O=world; hsdp: "
+                        "O=world; zero3: P=G=O=world; zeropp: ZeRO++ as DeepSpeed ships it, "
+                        "zero3 plus a node-sized secondary copy in the weights' dtype built "
+                        "by each step's first forward and read by every later gather (hpZ), "
+                        "int8 weight gathers (qwZ) and an int4 gradient all-to-all in the "
+                        "node, then across nodes (qgZ); zero2: P=1, G=O=world; hsdp: "
                         "P=G=O=node with world/node replicas. Only lbp's sizes (and "
                         "zeropp's secondary size) may be overridden.")
     g.add_argument("--hier-param-group-size", type=_int_arg, default=None, metavar="P",
@@ -436,24 +505,36 @@ def add_hier_arguments(parser: argparse.ArgumentParser, *, include_world: bool =
                    help="Data-parallel ranks sharing one optimizer state; a multiple of "
                         "G dividing the data-parallel size (default: all of them).")
     g.add_argument("--hier-secondary-group-size", type=_int_arg, default=None, metavar="S",
-                   help="Data-parallel ranks sharing the secondary weight copy used in "
-                        "backward; divides the data-parallel size, 0 = off (default 0; "
-                        "zeropp: GPUs per node).")
-    g.add_argument("--hier-secondary-dtype", choices=SECONDARY_DTYPES,
-                   default=DEFAULT_SECONDARY_DTYPE,
-                   help="Storage type of the secondary weight copy (default int8, "
-                        "blockwise with scales).")
+                   help="Data-parallel ranks sharing the secondary weight copy; divides "
+                        "the data-parallel size, 0 = off (default 0; zeropp: GPUs per node).")
+    g.add_argument("--hier-secondary-dtype", choices=SECONDARY_DTYPES, default=None,
+                   help="Storage type of the secondary weight copy: int8 (blockwise with "
+                        "scales), bf16, or param (the weights' own dtype). Default int8; "
+                        "zeropp: param.")
+    g.add_argument("--hier-secondary-scope", choices=SECONDARY_SCOPES, default=None,
+                   help="Which gathers read the secondary copy: 'backward' (default) rebuilds "
+                        "it in every forward for that micro-batch's backward; 'step' (zeropp's "
+                        "default, DeepSpeed's hpZ) builds it in the step's first forward and "
+                        "serves every later gather of the step from it, forward and backward, "
+                        "until the optimizer step changes the weights.")
+    g.add_argument("--hier-grad-quant-scheme", choices=GRAD_QUANT_SCHEMES, default=None,
+                   help="qgZ's payload: 'int8' (default) one blockwise int8 all-to-all; "
+                        "'int4-hier' (zeropp's default, ZeRO++'s qgZ) blockwise int4 codes, "
+                        "two per byte, exchanged in the secondary group first and across "
+                        "secondary groups second where those nest in the gradient group "
+                        "(1 < S < G, S | G), else in one all-to-all.")
     g.add_argument("--hier-quantize-weight-gather", action=argparse.BooleanOptionalAction,
                    default=None,
-                   help="qwZ: send every weight all-gather of the P-group (forward, and the "
-                        "backward regather when there is no secondary copy) as blockwise "
-                        "int8 + fp32 scales, dequantized on arrival (default: on for "
-                        "zeropp, off otherwise).")
+                   help="qwZ: send every weight all-gather that feeds compute (from the "
+                        "primary slices, and from a secondary copy that is not int8 already) "
+                        "as blockwise int8 + fp32 scales, dequantized on arrival (default: on "
+                        "for zeropp, off otherwise).")
     g.add_argument("--hier-quantize-grad-reduce", action=argparse.BooleanOptionalAction,
                    default=None,
                    help="qgZ: run every gradient reduce-scatter whose groups cross nodes "
-                        "as an all-to-all of blockwise int8 + fp32 scales, dequantized "
-                        "and summed in fp32 by the receiver (default off).")
+                        "as an all-to-all of blockwise quantized codes + fp32 scales "
+                        "(--hier-grad-quant-scheme), dequantized and summed in fp32 by the "
+                        "receiver (default off; zeropp: on where the world spans nodes).")
     g.add_argument("--hier-quant-block-size", type=_int_arg, default=None, metavar="B",
                    help="Elements per fp32 scale of every int8 payload (secondary copy, "
                         f"qwZ, qgZ); a positive multiple of {QUANT_KERNEL_ALIGN} "
@@ -507,9 +588,10 @@ def add_hier_arguments(parser: argparse.ArgumentParser, *, include_world: bool =
                         "slices, so no rank ever holds the whole model (default on; the "
                         "initial weights equal a plain build's for the same seed). "
                         "--no-hier-sharded-init builds the whole model, then buckets it.")
-    g.add_argument("--hier-grad-reduce-dtype", choices=GRAD_REDUCE_DTYPES, default="fp32",
+    g.add_argument("--hier-grad-reduce-dtype", choices=GRAD_REDUCE_DTYPES, default=None,
                    help="Dtype of the gradient shard and of every gradient reduction "
-                        "(default fp32).")
+                        "(default fp32; zeropp under --bf16: bf16, DeepSpeed's "
+                        "communication dtype).")
     g.add_argument("--hier-comm-report", default=None, metavar="PATH",
                    help="Write bytes per link class and phase, and bytes held per state, "
                         "as JSON lines, one per optimizer step.")
@@ -565,10 +647,12 @@ def hier_config_from_args(args: Any, world_size: int | None = None, *,
         grad_group_size=getattr(args, "hier_grad_group_size", None),
         optim_group_size=getattr(args, "hier_optim_group_size", None),
         secondary_group_size=getattr(args, "hier_secondary_group_size", None),
-        secondary_dtype=getattr(args, "hier_secondary_dtype", None) or DEFAULT_SECONDARY_DTYPE,
+        secondary_dtype=getattr(args, "hier_secondary_dtype", None),
         quant_block_size=getattr(args, "hier_quant_block_size", None),
         quantize_weight_gather=getattr(args, "hier_quantize_weight_gather", None),
         quantize_grad_reduce=getattr(args, "hier_quantize_grad_reduce", None),
+        secondary_scope=getattr(args, "hier_secondary_scope", None),
+        grad_quant_scheme=getattr(args, "hier_grad_quant_scheme", None),
     )
 
 
@@ -578,7 +662,8 @@ class EngineOptions:
 
     bucket_size: int = DEFAULT_BUCKET_SIZE
     overlap: bool = True
-    grad_reduce_dtype: str = "fp32"
+    # None: default_grad_reduce_dtype of the preset and the weights' dtype (the engine's call).
+    grad_reduce_dtype: str | None = "fp32"
     comm_report: str | None = None
     prefetch_units: int = DEFAULT_PREFETCH_UNITS
     max_pending_reduces: int = DEFAULT_MAX_PENDING_REDUCES
@@ -593,7 +678,8 @@ class EngineOptions:
         _check_int("bucket_size", self.bucket_size, 1)
         _check_int("prefetch_units", self.prefetch_units, 0)
         _check_int("max_pending_reduces", self.max_pending_reduces, 1)
-        _check_choice("grad_reduce_dtype", self.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
+        if self.grad_reduce_dtype is not None:
+            _check_choice("grad_reduce_dtype", self.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
         _check_choice("embedding_backward_gather", self.embedding_backward_gather,
                       EMBEDDING_BACKWARD_GATHERS)
         _check_choice("layer_unit", self.layer_unit, LAYER_UNITS)
@@ -604,7 +690,7 @@ def engine_options_from_args(args: Any) -> EngineOptions:
     return EngineOptions(
         bucket_size=DEFAULT_BUCKET_SIZE if bucket is None else bucket,
         overlap=bool(getattr(args, "hier_overlap", True)),
-        grad_reduce_dtype=getattr(args, "hier_grad_reduce_dtype", None) or "fp32",
+        grad_reduce_dtype=getattr(args, "hier_grad_reduce_dtype", None),
         comm_report=getattr(args, "hier_comm_report", None),
         prefetch_units=prefetch_units_from_args(args),
         max_pending_reduces=max_pending_reduces_from_args(args),

@@ -32,18 +32,30 @@ Accounting rules
   ``q(n) = n + 4*ceil(n/quant_block_size)`` bytes (``int8_payload_bytes``,
   equal to megatron_lbp.quant.quantized_nbytes). The int8 secondary copy is
   one such slice per rank, and the full bucket gathered in the backward pass
-  is S of them. qwZ gathers P slices q(N/P); qgZ sends each peer of an n-rank
-  reduce-scatter its chunk as q(N_in/n) bytes through an all-to-all (a rank's
-  own chunk stays home), i.e. (n-1)*q(N_in/n) bytes per rank.
+  is S of them. qwZ gathers P slices q(N/P), and a secondary copy not stored as
+  int8 as S slices q(N/S); qgZ sends each peer of an n-rank reduce-scatter its
+  chunk as q(N_in/n) bytes through an all-to-all (a rank's own chunk stays
+  home), i.e. (n-1)*q(N_in/n) bytes per rank. With ``grad_quant_scheme``
+  "int4-hier" every qgZ chunk is int4 instead, q4(n) = ceil(n/2) +
+  4*ceil(n/block) (``int4_payload_bytes``), and where the S-groups nest in the
+  G-group (1 < S < G, S | G; ``config.hierarchical_grad_reduce``) the "grad"
+  reduce runs in two hops, X = G/S, c = N/G: (S-1)*X*q4(c) over the S-group
+  ("secondary") and (X-1)*q4(c) across S-groups ("grad_cross").
 * qwZ and qgZ come from the config (``quantize_weight_gather``,
   ``quantize_grad_reduce``, ``quant_block_size``; absent = off / 256). qgZ
   quantizes exactly the gradient reduce-scatter families ("grad", "inter")
   whose link class is "network" (``quantized_grad_families``).
+* The secondary copy's scope (``secondary_scope``): "backward" (read by the
+  backward gathers only) or "step" (ZeRO++'s hpZ: the step's first forward
+  gathers from the primary slices, every later forward and every backward from
+  the secondary copy), so with the step scope forward_gather is one P-group
+  gather plus k-1 S-group gathers per unit.
 
 Memory per rank (N = padded bucket numel, w = weight bytes, g = grad bytes)::
 
     primary   = w*N/P
     secondary = 0 (S = 0) | N/S + 4*ceil(N/S/block) (int8) | 2*N/S (bf16)
+                | w*N/S (param: the weights' dtype)
     grad      = g*N/G
     optimizer = 12*N/O for bf16/fp16 weights (fp32 master + Adam m, v);
                  8*N/O for fp32 weights (the master is the primary slice: the
@@ -53,10 +65,14 @@ Traffic per rank per optimizer step (k micro-batches), phase -> collective::
 
     forward_gather   k * allgather(w*N, P)                       class(param)
                      qwZ: k * (P-1)*q(N/P)
+                     step scope: 1 of those + (k-1) * the S gather below
     backward_gather  k * allgather(secondary full bucket, S)     class(secondary)
+                     (qwZ on a non-int8 copy: (S-1)*q(N/S))
                      or, if S = 0, as forward_gather             class(param)
     grad_reduce      k * reducescatter(g*N, G)                   class(grad)
                      qgZ on "grad": k * (G-1)*q(N/G)
+                     two-hop int4: k * ((S-1)*X*q4(c)            class(secondary)
+                                      + (X-1)*q4(c))             class(grad_cross)
     step_reduce      reducescatter(g*N/G, O/G)                   class(inter)
                      qgZ on "inter": (O/G-1)*q(N/O)
                      + allreduce(g*N/O, R)                       class(replica)
@@ -76,6 +92,7 @@ from typing import Any, Mapping, Sequence
 from megatron_lbp.core.vocabulary import (DEFAULT_EMBEDDING_BACKWARD_GATHER,
                                           EMBEDDING_BACKWARD_GATHERS, MAX_PENDING_REDUCES,
                                           PHASES, SPLIT_KINDS, UNIT_KINDS)
+from megatron_lbp.core.config import hierarchical_grad_reduce
 from megatron_lbp.core.layout import plan_bucket
 from megatron_lbp.core import program
 
@@ -83,11 +100,13 @@ LINK_CLASS_ORDER = ("package", "node", "network")
 MEMORY_STATES = ("primary", "secondary", "grad", "optimizer", "total")
 WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 GRAD_BYTES = {"fp32": 4, "bf16": 2}
-SECONDARY_DTYPES = ("int8", "bf16")
+SECONDARY_DTYPES = ("int8", "bf16", "param")
 DEFAULT_ALIGN = 128
 DEFAULT_QUANT_BLOCK = 256
 # Families whose link class the traffic formulas read (secondary only when S > 0).
-TRAFFIC_FAMILIES = ("param", "secondary", "grad", "inter", "grad_to_param", "replica")
+# ("grad_cross" only with the two-hop qgZ.)
+TRAFFIC_FAMILIES = ("param", "secondary", "grad_cross", "grad", "inter", "grad_to_param",
+                    "replica")
 
 
 # --- sizes -------------------------------------------------------------------------------
@@ -167,13 +186,23 @@ def int8_payload_bytes(n_elems: int, quant_block_size: int = DEFAULT_QUANT_BLOCK
     return n_elems + 4 * (-(-n_elems // quant_block_size))
 
 
+def int4_payload_bytes(n_elems: int, quant_block_size: int = DEFAULT_QUANT_BLOCK) -> int:
+    """Bytes of ``n_elems`` elements as blockwise int4: two codes a byte plus a fp32 scale per
+    block (equal to megatron_lbp.quant.int4.int4_nbytes)."""
+    return (n_elems + 1) // 2 + 4 * (-(-n_elems // quant_block_size))
+
+
 def secondary_slice_bytes(n_elems: int, dtype: str = "int8",
-                          quant_block_size: int = DEFAULT_QUANT_BLOCK) -> int:
-    """Bytes of one rank's secondary slice of ``n_elems`` elements."""
+                          quant_block_size: int = DEFAULT_QUANT_BLOCK,
+                          weight_bytes: int = 2) -> int:
+    """Bytes of one rank's secondary slice of ``n_elems`` elements (``weight_bytes``: the
+    weights' element size, for the "param" dtype)."""
     if dtype == "int8":
         return int8_payload_bytes(n_elems, quant_block_size)
     if dtype == "bf16":
         return 2 * n_elems
+    if dtype == "param":
+        return weight_bytes * n_elems
     raise ValueError(f"secondary dtype {dtype!r}: must be one of {SECONDARY_DTYPES}")
 
 
@@ -251,7 +280,7 @@ def memory_bytes(cfg, bucket_numels: Sequence[int], *, param_dtype: str = "bf16"
     for numel in bucket_numels:
         N = padded_numel(numel, cfg, align)
         mem["primary"] += wb * N // P
-        mem["secondary"] += secondary_slice_bytes(N // S, sdt, quant_block_size) if S else 0
+        mem["secondary"] += secondary_slice_bytes(N // S, sdt, quant_block_size, wb) if S else 0
         mem["grad"] += gb * N // G
         mem["optimizer"] += opt_per_elem * N // O
     mem["total"] = mem["primary"] + mem["secondary"] + mem["grad"] + mem["optimizer"]
@@ -294,7 +323,8 @@ def construction_peak_bytes(cfg, bucket_numels: Sequence[int], *, param_dtype: s
 def _group_sizes_by_family(cfg) -> dict[str, int]:
     W, P, G, O, S, R = _sizes(cfg)
     return {"param": P, "secondary": S, "grad": G, "optim": O, "inter": O // G,
-            "grad_to_param": G // P, "replica": R}
+            "grad_to_param": G // P, "replica": R,
+            "grad_cross": G // S if hierarchical_grad_reduce(cfg) else 1}
 
 
 def traffic_bytes(cfg, bucket_numels: Sequence[int], link_classes: Mapping[str, str], *,
@@ -337,7 +367,7 @@ def traffic_bytes(cfg, bucket_numels: Sequence[int], link_classes: Mapping[str, 
                 quant_block_size=B, align=align).items():
             if phase == "backward_gather" and i in skipped:
                 continue
-            charge(phase, family, (k if phase in PER_MICRO_BATCH_PHASES else 1) * nbytes)
+            charge(phase, family, repeats(cfg, phase, family, k) * nbytes)
 
     by_class = {c: number(sum(by_phase[ph][c] for ph in PHASES)) for c in LINK_CLASS_ORDER}
     phases = {ph: {c: number(v) for c, v in by_phase[ph].items()} for ph in PHASES}
@@ -345,6 +375,21 @@ def traffic_bytes(cfg, bucket_numels: Sequence[int], link_classes: Mapping[str, 
 
 
 PER_MICRO_BATCH_PHASES = ("forward_gather", "backward_gather", "grad_reduce")
+
+
+def repeats(cfg, phase: str, family: str, micro_batches: int) -> int:
+    """How often a step issues a unit's (phase, family) collective of
+    :func:`unit_collective_bytes`: per micro-batch phases k times, the step's once; with the
+    secondary copy's step scope the forward reads the primary slices once (the step's first
+    forward) and the secondary copy in the k-1 others."""
+    k = int(micro_batches)
+    if phase == "forward_gather" and _step_scope(cfg):
+        return 1 if family == "param" else k - 1
+    return k if phase in PER_MICRO_BATCH_PHASES else 1
+
+
+def _step_scope(cfg) -> bool:
+    return bool(cfg.secondary_group_size) and getattr(cfg, "secondary_scope", "backward") == "step"
 
 
 def backward_gather_skipped(unit_kinds: Sequence[str], tied_embedding: bool,
@@ -380,25 +425,42 @@ def unit_collective_bytes(cfg, numel: int, link_classes: Mapping[str, str | None
                else allgather_bytes(wb * N, P))
     out: dict[tuple[str, str], int | Fraction] = {("forward_gather", "param"): weights}
     if S:
-        full_secondary = S * secondary_slice_bytes(N // S, sdt, B)
-        out[("backward_gather", "secondary")] = allgather_bytes(full_secondary, S)
+        # qwZ sends a copy not already int8 as int8 (engine/unit.py _gather_secondary).
+        slice_bytes = (int8_payload_bytes(N // S, B) if qwz and sdt != "int8"
+                       else secondary_slice_bytes(N // S, sdt, B, wb))
+        out[("backward_gather", "secondary")] = allgather_bytes(S * slice_bytes, S)
+        if _step_scope(cfg):
+            out[("forward_gather", "secondary")] = out[("backward_gather", "secondary")]
     else:
         out[("backward_gather", "param")] = weights
-    out[("grad_reduce", "grad")] = _grad_reduce_bytes(gb * N, N, G, "grad" in qgz, B)
+    payload = int4_payload_bytes if _int4(cfg) else int8_payload_bytes
+    if "grad" in qgz and hierarchical_grad_reduce(cfg):
+        X, c = G // S, N // G
+        out[("grad_reduce", "secondary")] = (S - 1) * X * payload(c, B)
+        out[("grad_reduce", "grad_cross")] = (X - 1) * payload(c, B)
+    else:
+        out[("grad_reduce", "grad")] = _grad_reduce_bytes(gb * N, N, G, "grad" in qgz, B,
+                                                          payload)
     out[("step_reduce", "inter")] = _grad_reduce_bytes(gb * N // G, N // G, O // G,
-                                                       "inter" in qgz, B)
+                                                       "inter" in qgz, B, payload)
     out[("step_reduce", "replica")] = allreduce_bytes(gb * N // O, R)
     out[("step_gather", "inter")] = allgather_bytes(wb * N // G, O // G)
     out[("step_gather", "grad_to_param")] = allgather_bytes(wb * N // P, G // P)
     return out
 
 
-def _grad_reduce_bytes(total: int, elems: int, n: int, quantized: bool, block: int) -> int:
-    """A reduce-scatter of ``elems`` elements (``total`` bytes) over n ranks, plain or qgZ."""
+def _int4(cfg) -> bool:
+    return getattr(cfg, "grad_quant_scheme", "int8") == "int4-hier"
+
+
+def _grad_reduce_bytes(total: int, elems: int, n: int, quantized: bool, block: int,
+                       payload=int8_payload_bytes) -> int:
+    """A reduce-scatter of ``elems`` elements (``total`` bytes) over n ranks, plain or qgZ
+    (``payload``: bytes of one quantized chunk)."""
     if not quantized or n <= 1:
         return reduce_scatter_bytes(total, n)
     assert elems % n == 0, f"qgZ all-to-all of {elems} elements over {n} ranks is not even"
-    return (n - 1) * int8_payload_bytes(elems // n, block)
+    return (n - 1) * payload(elems // n, block)
 
 
 def estimate(cfg, bucket_numels: Sequence[int], link_classes: Mapping[str, str], *,
@@ -640,25 +702,36 @@ def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16
     tied = bool(tied_embedding) and n_units >= 2
     skip = embedding_backward_gather == "skip"
 
-    def in_flight(N: int, backward: bool) -> int:
+    def in_flight(N: int, secondary: bool) -> int:
         """Receive (and send) buffers of a gather, alive until the unit's need waits for it."""
-        if backward and S:
+        if secondary and S:
             if sdt == "int8":
                 return S * int8_payload_bytes(N // S, B) if S > 1 else 0
+            if qwz:    # quantized on the way: its send and receive buffers
+                return (S + 1) * int8_payload_bytes(N // S, B) if S > 1 else 0
+            if sdt == "param":
+                return 0
             return 2 * N if wb != 2 else 0    # bf16 copy of wider weights: widened on arrival
         return (P + 1) * int8_payload_bytes(N // P, B) if qwz and P > 1 else 0
+
+    payload = int4_payload_bytes if _int4(cfg) else int8_payload_bytes
+    two_hop = "grad" in families and hierarchical_grad_reduce(cfg)
+    X = G // S if two_hop else 1
 
     def reduce_extra(N: int, fresh: bool) -> int:
         transpose = gb * N if (not grad_chunk_ordered and 1 < P < G) else 0
         out = 0 if fresh else gb * N // G
-        qgz = 2 * G * int8_payload_bytes(N // G, B) if ("grad" in families and G > 1) else 0
+        qgz = 2 * G * payload(N // G, B) if ("grad" in families and G > 1) else 0
         return transpose + out + qgz
 
-    def finish_extra(N: int) -> int:   # qgZ's fp32 sum and part, while a reduction lands
+    def finish_extra(N: int) -> int:   # qgZ's fp32 sums and part (two hops: hop 2's buffers)
+        if two_hop:
+            c = N // G
+            return 4 * X * c + 2 * 4 * c + 2 * X * payload(c, B)
         return 2 * 4 * (N // G) if ("grad" in families and G > 1) else 0
 
     def step_network(N: int) -> int:
-        return (2 * n_inter * int8_payload_bytes(N // O, B) + 2 * 4 * (N // O)
+        return (2 * n_inter * payload(N // O, B) + 2 * 4 * (N // O)
                 if "inter" in families and n_inter > 1 else 0)
 
     def step_grad(N: int) -> int:   # the 1/O result of the network hop (the shard itself if O == G)
@@ -666,7 +739,8 @@ def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16
 
     def nbytes(buffer: str, u: int, segment: str, fresh: bool) -> int:
         N = padded[u]
-        return {"weights": lambda: wb * N, "gather": lambda: in_flight(N, segment == "backward"),
+        return {"weights": lambda: wb * N, "gather": lambda: in_flight(N, False),
+                "secondary_gather": lambda: in_flight(N, True),
                 "grad": lambda: gb * N, "reduce": lambda: reduce_extra(N, fresh),
                 "finish": lambda: finish_extra(N), "step_grad": lambda: step_grad(N),
                 "step_network": lambda: step_network(N),
@@ -678,13 +752,14 @@ def transient_bytes(cfg, unit_numels: Sequence[int], *, param_dtype: str = "bf16
         prefetch_units=prefetch_units,
         max_pending_reduces=max_pending_reduces, overlap=overlap,
         embedding_backward_gather=embedding_backward_gather, linear_biases=linear_biases,
-        quantized_grad_families=tuple(quantized_grad_families))
+        quantized_grad_families=tuple(quantized_grad_families),
+        secondary_serves_step=_step_scope(cfg))
     walked = program.peaks(program.step_program(spec), nbytes)
     forward, backward = walked["forward"], walked["backward"]
     widen = sum(4 * N // O for N in padded) if (gb != 4) else 0
     step = (sum(step_grad(N) for N in padded) + widen
             + max((step_network(N) for N in padded), default=0))
-    gather_max = max((wb * N + max(in_flight(N, False), in_flight(N, True)) for N in padded),
+    gather_max = max((wb * N + max(in_flight(N, False), in_flight(N, bool(S))) for N in padded),
                      default=0)
     return {"prefetch_units": d, "max_pending_reduces": int(max_pending_reduces) if overlap else 0,
             "unit_gather": gather_max, "prefetch": d * gather_max,

@@ -2,7 +2,8 @@
 
 Pure arithmetic, no torch: which elements each rank owns and in which order a
 collective must see its chunks. Group sizes P | G | O | W, R = W / O replicas,
-secondary S (0 = off, S | W); a bucket is padded so that every level divides it
+secondary S (0 = off, S | W; where S | G, "grad_cross" holds the G-group's ranks at one
+position of their S-groups, ZeRO++'s second qgZ hop); a bucket is padded so that every level divides it
 and every shard is a multiple of ``align``. Invariant: a rank's optimizer slice
 lies inside its gradient slice, which lies inside its primary slice. Every
 collective is contiguous over its sorted group except the G reduce-scatter, whose
@@ -29,7 +30,8 @@ __all__ = [
     "grad_reduce_order",
 ]
 
-LEVELS = ("param", "grad", "optim", "inter", "grad_to_param", "secondary", "replica")
+LEVELS = ("param", "grad", "optim", "inter", "grad_to_param", "secondary", "grad_cross",
+          "replica")
 
 T = TypeVar("T")
 
@@ -103,11 +105,16 @@ def _check_rank(rank: object, world_size: int) -> None:
         raise LayoutError(f"rank={rank} must be in [0, world_size={world_size})")
 
 
-def _check_level(level: object, secondary_group_size: int) -> None:
+def _check_level(level: object, secondary_group_size: int,
+                 grad_group_size: int | None = None) -> None:
     if level not in LEVELS:
         raise LayoutError(f"level={level!r} must be one of {', '.join(LEVELS)}")
     if level == "secondary" and not secondary_group_size:
         raise LayoutError("secondary_group_size=0 has no 'secondary' level (secondary copy is off)")
+    if level == "grad_cross" and (not secondary_group_size or grad_group_size is None
+                                  or grad_group_size % secondary_group_size):
+        raise LayoutError(f"level 'grad_cross' needs secondary_group_size={secondary_group_size} "
+                          f"to divide grad_group_size={grad_group_size}")
 
 
 # --------------------------------------------------------------------- groups
@@ -125,6 +132,8 @@ def _group_index(level: str, rank: int, P: int, G: int, O: int, S: int) -> int:
         return (rank % G) // P
     if level == "secondary":
         return rank % S
+    if level == "grad_cross":
+        return (rank % G) // S
     return rank // O  # replica
 
 
@@ -135,8 +144,11 @@ def group_ranks(level: str, rank: int, world_size: int, param_group_size: int,
     W, P, G, O, S = (world_size, param_group_size, grad_group_size, optim_group_size,
                      secondary_group_size)
     _check_sizes(W, P, G, O, S)
-    _check_level(level, S)
+    _check_level(level, S, G)
     _check_rank(rank, W)
+    if level == "grad_cross":
+        base, s = rank - rank % G, rank % S
+        return tuple(base + s + S * b for b in range(G // S))
     if level == "inter":
         base, j = rank - rank % O, rank % G
         return tuple(base + G * a + j for a in range(O // G))
@@ -179,7 +191,7 @@ def all_groups(level: str, world_size: int, param_group_size: int, grad_group_si
     args = (world_size, param_group_size, grad_group_size, optim_group_size,
             secondary_group_size)
     _check_sizes(*args)
-    _check_level(level, secondary_group_size)
+    _check_level(level, secondary_group_size, grad_group_size)
     groups, seen = [], set()
     for r in range(world_size):
         if r not in seen:
@@ -275,7 +287,7 @@ class BucketLayout:
     # indices
     def group_index(self, level: str, rank: int) -> int:
         """Position of ``rank`` inside its ``level`` group (== its index in group_ranks)."""
-        _check_level(level, self.secondary_group_size)
+        _check_level(level, self.secondary_group_size, self.grad_group_size)
         _check_rank(rank, self.world_size)
         return _group_index(level, rank, self.param_group_size, self.grad_group_size,
                             self.optim_group_size, self.secondary_group_size)

@@ -22,7 +22,8 @@ Five actions:
 - ``compute``: the unit's module computes (its forward, or its backward with the
   recomputation inside it), with every unit it needs landed;
 - ``alloc`` / ``free``: a transient buffer of a unit (``buffer``: ``weights``,
-  ``gather`` (a gather's own receive/send buffers), ``grad`` (the full
+  ``gather`` (a gather's own receive/send buffers), ``secondary_gather`` (the
+  same, of a gather that reads the secondary copy), ``grad`` (the full
   gradient), ``reduce`` (a reduce-scatter's extra buffers), ``finish`` (qgZ's
   fp32 sum while a reduction lands), ``step_grad`` (the 1/O result of the
   network reduction), ``step_network`` (qgZ's buffers of it), ``widened``
@@ -45,14 +46,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Callable, Mapping, Sequence
 
+from megatron_lbp.core.config import hierarchical_grad_reduce
 from megatron_lbp.core.vocabulary import (DEFAULT_EMBEDDING_BACKWARD_GATHER,
                                            EMBEDDING_BACKWARD_GATHERS, MAX_PENDING_REDUCES,
                                            SPLIT_KINDS)
 
 FORWARD, BACKWARD, STEP = "forward", "backward", "step"
 ACTIONS = ("issue", "wait", "compute", "alloc", "free")
-BUFFERS = ("weights", "gather", "grad", "reduce", "finish", "step_grad", "step_network",
-           "widened")
+BUFFERS = ("weights", "gather", "secondary_gather", "grad", "reduce", "finish", "step_grad",
+           "step_network", "widened")
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,9 @@ class Op:
 class ProgramSpec:
     """What the program is derived from. ``group_sizes``: family -> ranks in its group
     (param P, secondary S (0: no secondary copy), grad G, inter O/G, replica R,
-    grad_to_param G/P, optim O); a family of one rank issues nothing."""
+    grad_to_param G/P, optim O, grad_cross G/S with the two-hop qgZ); a family of one
+    rank issues nothing. ``secondary_serves_step``: the secondary copy's step scope
+    (every forward gather after the step's first reads it)."""
 
     unit_kinds: tuple[str, ...]
     group_sizes: Mapping[str, int]
@@ -99,6 +103,7 @@ class ProgramSpec:
     embedding_backward_gather: str = DEFAULT_EMBEDDING_BACKWARD_GATHER
     linear_biases: bool = True
     quantized_grad_families: tuple[str, ...] = ()
+    secondary_serves_step: bool = False
 
     def __post_init__(self) -> None:
         if self.prefetch_units < 0:
@@ -121,7 +126,8 @@ def group_sizes(cfg) -> dict[str, int]:
                   int(cfg.optim_group_size))
     S = int(cfg.secondary_group_size or 0)
     return {"param": P, "secondary": S, "grad": G, "inter": O // G, "replica": W // O,
-            "grad_to_param": G // P, "optim": O}
+            "grad_to_param": G // P, "optim": O,
+            "grad_cross": G // S if hierarchical_grad_reduce(cfg) else 1}
 
 
 @dataclass
@@ -217,23 +223,26 @@ def _build(spec: ProgramSpec) -> StepProgram:
     # Where the updated weights come from: the previous step's refresh, its last hop per unit.
     refreshed: dict[int, int] = {}
 
-    # gathered: unit -> [its gather (None: a group of one), landed]
+    # gathered: unit -> [its gather (None: a group of one), landed, its buffer]
     def gather(u: int, backward: bool, gathered: dict) -> None:
         if u in gathered:
             return
-        if backward and secondary:
-            c = b.issue("backward_gather", u, "secondary", "all_gather", "gather")
+        phase = "backward_gather" if backward else "forward_gather"
+        # the step scope: the step's first forward built the copy, every later gather reads it
+        if secondary and (backward or (spec.secondary_serves_step and b.micro_batch > 0)):
+            c = b.issue(phase, u, "secondary", "all_gather", "gather")
+            buffer = "secondary_gather"
         else:
-            c = b.issue("backward_gather" if backward else "forward_gather", u, "param",
-                        "all_gather", "gather", waits=[refreshed.get(u)])
+            c = b.issue(phase, u, "param", "all_gather", "gather", waits=[refreshed.get(u)])
+            buffer = "gather"
         b.alloc("weights", u)
-        b.alloc("gather", u)
-        gathered[u] = [c, False]
+        b.alloc(buffer, u)
+        gathered[u] = [c, False, buffer]
 
     def land(u: int, gathered: dict) -> None:
         if not gathered[u][1]:
             b.wait(gathered[u][0])
-            b.free("gather", u)
+            b.free(gathered[u][2], u)
             gathered[u][1] = True
 
     def free_weights(u: int, gathered: dict) -> None:
@@ -241,7 +250,11 @@ def _build(spec: ProgramSpec) -> StepProgram:
         b.free("weights", u)
         gathered.pop(u)
 
+    two_hop = "grad" in spec.quantized_grad_families and spec.size("grad_cross") > 1
+
     def grad_reduce(u: int) -> int | None:
+        if two_hop:    # ZeRO++'s qgZ: in the S-group first (engine/quantized.py)
+            return b.issue("grad_reduce", u, "secondary", "all_to_all", "reduce")
         op = "all_to_all" if "grad" in spec.quantized_grad_families else "reduce_scatter"
         return b.issue("grad_reduce", u, "grad", op, "reduce")
 
@@ -275,6 +288,8 @@ def _build(spec: ProgramSpec) -> StepProgram:
             u, c = pending.pop(0)
             b.wait(c)
             b.alloc("finish", u)
+            if two_hop:    # qgZ's second hop, across the S-groups, while the first lands
+                b.wait(b.issue("grad_reduce", u, "grad_cross", "all_to_all", "reduce"))
             b.free("finish", u)
             b.free("grad", u)
             b.free("reduce", u)
@@ -366,14 +381,17 @@ def _with_refresh(op: Op, refreshed: Mapping[int, int]) -> Op:
 
 
 def peaks(program: StepProgram, nbytes: Callable[[str, int, str, bool], int]) -> dict[str, int]:
-    """The peak of the transient buffers alive in the first micro-batch's forward and the last
-    one's backward (``forward``, ``backward``), each walked from zero (every buffer of the
-    passes before is freed by then). ``nbytes(buffer, unit, segment, fresh)``: a buffer's
+    """The peak of the transient buffers alive in a forward (the first micro-batch's, and the
+    second's, which reads the secondary copy with the step scope) and the last micro-batch's
+    backward (``forward``, ``backward``), each walked from zero (every buffer of the passes
+    before is freed by then). ``nbytes(buffer, unit, segment, fresh)``: a buffer's
     bytes (``fresh``: the backward writes the unit's 1/G shard directly, the step's only
     micro-batch)."""
     out = {FORWARD: 0, BACKWARD: 0}
     fresh = program.spec.micro_batches == 1
     wanted = {(FORWARD, 0): FORWARD, (BACKWARD, program.spec.micro_batches - 1): BACKWARD}
+    if program.spec.secondary_serves_step and program.spec.micro_batches > 1:
+        wanted[(FORWARD, 1)] = FORWARD
     for segment, mb, ops in program.segments():
         if (segment, mb) not in wanted:
             continue
@@ -384,5 +402,5 @@ def peaks(program: StepProgram, nbytes: Callable[[str, int, str, bool], int]) ->
                 peak = max(peak, current)
             elif op.action == "free":
                 current -= nbytes(op.buffer, op.unit, segment, fresh)
-        out[segment] = peak
+        out[segment] = max(out[segment], peak)
     return out

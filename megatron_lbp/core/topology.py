@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from megatron_lbp.core.layout import LayoutError, all_groups
+from megatron_lbp.core.config import hierarchical_grad_reduce
 
 __all__ = [
     "LINK_CLASSES",
@@ -39,7 +40,8 @@ __all__ = [
 
 LINK_CLASSES = ("package", "node", "network")  # fastest to slowest
 # Order of the families in hierarchy_groups' result (a contract with the layout code).
-GROUP_FAMILIES = ("param", "secondary", "grad", "optim", "inter", "grad_to_param", "replica")
+GROUP_FAMILIES = ("param", "secondary", "grad_cross", "grad", "optim", "inter", "grad_to_param",
+                  "replica")
 # Family -> (tightest link its groups must stay on, flag that sizes it).
 COLOCATED_FAMILIES = {
     "param": ("package", "--hier-param-group-size"),
@@ -513,7 +515,8 @@ def hierarchy_groups(dp_group_ranks: Sequence[int], cfg: Any) -> dict[str, list[
 
     The families and their members are defined once, in megatron_lbp.core.layout
     (``all_groups``), in DP-index space; this maps them onto the group's global
-    ranks. Families come in GROUP_FAMILIES order ("secondary" only when S > 0),
+    ranks. Families come in GROUP_FAMILIES order ("secondary" only when S > 0,
+    "grad_cross" only with the two-hop qgZ),
     groups ordered by lowest member: the order new_group calls need.
     """
     ranks = list(dp_group_ranks)
@@ -525,7 +528,10 @@ def hierarchy_groups(dp_group_ranks: Sequence[int], cfg: Any) -> dict[str, list[
             f"the data-parallel group has {world} ranks but cfg.world_size={cfg.world_size}")
     sizes = (world, cfg.param_group_size, cfg.grad_group_size, cfg.optim_group_size,
              cfg.secondary_group_size)
-    families = [f for f in GROUP_FAMILIES if f != "secondary" or cfg.secondary_group_size]
+    # "grad_cross" only where qgZ reduces the gradient group in two hops (config.py).
+    present = {"secondary": bool(cfg.secondary_group_size),
+               "grad_cross": hierarchical_grad_reduce(cfg)}
+    families = [f for f in GROUP_FAMILIES if present.get(f, True)]
     try:
         by_index = {family: all_groups(family, *sizes) for family in families}
     except LayoutError as err:

@@ -29,9 +29,11 @@ A bucket owns three kinds of memory:
 - ``secondary`` (only when S > 0): this rank's 1/S slice of the weights as the
   backward pass will regather them, persistent: int8 codes and fp32 scales
   packed in one uint8 buffer (``quant.packed_views`` layout,
-  ``quantized_nbytes(N/S, block)`` bytes) or N/S bf16 values. Its contents
-  are rewritten from ``full`` in every forward (:meth:`FlatBucket.build_secondary`),
-  so they always come from the weights that forward used.
+  ``quantized_nbytes(N/S, block)`` bytes), N/S bf16 values, or N/S values in
+  the weights' dtype ("param"). Its contents are written from ``full`` by a
+  forward (:meth:`FlatBucket.build_secondary`: every forward, or with the step
+  scope the step's first), so they always come from weights a forward used;
+  ``secondary_version`` says whether those are the current ones.
 
 Slices come from :mod:`megatron_lbp.core.layout`; nothing here talks to other ranks.
 """
@@ -152,7 +154,8 @@ class FlatBucket:
                 torch.zeros(quantized_nbytes(m, self.quant_block_size), dtype=torch.uint8,
                             device=self.device)
                 if self.secondary_dtype == "int8"
-                else torch.zeros(m, dtype=torch.bfloat16, device=self.device))
+                else torch.zeros(m, dtype=self.dtype if self.secondary_dtype == "param"
+                                 else torch.bfloat16, device=self.device))
         self.grad_shard = torch.zeros(self.layout.grad_size, dtype=self.grad_dtype,
                                       device=self.device)
         self.grad_shard_fresh = False   # True after zero_grad_buffer: read as zero, overwrite
@@ -206,6 +209,12 @@ class FlatBucket:
 
     def secondary_is_current(self) -> bool:
         return self.secondary_version == self.primary._version
+
+    def invalidate_secondary(self) -> None:
+        """The weights are about to change on some rank (the optimizer step): no rank may read
+        this copy until a forward rebuilds it, even where this rank's own slice stays as it was
+        (a slice of padding only), or ranks would gather from different copies."""
+        self.secondary_version = -1
 
     # --- gradients -----------------------------------------------------------------------
     @property

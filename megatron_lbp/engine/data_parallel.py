@@ -39,7 +39,8 @@ import torch
 
 from megatron_lbp.core import costs
 from megatron_lbp.core.config import (EngineOptions, check_quantized_grad_families,
-                                 check_training_dtypes)
+                                      check_training_dtypes, default_grad_reduce_dtype,
+                                      hierarchical_grad_reduce)
 from megatron_lbp.engine.buckets import FlatBucket
 from megatron_lbp.engine.comm import CONTROL, Collectives, CommLedger
 from megatron_lbp.engine.grad_health import GradHealth
@@ -56,6 +57,7 @@ from megatron_lbp.engine.process_groups import HierGroups
 from megatron_lbp.core.topology import family_link_classes, hierarchy_groups
 
 _GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 class HierDataParallel(mcore.base_data_parallel()):
@@ -78,8 +80,10 @@ class HierDataParallel(mcore.base_data_parallel()):
             links=hier.link_classes, ledger=ledger, comm_names=hier.comm_names)
         self.transient = TransientLedger()
         self.weight_keys = checkpoint.WeightKeys()   # what the checkpoint calls each parameter
-        self.grad_dtype = _GRAD_DTYPES[options.grad_reduce_dtype]
         self._params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.grad_dtype = _GRAD_DTYPES[options.grad_reduce_dtype or default_grad_reduce_dtype(
+            cfg.preset, _DTYPE_NAMES.get(self._params[0][1].dtype, "fp32")
+            if self._params else "fp32")]
         self.ctx = self._unit_context(hier)
 
         unit_map = group_into_units(module, units or [], options.bucket_size,
@@ -125,9 +129,8 @@ class HierDataParallel(mcore.base_data_parallel()):
         group picture, so a refusal is raised on all of them, before any collective.
         """
         cfg = hier.config
-        names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
         for dtype in sorted({p.dtype for _, p in self._params}, key=str):
-            check_training_dtypes(cfg, names.get(dtype, str(dtype)))
+            check_training_dtypes(cfg, _DTYPE_NAMES.get(dtype, str(dtype)))
         classes = family_link_classes(hierarchy_groups(hier.dp_ranks, cfg), hier.locations)
         families = costs.quantized_grad_families(cfg, classes)
         check_quantized_grad_families(cfg, families)
@@ -137,7 +140,10 @@ class HierDataParallel(mcore.base_data_parallel()):
             grad_dtype=self.grad_dtype, quantize_weight_gather=cfg.quantize_weight_gather,
             quant_block_size=cfg.quant_block_size, quantized_grad_families=families,
             group_index={f: ranks.index(me) for f, ranks in hier.ranks.items()},
-            fused_wgrad=bool(getattr(self.config, "gradient_accumulation_fusion", False)))
+            fused_wgrad=bool(getattr(self.config, "gradient_accumulation_fusion", False)),
+            secondary_serves_step=cfg.secondary_scope == "step",
+            grad_quant_bits=4 if cfg.grad_quant_scheme == "int4-hier" else 8,
+            hierarchical_grad="grad" in families and hierarchical_grad_reduce(cfg))
 
     def _start_trace(self, options: EngineOptions) -> None:
         import torch.distributed as dist

@@ -38,7 +38,8 @@ from typing import Any, Callable, Mapping
 import torch.distributed as dist
 
 from megatron_lbp.engine import faults
-from megatron_lbp.core.config import DEFAULT_GCDS_PER_PACKAGE, HierConfig, HierConfigError, hier_config_from_args
+from megatron_lbp.core.config import (DEFAULT_GCDS_PER_PACKAGE, HierConfig, HierConfigError,
+                                      hier_config_from_args, hierarchical_grad_reduce)
 from megatron_lbp.core.layout import grad_reduce_order
 from megatron_lbp.core.topology import (
     RankLocation,
@@ -59,6 +60,7 @@ CHANNELS = ("gather", "reduce")
 FAMILY_CHANNELS = {
     "param": ("gather",),
     "secondary": ("gather",),
+    "grad_cross": ("reduce",),
     "grad_to_param": ("gather",),
     "inter": ("gather", "reduce"),
     "grad": ("reduce",),
@@ -170,7 +172,7 @@ def build_hier_groups(
     # Every rank walks the same families, groups and channels in the same order.
     for family, groups in families.items():
         for members in groups:
-            for channel in FAMILY_CHANNELS[family]:
+            for channel in family_channels(family, config):
                 key = (members, channel)
                 if key not in created:
                     created[key] = (_new_group(members, timeout), f"{family}_{channel}")
@@ -197,6 +199,15 @@ def build_hier_groups(
         dp_group=dp_group,
         warnings=warnings,
     )
+
+
+def family_channels(family: str, config: HierConfig) -> tuple[str, ...]:
+    """FAMILY_CHANNELS, plus a "reduce" communicator for the secondary group where the two-hop
+    qgZ runs its first all-to-all there."""
+    channels = FAMILY_CHANNELS[family]
+    if family == "secondary" and hierarchical_grad_reduce(config):
+        channels = channels + ("reduce",)
+    return channels
 
 
 def local_view(args: Any, env: Mapping[str, str], host: str, rank: int, world_size: int,

@@ -1,6 +1,6 @@
-"""Collectives whose payload is blockwise int8 + fp32 scales (megatron_lbp.quant).
+"""Collectives whose payload is blockwise int8 (or int4) + fp32 scales (megatron_lbp.quant).
 
-Three uses, one protocol each; none of them knows about hooks or buckets:
+Four uses, one protocol each; none of them knows about hooks or buckets:
 
 - :func:`gather_packed_slices`: every rank of an n-rank group contributes one
   packed slice (``quant.packed_views`` layout: scales, then codes) of ``numel``
@@ -12,9 +12,17 @@ Three uses, one protocol each; none of them knows about hooks or buckets:
   each peer's chunk, exchange them with one all-to-all, then dequantize the n-1
   received chunks and add them to this rank's own chunk in fp32. The own chunk
   never leaves the rank, so it is used unquantized; only the bytes that cross a
-  link are int8.
+  link are quantized (int8, or int4 two codes per byte: :data:`INT4`);
+- :func:`reduce_scatter_hierarchical` (ZeRO++'s qgZ): the same sum over a
+  gradient group made of X S-groups, in two hops as DeepSpeed's
+  ``all_to_all_quant_reduce`` does: an all-to-all inside the S-group (the node)
+  carrying, to each member, the quantized chunks of every rank that shares its
+  S-group position, summed there in fp32; then the partial sums, quantized
+  again, exchanged across S-groups ("grad_cross") and summed into this rank's
+  chunk. Each element crosses the network once, as int4, already summed over
+  the node.
 
-Each function issues exactly one collective through
+Each function but the last issues exactly one collective through
 :class:`~megatron_lbp.engine.comm.Collectives` (so the ledger charges the int8
 bytes actually sent: ``(n-1) * quantized_nbytes(chunk)``) and returns a
 :class:`Pending`. ``Pending.wait()`` waits for the collective and then lands the
@@ -29,6 +37,7 @@ or the optimizer's inf check sees it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -37,9 +46,11 @@ from megatron_lbp.engine.comm import Collectives, Pending
 from megatron_lbp.engine.dist_api import nbytes as _nbytes
 from megatron_lbp.engine.memory import TransientLedger
 from megatron_lbp.quant import dequantize_auto, packed_views, quantize_auto, quantized_nbytes
+from megatron_lbp.quant.int4 import dequantize_int4_from, int4_nbytes, quantize_int4_into
 
-__all__ = ["Pending", "quantize_into", "dequantize_from", "gather_packed_slices",
-           "all_gather_quantized", "reduce_scatter_quantized"]
+__all__ = ["Pending", "Codec", "INT8", "INT4", "quantize_into", "dequantize_from",
+           "gather_packed_slices", "all_gather_quantized", "reduce_scatter_quantized",
+           "reduce_scatter_hierarchical"]
 
 
 def quantize_into(x: torch.Tensor, packed: torch.Tensor, block_size: int) -> None:
@@ -52,6 +63,27 @@ def dequantize_from(packed: torch.Tensor, out: torch.Tensor, block_size: int) ->
     """Dequantize a packed buffer into ``out`` (1-D, any float dtype)."""
     q, scale = packed_views(packed, out.numel(), block_size)
     dequantize_auto(q, scale, block_size, out=out)
+
+
+@dataclass(frozen=True)
+class Codec:
+    """A blockwise payload format: bytes of a slice, and how to write and read one."""
+
+    bits: int
+
+    def nbytes(self, numel: int, block_size: int) -> int:
+        return quantized_nbytes(numel, block_size) if self.bits == 8 else \
+            int4_nbytes(numel, block_size)
+
+    def encode(self, x: torch.Tensor, buf: torch.Tensor, block_size: int) -> None:
+        (quantize_into if self.bits == 8 else quantize_int4_into)(x, buf, block_size)
+
+    def decode(self, buf: torch.Tensor, out: torch.Tensor, block_size: int) -> None:
+        (dequantize_from if self.bits == 8 else dequantize_int4_from)(buf, out, block_size)
+
+
+INT8 = Codec(8)
+INT4 = Codec(4)
 
 
 def gather_packed_slices(comm: Collectives, out: torch.Tensor, packed: torch.Tensor,
@@ -111,12 +143,13 @@ def all_gather_quantized(comm: Collectives, out: torch.Tensor, shard: torch.Tens
 def reduce_scatter_quantized(comm: Collectives, out: torch.Tensor, inp: torch.Tensor,
                              my_index: int, block_size: int, family: str, phase: str,
                              transient: TransientLedger, async_op: bool = False,
-                             unit: int | None = None, stream=None, waits=()) -> Pending:
+                             unit: int | None = None, stream=None, waits=(),
+                             codec: Codec = INT8) -> Pending:
     """qgZ: ``out`` = sum over the group of every rank's chunk ``my_index`` of ``inp``.
 
-    Chunk i of ``inp`` (``out.numel()`` elements) goes to group rank i as int8 +
-    scales through one all-to-all; the receiver dequantizes and sums in fp32, its
-    own chunk added unquantized, in group order, then casts to ``out``'s dtype.
+    Chunk i of ``inp`` (``out.numel()`` elements) goes to group rank i as ``codec``
+    codes + scales through one all-to-all; the receiver dequantizes and sums in fp32,
+    its own chunk added unquantized, in group order, then casts to ``out``'s dtype.
     """
     n = comm.sizes[family]
     c = out.numel()
@@ -124,7 +157,7 @@ def reduce_scatter_quantized(comm: Collectives, out: torch.Tensor, inp: torch.Te
     if n == 1:
         out.copy_(inp)
         return Pending()
-    nb = quantized_nbytes(c, block_size)
+    nb = codec.nbytes(c, block_size)
     send = torch.empty(n * nb, dtype=torch.uint8, device=inp.device)
     recv = torch.empty_like(send)
     transient.alloc(2 * _nbytes(send))
@@ -132,7 +165,7 @@ def reduce_scatter_quantized(comm: Collectives, out: torch.Tensor, inp: torch.Te
     def quantize() -> None:
         for i in range(n):
             if i != my_index:  # the own chunk's slot is sent to itself only and never read
-                quantize_into(inp[i * c:(i + 1) * c], send[i * nb:(i + 1) * nb], block_size)
+                codec.encode(inp[i * c:(i + 1) * c], send[i * nb:(i + 1) * nb], block_size)
 
     def land(acc: torch.Tensor, part: torch.Tensor) -> None:
         acc.zero_()
@@ -140,7 +173,7 @@ def reduce_scatter_quantized(comm: Collectives, out: torch.Tensor, inp: torch.Te
             if i == my_index:
                 acc.add_(inp[my_index * c:(my_index + 1) * c])
             else:
-                dequantize_from(recv[i * nb:(i + 1) * nb], part, block_size)
+                codec.decode(recv[i * nb:(i + 1) * nb], part, block_size)
                 acc.add_(part)
         out.copy_(acc)
 
@@ -165,6 +198,88 @@ def reduce_scatter_quantized(comm: Collectives, out: torch.Tensor, inp: torch.Te
         transient.alloc(2 * _nbytes(acc))
         land(acc, part)
         transient.free(2 * _nbytes(acc) + 2 * _nbytes(send))
+
+    pending = Pending(work, finish)
+    if not async_op:
+        pending.wait()
+    return pending
+
+
+def hierarchical_transient_bytes(c: int, S: int, X: int, block_size: int,
+                                 codec: Codec = INT4) -> tuple[int, int]:
+    """(bytes held from issue to landing, bytes added while landing) by
+    :func:`reduce_scatter_hierarchical` for chunks of ``c`` elements, S-groups of S and X of
+    them (the plan counts the same: core/costs.py)."""
+    nb = codec.nbytes(c, block_size)
+    return 2 * S * X * nb, 4 * X * c + 2 * 4 * c + 2 * X * nb
+
+
+def reduce_scatter_hierarchical(comm: Collectives, out: torch.Tensor, inp: torch.Tensor,
+                                s_index: int, x_index: int, block_size: int, phase: str,
+                                transient: TransientLedger, async_op: bool = False,
+                                unit: int | None = None, codec: Codec = INT4) -> Pending:
+    """ZeRO++'s qgZ over a gradient group of G = S*X ranks: ``out`` = the sum over the group
+    of every rank's chunk j = S*x_index + s_index of ``inp`` (chunks in sorted group order).
+
+    Hop 1, "secondary" (the S-group, inside a node): to member t go the X chunks
+    {S*b + t}, quantized; each rank sums what it received for its own position with
+    its own chunks (unquantized) in fp32. Hop 2, "grad_cross" (the X ranks at this
+    S-group position): partial sum b, quantized, goes to member b; the receiver adds
+    them to its own partial sum. Hop 1 is issued now; hop 2 runs when the result is
+    waited for (``Pending.wait()``), at a program point every rank reaches in the same
+    order.
+    """
+    S, X = comm.sizes["secondary"], comm.sizes["grad_cross"]
+    c = out.numel()
+    assert inp.numel() == S * X * c, (inp.numel(), S, X, c)
+    nb = codec.nbytes(c, block_size)
+    held, landing = hierarchical_transient_bytes(c, S, X, block_size, codec)
+    send = torch.empty(S * X * nb, dtype=torch.uint8, device=inp.device)
+    recv = torch.empty_like(send)
+    transient.alloc(held)
+
+    def chunk(j: int) -> torch.Tensor:
+        return inp[j * c:(j + 1) * c]
+
+    for t in range(S):
+        if t == s_index:
+            continue   # the own position's chunks stay home
+        for b in range(X):
+            codec.encode(chunk(S * b + t), send[(t * X + b) * nb:(t * X + b + 1) * nb],
+                         block_size)
+    work = comm.all_to_all(recv, send, "secondary", phase, async_op=async_op, unit=unit)
+
+    def finish() -> None:
+        partial = torch.empty(X * c, dtype=torch.float32, device=inp.device)
+        part = torch.empty(c, dtype=torch.float32, device=inp.device)
+        total = torch.empty(c, dtype=torch.float32, device=inp.device)
+        send2 = torch.empty(X * nb, dtype=torch.uint8, device=inp.device)
+        recv2 = torch.empty_like(send2)
+        transient.alloc(landing)
+        partial.zero_()
+        for t in range(S):     # in S-group order, every rank sums alike
+            for b in range(X):
+                dst = partial[b * c:(b + 1) * c]
+                if t == s_index:
+                    dst.add_(chunk(S * b + t))
+                else:
+                    codec.decode(recv[(t * X + b) * nb:(t * X + b + 1) * nb], part, block_size)
+                    dst.add_(part)
+        for b in range(X):
+            if b != x_index:
+                codec.encode(partial[b * c:(b + 1) * c], send2[b * nb:(b + 1) * nb], block_size)
+        second = comm.all_to_all(recv2, send2, "grad_cross", phase, unit=unit)
+        if second is not None:
+            second.wait()
+        total.zero_()
+        for b in range(X):
+            if b == x_index:
+                total.add_(partial[b * c:(b + 1) * c])
+            else:
+                codec.decode(recv2[b * nb:(b + 1) * nb], part, block_size)
+                total.add_(part)
+        out.copy_(total)
+        transient.free(held + landing)
 
     pending = Pending(work, finish)
     if not async_op:

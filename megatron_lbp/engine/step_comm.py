@@ -147,6 +147,10 @@ class StepComm:
         for unit in self.forward_order():
             self.await_refresh(unit)   # (a load right after a step: the step's gathers first)
             check_free(unit.bucket.primary, f"unit {unit.index}'s primary slice")
+            # On every rank, whether or not its slice changed (one all padding does not): the
+            # next forward's gathers must read the same copy everywhere (DeepSpeed's
+            # invalidate_secondary_tensor after the step).
+            unit.bucket.invalidate_secondary()
             write_own(unit)
             self.start_refresh(unit, async_op)
 

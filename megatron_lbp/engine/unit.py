@@ -12,7 +12,9 @@ copy when S > 0) -> :meth:`GatherUnit.unshard` -> ``GATHERING`` (an asynchronous
 all-gather into ``full`` in flight) -> :meth:`GatherUnit.wait_for_unshard` ->
 ``GATHERED`` -> :meth:`GatherUnit.reshard` -> ``SHARDED``. In forward the gather
 reads the primary slices in the P-group (int8 + scales with qwZ); in backward,
-the secondary copies in the S-group when S > 0.
+the secondary copies in the S-group when S > 0, and with the secondary copy's step
+scope (zeropp's hpZ) also in every forward after the step's first
+(:meth:`GatherUnit.reads_secondary`).
 
 Gradients: each parameter's gradient is written into the unit's transient
 fp32 ``grad_full`` (:meth:`GatherUnit.accumulate`: copied on its first arrival,
@@ -25,7 +27,8 @@ weights and reduce-scatters in the G-group with the 1/W average folded into
 the collective where the backend can (NCCL's PREMUL_SUM,
 :meth:`Collectives.folds_prescale`; this rank's inf/nan then counted only with
 --check-for-nan-in-loss-and-grad, which names the rank), else into the one
-pass that also counts this rank's inf/nan (int8 all-to-all with qgZ),
+pass that also counts this rank's inf/nan (qgZ's quantized all-to-all, in two hops
+for zeropp: engine/quantized.py),
 straight into the persistent 1/G shard on the first micro-batch of a step and, at
 :meth:`GatherUnit.finish_reduce`, added to it on later ones.
 
@@ -54,7 +57,8 @@ from megatron_lbp.engine.buckets import FlatBucket, ParamSlot
 from megatron_lbp.engine.comm import CONTROL, Collectives, Pending
 from megatron_lbp.engine.grad_health import GradHealth
 from megatron_lbp.engine.memory import TransientLedger
-from megatron_lbp.engine.quantized import (all_gather_quantized, gather_packed_slices,
+from megatron_lbp.engine.quantized import (INT4, INT8, all_gather_quantized,
+                                           gather_packed_slices, reduce_scatter_hierarchical,
                                            reduce_scatter_quantized)
 from megatron_lbp.engine.streams import check_free
 
@@ -79,6 +83,13 @@ class UnitContext:
     group_index: dict[str, int]
     # Megatron's --gradient-accumulation-fusion: weight gradients arrive in main_grad.
     fused_wgrad: bool = False
+    # The secondary copy serves every gather of the step after the first forward's
+    # (config.SECONDARY_SCOPES "step"), not only the backward.
+    secondary_serves_step: bool = False
+    # qgZ's payload (config.GRAD_QUANT_SCHEMES) and whether the "grad" family's reduce runs in
+    # two hops, the S-group then "grad_cross" (config.hierarchical_grad_reduce).
+    grad_quant_bits: int = 8
+    hierarchical_grad: bool = False
     # Whether the step's gradients are finite, and whose were not (engine/grad_health.py).
     health: GradHealth = field(init=False)
 
@@ -95,10 +106,19 @@ class UnitContext:
         Call ``.wait()`` on the result."""
         if family in self.quantized_grad_families:
             assert prescale is None, "qgZ quantizes the scaled gradient"
+            codec = INT4 if self.grad_quant_bits == 4 else INT8
+            if family == "grad" and self.hierarchical_grad:
+                # Its two hops run in the host's program order (hop 2 where the result is
+                # waited for, a fixed program point), not on the reduce stream.
+                assert not waits, "the two-hop qgZ has no producer to wait for"
+                return reduce_scatter_hierarchical(
+                    self.comm, out, inp, self.group_index["secondary"],
+                    self.group_index["grad_cross"], self.quant_block_size, phase,
+                    self.transient, async_op=async_op, unit=unit, codec=codec)
             return reduce_scatter_quantized(self.comm, out, inp, self.group_index[family],
                                             self.quant_block_size, family, phase,
                                             self.transient, async_op=async_op, unit=unit,
-                                            stream=stream, waits=waits)
+                                            stream=stream, waits=waits, codec=codec)
         return Pending(self.comm.reduce_scatter(out, inp, family, phase, async_op=async_op,
                                                 unit=unit, prescale=prescale, stream=stream,
                                                 waits=waits))
@@ -146,14 +166,26 @@ class GatherUnit:
         return self.bucket.numel
 
     # --- weights -------------------------------------------------------------------------
+    def reads_secondary(self, phase: str) -> bool:
+        """Whether a gather in ``phase`` reads the secondary copy: every backward gather when
+        there is one; with the step scope also a forward gather once the step's first forward
+        has built it from the current weights."""
+        b = self.bucket
+        if not b.has_secondary or phase == CONTROL:
+            return False
+        if phase == "backward_gather":
+            return True
+        return self.ctx.secondary_serves_step and b.secondary_is_current()
+
     def unshard(self, phase: str, async_op: bool) -> None:
-        """Start filling ``full``: from the secondary copy in backward when there is one,
-        else from the primary slices in the P-group (int8 on the wire with qwZ)."""
+        """Start filling ``full``: from the secondary copy in the S-group where
+        :meth:`reads_secondary`, else from the primary slices in the P-group (int8 on the
+        wire with qwZ)."""
         b, ctx = self.bucket, self.ctx
         check_free(b.primary, f"unit {self.index}'s primary slice")
         b.alloc_full()
-        if phase == "backward_gather" and b.has_secondary:
-            pending = self._gather_secondary(async_op)
+        if self.reads_secondary(phase):
+            pending = self._gather_secondary(phase, async_op)
         elif ctx.quantize_weight_gather and phase != CONTROL:
             pending = all_gather_quantized(ctx.comm, b.full, b.primary, ctx.quant_block_size,
                                            "param", phase, ctx.transient, async_op=async_op,
@@ -174,7 +206,7 @@ class GatherUnit:
         (megatron_lbp.engine.streams); a synchronous one runs on the host (None)."""
         return self.ctx.comm.stream(family, channel) if async_op else None
 
-    def _gather_secondary(self, async_op: bool) -> Pending:
+    def _gather_secondary(self, phase: str, async_op: bool) -> Pending:
         b, ctx = self.bucket, self.ctx
         stream = self._stream("secondary", async_op)
         if not b.secondary_is_current():
@@ -184,17 +216,23 @@ class GatherUnit:
                 "since they changed); run the forward pass before its backward")
         if b.secondary_dtype == "int8":
             return gather_packed_slices(ctx.comm, b.full, b.secondary, ctx.quant_block_size,
-                                        "secondary", "backward_gather", ctx.transient,
+                                        "secondary", phase, ctx.transient,
                                         async_op=async_op, unit=self.index, stream=stream)
+        if ctx.quantize_weight_gather:
+            # qwZ covers the secondary gather too (DeepSpeed quantizes every weight
+            # all-gather, hpZ's intra-node one included, when zero_quantized_weights is on).
+            return all_gather_quantized(ctx.comm, b.full, b.secondary, ctx.quant_block_size,
+                                        "secondary", phase, ctx.transient, async_op=async_op,
+                                        unit=self.index, stream=stream)
         if b.full.dtype == b.secondary.dtype:
-            return Pending(ctx.comm.all_gather(b.full, b.secondary, "secondary",
-                                               "backward_gather", async_op=async_op,
-                                               unit=self.index, stream=stream))
+            return Pending(ctx.comm.all_gather(b.full, b.secondary, "secondary", phase,
+                                               async_op=async_op, unit=self.index,
+                                               stream=stream))
         # bf16 copy of wider weights: gather in bf16, widen on arrival.
         tmp = torch.empty(b.layout.padded_numel, dtype=b.secondary.dtype, device=b.device)
         nbytes = tmp.numel() * tmp.element_size()
         ctx.transient.alloc(nbytes)
-        work = ctx.comm.all_gather(tmp, b.secondary, "secondary", "backward_gather",
+        work = ctx.comm.all_gather(tmp, b.secondary, "secondary", phase,
                                    async_op=async_op, unit=self.index, stream=stream)
 
         def finish() -> None:
@@ -217,9 +255,11 @@ class GatherUnit:
         self.state = WeightState.SHARDED
 
     def build_secondary(self) -> None:
-        """Keep this rank's 1/S slice of the weights this forward computes with (S > 0)."""
-        if self.bucket.has_secondary:
-            self.bucket.build_secondary()
+        """Keep this rank's 1/S slice of the weights this forward computes with (S > 0); with
+        the step scope only where the step's weights are not in it yet (its first forward)."""
+        b = self.bucket
+        if b.has_secondary and not (self.ctx.secondary_serves_step and b.secondary_is_current()):
+            b.build_secondary()
 
     # --- gradients -----------------------------------------------------------------------
     def grad_buffer(self, slot: ParamSlot) -> torch.Tensor:

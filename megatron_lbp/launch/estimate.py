@@ -144,10 +144,13 @@ def plan_argv(a, world_size: int, micro_batches: int = 1,
             "--vocab-size", str(a.vocab_size), "--seq-length", str(a.seq_length),
             "--position-embedding-type", a.position_embedding_type,
             "--params-dtype", a.params_dtype, "--bucket-size", str(a.bucket_size),
-            "--hier-grad-reduce-dtype", a.hier_grad_reduce_dtype,
             "--micro-batches", str(micro_batches),
             "--hier-secondary-group-size", str(a.hier_secondary_group_size)]
-    if a.hier_secondary_group_size:
+    # Not given: the preset's (zeropp: bf16 gradients under bf16, its secondary copy in the
+    # weights' dtype; config.resolve_hier_config).
+    if a.hier_grad_reduce_dtype:
+        argv += ["--hier-grad-reduce-dtype", a.hier_grad_reduce_dtype]
+    if a.hier_secondary_group_size and a.hier_secondary_dtype:
         argv += ["--hier-secondary-dtype", a.hier_secondary_dtype]
     if a.ffn_hidden_size:
         argv += ["--ffn-hidden-size", str(a.ffn_hidden_size)]
@@ -836,7 +839,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--preset", default="lbp",
                     help="a preset, or auto: chosen by projected step time (needs --choose)")
     ap.add_argument("--hier-secondary-group-size", type=int, default=0)
-    ap.add_argument("--hier-secondary-dtype", default="int8")
+    ap.add_argument("--hier-secondary-dtype", default=None,
+                    help="the secondary copy's dtype (default: the preset's; int8 for lbp)")
     ap.add_argument("--position-embedding-type", choices=("rope", "learned_absolute", "none"),
                     default="rope")
     ap.add_argument("--max-position-embeddings", type=int, default=0,
@@ -857,7 +861,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--add-qkv-bias", action="store_true",
                     help="linear_qkv keeps its bias under --disable-bias-linear (Qwen2)")
     ap.add_argument("--params-dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
-    ap.add_argument("--hier-grad-reduce-dtype", default="fp32", choices=("fp32", "bf16"))
+    ap.add_argument("--hier-grad-reduce-dtype", default=None, choices=("fp32", "bf16"),
+                    help="default: the preset's (bf16 for zeropp under bf16, else fp32)")
     ap.add_argument("--hier-prefetch-units", type=_auto_or_int("HIER_PREFETCH_UNITS", 0),
                     default="auto", help="auto (default): the first of the choice's settings "
                     "that fits, else this many units gathered ahead")

@@ -64,6 +64,7 @@ from typing import Any, Sequence
 from megatron_lbp.core import costs
 from megatron_lbp.core.config import (DEFAULT_BUCKET_SIZE, PRESETS, HierConfigError, add_hier_arguments,
                                  check_quantized_grad_families, check_training_dtypes,
+                                 default_grad_reduce_dtype,
                                  max_pending_reduces_from_args, prefetch_units_from_args,
                                  resolve_hier_config)
 from megatron_lbp.core.layout import LayoutError
@@ -290,7 +291,9 @@ def plan_from_args(args: argparse.Namespace, *, knob_table: bool = True) -> dict
     gpp = _pick_alias(args, "--gcds-per-package", "--hier-gcds-per-package", 2)
     preset = _pick_alias(args, "--preset", "--hier-preset", None)
     k = _number("--micro-batches", args.micro_batches)
-    args.grad_dtype = _pick_alias(args, "--grad-dtype", "--hier-grad-reduce-dtype", "fp32")
+    # not given: bf16 for zeropp under bf16 (DeepSpeed's communication dtype), else fp32
+    args.grad_dtype = (_pick_alias(args, "--grad-dtype", "--hier-grad-reduce-dtype", None)
+                       or default_grad_reduce_dtype(preset, args.params_dtype))
     block = _pick_alias(args, "--quant-block-size", "--hier-quant-block-size",
                         costs.DEFAULT_QUANT_BLOCK)
     bucket = _int_or_none("--bucket-size", args.bucket_size)
@@ -377,6 +380,8 @@ def plan_from_args(args: argparse.Namespace, *, knob_table: bool = True) -> dict
         "quant_block_size": block,
         "quantize_weight_gather": cfg.quantize_weight_gather,
         "quantize_grad_reduce": list(qgz),
+        "secondary_scope": cfg.secondary_scope,
+        "grad_quant_scheme": cfg.grad_quant_scheme,
         "params": result["params"],
         "padded_params": result["padded_params"],
         "padding": result["padded_params"] - result["params"],

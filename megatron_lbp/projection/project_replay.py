@@ -139,7 +139,9 @@ def config_of(plan: Mapping[str, Any]) -> SimpleNamespace:
         secondary_dtype=plan["secondary_dtype"] or "int8",
         quant_block_size=plan["quant_block_size"],
         quantize_weight_gather=plan["quantize_weight_gather"],
-        quantize_grad_reduce=bool(plan["quantize_grad_reduce"]))
+        quantize_grad_reduce=bool(plan["quantize_grad_reduce"]),
+        secondary_scope=plan.get("secondary_scope", "backward"),
+        grad_quant_scheme=plan.get("grad_quant_scheme", "int8"))
 
 
 class FrontierDurations:
@@ -162,7 +164,7 @@ class FrontierDurations:
         self._recorded: dict[tuple, float] = {}
         for index, record in enumerate(records):
             for c in record["collectives"]:
-                key = (index, c["unit"], c["phase"], c["family"], c["micro_batch"])
+                key = (index, c["unit"], c["phase"], self.family_of(c), c["micro_batch"])
                 self._recorded[key] = self._recorded.get(key, 0.0) + float(c["bytes"])
         self._index = {id(r): i for i, r in enumerate(records)}
         self._records = records
@@ -172,15 +174,28 @@ class FrontierDurations:
         self.adam_s = optim * compute.adam_bytes_per_element / compute.hbm_bytes_per_s
         self._numel = sum(numel for _, numel in self.units)
 
+    def family_of(self, c: dict[str, Any]) -> str:
+        """The plan's family of trace collective ``c``: its own, except the two hops of
+        zeropp's qgZ (traced across nodes) where the plan's world is one node and reduces
+        in one "grad" collective, whose bytes the hops then share."""
+        family = c["family"]
+        if (c["phase"] == "grad_reduce" and family in ("secondary", "grad_cross")
+                and c["unit"] is not None
+                and ("grad_reduce", family) not in self.unit_bytes[c["unit"]]
+                and ("grad_reduce", "grad") in self.unit_bytes[c["unit"]]):
+            return "grad"
+        return family
+
     def real_bytes(self, record: dict[str, Any], c: dict[str, Any]) -> float:
         """Bytes this rank sends in trace collective ``c`` at the real shape."""
         if c["phase"] == "control" or c["unit"] is None:
             return float(c["bytes"])
-        total = self.unit_bytes[c["unit"]].get((c["phase"], c["family"]))
+        family = self.family_of(c)
+        total = self.unit_bytes[c["unit"]].get((c["phase"], family))
         if total is None:
             raise ReplayError(f"{c['phase']} collective of family {c['family']} (unit "
                               f"{c['unit']}): not a collective the cost model knows")
-        key = (self._index.get(id(record), -1), c["unit"], c["phase"], c["family"],
+        key = (self._index.get(id(record), -1), c["unit"], c["phase"], family,
                c["micro_batch"])
         recorded = self._recorded.get(key)
         share = float(c["bytes"]) / recorded if recorded else 1.0
@@ -193,10 +208,11 @@ class FrontierDurations:
             return self.plan["world_size"]
 
     def collective_s(self, record: dict[str, Any], c: dict[str, Any]) -> float:
-        n = self.family_size(c["family"])
+        family = self.family_of(c)
+        n = self.family_size(family)
         if n <= 1:
             return 0.0
-        cls = self.plan["link_classes"].get(c["family"]) or c["link"]
+        cls = self.plan["link_classes"].get(family) or c["link"]
         return (self.real_bytes(record, c) / self.links.bandwidth[cls]
                 + self.links.latency[cls] * math.ceil(math.log2(n)))
 
@@ -235,7 +251,8 @@ class FrontierDurations:
 
 def _coverage(records, durations: FrontierDurations, where: str) -> None:
     """Every collective the real plan has must be in the trace (else the replay drops it)."""
-    present = {(c["unit"], c["phase"], c["family"]) for c in records[-1]["collectives"]}
+    present = {(c["unit"], c["phase"], durations.family_of(c))
+               for c in records[-1]["collectives"]}
     for unit, by_key in enumerate(durations.unit_bytes):
         for (phase, family), nbytes in by_key.items():
             if nbytes and durations.family_size(family) > 1 and \
@@ -268,8 +285,8 @@ def replay_one(records: Sequence[dict[str, Any]], plan: Mapping[str, Any],
     moved: dict[str, dict[str, float]] = {ph: dict.fromkeys(costs.LINK_CLASS_ORDER, 0.0)
                                           for ph in costs.PHASES}
     for c in records[-1]["collectives"]:
-        if c["phase"] in moved and d.family_size(c["family"]) > 1:
-            cls = plan["link_classes"].get(c["family"]) or c["link"]
+        if c["phase"] in moved and d.family_size(d.family_of(c)) > 1:
+            cls = plan["link_classes"].get(d.family_of(c)) or c["link"]
             moved[c["phase"]][cls] += d.real_bytes(records[-1], c)
     last["bytes_match_plan"] = all(
         math.isclose(moved[ph][cls], float(plan["traffic_by_phase"][ph][cls]), rel_tol=1e-9,

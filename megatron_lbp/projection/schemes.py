@@ -33,8 +33,8 @@ STOCK_SCHEMES = (DISTOPT, FSDP)
 # megatron-fsdp 850,560 vs zero3's 814,080 on the network.
 # DeepSpeed's schemes (megatron_lbp/deepspeed_baseline/: ZeRO-3, hpZ, ZeRO++ = hpZ + qwZ + qgZ), modelled
 # as the presets that gather as they do (docs/deepspeed-baseline.md: ds-zero3 sends 1.4 % less
-# than the plan tool's zero3 with bf16 gradients; hpZ's node-sized secondary copy is zeropp's;
-# the model has no term for qgZ's int4 all-to-all, so ds-zeropp is modelled without it).
+# than the plan tool's zero3 with bf16 gradients; zeropp is ZeRO++ itself, its bytes within 15 %
+# of ds-zeropp's on both links; ds-hpz, hpZ without quantization, is modelled as zeropp too).
 DS_SCHEMES = ("ds-zero3", "ds-hpz", "ds-zeropp")
 MODELLED_AS = {DISTOPT: "zero2", FSDP: "zero3",
                "ds-zero3": "zero3", "ds-hpz": "zeropp", "ds-zeropp": "zeropp"}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_lbp.core import costs
-from megatron_lbp.core.config import HierConfig
+from megatron_lbp.core.config import HierConfig, default_grad_reduce_dtype
 from megatron_lbp.testing.multirank import rank_location_env, run_on_ranks
 from megatron_lbp.testing.tiny_gpt import TinyGPTSpec, TrainSpec, train_hier
 from megatron_lbp.core.topology import all_hierarchy_groups, emulated_locations, family_link_classes
@@ -16,12 +16,15 @@ from tests.engine.test_engine_equivalence import PRESETS, TOPOLOGY, WORLD
 
 
 def predicted(result, dtype, k):
+    """The plan of the run's config; its gradients in the dtype the engine picks when
+    --hier-grad-reduce-dtype is not given (bf16 for zeropp under bf16, else fp32)."""
     cfg = HierConfig(**result.extra["config"])
     groups = all_hierarchy_groups([list(range(WORLD))], cfg)
     links = {f: c or "package" for f, c in
              family_link_classes(groups, emulated_locations(WORLD, 4, 2)).items()}
     return costs.estimate(cfg, result.extra["bucket_numels"], links, param_dtype=dtype,
-                          grad_dtype="fp32", micro_batches=k)
+                          grad_dtype=default_grad_reduce_dtype(cfg.preset, dtype),
+                          micro_batches=k)
 
 
 def storage_probe(model, optimizer, step, micro):

@@ -40,14 +40,21 @@ def q(n, block=256):
     return n + 4 * ((n + block - 1) // block)
 
 
+# P = G = O = W with an int8 secondary copy per node read only by the backward, and qwZ.
+ZERO3_INT8_S4_QWZ = ["--hier-param-group-size", "8", "--hier-grad-group-size", "8",
+                     "--hier-optim-group-size", "8"] + S(4) + ["--hier-quantize-weight-gather"]
+
 MODES = {
     "lbp-S2-int8": LBP + S(2),
     "lbp-S8-int8": LBP + S(8),
     "lbp-S2-bf16": LBP + S(2, "bf16"),
-    "zeropp": ["--hier-preset", "zeropp"],                       # qwZ + S = node (4), int8
+    # ZeRO++: qwZ, S = node (4) in bf16 read from the step's second forward on, int4 qgZ
+    "zeropp": ["--hier-preset", "zeropp"],
+    # the engine's earlier zeropp, spelled out: int8 S = node for the backward, qwZ, no qgZ
+    "zero3-int8-S4-qwz": ZERO3_INT8_S4_QWZ,
     "lbp-qwz-qgz": LBP + ["--hier-quantize-weight-gather", "--hier-quantize-grad-reduce"],
-    "zeropp-qgz-b64": ["--hier-preset", "zeropp", "--hier-quantize-grad-reduce",
-                       "--hier-quant-block-size", "64"],
+    "zeropp-int8-qgz-b64": ["--hier-preset", "zeropp", "--hier-grad-quant-scheme", "int8",
+                            "--hier-quant-block-size", "64"],
     "lbp-S8-qwz-qgz-b128": LBP + S(8) + ["--hier-quantize-weight-gather",
                                          "--hier-quantize-grad-reduce",
                                          "--hier-quant-block-size", "128"],

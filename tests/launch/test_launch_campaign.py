@@ -44,9 +44,10 @@ def launch(*argv, env=None, path_prepend=None):
 def _shape(**over):
     a = dict(nodes=48, tasks_per_node=8, gcds_per_package=2, preset="lbp", num_layers=44,
              hidden_size=6144, num_attention_heads=64, seq_length=2048, vocab_size=50304,
-             ffn_hidden_size=0, hier_secondary_group_size=8, hier_secondary_dtype="int8",
+             # the CLI's defaults: the preset's secondary dtype and gradient dtype
+             ffn_hidden_size=0, hier_secondary_group_size=8, hier_secondary_dtype=None,
              position_embedding_type="rope", untie_embeddings_and_output_weights=False,
-             hier_grad_reduce_dtype="fp32", compare=False,
+             hier_grad_reduce_dtype=None, compare=False,
              params_dtype="bf16", bucket_size=40_000_000,
              global_batch_size=1536, micro_batch_size="auto", recompute="full",
              gcd_memory_gb=64.0, reserve_gb=4.0, train_iters=150000, save_interval="auto",

@@ -26,6 +26,16 @@ def _auto(**over):
                      "hier_layer_unit": "auto", **over})
 
 
+# ZeRO++ (zeropp) projects the fastest step at these shapes; the tests of the ranking's
+# mechanics among lbp's variants (ties, replayed traces, knobs) rank without it.
+WITHOUT_ZEROPP = tuple(s for s in choose.SCHEMES if s[1] != "zeropp")
+
+
+@pytest.fixture
+def lbp_variants(monkeypatch):
+    monkeypatch.setattr(choose, "SCHEMES", WITHOUT_ZEROPP)
+
+
 def _fastest(a):
     """(the fastest fitting row the settings allow, the ranking): what the projection prefers,
     before the tie rule hands a tied scheme with more headroom the launch."""
@@ -150,12 +160,13 @@ def test_the_idealised_step_agrees_with_the_replayed_schedule(model):
                              key=lambda rec: rec["step"])
         replayed = pr.replay_one(records, p, shape, pj.LinkModel(), compute)["step_s"]
         seen[r.scheme] = pj.step_time(p, shape, compute=compute)["step_s"] / replayed
-    assert {"lbp S=0", "lbp S=node", "zeropp"} <= set(seen), seen
-    for scheme, bound in (("lbp S=0", 0.005), ("lbp S=node", 0.005), ("zeropp", 0.025)):
+    # (zeropp, ZeRO++, is not in choose.TRACED: the idealised model times it)
+    assert {"lbp S=0", "lbp S=node"} <= set(seen), seen
+    for scheme, bound in (("lbp S=0", 0.005), ("lbp S=node", 0.005)):
         assert abs(seen[scheme] - 1) < bound, f"{scheme}: idealised / replayed {seen[scheme]:.4f}"
 
 
-def test_a_projected_tie_goes_to_the_row_with_more_memory_left():
+def test_a_projected_tie_goes_to_the_row_with_more_memory_left(lbp_variants):
     """10B on 16 nodes: lbp with the package's int8 copy and without one project the same
     step (the backward's package gathers hide either way): both are tied with the fastest,
     and so is every scheme whose band (rates x overlap, projection/collectives.py) reaches it;
@@ -185,7 +196,8 @@ def test_a_projected_tie_goes_to_the_row_with_more_memory_left():
 def test_the_ranking_replays_the_committed_traces_without_torch():
     # Every dry run of the launcher ranks the candidates and replays the committed traces
     # (projection/trace_records.py reads them): importing torch there costs seconds per run.
-    code = ("import sys; from megatron_lbp.launch import plan; "
+    code = ("import sys; from megatron_lbp.launch import choose, plan; "
+            f"choose.SCHEMES = {WITHOUT_ZEROPP!r}; "
             "rc = plan.main(['--choose', '--world-size', '384', '--num-layers', '44', "
             "'--hidden-size', '6144', '--num-attention-heads', '64', '--seq-length', '2048', "
             "'--vocab-size', '50304', '--global-batch-size', '1536', '--reserve-gb', '4', "
@@ -262,7 +274,7 @@ def test_split_layers_make_lbp_fit_without_full_recomputation_at_20b_on_16_nodes
     assert all(r.choice.layer_unit == "whole" for r in rows if r.choice.recompute == "full")
 
 
-def test_the_embeddings_skip_makes_a_row_fit_and_is_chosen_at_no_cost():
+def test_the_embeddings_skip_makes_a_row_fit_and_is_chosen_at_no_cost(lbp_variants):
     """10B on 48 nodes with whole layers: no recomputation at micro-batch 1 fits only without
     the embedding's backward gather (the tied V*h weights no longer held across every
     layer's backward); skip trains bit for bit like gather and adds no exposed time, so the

@@ -69,21 +69,33 @@ def design_classes(W, P, S, G, O, gpn, gpp):
         "grad_to_param": slowest([[b + P * q + j for q in range(G // P)]
                                   for b in range(0, W, G) for j in range(P)], gpn, gpp),
         "replica": slowest([[o + O * b for b in range(W // O)] for o in range(O)], gpn, gpp),
+        # the G/S ranks of one G-block at the same position of their S-groups (zeropp's qgZ)
+        "grad_cross": slowest([[b + s + S * x for x in range(G // S)]
+                               for b in range(0, W, G) for s in range(S)], gpn, gpp)
+        if S and G % S == 0 else None,
     }
 
 
 def design(M, W, P, S, G, O, *, gpn=8, gpp=2, k=1, wbytes=2, gbytes=4, sdt="int8", block=256,
-           qwz=False):
+           qwz=False, zeropp=False):
     """Memory and traffic per rank from docs/design.md §2 (exact Fractions of M).
 
     ``qwz``: §3's zeropp "+ int8 forward all-gather": each rank sends its 1/P
     slice as int8 + scales to the P-1 others (also the backward regather when S = 0).
+    ``zeropp``: §3's ZeRO++ as DeepSpeed ships it: qwZ; the secondary copy in the weights'
+    dtype, gathered as int8 (qwZ) by every gather after the step's first forward; bf16
+    gradients; and where G = W spans nodes qgZ's int4 all-to-all, (S-1)*X chunks of
+    int4(M/G) in the node and X-1 across nodes (X = G/S).
     """
     M = Fraction(M)
     R = W // O
     cls = design_classes(W, P, S, G, O, gpn, gpp)
     int8 = lambda elems: elems * (1 + Fraction(4, block))  # 1 byte + a 4-byte scale per block
-    secondary = 0 if not S else (int8(M / S) if sdt == "int8" else 2 * M / S)
+    int4 = lambda elems: elems * (Fraction(1, 2) + Fraction(4, block))  # half a byte + scales
+    if zeropp:
+        qwz, sdt, gbytes = True, "param", wbytes
+    secondary = 0 if not S else (int8(M / S) if sdt == "int8" else
+                                 wbytes * M / S if sdt == "param" else 2 * M / S)
     mem = {"primary": wbytes * M / P, "secondary": secondary, "grad": gbytes * M / G,
            "optimizer": (12 if wbytes == 2 else 8) * M / O}
     mem["total"] = sum(mem.values())
@@ -96,12 +108,23 @@ def design(M, W, P, S, G, O, *, gpn=8, gpp=2, k=1, wbytes=2, gbytes=4, sdt="int8
 
     # package/node lines of §2
     weights = (P - 1) * int8(M / P) if qwz else wbytes * M * Fraction(P - 1, P)
-    add("forward_gather", "param", k * weights)
-    if S:
-        add("backward_gather", "secondary", k * (S - 1) * secondary)
+    if zeropp:
+        from_secondary = (S - 1) * int8(M / S)
+        add("forward_gather", "param", weights)
+        add("forward_gather", "secondary", (k - 1) * from_secondary)
+        add("backward_gather", "secondary", k * from_secondary)
     else:
-        add("backward_gather", "param", k * weights)
-    add("grad_reduce", "grad", k * gbytes * M * Fraction(G - 1, G))
+        add("forward_gather", "param", k * weights)
+        if S:
+            add("backward_gather", "secondary", k * (S - 1) * secondary)
+        else:
+            add("backward_gather", "param", k * weights)
+    if zeropp and W > gpn:
+        X = G // S
+        add("grad_reduce", "secondary", k * (S - 1) * X * int4(M / G))
+        add("grad_reduce", "grad_cross", k * (X - 1) * int4(M / G))
+    else:
+        add("grad_reduce", "grad", k * gbytes * M * Fraction(G - 1, G))
     add("step_gather", "grad_to_param", wbytes * (M / P) * Fraction(G // P - 1, G // P))
     # network lines of §2
     add("step_reduce", "inter", gbytes * (M / G) * Fraction(O // G - 1, O // G))
@@ -182,13 +205,14 @@ def test_plan_matches_design_formulas(preset, S, W, M, gpn, k, capsys):
     unit = math.lcm(O * 128, S_ * 128 if S_ else 1)
     assert got["padded_params"] == -(-int(M) // unit) * unit, "padding is not the layout rule"
 
-    qwz = preset == "zeropp"  # §3: zeropp = zero3 + hpZ + qwZ
-    assert got["quantize_weight_gather"] is qwz and got["quantize_grad_reduce"] == []
-    want_padded = design(got["padded_params"], W, P, S_, G, O, gpn=gpn, k=k, qwz=qwz)
+    zpp = preset == "zeropp"  # §3: zeropp = zero3 + hpZ + qwZ + qgZ
+    assert got["quantize_weight_gather"] is zpp
+    assert got["quantize_grad_reduce"] == (["grad"] if zpp and W > gpn else [])
+    want_padded = design(got["padded_params"], W, P, S_, G, O, gpn=gpn, k=k, zeropp=zpp)
     compare(got, want_padded, 1e-6, f"{preset} W={W} at the padded size")
     # Against the unpadded model size: within the padding fraction.
     slack = (got["padded_params"] - got["params"]) / got["params"] + 1e-6
-    compare(got, design(M, W, P, S_, G, O, gpn=gpn, k=k, qwz=qwz), slack,
+    compare(got, design(M, W, P, S_, G, O, gpn=gpn, k=k, zeropp=zpp), slack,
             f"{preset} W={W} unpadded")
 
     cls = {f: c for f, c in want_padded["link_classes"].items() if f in got["link_classes"]}
@@ -204,7 +228,7 @@ def test_exact_when_no_padding(preset, S, W, gpn, capsys):
     got = run_plan(_argv(preset, S, W, M, gpn, 2), capsys)
     assert got["padded_params"] == got["params"] == M
     P, S_, G, O = PRESET_SIZES[preset](W, gpn, 2, S or 0)
-    want = design(M, W, P, S_, G, O, gpn=gpn, k=2, qwz=preset == "zeropp")
+    want = design(M, W, P, S_, G, O, gpn=gpn, k=2, zeropp=preset == "zeropp")
     for key in ("memory_bytes", "traffic_bytes"):
         for name, w in want[key].items():
             assert w.denominator == 1 and got[key][name] == int(w), \

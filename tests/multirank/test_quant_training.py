@@ -24,10 +24,10 @@ nothing (tests/broken_engine.quantization_off).
 
 Measured on the 2-core CI machine (tests/multirank/test_quant_training.py -s prints it): over 25
 steps the largest relative gap at any step was 0.052 % (lbp S=2), 0.056 % (lbp S=8) and
-0.073 % (zeropp, qwZ + int8 S=4), at step 25 0.030 %, 0.032 % and 0.034 %; over 50 steps
-(before CI was shortened) 0.061 %, 0.062 % and 0.073 %. qgZ (the slow test, 50 steps)
-measured 0.042 % (lbp, network step reduce) and 0.069 % (zeropp, every micro-batch's
-reduce crossing nodes). The engine with quantization off inside stays at 0.000 %, under
+0.073 % (P=G=O=W, qwZ + int8 S=4), at step 25 0.030 %, 0.032 % and 0.034 %; over 50 steps
+0.061 %, 0.062 % and 0.073 %. qgZ (the slow test, 50 steps) measured 0.042 % (lbp, network
+step reduce) and 0.069 % (P=G=O=W with int8 qgZ, every micro-batch's reduce crossing
+nodes). The engine with quantization off inside stays at 0.000 %, under
 the minimum gap (test_minimum_gap_fails_when_nothing_is_quantized).
 """
 import pytest
@@ -50,15 +50,24 @@ MIN_GAP = 1e-4
 LBP = ["--hier-param-group-size", "2", "--hier-grad-group-size", "4"]
 
 REFERENCE = LBP
+# The engine's earlier zeropp, by explicit flags: P = G = O = W, an int8 copy per node read
+# by the backward only, qwZ, fp32 gradients.
+ZERO3_INT8_S4_QWZ = ["--hier-param-group-size", "8", "--hier-grad-group-size", "8",
+                     "--hier-optim-group-size", "8", "--hier-secondary-group-size", "4",
+                     "--hier-quantize-weight-gather"]
 QUANTIZED = {
     "lbp int8 S=2": LBP + ["--hier-secondary-group-size", "2"],
     "lbp int8 S=8": LBP + ["--hier-secondary-group-size", "8"],
-    "zeropp (qwZ, int8 S=4)": ["--hier-preset", "zeropp"],
+    "zero3 + qwZ + int8 S=4": ZERO3_INT8_S4_QWZ,
 }
 QGZ = {
     "lbp qgZ": LBP + ["--hier-quantize-grad-reduce"],
-    "zeropp qgZ": ["--hier-preset", "zeropp", "--hier-quantize-grad-reduce"],
+    "zero3 + qwZ + int8 S=4 + int8 qgZ": ZERO3_INT8_S4_QWZ + ["--hier-quantize-grad-reduce"],
 }
+# ZeRO++ (qwZ, bf16 hpZ read from the step's second forward on, int4 two-hop qgZ, bf16
+# gradients) over two micro-batches a step, against the unquantized lbp at the same batch.
+TRAIN_K2 = TrainSpec(steps=25, micro_batches=2, bucket_size=50000, text=True)
+ZEROPP = {"zeropp (ZeRO++)": ["--hier-preset", "zeropp"]}
 
 
 UNQUANTIZED = "lbp int8 S=2, quantization off inside (broken)"
@@ -130,3 +139,11 @@ def test_qgz_stays_within_half_a_percent_for_50_steps():
                         rank_env=TOPOLOGY, timeout=400)
     assert_ranks_hold_the_same_weights(runs)
     check_gaps(runs[0], list(QGZ), TRAIN_LONG.steps)
+
+
+@pytest.mark.slow
+def test_zeropp_stays_within_half_a_percent_for_25_steps_of_two_micro_batches():
+    runs = run_on_ranks(train_all, WORLD, SPEC, TRAIN_K2, {"reference": REFERENCE, **ZEROPP},
+                        rank_env=TOPOLOGY, timeout=900)
+    assert_ranks_hold_the_same_weights(runs)
+    check_gaps(runs[0], list(ZEROPP), TRAIN_K2.steps)

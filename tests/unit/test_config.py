@@ -235,7 +235,8 @@ def test_config_is_frozen_and_round_trips():
                  "optim_group_size": 8, "secondary_group_size": 8, "secondary_dtype": "int8",
                  "gpus_per_node": 8, "gcds_per_package": 2, "preset": "lbp",
                  "quant_block_size": 256, "quantize_weight_gather": False,
-                 "quantize_grad_reduce": False}
+                 "quantize_grad_reduce": False, "secondary_scope": "backward",
+                 "grad_quant_scheme": "int8"}
     assert HierConfig(**d) == cfg and cfg.replicas == 2
 
 

@@ -64,7 +64,9 @@ def ranks_of(L, level, rank):
 
 
 def levels_of(L):
-    return [lv for lv in LEVELS if lv != "secondary" or L.secondary_group_size]
+    S, G = L.secondary_group_size, L.grad_group_size
+    present = {"secondary": bool(S), "grad_cross": bool(S) and G % S == 0}
+    return [lv for lv in LEVELS if present.get(lv, True)]
 
 
 def first_diff(expected, actual):

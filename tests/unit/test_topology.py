@@ -490,8 +490,13 @@ def test_hierarchy_groups_hand_computed():
 
 def test_secondary_omitted_when_off_and_family_order():
     got = hierarchy_groups(range(8), cfg_of(8, 2, 8, 8))
-    assert list(got) == [f for f in GROUP_FAMILIES if f != "secondary"]
-    assert list(hierarchy_groups(range(8), cfg_of(8, 2, 8, 8, 2))) == list(GROUP_FAMILIES)
+    assert list(got) == [f for f in GROUP_FAMILIES if f not in ("secondary", "grad_cross")]
+    assert list(hierarchy_groups(range(8), cfg_of(8, 2, 8, 8, 2))) == [
+        f for f in GROUP_FAMILIES if f != "grad_cross"]
+    # the second hop of the int4 qgZ only where it runs (zeropp across two nodes of 4)
+    zeropp = hierarchy_groups(range(8), resolve_hier_config(8, gpus_per_node=4, preset="zeropp"))
+    assert list(zeropp) == list(GROUP_FAMILIES)
+    assert zeropp["grad_cross"] == [(0, 4), (1, 5), (2, 6), (3, 7)], zeropp["grad_cross"]
 
 
 def divisors(n):
@@ -547,7 +552,7 @@ def test_all_hierarchy_groups_cover_the_world():
     dp = dp_groups_from_layout(32, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     cfg = resolve_hier_config(8, gpus_per_node=4, gcds_per_package=1, secondary_group_size=4)
     merged = all_hierarchy_groups(dp, cfg)
-    assert list(merged) == list(GROUP_FAMILIES)
+    assert list(merged) == [f for f in GROUP_FAMILIES if f != "grad_cross"]
     for family, groups in merged.items():
         assert sorted(r for grp in groups for r in grp) == list(range(32)), family
     assert merged["param"][:4] == [(0,), (2,), (4,), (6,)]
