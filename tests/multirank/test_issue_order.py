@@ -38,6 +38,8 @@ LBP = ["--hier-preset", "lbp", "--hier-param-group-size", "2", "--hier-grad-grou
 INT8 = LBP + ["--hier-optim-group-size", "8", "--hier-secondary-group-size", "4",
               "--hier-secondary-dtype", "int8", "--hier-quantize-grad-reduce"]
 R2 = LBP + ["--hier-optim-group-size", "4"]
+# ZeRO++ over 2 nodes: the step-scoped secondary serves later gathers, qgZ's two int4 hops
+ZEROPP = ["--hier-preset", "zeropp"]
 POLL = "issue on poll (broken)"
 NOT_AWAITED = "chains not awaited (broken)"
 
@@ -78,6 +80,7 @@ def _runs(trace_dir):
     train = TrainSpec(steps=2, micro_batches=2, micro_batch_size=1)
     bf16 = TinyGPTSpec(num_layers=4, params_dtype=torch.bfloat16)
     runs = {"lbp-int8": (bf16, INT8, None), "lbp-R2": (TinyGPTSpec(num_layers=4), R2, None),
+            "zeropp": (bf16, ZEROPP, None),
             POLL: (bf16, INT8, broken_engine.issue_on_poll),
             NOT_AWAITED: (bf16, INT8, broken_engine.chains_not_awaited)}
     out = {}
@@ -131,7 +134,7 @@ def _first_difference(trace_dir, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["lbp-int8", "lbp-R2"])
+@pytest.mark.parametrize("name", ["lbp-int8", "lbp-R2", "zeropp"])
 def test_every_rank_issues_rank_0s_sequence_step_by_step(ranks, name):
     trace_dir, out = ranks
     assert all(o[name] == "trained" for o in out), [o[name] for o in out]
@@ -139,8 +142,9 @@ def test_every_rank_issues_rank_0s_sequence_step_by_step(ranks, name):
     comms = {c[4] for _, s in seq for c in s}
     # the cross-communicator chains are all there: node -> network (-> replica) reduction,
     # the refresh's network and node hops (O = G in lbp-R2: no network hop)
-    want = ({"grad_reduce", "inter_reduce", "inter_gather", "grad_to_param_gather"}
-            if name == "lbp-int8" else {"grad_reduce", "replica_reduce", "grad_to_param_gather"})
+    want = {"lbp-int8": {"grad_reduce", "inter_reduce", "inter_gather", "grad_to_param_gather"},
+            "lbp-R2": {"grad_reduce", "replica_reduce", "grad_to_param_gather"},
+            "zeropp": {"param_gather", "secondary_gather", "secondary_reduce", "grad_cross_reduce"}}[name]
     assert want <= comms, comms
     why = _first_difference(trace_dir, name)
     assert not why, f"{name}: ranks issue in different orders: {why}"
