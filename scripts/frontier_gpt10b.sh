@@ -42,23 +42,15 @@
 # node, and sends less on the package link per step (10.3 vs 15.6 GB) for more
 # on the node links (53 vs 44 GB).
 set -euo pipefail
-
-if [ -z "${LBP_REPO:-}" ]; then
-  here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-  if [ -f "$here/scripts/launch/lbp_launch.sh" ]; then
-    LBP_REPO=$here
-  elif [ -f "${SLURM_SUBMIT_DIR:-/nonexistent}/scripts/launch/lbp_launch.sh" ]; then
-    LBP_REPO=$SLURM_SUBMIT_DIR  # sbatch runs a copy of this script: submit from the repo root
-  else
-    echo "lbp_launch: error: cannot find the megatron-lbp checkout: set LBP_REPO" >&2
-    exit 2
-  fi
-fi
-export LBP_REPO
-
+set -a   # every value below reaches the launcher (python -m megatron_lbp.launch job)
+: "${LBP_REPO:=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
+# sbatch runs a copy of this script: the checkout is then the directory it was submitted from
+[ -f "$LBP_REPO/scripts/launch/lbp_launch.sh" ] || LBP_REPO=${SLURM_SUBMIT_DIR:-}
+[ -f "$LBP_REPO/scripts/launch/lbp_launch.sh" ] || {
+  echo "lbp_launch: error: cannot find the megatron-lbp checkout: set LBP_REPO" >&2; exit 2; }
 : "${LBP_PROFILE:=frontier-gpt10b}" "${LBP_PROFILE_SCRIPT:=$LBP_REPO/scripts/frontier_gpt10b.sh}"
 : "${NUM_LAYERS:=32}" "${HIDDEN_SIZE:=5120}" "${NUM_ATTENTION_HEADS:=40}"
 : "${LR:=1.2e-4}" "${MIN_LR:=1.2e-5}"
-
+set +a
 # shellcheck source-path=SCRIPTDIR source=launch/frontier_body.sh
 . "$LBP_REPO/scripts/launch/frontier_body.sh"

@@ -45,23 +45,15 @@
 # per step on the package link (20.2 vs 30.5 GB) and more on the node links (104 vs
 # 86 GB), the paper's trade for the memory.
 set -euo pipefail
-
-if [ -z "${LBP_REPO:-}" ]; then
-  here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-  if [ -f "$here/scripts/launch/lbp_launch.sh" ]; then
-    LBP_REPO=$here
-  elif [ -f "${SLURM_SUBMIT_DIR:-/nonexistent}/scripts/launch/lbp_launch.sh" ]; then
-    LBP_REPO=$SLURM_SUBMIT_DIR  # sbatch runs a copy of this script: submit from the repo root
-  else
-    echo "lbp_launch: error: cannot find the megatron-lbp checkout: set LBP_REPO" >&2
-    exit 2
-  fi
-fi
-export LBP_REPO
-
+set -a   # every value below reaches the launcher (python -m megatron_lbp.launch job)
+: "${LBP_REPO:=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
+# sbatch runs a copy of this script: the checkout is then the directory it was submitted from
+[ -f "$LBP_REPO/scripts/launch/lbp_launch.sh" ] || LBP_REPO=${SLURM_SUBMIT_DIR:-}
+[ -f "$LBP_REPO/scripts/launch/lbp_launch.sh" ] || {
+  echo "lbp_launch: error: cannot find the megatron-lbp checkout: set LBP_REPO" >&2; exit 2; }
 : "${LBP_PROFILE:=frontier-gpt20b}" "${LBP_PROFILE_SCRIPT:=$LBP_REPO/scripts/frontier_gpt20b.sh}"
 : "${NUM_LAYERS:=44}" "${HIDDEN_SIZE:=6144}" "${NUM_ATTENTION_HEADS:=64}"
 : "${LR:=9.7e-5}" "${MIN_LR:=9.7e-6}"
-
+set +a
 # shellcheck source-path=SCRIPTDIR source=launch/frontier_body.sh
 . "$LBP_REPO/scripts/launch/frontier_body.sh"
