@@ -12,6 +12,7 @@ Stages, each reading the environment and ``DIR/job.json`` that the previous one 
              through ``commands`` and the checkpoint checks and stops there
   exit-time  the job's exit time from its remaining wall time (refuses a job too short)
   commands   the training command (capability-resolved), printed with the srun command
+  implied-secondary PRESET TASKS_PER_NODE   the secondary group size a preset implies
 
 What the shell reads back: ``DIR/job.env`` (KEY=VALUE) and NUL-separated word lists
 (``DIR/srun``, ``DIR/train``, ``DIR/health``, ``DIR/build_check``, ``DIR/args0``,
@@ -940,8 +941,12 @@ def dry_run(state: Path, v: dict, env: Mapping[str, str]) -> None:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["implied-secondary"] and len(argv) == 3:   # PRESET TASKS_PER_NODE
+        print(implied_secondary(argv[1], argv[2]))
+        return 0
     usage = ("usage: python -m megatron_lbp.launch job {resolve,exit-time,commands} --state DIR "
-             "[--script PATH] [--env0 FILE] [-- launcher arguments]")
+             "[--script PATH] [--env0 FILE] [-- launcher arguments] | implied-secondary PRESET "
+             "TASKS_PER_NODE")
     if not argv or argv[0] not in ("resolve", "exit-time", "commands") or "--state" not in argv:
         print(usage, file=sys.stderr)
         return 2
