@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lbp.launch import job
+from megatron_lbp.launch import rules
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = {"NUM_LAYERS": "2", "HIDDEN_SIZE": "64", "NUM_ATTENTION_HEADS": "4", "SEQ_LENGTH": "128",
@@ -24,35 +24,35 @@ MODEL = {"NUM_LAYERS": "2", "HIDDEN_SIZE": "64", "NUM_ATTENTION_HEADS": "4", "SE
     ("lbp", "8", "8"), ("zeropp", "4", "4"), ("zero3", "8", "0"), ("zero2", "8", "0"),
     ("hsdp", "8", "0"), ("distopt", "8", "0"), ("ds-zeropp", "8", "0")])
 def test_a_preset_implies_its_secondary_size(preset, tasks, secondary):
-    v = job.settings({**MODEL, "HIER_PRESET": preset, "TASKS_PER_NODE": tasks})
+    v = rules.settings({**MODEL, "HIER_PRESET": preset, "TASKS_PER_NODE": tasks})
     assert v["HIER_SECONDARY_GROUP_SIZE"] == secondary, (preset, v["HIER_SECONDARY_GROUP_SIZE"])
     # a given size wins; a given scheme is not chosen
-    v = job.settings({**MODEL, "HIER_PRESET": preset, "HIER_SECONDARY_GROUP_SIZE": "2"})
+    v = rules.settings({**MODEL, "HIER_PRESET": preset, "HIER_SECONDARY_GROUP_SIZE": "2"})
     assert v["HIER_SECONDARY_GROUP_SIZE"] == "2" and "LBP_CHOOSE_SCHEME" not in v
 
 
 def test_the_scheme_is_chosen_only_when_neither_it_nor_its_copy_is_given():
-    assert job.settings(dict(MODEL))["LBP_CHOOSE_SCHEME"] == "1"
-    assert "LBP_CHOOSE_SCHEME" not in job.settings({**MODEL, "HIER_SECONDARY_GROUP_SIZE": "8"})
+    assert rules.settings(dict(MODEL))["LBP_CHOOSE_SCHEME"] == "1"
+    assert "LBP_CHOOSE_SCHEME" not in rules.settings({**MODEL, "HIER_SECONDARY_GROUP_SIZE": "8"})
 
 
 def test_derived_defaults_follow_the_device_and_site():
-    gpu = job.settings(dict(MODEL))
+    gpu = rules.settings(dict(MODEL))
     assert (gpu["LBP_REQUIRE_GPU"], gpu["LBP_MEMORY_RESERVE_GB"]) == ("rocm", "4")
-    local = job.settings({**MODEL, "LBP_SITE": "local"})
+    local = rules.settings({**MODEL, "LBP_SITE": "local"})
     assert local["LBP_REQUIRE_GPU"] == "any"
-    cpu = job.settings({**MODEL, "GPUS_PER_TASK": "0"})
+    cpu = rules.settings({**MODEL, "GPUS_PER_TASK": "0"})
     assert (cpu["LBP_REQUIRE_GPU"], cpu["LBP_MEMORY_RESERVE_GB"]) == ("none", "0")
 
 
 def test_model_flags_the_last_wins_and_groups_need_gqa():
-    v = job.settings(dict(MODEL))
-    flags = job.model_flags(v, ["--num-layers", "6", "--num-query-groups", "2", "--swiglu",
+    v = rules.settings(dict(MODEL))
+    flags = rules.model_flags(v, ["--num-layers", "6", "--num-query-groups", "2", "--swiglu",
                                 "--num-layers=8", "--normalization", "RMSNorm"])
     assert flags[flags.index("--num-layers") + 1] == "8"
     assert "--swiglu" in flags and flags[flags.index("--normalization") + 1] == "RMSNorm"
     assert "--num-query-groups" not in flags          # counted only with --group-query-attention
-    flags = job.model_flags(v, ["--group-query-attention", "--num-query-groups", "2"])
+    flags = rules.model_flags(v, ["--group-query-attention", "--num-query-groups", "2"])
     assert flags[-3:] == ["--group-query-attention", "--num-query-groups", "2"]
 
 
