@@ -295,7 +295,6 @@ def resolve(state: Path, argv: list[str], script_arg: str, env0: str | None) -> 
     start_flags = start_from(v)
     if v.get("LBP_SETTINGS_OUT"):   # scripts/launch/lbp_study.sh reads the profile's values
         write_resolved(v["LBP_SETTINGS_OUT"], {k: v.get(k, "") for k in SETTINGS})
-        v["LBP_STOP"] = "1"
         return
     resolve_nodes(v, env, script_arg)
     check_hierarchy(v)
