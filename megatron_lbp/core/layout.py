@@ -1,100 +1,13 @@
 """Nested layout of one flat bucket over a hierarchical data-parallel world.
 
-Pure arithmetic: no torch, no torch.distributed. Everything that moves bytes
-asks this module which elements a rank owns and in which order a collective
-must see its chunks.
-
-The world
----------
-W data-parallel ranks ordered by locality (consecutive ranks share a package,
-consecutive packages share a node). Group sizes P | G | O | W, R = W / O
-optimizer replicas, and an independent secondary size S (0 = off, S | W).
-For DP rank r:
-
-==============  =====================================  ====================
-level           members (in collective order)          index of r inside it
-==============  =====================================  ====================
-param           P consecutive ranks                    p = r % P
-grad            G consecutive ranks                    j = r % G = P*q + p
-optim           O consecutive ranks                    o = r % O = G*a + j
-inter           {base_O + G*a + j  for a < O/G}        a = (r % O) // G
-grad_to_param   {base_G + P*q + p  for q < G/P}        q = (r % G) // P
-secondary       S consecutive ranks                    s = r % S
-replica         {o + O*b           for b < R}          b = r // O
-==============  =====================================  ====================
-
-("inter" carries the optimizer step's network reduce-scatter 1/G -> 1/O and
-the all-gather back; "grad_to_param" the in-node all-gather 1/G -> 1/P.)
-
-The bucket
-----------
-A bucket of ``numel`` elements is padded to N, the smallest multiple of
-lcm(O*align, S*align) (just O*align when S == 0) that is >= numel, so every
-level divides N and every optimizer shard N/O (and secondary shard N/S) is a
-multiple of ``align``. Padding is never model size: ``padding = N - numel``.
-
-Slices are half-open ranges in the bucket's own order (parameter order):
-
-- primary   (1/P): [p*N/P, (p+1)*N/P)
-- gradient  (1/G): p*N/P + q*N/G            , length N/G
-- optimizer (1/O): p*N/P + q*N/G + a*N/O    , length N/O
-- secondary (1/S): [s*N/S, (s+1)*N/S)
-
-so optimizer ⊂ gradient ⊂ primary for every rank (the nesting invariant), and
-the R replicas of an optimizer rank hold the same optimizer slice.
-
-Worked example: W=8, P=2, G=4, O=8 (R=1), align=1, numel in (8, 16] -> N=16::
-
-    rank  p q a | primary  grad     optim
-      0   0 0 0 | [0, 8)   [0, 4)   [0, 2)
-      1   1 0 0 | [8,16)   [8,12)   [8,10)
-      2   0 1 0 | [0, 8)   [4, 8)   [4, 6)
-      3   1 1 0 | [8,16)   [12,16)  [12,14)
-      4   0 0 1 | [0, 8)   [0, 4)   [2, 4)
-      5   1 0 1 | [8,16)   [8,12)   [10,12)
-      6   0 1 1 | [0, 8)   [4, 8)   [6, 8)
-      7   1 1 1 | [8,16)   [12,16)  [14,16)
-
-Collective orders
------------------
-- P all-gather, S all-gather, inter reduce-scatter / all-gather and the
-  grad_to_param all-gather are contiguous: shard i of the output is group
-  rank i's slice, so a plain all_gather_into_tensor / reduce_scatter_tensor
-  over the sorted group works.
-- The G reduce-scatter is the one exception. reduce_scatter_tensor hands
-  chunk i (units of N/G) to G-group rank i, and over the *sorted* group rank
-  i = P*q + p, but that rank's slice sits at bucket chunk p*(G/P) + q. In the
-  example, sorted G-group ranks 0,1,2,3 own bucket chunks 0,2,1,3. Sorted
-  order cannot avoid this when 1 < P < G: the P all-gather needs each primary
-  chunk to be contiguous *and* indexed by p, so the G/P grad chunks inside
-  primary chunk p belong to ranks p, p+P, p+2P, ... -- strided across the
-  sorted G-group, not consecutive. (Making grad chunks consecutive would
-  instead make primary chunks strided, and the forward all-gather, which
-  runs every micro-batch, is the hotter collective.)
-
-  So the G-group's reduce communicator is not sorted: it is created with its
-  members in *chunk order* (:func:`grad_reduce_order`: position c is the rank
-  that owns bucket chunk c; (0, 2, 1, 3) in the example), and a plain
-  reduce_scatter_tensor of the bucket in its own order hands every rank its
-  slice -- no copy of the gradient at all. torch.distributed sorts a group's
-  ranks unless ``new_group(..., sort_ranks=False)`` (torch >= 2.13; not with
-  TORCH_DISTRIBUTED_USE_TORCHCOMMS=1); megatron_lbp.engine.process_groups uses it
-  where it exists and checks the order it got back.
-
-  Where it does not, the group stays sorted and the input of the G
-  reduce-scatter is the bucket permuted by ``grad_scatter_chunk_order``, one
-  extra pass over the gradient per micro-batch; in torch terms::
-
-      send = bucket.view(P, G // P, -1).transpose(0, 1).reshape(-1)
-
-  (and the inverse, for a G all-gather back to bucket order, is
-  ``gathered.view(G // P, P, -1).transpose(0, 1).reshape(-1)``). Folding the
-  permutation into the per-parameter gradient copy instead was considered and
-  left out: a parameter that straddles a chunk boundary would then not be one
-  contiguous window of the gradient buffer, which ``main_grad`` views for
-  fused weight-gradient accumulation need, and with the ordered communicator
-  there is nothing left to fold. When P == 1 or P == G every order is the
-  identity.
+Pure arithmetic, no torch: which elements each rank owns and in which order a
+collective must see its chunks. Group sizes P | G | O | W, R = W / O replicas,
+secondary S (0 = off, S | W); a bucket is padded so that every level divides it
+and every shard is a multiple of ``align``. Invariant: a rank's optimizer slice
+lies inside its gradient slice, which lies inside its primary slice. Every
+collective is contiguous over its sorted group except the G reduce-scatter, whose
+communicator lists its members in chunk order (:func:`grad_reduce_order`).
+The formulas, the reasoning and a worked example: docs/design.md §2.1.
 """
 
 from __future__ import annotations

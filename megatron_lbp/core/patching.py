@@ -1,24 +1,11 @@
 """The one way megatron-lbp changes megatron-core, megatron.training, torch or the interpreter at run time.
 
-Every runtime patch is a :class:`Patch` in one registry: its owner (the module
-that declares and applies it), a short name, the target it replaces
-(``module:attribute.path``), when it applies and why. The owners, by purpose:
-
-- ``megatron_lbp.integration.compat``: what every device needs (Python 3.11, megatron-core
-  bugs, start-up costs, Megatron-FSDP on gloo);
-- ``megatron_lbp.integration.cpu_runtime``: CPU ranks with gloo, only without an accelerator;
-- ``megatron_lbp.integration.training_hooks``: where megatron.training hands over to the
-  engine (``--hier-partition``), the atomic checkpoint tracker, the log line;
-- ``megatron_lbp.integration.megatron_adapter``: the offline GPT-2 BPE tokenizer;
-- ``megatron_lbp.engine.faults``: naming a lost peer before the traceback;
-- ``megatron_lbp.integration.save_stall``: a test-only seam, imported only when
-  ``LBP_TEST_STALL_SAVE`` is set.
-
-:func:`apply` is the only idiom: it replaces the target with ``make(original)``
-and marks the replacement, so applying a patch again changes nothing. Declaring
-a patch changes nothing; tests/unit/test_patch_registry.py checks that every target
-exists in the installed (pinned) megatron-core and torch. This module imports
-neither: declaring is pure.
+Every runtime patch is a :class:`Patch` in one registry: its owner module, a short name,
+the target it replaces (``module:attribute.path``), when it applies and why.
+:func:`apply` is the only idiom: it replaces the target with ``make(original)`` and marks
+the replacement, so applying again changes nothing. Declaring is pure and imports
+neither torch nor megatron-core; tests/unit/test_patch_registry.py checks that every
+target exists in the pinned versions. The owners: docs/design.md §4.
 """
 from __future__ import annotations
 

@@ -1,20 +1,12 @@
 """Where each rank runs, and which ranks form each LBP communication group.
 
-Pure Python (no torch, no torch.distributed): the engine gathers every rank's
-``RankLocation`` once and calls these functions with plain data, so the same
-code serves the CPU tests, the cost model and a 384-GCD Frontier job.
-
-Three questions are answered here:
-
-1. *Which launcher started us?* ``launcher_info_from_env`` reads Slurm or
-   torchrun variables (never ``os.environ`` directly: the caller passes it).
-2. *Where am I?* ``location_of`` turns that into (node, package); nodes may be
-   emulated (8 ranks on one host as 2 "nodes" of 4) for tests and demos.
-3. *Who do I talk to?* ``dp_groups_from_layout`` reproduces Megatron's
-   data-parallel groups, ``hierarchy_groups`` splits one of them into the
-   param / secondary / grad / optim / inter / grad_to_param / replica
-   families, and ``check_colocation`` refuses groups that cross a slower link
-   than their size requires.
+Pure Python, no torch: the engine gathers every rank's ``RankLocation`` once and calls
+these functions with plain data, so the same code serves the CPU tests, the cost model
+and a Frontier job. ``launcher_info_from_env`` reads Slurm or torchrun variables from the
+mapping it is given; ``location_of`` turns them into (node, package), emulated nodes
+included; ``dp_groups_from_layout`` reproduces Megatron's data-parallel groups,
+``hierarchy_groups`` splits one into the group families, and ``check_colocation`` refuses
+a group that crosses a slower link than its size requires.
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """qwZ/qgZ's quantizer op on CPU ranks: DeepSpeed's own pure-torch quantizer, put where the op is missing.
 
-DeepSpeed's CPU accelerator maps ``QuantizerBuilder`` to a stub whose ``load()``
-raises "This op had not been implemented on CPU backend", so ZeRO++'s quantized
-weight gather (qwZ, ``partition_parameters.CUDAQuantizer``) and quantized
-gradient all-to-all (qgZ, ``runtime.comm.coalesced_collectives``) cannot run on
-CPU as shipped. DeepSpeed ships a pure-torch implementation of the same op, with
-the CUDA kernel's wire format (per-group symmetric scales, truncation toward
-zero, int4 packing, qgZ's swizzled layout), for its NPU backend
-(``deepspeed/ops/op_builder/npu/quantizer.py``, ``NPUQuantizer``). Its code is
-plain torch and runs on CPU tensors; :func:`install` makes
-``deepspeed.ops.op_builder.QuantizerBuilder`` hand that class out.
-
-One change: ``quantize`` returns its scales flat instead of [groups, 1]. qwZ
-all-gathers the scales into a flat buffer (``all_gather_into_tensor``); NCCL
-checks only element counts, gloo checks shapes and fails ("ProcessGroupGloo::
-allgather: invalid tensor size at index 0 (expected (1, 1), got (1))", seen with
-the [groups, 1] scales on 4 ranks). Every consumer (``dequantize``, qgZ's
-``quantized_reduction``) reads the scales through ``.view(-1)`` or ``.numel()``.
-
-Used only when DeepSpeed's accelerator is ``cpu``: on a GPU the real kernel is
-built and this module refuses to install (:func:`install` raises).
+DeepSpeed's CPU accelerator maps ``QuantizerBuilder`` to a stub that raises, so ZeRO++'s
+qwZ and qgZ cannot run on CPU as shipped. DeepSpeed's NPU backend ships a pure-torch
+implementation with the CUDA kernel's wire format (``NPUQuantizer``); :func:`install`
+makes ``QuantizerBuilder`` hand that class out. One change: ``quantize`` returns its
+scales flat, because gloo's all-gather checks shapes where NCCL checks only element
+counts; every consumer reads them through ``.view(-1)`` or ``.numel()``. Only for
+DeepSpeed's ``cpu`` accelerator: on a GPU :func:`install` raises.
 """
 from __future__ import annotations
 

@@ -1,21 +1,11 @@
 """What DeepSpeed needs in the environment before it is first imported, on CPU ranks or GPUs.
 
-- ``DS_ACCELERATOR=cpu`` only where torch sees no GPU: DeepSpeed then takes its
-  CPU accelerator, which without oneCCL bindings runs torch.distributed's gloo.
-  On a GPU machine nothing is set and DeepSpeed detects CUDA/ROCm itself.
-- ``LOCAL_SIZE``: the CPU accelerator's ``device_count()`` reads it. qgZ takes its
-  hierarchical (intra-node, then inter-node) path only when world size /
-  device_count() > 1, so it must be the ranks per (emulated) node.
-- ``TORCH_EXTENSIONS_DIR``: DeepSpeed JIT-builds an op the first time a process
-  needs it. The default puts the builds under the virtual environment, so one build
-  serves every later test and benchmark run of that environment.
-
-After the import, :func:`skip_shm_comm_op`: on its CPU accelerator DeepSpeed's torch
-backend builds and loads its shared-memory communication op at start-up, for
-``inference_all_reduce`` only (tensor-parallel inference); ZeRO's gathers,
-reduce-scatters and all-reduces go through torch.distributed whatever it holds. Its JIT
-build was 25-45 s of every fresh environment's first DeepSpeed run on a 2-core machine,
-for nothing a training run calls.
+``DS_ACCELERATOR=cpu`` only where torch sees no GPU (then gloo); ``LOCAL_SIZE`` = ranks
+per (emulated) node, which qgZ's hierarchical path reads as the device count;
+``TORCH_EXTENSIONS_DIR`` under the virtual environment, so one JIT build of an op serves
+every later run. After the import, :func:`skip_shm_comm_op` skips the CPU accelerator's
+shared-memory op, which only tensor-parallel inference uses and whose JIT build would
+cost every fresh environment's first run.
 """
 from __future__ import annotations
 

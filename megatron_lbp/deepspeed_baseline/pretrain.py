@@ -1,33 +1,13 @@
 """``python -m megatron_lbp.deepspeed_baseline.pretrain --ds-scheme ds-zeropp <pretrain_gpt flags>``: the DeepSpeed baseline.
 
-Takes Megatron-LM's ``pretrain_gpt.py`` flags, exactly what
-``python -m megatron_lbp.pretrain_gpt`` takes without ``--hier-*``, and:
-
-- resolves them as that entry does (megatron_lbp.integration.training_hooks.resolve_flags:
-  local layers without Transformer Engine, gloo on CPU ranks) and lets
-  megatron.training parse and validate them and initialize distributed state;
-- builds the model with megatron.training's own GPT builder from those flags
-  (``GPTModelBuilder.build_distributed_models`` without the DDP wrapper: same
-  layers, same seed, so the same initial weights as the stock run);
-- reads the data through megatron.training's iterators over
-  ``megatron_lbp.integration.pretrain_gpt.train_valid_test_datasets_provider`` (same
-  indexed dataset, split, shuffling and order) and computes each micro-batch's
-  loss with that entry's ``forward_step`` / ``loss_func``;
-- trains under ``deepspeed.initialize`` with the named scheme (see
-  megatron_lbp.deepspeed_baseline.schemes), AdamW from torch with Megatron's parameter
-  groups, and Megatron's learning-rate scheduler (``--lr``, warm-up, decay style);
-- prints Megatron's iteration line (``iteration N/ M | ... | lm loss: ... | grad
-  norm: ... |``) so the same log readers work on both.
-
-With ``LBP_RESULT_FILE=PATH`` the run writes the study's result file
-(megatron_lbp/integration/study_result.py: step time, tokens/s, TFLOPS/GCD by Megatron's FLOP
-formula, peak memory on GPU, loss curve; on CPU ranks memory and ledger bytes are
-"not measured", DeepSpeed keeping no ledger), the same file pretrain_gpt writes.
-
-Own flags: ``--ds-scheme`` (required), ``--ds-ranks-per-node`` (hpZ's partition
-and qgZ's node; default LOCAL_WORLD_SIZE), ``--ds-print-config`` (print the
-DeepSpeed config and exit before training, after the flags are checked).
-Not served: tensor/pipeline/context parallelism, checkpoints, evaluation.
+Takes what ``python -m megatron_lbp.pretrain_gpt`` takes without ``--hier-*``, resolved
+and parsed as that entry does; builds the model with megatron.training's GPT builder (same
+seed, same initial weights), reads the same data through that entry's dataset provider
+and loss, trains under ``deepspeed.initialize`` with the named scheme and Megatron's LR
+scheduler, and prints Megatron's iteration line so the same log readers work. With
+``LBP_RESULT_FILE`` it writes the study's result file. Own flags: ``--ds-scheme``,
+``--ds-ranks-per-node`` (hpZ's partition, qgZ's node), ``--ds-print-config``. Not served:
+model parallelism, checkpoints, evaluation. Details: docs/deepspeed-baseline.md.
 """
 from __future__ import annotations
 

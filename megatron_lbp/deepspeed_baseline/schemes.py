@@ -1,24 +1,12 @@
 """The DeepSpeed schemes the project compares lbp with, as DeepSpeed config dicts.
 
-- ``ds-zero3``: ZeRO stage 3: weights, gradients and optimizer state partitioned
-  over every data-parallel rank; weights gathered from all of them for forward
-  and again for backward.
-- ``ds-hpz``: ZeRO-3 plus hpZ: a secondary copy of the weights partitioned
-  inside each node (``zero_hpz_partition_size`` = ranks per node), from which
-  backward regathers.
-- ``ds-zeropp``: ZeRO++ as its paper configures it: hpZ (node-sized secondary
-  partition) + qwZ (int8 weight all-gather, ``zero_quantized_weights``) + qgZ
-  (int4 hierarchical all-to-all gradient reduce, ``zero_quantized_gradients``).
-
-Three settings differ from DeepSpeed's defaults, on purpose, for every scheme:
-``stage3_param_persistence_threshold`` 0 (the default keeps each tensor under
-1e5 elements replicated and never gathered, which on the tiny test models is
-every tensor: nothing would be partitioned), ``stage3_prefetch_bucket_size`` 0
-and ``stage3_max_reuse_distance`` 0 (the defaults, 5e7 and 1e9 elements, are
-sized for billion-parameter models; on a model of 1e5 elements they keep the
-whole model gathered from forward through backward, so backward would never
-regather, which no 10B+ run can afford). With these a small model sends what a
-large one sends per element.
+``ds-zero3`` (ZeRO stage 3), ``ds-hpz`` (ZeRO-3 with a node-sized secondary partition
+the backward regathers from) and ``ds-zeropp`` (ZeRO++ as its paper configures it: hpZ +
+qwZ int8 weight gathers + qgZ int4 gradient all-to-all). Every scheme sets
+``stage3_param_persistence_threshold``, ``stage3_prefetch_bucket_size`` and
+``stage3_max_reuse_distance`` to 0: DeepSpeed's defaults are sized for billion-parameter
+models and would keep a small test model whole and never regathered, so with these a
+small model sends what a large one sends per element.
 """
 from __future__ import annotations
 

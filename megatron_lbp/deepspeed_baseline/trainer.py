@@ -1,16 +1,10 @@
 """A megatron-core GPT trained under ``deepspeed.initialize``, step for step like the stock yardstick.
 
-Same model (megatron_lbp.testing.tiny_gpt's GPTModel, same seed, so the same
-initial weights), same batches (``tiny_gpt.global_batch``: each rank takes its
-rows of the global micro-batch), same optimizer maths as stock Megatron's
-``DistributedOptimizer`` under its constant-LR scheduler: AdamW with weight
-decay on every weight but biases and 1-D parameters, global gradient-norm
-clipping. DeepSpeed owns everything in between: partitioning, gathers,
-gradient reduction, accumulation (``gradient_accumulation_steps`` = the
-micro-batches per step; ``engine.backward`` scales each loss by 1/K).
-
-The optimizer is ``torch.optim.AdamW`` passed in as DeepSpeed's client
-optimizer: the maths Megatron runs on CPU, and no DeepSpeed CPU-Adam build.
+Same model and seed (testing/tiny_gpt), same batches, and the optimizer maths of stock
+Megatron's DistributedOptimizer at constant LR: torch's AdamW as DeepSpeed's client
+optimizer (no DeepSpeed CPU-Adam build), weight decay on every weight but biases and 1-D
+parameters, global norm clipping. DeepSpeed owns the rest: partitioning, gathers,
+gradient reduction and accumulation (``engine.backward`` scales each loss by 1/K).
 """
 from __future__ import annotations
 

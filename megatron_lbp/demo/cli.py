@@ -2,27 +2,13 @@
 
     python -m megatron_lbp.demo [--iters N] [--bf16 | --fp32] [--ranks 8] [--out runs/main]
 
-1. builds the shipped tokenizer and the indexed dataset from the shipped corpus
-   if they are missing (``data/``);
-2. trains the GPT with ``torchrun -m megatron_lbp.pretrain_gpt`` (megatron.training's
-   ``pretrain()``) on 8 gloo ranks emulating 2 nodes x 2 packages x 2 GCDs
-   (``--hier-gpus-per-node 4``), lbp preset, and saves a distributed checkpoint;
-3. trains the same model on the same data with the same seed through stock
-   Megatron (DDP + distributed optimizer): the yardstick for the loss;
-4. counts the bytes per link class of one optimizer step of the same model on
-   the same ranks under the zero3 and zeropp presets (megatron_lbp.demo.bytes:
-   one multi-rank job; its lbp count must equal the lbp run's own report);
-5. writes ``summary.json`` and ``loss_curve.png`` (both losses overlaid with their
-   difference; bytes per rank per step on each link class, lbp beside zero3 and
-   zeropp) and prints the summary: loss start and end, the largest loss
-   difference between lbp and stock, tokens/s, bytes sent and held per rank.
-
-Computation is in fp32 unless the CPU has native bf16 (see megatron_lbp.integration.cpu_bf16):
-without it a bf16 matmul is emulated through fp32 and ~20x slower, which would
-measure the emulation, not the training. ``--bf16`` / ``--fp32`` force either.
-
-Every run gets its own directory under ``--out`` (a timestamp), so the command
-can be rerun as often as wanted; each training launch keeps its full log there.
+Builds the shipped tokenizer and dataset if missing, trains the GPT through
+megatron.training's ``pretrain()`` on 8 gloo ranks emulating 2 nodes x 2 packages x 2 GCDs
+(lbp), trains the same model, data and seed with stock Megatron, counts one step's bytes
+under zero3 and zeropp, and writes ``summary.json`` and ``loss_curve.png`` into a new
+timestamped directory under ``--out``. fp32 unless the CPU has native bf16
+(megatron_lbp.integration.cpu_bf16); ``--bf16`` / ``--fp32`` force either.
+What it prints: docs/main-job.md.
 """
 from __future__ import annotations
 

@@ -1,18 +1,11 @@
 """Part A: the int8 Triton kernels against the torch reference, and their throughput.
 
-Every case quantizes one tensor with both implementations on the same device
-and compares codes and scales bit for bit, then dequantizes the reference's
-codes with both and compares the outputs bit for bit (the contract of
-quant/triton_kernels.py: identical on finite input; for a poisoned block both
-give scale +Inf and codes 0, the dequantized values are both NaN). Cases: each
-input dtype, each block size, lengths that end inside a block (tails), NaN and
-Inf elements, and one tensor over 2**31 elements (the kernels' int64 offsets).
-Throughput: GB/s of the full-precision side against a device copy of the same
-bytes (quant/bench.py's timer).
-
-The comparison runs wherever the kernels run: on a GPU, or on CPU tensors under
-Triton's interpreter (TRITON_INTERPRET=1), which is how the tests exercise this
-logic without a GPU at small sizes.
+Each case quantizes one tensor with both implementations on one device and compares codes
+and scales bit for bit, then dequantizes with both and compares the outputs (poisoned
+blocks: both NaN). Cases: each dtype and block size, tails inside a block, NaN and Inf,
+and one tensor over 2**31 elements (int64 offsets). Throughput is GB/s against a device
+copy of the same bytes (quant/bench.py's timer). Runs on a GPU, or on CPU tensors under
+Triton's interpreter (TRITON_INTERPRET=1), which is how the tests run it.
 """
 from __future__ import annotations
 

@@ -1,26 +1,11 @@
 """Part B: torch.distributed at world size 1, the handle and stream behaviour the engine relies on.
 
-The engine issues its collectives with ``async_op=True`` on the current stream's
-side of the backend, polls ``is_completed()`` and calls ``wait()`` where it
-needs a result, and frees buffers by resizing their storage to 0 right after
-``wait()`` (engine/comm.py, engine/buckets.py). On NCCL the host runs ahead of
-the device: ``is_completed()`` follows the device, and ``wait()`` only makes the
-current stream wait. This part shows it with each collective queued behind about
-a second of GEMMs: ``is_completed()`` is False when issued, ``wait()`` returns
-at once, ``is_completed()`` turns True only once the GEMMs are done, the results
-are right, and storage released after ``wait()`` (and reused at once by a new
-allocation the compute stream writes) does not corrupt them.
-
-Streams and events are driven through torch's device-generic API
-(torch.accelerator, torch.Stream, torch.Event), the API the engine's stream-based
-communication uses: a collective issued on a side stream that waits for an event
-recorded behind the GEMMs, and the compute stream waiting on the side stream's
-event before it reads the result.
-
-Collectives (all-gather, reduce-scatter, all-to-all into one tensor) run on the
-backend given; the stream checks need an accelerator. The same functions run on
-gloo with CPU tensors in the tests, where only the results and the handle calls are
-checked (gloo has no device queue to run ahead of).
+With each collective queued behind about a second of GEMMs: ``is_completed()`` is False
+when issued, ``wait()`` returns at once (on NCCL it only orders streams),
+``is_completed()`` turns True after the GEMMs, the results are right, and storage freed
+after ``wait()`` and reused at once does not corrupt them. Streams and events go through
+torch's device-generic API (torch.Stream, torch.Event), as the engine's streams do. On
+gloo with CPU tensors (the tests) only the results and the handle calls are checked.
 """
 from __future__ import annotations
 

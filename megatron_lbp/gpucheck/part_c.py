@@ -1,20 +1,12 @@
 """Part C: the engine against stock megatron-core at world size 1.
 
-Two layers of the 20B layer shape (hidden 6144, 64 heads, sequence 2048,
-vocabulary 50304), bf16, the engine with sharded initialization, with and
-without full recomputation; stock is megatron-core's DistributedDataParallel +
-DistributedOptimizer on the same model, data and seed (testing/tiny_gpt.py's
-two set-ups, the ones the CPU equivalence tests compare). Per configuration:
-the loss of each step, step time (device-synchronised), host time per step
-(until the step's last call returns, before the synchronisation), peak
-allocated and reserved memory, and the host synchronisations the step makes
-(torch.cuda.set_sync_debug_mode("warn"), one warning per synchronising call).
-The engine's allocator figures are set against ``python -m megatron_lbp.plan`` at
-world size 1 (persistent + transient; activations are not in the plan).
-
-A group of one sends nothing: this shows overhead, the memory model per layer
-and synchronisations, not collectives. :func:`compare` runs on any device; the
-tests run it on CPU with a tiny shape over gloo.
+Two layers of the 20B layer shape, bf16, the engine with sharded initialization, with
+and without full recomputation, against megatron-core's DDP + DistributedOptimizer on the
+same model, data and seed. Per configuration: each step's loss, step and host time, peak
+memory (set against ``python -m megatron_lbp.plan`` at world size 1) and the host
+synchronisations a step makes. A group of one sends nothing: this shows overhead, memory
+and synchronisations, not collectives. :func:`compare` runs on any device; the tests run
+it on CPU with a tiny shape.
 """
 from __future__ import annotations
 

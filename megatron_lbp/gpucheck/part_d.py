@@ -1,21 +1,12 @@
 """Part D: the plan's memory at the flagship's world size, in one process.
 
-One process poses as rank 0 of 384 over torch's fake process group
-(torch.testing._internal.distributed.fake_pg: collectives return at once and
-move no data), builds the whole hierarchy (every group family, every
-``new_group`` call a real rank makes), wraps a megatron-core GPT of the 20B
-layer shape in the engine with sharded initialization, trains it for two steps (one on CPU)
-and reads the bytes it holds per state from the storages themselves
-(engine/memory.py). The same shape goes through ``python -m megatron_lbp.plan``'s
-own code (launch/plan.make_plan), and each state's bytes must agree within 5%.
-
-What this cannot show: communication (no data moves: the weights the forward
-sees are whatever the gathers' buffers held, the loss is meaningless), nor
-activation memory, which the plan's per-state figures leave out. Persistent
-bytes and the engine's transient peak depend on the layer shape, the number of
-layers and the group sizes, not on the tokens a micro-batch holds: on CPU,
-whose bf16 matmuls are emulated (~3 GFLOP/s here), ``--tokens`` is cut, never
-the layer shape.
+One process poses as rank 0 of 384 over torch's fake process group (collectives return
+at once, move no data), builds the whole hierarchy, wraps a megatron-core GPT of the 20B
+layer shape in the engine with sharded initialization, trains two steps and reads the
+bytes it holds per state from the storages (engine/memory.py); each state must agree with
+``launch/plan.make_plan`` within 5%. It cannot show communication (the loss is
+meaningless) nor activations. Memory depends on the layer shape and the groups, not on
+the tokens, so on CPU ``--tokens`` is cut, never the layer shape.
 """
 from __future__ import annotations
 

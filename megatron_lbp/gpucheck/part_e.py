@@ -1,16 +1,10 @@
 """Part E: four gloo ranks on the one GPU, the engine with device memory.
 
-NCCL refuses several ranks on one GPU, gloo does not care where a tensor
-lives, as long as it serves the collective for CUDA tensors. First each
-collective the engine issues on gloo (all-gather into one tensor, all-to-all,
-which gloo's reduce-scatters run as: engine/comm.py reduce_scatter_by_exchange,
-all-reduce, broadcast) is tried with CUDA tensors on 4 ranks and its result
-checked; if one is not served the part says which and stops. Then the tiny GPT
-trains with the ``lbp`` hierarchy (P=2, G=4, O=4) and with the int8 secondary
-copy (S=4) on the 4 ranks, every weight, gradient and optimizer shard in device
-memory, and rank 0 trains the same model in one process with torch's AdamW
-(testing/tiny_gpt.train_reference, the loop the CPU tests validate stock Megatron
-against): the losses must agree (fp32; the int8 copy within its error).
+NCCL refuses several ranks on one GPU; gloo serves CUDA tensors. Each collective the engine
+issues on gloo is tried first with CUDA tensors (the part stops naming one that is not
+served); then the tiny GPT trains with lbp (P=2, G=4, O=4) and with the int8 secondary
+(S=4), every state in device memory, against the same model trained in one process with
+torch's AdamW: the losses must agree (fp32; the int8 copy within its error).
 """
 from __future__ import annotations
 

@@ -1,24 +1,14 @@
 """``python -m megatron_lbp.gpu_check [--out DIR] [--parts A,B,C,D,E] [--require-gpu]``
 
-What one GPU can prove about the engine, part by part, each in its own process
-under its own time limit (megatron_lbp/gpucheck/child.py): a part that hangs is
-killed at its limit and the others still run; a part that cannot run here says
-why in one line. Writes ``result.json`` (the device, the software stack, every
-part's status, checks and figures) and ``summary.md`` into the output directory
-(default ``runs/gpu_check/<UTC time>``) and prints the summary.
+What one GPU can prove about the engine, part by part, each in its own process under
+its own time limit; writes result.json and summary.md and prints the summary.
 
-Parts: A the int8 Triton kernels against the torch reference; B torch.distributed
-NCCL at world size 1 (handles, streams, events); C the engine against stock
-megatron-core at world size 1 (two layers of the 20B shape); D the plan's memory
-at 384 ranks over torch's fake process group (two variants: with and without the
-int8 secondary copy); E four gloo ranks with CUDA tensors on the one GPU.
-
-Without a GPU only part D runs (on ``--d-layers`` layers of the 20B shape, default
-CPU_LAYERS); the others report "needs a GPU". A GPU the driver lists but torch
-cannot use, or megatron-core other than the pinned version, is refused with one
-line before any part starts (gpucheck/stack.py; scripts/gpu_setup.sh sets the
-machine up). Exit status: 0 every part that ran passed, 1 a part failed, timed out
-or crashed, 2 refused.
+Parts: A the int8 Triton kernels against torch; B torch.distributed at world size 1;
+C the engine against stock megatron-core at world size 1; D the plan's memory at 384
+ranks over torch's fake process group; E four gloo ranks with CUDA tensors on one GPU.
+Without a GPU only D runs. An unusable GPU or another megatron-core is refused in one
+line before any part (gpucheck/stack.py). Exit status: 0 every part that ran passed,
+1 a part failed, timed out or crashed, 2 refused. Details: docs/gpu.md.
 """
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
 """Write a Megatron ``torch_dist`` checkpoint from tensors produced one at a time.
 
-PyTorch's distributed checkpoint asks its planner for each tensor only when it
-writes it (``resolve_data``); this planner makes the tensor then, from a
-callable, instead of looking it up in a state dict that holds everything. The
-writer keeps a file's tensors until the file is closed, so every chunk gets
-its own file (``single_file_per_rank=False``): at most one chunk's tensor,
-plus the inputs it is made of, is alive at a time.
-
-The layout is megatron-core's own: stacked layers are one global tensor per
-key with the layer index as the leading axis, written as one chunk per layer;
-the non-tensor state (checkpoint version, args) is the ``common_state`` object
-inside the checkpoint, and ``metadata.json``, written last, names the
+The planner makes each tensor from a callable when the distributed checkpoint writer asks
+for it (``resolve_data``), and every chunk gets its own file, so at most one chunk's
+tensor and its inputs are alive at a time. The layout is megatron-core's: stacked layers
+are one global tensor per key with the layer index leading, one chunk per layer; the
+non-tensor state is ``common_state``, and ``metadata.json``, written last, names the
 ``torch_dist`` backend.
 """
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Tensor names and layouts between Hugging Face checkpoints and megatron-core's GPTModel.
 
-Megatron keeps one tensor per layer *kind* in its checkpoint, the layers
-stacked along a leading axis (``decoder.layers.<suffix>``, layer i at offset
-i); this module works one layer at a time. Both directions are pure
-functions of the tensors they are handed, so each output tensor costs at most
-its own inputs in memory.
-
-Layout differences handled here:
-- q, k, v: Megatron's ``linear_qkv`` rows go group by group (the group's query
-  heads, then its key head, then its value head); Hugging Face keeps three
-  matrices (Llama) or one [Q; K; V] matrix (GPT-2).
-- GPT-2's Conv1D weights are stored transposed (in, out).
-- SwiGLU: ``linear_fc1`` is [gate; up].
-Llama's RoPE in transformers rotates halves, as Megatron does without
-``--rotary-interleaved``, so q and k need no permutation.
+One layer at a time (Megatron stacks each layer kind along a leading axis); both
+directions are pure functions of the tensors handed in, so each output costs at most its
+own inputs in memory. Handled here: Megatron's ``linear_qkv`` rows go group by group
+(the group's query heads, its key head, its value head) where Hugging Face keeps three
+matrices (Llama) or one [Q; K; V] (GPT-2); GPT-2's Conv1D weights are transposed;
+SwiGLU's ``linear_fc1`` is [gate; up]. transformers' Llama RoPE rotates halves, as
+Megatron does without ``--rotary-interleaved``, so q and k need no permutation.
 """
 from __future__ import annotations
 

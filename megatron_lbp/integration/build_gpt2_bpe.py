@@ -1,16 +1,12 @@
 """Build a small GPT-2-format byte-level BPE (vocab.json + merges.txt) from the corpus in data_src/.
 
-    python -m megatron_lbp.integration.build_gpt2_bpe --out /tmp/gpt2_small   # 1000 tokens + <|endoftext|>
-    python -m megatron_lbp.integration.build_gpt2_bpe --out DIR --vocab-size 4000 --every 1
+    python -m megatron_lbp.integration.build_gpt2_bpe --out DIR [--vocab-size 4000] [--every 1]
 
-For tests and local runs of ``--tokenizer-type GPT2BPETokenizer --vocab-file
-DIR/vocab.json --merge-file DIR/merges.txt`` where GPT-2's own files are not at
-hand (nothing is downloaded). The files have GPT-2's layout: ``vocab.json``
-maps every token to its id, the 256 byte symbols first, ``<|endoftext|>`` last
-(GPT-2: 50256); ``merges.txt`` starts with ``#version: 0.2`` and lists one merge
-per line in rank order. Trained with the Hugging Face ``tokenizers`` library's
-byte-level BPE trainer on every ``--every``-th document of the corpus, in file
-order; two builds with the same arguments write the same bytes.
+For tests and local runs of ``--tokenizer-type GPT2BPETokenizer`` where GPT-2's own files
+are not at hand (nothing is downloaded). GPT-2's layout: the 256 byte symbols first,
+``<|endoftext|>`` last; ``merges.txt`` starts with ``#version: 0.2``, one merge per line
+in rank order. Trained by the ``tokenizers`` byte-level BPE trainer on every
+``--every``-th document; the same arguments write the same bytes.
 """
 from __future__ import annotations
 

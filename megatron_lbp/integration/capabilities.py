@@ -1,61 +1,13 @@
 """The training flags this environment needs, decided by what is importable, not by the device.
 
-megatron-core 0.19.2's defaults assume NVIDIA's full stack: Transformer Engine
-layers, Apex's fused weight-gradient accumulation, Megatron's fused softmax
-kernels, TE's fused RoPE, torch.compile'd bias fusions. Where the module a
-default needs does not import, Megatron fails while building the model or in
-its first forward/backward (e.g. ``TypeError: 'NoneType' object is not callable``
-from TE layers without TE). :func:`resolve_training_argv` adds the flag that
-switches each such default off, one reason line per flag, on every device:
-
-- ``--transformer-impl local``: ``import transformer_engine`` (and its fp8
-  module) fails (extensions/transformer_engine.py ``HAVE_TE``, gpt_layer_specs.py);
-- ``--no-gradient-accumulation-fusion``: ``import fused_weight_gradient_mlp_cuda``
-  (Apex) fails; every tensor_parallel ColumnParallelLinear needs it, and GPT's
-  output layer is one whatever ``--transformer-impl``;
-- ``--no-masked-softmax-fusion``: local layers, and one of Megatron's softmax
-  kernels ``scaled_{upper_triang_masked,masked,}softmax_cuda`` does not import
-  (fusions/fused_softmax.py, the local DotProductAttention);
-- ``--no-rope-fusion``: RoPE, and TE's ``apply_rotary_pos_emb`` does not import
-  (transformer_config.py refuses ``apply_rope_fusion`` without it);
-- ``--no-persist-layer-norm``: local layers normalised by torch (no Apex, or
-  ``--normalization RMSNorm``: transformer/torch_norm.py asserts it off);
-- ``--no-bias-{gelu,swiglu,dropout}-fusion``: Megatron compiles them with
-  torch.compile (core/jit.py): on a GPU run when ``import triton`` (its code
-  generator) fails; on a CPU run always (it would build C++ kernels in every
-  rank at first use);
-- ``--distributed-backend gloo --use-cpu-initialization``: CPU runs only.
-
-A flag the user gives explicitly is kept when it can work and refused with one
-line (:class:`CapabilityError`) when it cannot: ``--transformer-impl
-transformer_engine`` or ``--fp8-format`` without TE, ``--attention-backend
-flash|fused`` with Megatron's local layers (only TE's attention reads it) or
-``flash`` without a flash-attn package, ``--apply-layernorm-1p`` on torch's
-LayerNorm, ``--distributed-backend nccl`` on a CPU run. With Apex importable
-but not its ``fused_layer_norm_cuda`` extension, Megatron's local layers would
-pick Apex's FusedLayerNorm and fail at their first forward: refused too.
-
-Under ``--hier-partition`` the flags the engine cannot serve are refused here
-as well, before any process group (:data:`UNSERVABLE`): CUDA graphs in every
-form, fp8 parameter gathers, Megatron DDP's own overlap flags, the FSDP
-wrappers, Megatron's meta-device initialization (the engine builds the model
-sharded itself), and the features that read every parameter's whole weights
-between steps, where a rank holds only its slices (:data:`READS_RELEASED_WEIGHTS`). Gradient-accumulation fusion, which stays on when Apex's kernel
-imports, the engine serves: each parameter's ``main_grad`` is a view of its
-bucket's fp32 gradient buffer (engine/buckets.py).
-
-Which device: a GPU run when torch sees one, else a CPU run; ``LBP_DEVICE=gpu``
-or ``cpu`` resolves for that device instead (the launchers' dry run on a login
-node). A training entry checks that the device it really has matches.
-
-CLI (what the launchers' dry run prints)::
-
-    python -m megatron_lbp.capabilities [training args...]
-
-prints the resolved argument list as one shell-quoted line on stdout, each
-reason as ``[megatron-lbp] adding <flag(s)>: <why>`` on stderr, and exits 2
-with one stderr line on :class:`CapabilityError`. It imports torch and probes
-the extensions; it never imports Megatron or starts torch.distributed.
+:func:`resolve_training_argv` adds the flag that switches off each megatron-core default
+whose module does not import, one reason line per flag; keeps a flag the user gives when
+it can work and refuses it with one line (:class:`CapabilityError`) when it cannot; under
+``--hier-partition`` refuses what the engine cannot serve (:data:`UNSERVABLE`,
+:data:`READS_RELEASED_WEIGHTS`). It imports torch and probes the extensions, never
+Megatron or torch.distributed. The rules: docs/training.md, "Flags by capability".
+``python -m megatron_lbp.capabilities [training args...]`` prints the resolved argument
+list on stdout, the reasons on stderr, and exits 2 on a refusal.
 """
 from __future__ import annotations
 

@@ -1,64 +1,14 @@
 """What megatron-lbp changes in stock megatron-core 0.19.2 on every device, and the entry points.
 
-:func:`enable` (idempotent) applies what this machine needs: the Python 3.11
-shim here and, only without an accelerator, megatron_lbp.integration.cpu_runtime (CPU ranks
-with gloo). :func:`enable_training` adds the megatron.training patches. Each
-patch is declared in megatron_lbp.core.patching's registry (owner, target, when, why)
-and applied through ``patching.apply``; this module holds the ones that also run
-on a GPU:
-
-1. Python 3.11 (``python 3.11 typing.override``, applied on import of
-   ``megatron_lbp``). megatron-core 0.19.2 declares Python >= 3.12 but ships
-   cp311 wheels (scripts/install.sh installs them without the metadata check).
-   The only 3.12-only construct that is reached is ``from typing import
-   override`` in ``megatron/training/models/{gpt,hybrid}.py``; ``typing.override``
-   is set to ``typing_extensions.override`` (identical semantics: it only marks
-   a method). Nothing is changed on Python >= 3.12.
-
-2. Argument parsing (``memoize_argument_help``, by :func:`enable_training`):
-   Megatron's argument parser reads the field docstrings of each config
-   dataclass (TransformerConfig and its bases) from the class's source with
-   ``inspect.getsource`` and ``ast`` on every parse, the largest single cost of a
-   rank's argument parsing; they are kept per class (they are a pure function of
-   the installed source). The test harness's forkserver fills that memo once, so
-   its forked ranks skip the work (megatron_lbp/testing/_preload.py).
-
-3. Dataset helpers (``_skip_helper_build_if_prebuilt``, by :func:`enable_training`,
-   only when the wheel's layout calls for it): training/initialize.py runs
-   ``make -C megatron/core/datasets`` to build the dataset index helpers, but the
-   megatron-core wheel ships them prebuilt (``helpers_cpp``) and without the
-   Makefile, so the build fails and the job exits; when ``helpers_cpp`` imports
-   and no Makefile is there, ``datasets.utils.compile_helpers`` is skipped.
-
-4. Megatron-FSDP on gloo (``megatron_fsdp_on_gloo``, called where the benchmarks
-   build their Megatron-FSDP baseline; the hierarchy itself refuses
-   ``--use-megatron-fsdp``), only when the default process group is plain gloo:
-   its parameter all-gathers take its own synchronous branch
-   (``async_param_gather=False``: each coalesced block of gathers is waited for
-   as it closes), so no coalesced gloo collective is ever in flight beside
-   another. Asynchronous, they corrupt the heap now and then ("malloc():
-   unaligned tcache chunk detected", SIGABRT or SIGSEGV inside
-   ``_coalescing_manager``). ``bench overhead --schemes megatron-fsdp`` on 2 ranks,
-   60 steps, 2-4 runs side by side: 2 of 16 runs crashed; 1 of 24 with its bucket
-   frees turned off (so it is not Megatron-FSDP freeing a bucket early); 1 of 45
-   when only whole calls were waited for (coalesced blocks still overlapping one
-   another); 0 of 69 on this branch. The rank stacks come from
-   megatron_lbp.testing.multirank. Plain torch shows the same fault
-   (tests/helpers/gloo_coalesced_repro.py: an asynchronous coalesced all-gather left in
-   flight across a coalesced reduce-scatter aborted with the same malloc message
-   or hung in 2 of 18 runs of 3000 iterations, 0 of 10 waited for first), and
-   pytorch/pytorch#65231 records aborts of gloo's coalesced all-gather.
-   NCCL/RCCL runs are untouched. Cost: the CPU benchmarks' Megatron-FSDP no
-   longer overlaps its gathers with compute.
-
-5. A megatron-core 0.19.2 bug (``xavier_init_flag``, by :func:`enable_training`):
-   ``--init-method-xavier-uniform`` passes a TransformerConfig field that no
-   longer exists and kills every run that uses it.
-
-Elsewhere, each declared in the same registry: the megatron.training hooks
-(training_hooks.py), the offline GPT-2 BPE tokenizer (megatron_adapter.py), the
-lost-peer excepthook (engine/faults.py) and a test-only seam loaded only when its
-variable is set (integration/save_stall.py).
+:func:`enable` (idempotent) applies what this machine needs: the Python 3.11 shim
+(``typing.override`` for megatron.training's 3.12-only import) and, only without an
+accelerator, megatron_lbp.integration.cpu_runtime. :func:`enable_training` adds the
+megatron.training patches (argument-help memo, prebuilt dataset helpers, the
+``--init-method-xavier-uniform`` bug). :func:`megatron_fsdp_on_gloo` makes the
+benchmarks' Megatron-FSDP gather synchronously on gloo, where asynchronous coalesced
+gathers beside other collectives corrupt the heap now and then
+(tests/helpers/gloo_coalesced_repro.py; pytorch/pytorch#65231). Every patch is declared
+in megatron_lbp.core.patching's registry (owner, target, when, why), above.
 """
 from __future__ import annotations
 

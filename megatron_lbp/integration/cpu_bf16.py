@@ -1,19 +1,10 @@
 """Does this CPU compute bf16 natively? Read from the CPU's own feature flags, nothing timed.
 
-Without a bf16 dot-product instruction, PyTorch's CPU matmul converts bf16 to
-fp32 and back around every block (measured 23x slower than fp32 for the main
-job's output layer on an AVX2-only EPYC), so a bf16 demo on such a CPU measures
-the conversion, not the training. The flags that mean real bf16 arithmetic:
-
-- x86: ``avx512_bf16`` (AVX512-BF16: VDPBF16PS, Cooper Lake, Sapphire Rapids,
-  Zen 4 and later) or ``amx_bf16`` (AMX tiles, Sapphire Rapids and later), from
-  the ``flags`` line of /proc/cpuinfo;
-- Arm: ``bf16`` (FEAT_BF16: BFDOT/BFMMLA, Neoverse V1/N2 and later) in the
-  ``Features`` line.
-
-``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` is not used: it answers True
-on any AVX512 core, where oneDNN emulates bf16. A machine without
-/proc/cpuinfo (not Linux) is reported as unknown, i.e. not native.
+Without a bf16 dot-product instruction PyTorch's CPU matmul converts bf16 to fp32 and back
+around every block, so a bf16 run there measures the conversion, not the training. Native:
+x86 ``avx512_bf16`` or ``amx_bf16`` (/proc/cpuinfo ``flags``), Arm ``bf16`` (``Features``).
+``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` is not used: it answers True on any
+AVX512 core, where oneDNN emulates bf16. Without /proc/cpuinfo the answer is "not native".
 """
 from __future__ import annotations
 

@@ -1,85 +1,13 @@
 """CPU ranks with gloo for stock megatron-core 0.19.2: the patches that run only without an accelerator.
 
-Applied by :func:`activate` (``megatron_lbp.integration.compat.enable`` calls it only when
-``torch.cuda.is_available()`` is False; ROCm builds report through
-``torch.cuda`` too), logged once when it switches on, each through
-megatron_lbp.core.patching. The rule for every patch here: on a machine without an
-accelerator the patched call can only raise ("Torch not compiled with CUDA
-enabled" / "no CUDA GPUs"); the patch turns that failure into the CPU
-equivalent. Nothing that works without the patch behaves differently with it,
-and on a GPU machine none of it is installed.
-
-Patched spots (megatron-core 0.19.2 call sites that need them):
-
-- ``torch.cuda.current_device`` -> 0, ``device_count`` -> 1, ``set_device`` no-op:
-  buffers and modules pass ``torch.cuda.current_device()`` as a device
-  (distributed/param_and_grad_buffer.py, transformer/module.py,
-  models/common/embeddings/rotary_pos_embedding.py, transformer/*attention*.py,
-  core/utils.py global memory buffer, training/training.py).
-- device arguments of the tensor factories (``torch.tensor``, ``zeros``, ``ones``,
-  ``empty``, ``full``, ``arange``, ``rand``, ``randn``, ``randint``, ``*_like``,
-  ``Tensor.new_*``) and of ``Tensor.to``: a CUDA device ("cuda", "cuda:N",
-  ``torch.device('cuda', N)`` or a bare int) becomes CPU. Call sites with a literal
-  ``device='cuda'``: optimizer/optimizer.py (found_inf, dummy overflow buf,
-  scale one, _get_param_groups' flag), optimizer/clip_grads.py (norm tensors),
-  optimizer/grad_scaler.py, transformer/utils.py (causal mask),
-  tensor_parallel/data.py, core/utils.py (param hashes, l2 norms),
-  dist_checkpointing/strategies/state_dict_saver.py and exchange_utils.py,
-  rerun_state_machine.py.
-- ``Tensor.cuda`` -> the tensor itself (so ``nn.Module.cuda`` too):
-  optimizer/grad_scaler.py load_state_dict, optimizer/optimizer.py state
-  reload, models/common/embeddings/rope_utils.py, core/utils.py,
-  dist_checkpointing/exchange_utils.py, training/training.py (get_batch, get_model).
-- device RNG: ``torch.cuda.manual_seed``/``get_rng_state``/
-  ``set_rng_state`` and tensor_parallel/random.py's ``_get_cuda_rng_state`` /
-  ``_set_cuda_rng_state`` act on the CPU generator, so Megatron's
-  ``CudaRNGStatesTracker`` (model-parallel, data-parallel and expert RNG
-  streams, ``model_parallel_cuda_manual_seed``) forks and restores the generator
-  that CPU dropout and init actually use.
-- ``Tensor.type()`` without arguments, *only when called from
-  megatron.core.optimizer*: answers ``torch.cuda.<X>Tensor`` for a CPU tensor.
-  optimizer/optimizer.py (Float16OptimizerWithFloat16Params),
-  optimizer/distrib_optimizer.py (_build_model_and_main_param_groups and the
-  param-group copy) and optimizer/clip_grads.py (fp32 grad assertion) select
-  their branch by that string and raise for "torch.FloatTensor".
-- CUDA streams and events (``torch.cuda.Stream``, ``Event``, ``stream``,
-  ``current_stream``, ``default_stream``, ``synchronize``): CPU work is
-  synchronous, so they become no-op objects; events report 0 ms elapsed.
-  Used by distributed/param_and_grad_buffer.py (communication stream),
-  core/utils.py timers and straggler detector, training/training.py.
-- memory statistics (``memory_allocated``, ``max_memory_allocated``,
-  ``memory_reserved``, ``max_memory_reserved``, ``reset_peak_memory_stats``,
-  ``empty_cache``, ``memory_stats``): report 0 / empty, since Megatron prints
-  them in its iteration log; megatron-lbp reports its own per-state bytes.
-- ``torch.cuda.nvtx`` range push/pop: no-ops (core/utils.py nvtx decorators).
-- ``torch.compile`` of a plain function defers its Dynamo/Inductor set-up to
-  the first call (:func:`_defer_torch_compile`): megatron-core's fusion kernels
-  are decorated at import, which otherwise imports Inductor in every rank
-  for kernels a CPU run never calls.
-- tensor_parallel/random.py's ``fork`` warns "CPU RNG state changed within GPU
-  RNG context" whenever the forked (device) generator draws: with the device
-  generator mapped onto the CPU one that is every device-path weight init, so
-  that one message of that logger is filtered out.
-- Megatron's torch_dist checkpoint writer (:func:`_fork_checkpoint_result_queue`):
-  the queue its writer threads report into lives in a ``multiprocessing``
-  Manager that megatron-core starts with the *spawn* method
-  (dist_checkpointing/strategies/filesystem_async.py, ``get_write_results_queue``),
-  a fresh interpreter that imports torch to unpickle the first write result. On
-  a 2-core machine that made each rank's first save wait ~5 s and its exit ~3 s
-  more (py-spy of a 4-rank, 3-iteration run: 6.1 s save, 3.2 s from the end of
-  training to exit). Spawn is there to keep a CUDA context out of the child;
-  without an accelerator there is none, so on the CPU runtime the Manager is
-  forked instead. With an accelerator the spawn path is untouched.
-
-megatron.training (:func:`activate_training`, called by ``compat.enable_training``):
-
-- training/initialize.py ``initialize_megatron`` asserts CUDA unless
-  ``allow_no_cuda=True`` (its own documented switch "for cpu only"); the
-  reference that training/training.py's ``pretrain`` calls passes it.
-- ``pretrain``'s JIT warm-up (``set_jit_fusion_options``) compiles bias+gelu and
-  bias+dropout+add with Inductor in every rank even when the flags turn those
-  fusions off; it is skipped when the model calls none of the warmed kernels
-  (:func:`_skip_unused_jit_warmup`).
+:func:`activate` (called by ``compat.enable`` only when ``torch.cuda.is_available()``
+is False; ROCm reports through ``torch.cuda`` too) and :func:`activate_training`
+install them, each declared in ``PATCHES`` through megatron_lbp.core.patching with its
+target and reason. The rule for every patch: without an accelerator the patched call
+could only raise ("Torch not compiled with CUDA enabled"); the patch gives the CPU
+equivalent (a CUDA device becomes CPU, device RNG is the CPU generator, streams and
+events are synchronous no-ops, memory statistics are 0). Nothing that works without
+a patch behaves differently with it, and on a GPU machine none is installed.
 """
 from __future__ import annotations
 

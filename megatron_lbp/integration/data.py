@@ -1,16 +1,11 @@
 """The local demo data: the shipped corpus tokenized with the shipped tokenizer.
 
-:func:`build_demo_data` turns ``data_src/python-docs-3.11.jsonl.gz`` into
-Megatron's indexed dataset with ``tokenizer/lbp_bpe.model`` (through
-``python -m megatron_lbp.preprocess_data``'s code, so exactly what a user's run writes) and
-returns the prefix to pass as ``--data-path``. It is idempotent: a stamp file
-records the SHA-256 of the corpus and the tokenizer model, and a second call
-with both unchanged returns at once. The tokenizer is built first if missing.
-
-Train on it with::
-
-    --tokenizer-type SentencePieceTokenizer --tokenizer-model tokenizer/lbp_bpe.model
-    --data-path <out_dir>/lbp_demo_text_document
+:func:`build_demo_data` turns ``data_src/python-docs-3.11.jsonl.gz`` into Megatron's
+indexed dataset with ``tokenizer/lbp_bpe.model`` (preprocess_data's own code, so exactly
+what a user's run writes) and returns the ``--data-path`` prefix
+(``<out_dir>/lbp_demo_text_document``, with ``--tokenizer-type SentencePieceTokenizer
+--tokenizer-model tokenizer/lbp_bpe.model``). Idempotent: a stamp holds the SHA-256 of the
+corpus and the model, and the tokenizer is built first if missing.
 """
 
 from __future__ import annotations

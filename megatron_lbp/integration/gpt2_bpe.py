@@ -1,25 +1,12 @@
 """GPT-2's byte-level BPE from its two files, ``vocab.json`` and ``merges.txt``, with no network.
 
-The tokenizer is the Hugging Face ``tokenizers`` library's BPE loaded from the
-two files, in the pipeline transformers' ``GPT2TokenizerFast`` builds from the
-same files (its ``GPT2Converter``): GPT-2's byte-level pre-tokenizer and split
-pattern without a prefix space, BPE with no unknown token (every byte is in the
-vocabulary), the byte-level decoder, and ``<|endoftext|>`` as a special token.
-(Its serialization equalled transformers 4.57's for the same files when this was
-written; transformers is not a requirement, so that is not re-checked.)
-``tests/e2e/test_gpt2_bpe.py`` checks the ids against tiktoken's own reading of the
-same two files on the whole shipped corpus.
-
-``<|endoftext|>`` is GPT-2's end of document (Megatron's ``eod``, appended by
-python -m megatron_lbp.preprocess_data) and, as in transformers' GPT-2 tokenizer, also its
-bos/eos/unk. Like Megatron-LM's own GPT-2 tokenizer it has no pad token: asked
-for one, it raises AttributeError, and Megatron's GPTDataset then pads with its
-own -1, which it masks out of the loss.
-
-``GPT2BPE`` has the methods megatron-core's text tokenizer calls on its library
-object (``MegatronTokenizerTextAbstract``'s interface); megatron_adapter.py puts
-it where megatron-core 0.19.2 would build ``--tokenizer-type GPT2BPETokenizer``
-through the hub. This module imports nothing from Megatron.
+The Hugging Face ``tokenizers`` BPE loaded from the two files in the pipeline
+transformers' ``GPT2TokenizerFast`` builds (byte-level pre-tokenizer without a prefix
+space, no unknown token, ``<|endoftext|>`` special and also bos/eos/unk; no pad token,
+as in Megatron-LM's GPT-2 tokenizer). tests/e2e/test_gpt2_bpe.py checks its ids against
+tiktoken's reading of the same files on the shipped corpus. ``GPT2BPE`` has the methods
+megatron-core's text tokenizer calls; megatron_adapter.py puts it where megatron-core
+would fetch ``GPT2BPETokenizer`` from the hub. Imports nothing from Megatron.
 """
 from __future__ import annotations
 

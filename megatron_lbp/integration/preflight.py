@@ -1,18 +1,11 @@
 """Checks of a training command's inputs that cost seconds now instead of an allocation later.
 
-Run by the training entry point after Megatron has parsed its arguments and
-before any process group or model exists. Each failure is a ``PreflightError``
-whose message is one line naming the input, and nothing has been written yet.
-
-- ``--data-path``: every prefix has a non-empty ``.bin`` and a readable ``.idx``, and
-  ``--split`` leaves every split it builds or reads with documents
-  (megatron_lbp.integration.data_splits);
-- tokenizer: it can be built here, offline, from local files
-  (megatron_lbp.tokenizer_check); the data's token ids (a sample from the start
-  of each prefix) fit its vocabulary — data tokenized with another tokenizer is
-  the usual way to waste a run;
-- ``--load``: a checkpoint there was written for the same model shape
-  (layers, hidden size, heads, FFN size, vocabulary, sequence length).
+Run by the training entry after Megatron parses its arguments, before any process group
+or model; each failure is a ``PreflightError`` with one line naming the input, and nothing
+has been written. Checked: every ``--data-path`` prefix has a non-empty ``.bin`` and a
+readable ``.idx`` and ``--split`` leaves every split with documents; the tokenizer can be
+built offline and the data's token ids fit its vocabulary; a ``--load`` checkpoint was
+written for the same model shape.
 """
 from __future__ import annotations
 

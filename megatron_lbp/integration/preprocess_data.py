@@ -1,44 +1,12 @@
 """Tokenize JSONL or plain text into Megatron's indexed dataset (.bin/.idx).
 
-The output is what Megatron-LM's tools/preprocess_data.py writes, through the
-same megatron.core ``IndexedDatasetBuilder``: for every JSON key K,
-``<output-prefix>_K_document.bin`` and ``.idx`` (one sequence per document),
-which ``--data-path <output-prefix>_K_document`` then reads. The tokenizer flags
-are Megatron's own (``_add_tokenizer_args``) and the tokenizer is built by
-megatron.core's ``build_tokenizer``, exactly as pretrain_gpt builds it.
-
-    python -m megatron_lbp.preprocess_data --input data_src/python-docs-3.11.jsonl.gz \\
-        --output-prefix data/lbp_demo \\
-        --tokenizer-type SentencePieceTokenizer --tokenizer-model tokenizer/lbp_bpe.model
-    # -> data/lbp_demo_text_document.bin / .idx
-    #    GPT-2 BPE, offline: --tokenizer-type GPT2BPETokenizer --vocab-file V --merge-file M
-
-Inputs (``--input``, one or more paths; ``.gz`` is read transparently):
-
-- ``--input-format jsonl`` (default): one JSON object per line, the text under
-  each of ``--json-keys`` (default ``text``; a list of strings is taken as the
-  document's sentences, as Megatron does). Blank lines are skipped. A directory
-  means every ``*.jsonl``/``*.json`` (optionally ``.gz``) file under it, sorted.
-- ``--input-format text``: plain UTF-8 text. ``--document-boundary blank-line``
-  makes every blank-line-separated block a document; ``file`` makes every file
-  one document. The default, ``auto``, is ``blank-line`` for a single file and
-  ``file`` for several files or a directory (every non-hidden file under it,
-  sorted). The output key is ``text``.
-
-Differences from Megatron-LM's script: ``--append-eod`` is ON by default (GPT
-pretraining needs document separators; ``--no-append-eod`` turns it off),
-``--workers`` defaults to 1, documents that tokenize to nothing are skipped
-(and counted), and there is no sentence splitting (no NLTK) or partitioning.
-
-Errors in the input (missing or empty input, no documents, a bad JSON line, a
-missing key, a tokenizer that cannot be built here offline from local files
-(megatron_lbp/integration/tokenizer_check.py, the training entry's check), an unwritable output directory) end
-the run with exit status 1 or 2 and one line on stderr naming the input. Outputs
-are written to temporary files and renamed into place only on success, so a
-failed or killed run never leaves a partial .bin/.idx (nor replaces an old one).
-Progress goes to stderr (a tqdm bar when tqdm is installed and stderr is a
-terminal, else one line every ``--log-interval`` documents); the last line on
-stdout is the summary: documents, tokens, seconds, tokens/s, output paths.
+Writes what Megatron-LM's tools/preprocess_data.py writes, through megatron.core's
+``IndexedDatasetBuilder``, with Megatron's own tokenizer flags and ``build_tokenizer``.
+Bad input (no documents, a bad JSON line, a tokenizer that cannot be built offline) is
+one line on stderr and exit status 1 or 2; outputs are renamed into place only on
+success, so a failed or killed run leaves no partial .bin/.idx. The last stdout line is
+the summary. Inputs, formats and the differences from Megatron-LM's script:
+docs/training.md, "Tokenizers and data".
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """GPT pretraining on megatron.training's own ``pretrain()`` loop, with ``--hier-partition``.
 
-The ``--hier-*`` hooks are applied to the imported megatron.training at start-up
-(``training_hooks.install``); with ``LBP_RUNTIME_HOOKS=0`` they must come from a
-megatron/ package patched by ``scripts/apply_patches.sh`` instead.
-
-    torchrun --nproc-per-node 8 -m megatron_lbp.pretrain_gpt <Megatron-LM pretrain_gpt.py flags> \\
+    torchrun --nproc-per-node 8 -m megatron_lbp.pretrain_gpt <Megatron-LM pretrain_gpt.py flags> \
         --hier-partition [--hier-preset lbp ...]
 
-Accepts Megatron-LM's ``pretrain_gpt.py`` arguments (parsed by megatron.training
-itself) plus the ``--hier-*`` group; one process per GPU/GCD (torchrun, or
-``srun`` with one task per GCD: ranks come from ``SLURM_*``). At start-up it
-adds the flags this environment needs, decided by what is importable
-(megatron_lbp.capabilities: Megatron's local layers without Transformer Engine,
-no fused kernels that do not import, gloo on CPU ranks), one printed line each,
-and refuses flags that cannot work here. It covers plain GPT
-pretraining: data parallelism with the hierarchy, or stock Megatron DDP /
-distributed optimizer without ``--hier-partition`` for comparison. SFT, FIM,
-multi-token prediction, tensor/pipeline/context parallelism are Megatron-LM's
-own pretrain_gpt.py (see patches/).
+Megatron-LM's ``pretrain_gpt.py`` arguments plus the ``--hier-*`` group, one process per
+GPU/GCD (torchrun, or srun: ranks from ``SLURM_*``). The hooks are installed into the
+imported megatron.training at start-up (``training_hooks.install``; with
+``LBP_RUNTIME_HOOKS=0`` they must come from a tree patched by scripts/apply_patches.sh).
+Plain GPT pretraining with data parallelism, hierarchical or stock; SFT, FIM and model
+parallelism are Megatron-LM's own script's (patches/). Details: docs/training.md.
 """
 from __future__ import annotations
 

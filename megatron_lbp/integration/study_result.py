@@ -1,29 +1,13 @@
 """One JSON result file per training run: ``LBP_RESULT_FILE=PATH python -m megatron_lbp.pretrain_gpt ...``.
 
-The training hooks feed it: ``start`` when Megatron's train loop begins,
-``on_iteration`` at every training_log call (Megatron calls it once per
-iteration, whatever --log-interval is), ``finish`` when the loop returns (a
-collective: every rank takes part) or ``fail`` when it raises (no collective:
-the peers may be gone). Without the variable every call returns at once.
-
-What is measured, and how (the same words go into the file, so a reader of a
-result needs no source):
-
-- step time: wall clock on the writing rank (the last one, where Megatron logs
-  its losses) between successive training_log calls, i.e. one whole iteration;
-  the first ``LBP_RESULT_WARMUP`` (default 2) iterations are excluded and named;
-- TFLOPS per GCD: ``megatron.training.training.num_floating_point_operations(args,
-  global_batch_size)`` (the function Megatron's --log-throughput divides) / step
-  time / world size / 1e12;
-- peak memory per GCD: the maximum over ranks of torch.cuda.max_memory_allocated /
-  max_memory_reserved on GPU; on CPU the engine's ledger (bytes it holds for
-  weight slices, gradients, optimizer state, plus its peak transient buffers;
-  activations are not in it), or "not measured" for stock Megatron;
-- bytes per link class per step: the engine's ledger, summed over ranks;
-- interface byte counters: ``LBP_NET_IFACES=if1,if2`` names the interfaces whose
-  /sys/class/net/IF/statistics/{tx,rx}_bytes the first rank of each node reads
-  when the loop starts and when it ends (summed over nodes); without it, or if a
-  counter cannot be read, "not measured" with the reason.
+The training hooks feed it: ``start`` when the train loop begins, ``on_iteration`` at
+every training_log call, ``finish`` when the loop returns (a collective) or ``fail`` when
+it raises (no collective: the peers may be gone). Without the variable every call
+returns at once. It measures step time (the first ``LBP_RESULT_WARMUP`` iterations left
+out), TFLOPS per GCD by Megatron's own FLOP count, peak memory, bytes per link class from
+the engine's ledger and, with ``LBP_NET_IFACES``, interface byte counters; anything it
+cannot measure is written as "not measured" with the reason, and the file says how each
+figure was measured (docs/study.md, "2. The result file").
 """
 from __future__ import annotations
 

@@ -1,25 +1,12 @@
 """megatron-lbp's per-interval figures as TensorBoard scalars, beside Megatron's own.
 
-Called from the per-iteration log hook (training_hooks.after_training_log) every
---log-interval iterations. Writes through Megatron's writer
-(megatron.training.global_vars.get_tensorboard_writer: it exists with --tensorboard-dir, on
-the last rank, where Megatron writes its scalars too), at the iteration as the step, under
-``megatron-lbp/``:
-
-- ``bytes sent per step/{package,node,network}``: the last optimizer step's bytes this rank
-  sent per link class (the engine's ledger; the interval log line's figures);
-- ``held bytes/{primary,secondary,grad,optimizer,total,peak_transient}``: the bytes this rank
-  holds per state, and the peak of live transient bytes in that step;
-- ``tokens per second``: global batch x sequence length x iterations since the previous
-  interval over the wall time since then (from the second interval on; it includes what
-  Megatron does between steps — evaluation, saves — in that interval);
-- on GPU, ``peak memory/{allocated,reserved}``: torch.cuda's peaks over the interval (reset
-  after each write);
-- with --hier-trace, ``exposed communication seconds``: the last traced step's time spent
-  waiting on collectives (megatron_lbp.engine.trace_summary.step_summary of the engine's record).
-
-The interval log line gets " tokens/s X |" appended, so the log carries every figure written
-that is not there already.
+Called from ``training_hooks.after_training_log`` every --log-interval iterations; writes
+through Megatron's writer (with --tensorboard-dir, on the last rank) under
+``megatron-lbp/``: bytes sent per link class and bytes held per state (the engine's
+ledger, the interval line's figures), tokens per second since the previous interval
+(everything Megatron does between steps included), on GPU torch.cuda's memory peaks over
+the interval, and with --hier-trace the last traced step's exposed communication. The
+interval log line gets " tokens/s X |" appended, so the log carries every figure written.
 """
 from __future__ import annotations
 

@@ -1,38 +1,12 @@
 """Whether a command's tokenizer flags can build their tokenizer here, offline, from local files.
 
-Called by both training entries on the command line before Megatron is
-imported when it names ``--tokenizer-type`` (``check_argv`` from
-training_hooks.resolve_flags), again on Megatron's parsed arguments (preflight,
-before any process group or model), and by python -m megatron_lbp.preprocess_data before
-anything is written. A tokenizer that cannot work is a ``TokenizerInputError`` whose
-message is one line saying what is missing. Imports nothing from Megatron.
-
-Per ``--tokenizer-type`` (the ones the launchers document, and Megatron's
-aliases of them):
-
-- ``GPT2BPETokenizer``: ``--vocab-file`` and ``--merge-file`` (GPT-2's vocab.json
-  and merges.txt) are given and load (megatron_lbp.integration.gpt2_bpe); without them
-  megatron-core would download GPT-2's files.
-- ``SentencePieceTokenizer``, ``GPTSentencePieceTokenizer``, ``Llama2Tokenizer``:
-  ``--tokenizer-model`` is a file that loads as a SentencePiece model.
-- ``HuggingFaceTokenizer``: ``--tokenizer-model`` is a local directory (a hub
-  name is refused: compute nodes have no hub), the ``transformers`` package is
-  installed (it is not among megatron-lbp's requirements), and the directory
-  loads with ``local_files_only=True``.
-- ``TikTokenizer``: the ``tiktoken`` package is installed and ``--tokenizer-model``
-  is a file.
-- ``NullTokenizer``: ``--vocab-size`` is given.
-
-Other types are left to megatron-core.
-
-Before submitting a job (no Megatron import, a second or so):
-
-    python -m megatron_lbp.tokenizer_check --tokenizer-type GPT2BPETokenizer \\
-        --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt [other training flags...]
-
-prints ``ok: ...`` and exits 0, or prints the one line and exits 2; training
-flags it does not know are ignored, so a whole training command line can be
-passed.
+Called by the training entries on the raw command line and again on Megatron's parsed
+arguments (before any process group), and by preprocess_data before anything is
+written. A tokenizer that cannot work is a ``TokenizerInputError`` with one line saying
+what is missing; other tokenizer types are left to megatron-core. Imports nothing from
+Megatron. What each ``--tokenizer-type`` needs: docs/training.md, "Tokenizers and data".
+``python -m megatron_lbp.tokenizer_check [training flags...]`` prints ``ok: ...`` and
+exits 0, or the one line and exits 2.
 """
 from __future__ import annotations
 

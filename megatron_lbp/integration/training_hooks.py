@@ -1,32 +1,15 @@
 """Where megatron.training hands over to megatron-lbp when ``--hier-partition`` is set.
 
-Six call sites, each a function here:
-
-0. ``resolve_flags()``         the flags this environment needs, added to sys.argv before
-                               Megatron's parser reads it (megatron_lbp.capabilities);
-1. ``add_arguments(parser)``   registers the ``--hier-*`` flags next to Megatron's own;
-2. ``validate_args(args)``     refuses what the engine cannot serve and resolves the
-                               hierarchy from the launcher environment, before any
-                               rank allocates a model;
-3. ``sharded_builder(...)``    the model provider run so that no weight stays resident
-                               (``--hier-sharded-init``, engine/materialize.py), and
-   ``wrap_model(model, ...)``  HierDataParallel where Megatron would build its
-                               DistributedDataParallel, which materializes each rank's
-                               slices (both model-building paths of megatron.training
-                               0.19: ``get_model`` and the config-container builder);
-4. ``build_optimizer(...)``    HierDistributedOptimizer where Megatron would call
-                               ``get_megatron_optimizer``;
-5. ``after_training_log(...)`` one extra log line per logging interval: bytes each
-                               rank sent per step on each link class, and bytes held.
-
-``install()`` points an imported megatron.training at these functions (that is
-how ``python -m megatron_lbp.pretrain_gpt`` runs); ``patches/`` inserts calls to
-the same functions into a Megatron-LM source tree. Without ``--hier-partition``
-every hook hands back to Megatron's own code path unchanged, except for what
-holds for every run: the flags of 0, the atomic checkpoint tracker, and
-``--tokenizer-type GPT2BPETokenizer`` built from ``--vocab-file``/``--merge-file``
-without the network megatron-core's own path needs
-(``megatron_adapter.install_gpt2_bpe_from_files``).
+The hand-over points, one function each: ``resolve_flags`` (the flags this environment
+needs, added to sys.argv before Megatron's parser), ``add_arguments`` (the ``--hier-*``
+group), ``validate_args`` (refusals and the hierarchy, before any rank allocates a
+model), ``sharded_builder`` and ``wrap_model`` (the model built sharded, then
+HierDataParallel where Megatron builds its DDP), ``build_optimizer``
+(HierDistributedOptimizer) and ``after_training_log`` (bytes sent and held per interval).
+``install()`` points an imported megatron.training at them; ``patches/`` inserts the same
+calls into a Megatron-LM tree. Without ``--hier-partition`` every hook hands back to
+Megatron's own path, except the added flags, the atomic checkpoint tracker and the
+offline GPT-2 BPE tokenizer, which hold for every run.
 """
 from __future__ import annotations
 

@@ -1,27 +1,13 @@
 """Throughput of blockwise int8 quantize/dequantize against a plain memory copy.
 
     python -m megatron_lbp.quant.bench [--numel N] [--repeats R]
-        [--block-sizes 64,128,256,512,1024,2048] [--dtypes fp32,bf16]
-        [--threads T] [--json]
+        [--block-sizes 64,128,256,512,1024,2048] [--dtypes fp32,bf16] [--threads T] [--json]
 
-For each input dtype and block size B it times, on this machine:
-
-- ``quantize(x, B)`` and ``dequantize(q, s, B, dtype=x.dtype)`` (torch
-  implementation; on a GPU also the Triton kernels, with a bit-exactness check
-  against torch on the same device);
-- ``dst.copy_(src)`` of the same ``x`` (memcpy of the same bytes).
-
-Throughput is GB/s of the *full-precision side* (``numel * itemsize`` of x),
-for both directions, so every figure is directly comparable with the memcpy
-of the same bytes; ``vs_memcpy`` is the ratio (1.0 = as fast as a copy).
-Timings are medians over ``--repeats``; the ops are interleaved repeat by
-repeat so a noisy neighbour slows all of them alike. Preallocated outputs are
-used, as the engine will.
-
-It also reports the error of each block size on a weight-like bf16 tensor
-(N(0, 1) * 0.02): mean |x - x'| / mean |x| for fp32 and bf16 outputs, the
-relative L2 error, the worst error in units of the block's scale, and the
-scale overhead (4/B bytes per element).
+Per input dtype and block size: GB/s of the full-precision side for quantize and
+dequantize (torch; on a GPU also Triton, checked bit-exact against torch), beside
+``dst.copy_(src)`` of the same bytes (``vs_memcpy``), medians over interleaved repeats;
+and the error on a weight-like bf16 tensor (mean relative, L2, worst in steps) with the
+scale overhead 4/B. How the default block size was chosen: docs/int8.md, "The format".
 """
 from __future__ import annotations
 

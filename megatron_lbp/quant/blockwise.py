@@ -1,103 +1,13 @@
 """Blockwise symmetric int8 quantization: the torch reference implementation.
 
-A 1-D tensor of ``numel`` elements is cut into ``num_blocks = ceil(numel / B)``
-consecutive blocks of ``B = block_size`` elements (the last one may be partial).
-Each block gets one fp32 scale and ``B`` int8 codes::
-
-    amax  = max |x_i| over the block                (computed in fp32; exact)
-    scale = amax / 127                              (fp32, IEEE round-to-nearest)
-            raised to 2**-126 (the smallest normal fp32) when amax > 0 is tiny,
-            and exactly 0 for an all-zero block
-    q_i   = round_half_to_even(x_i / scale)         (IEEE fp32 division; 0 if scale == 0)
-    x'_i  = q_i * scale                             (dequantize: one fp32 product,
-                                                     then one rounding to the output dtype)
-
-Rounding is ties-to-even (``torch.round``, IEEE ``roundeven``), so 0.5 -> 0,
-1.5 -> 2, -2.5 -> -2. The codes never leave [-127, 127] (-128 is unused, which
-keeps the grid symmetric): with a normal scale, |x/scale| <= 127 * (1 + 2**-23)
-< 127.5, and the 2**-126 floor keeps the scale normal, so no clamp is needed.
-The floor only matters for blocks whose amax < 127 * 2**-126 ~ 1.5e-36.
-
-Error bound, per element: |x - x'| <= scale * (1/2 + 2**-18) + ulp(x')/2, i.e.
-half a quantization step plus fp32 rounding: the quotient x/scale is rounded
-once before the integer rounding (half an fp32 ulp of a number below 128, at
-most 2**-18 of a step), and the product q*scale once (in the output dtype).
-
-Non-finite input (the contract)
--------------------------------
-A block holding any NaN or +-Inf is *poisoned*: its scale is +Inf and its codes
-are 0, so every element of that block dequantizes to NaN (0 * Inf) -- the
-damage stays visible instead of turning into plausible numbers. By default
-(``check_finite=True``) :func:`quantize` then raises :class:`QuantError` naming
-the count and the first index of the non-finite values. The check reads only
-the ``num_blocks`` scales (1/B of the data), but on a GPU it is a host sync;
-an engine that wants no sync passes ``check_finite=False`` and relies on the
-poison (or calls :func:`find_nonfinite` / ``torch.isinf(scale).any()`` at its
-own sync point). Weights are expected finite, so the default raises.
-
-Shapes and preallocated outputs
--------------------------------
-Inputs are 1-D contiguous fp32/bf16/fp16 tensors on any device. ``out_q``
-(int8, ``numel``), ``out_scale`` (fp32, ``num_blocks``) and ``out`` for
-dequantize may be views into bigger buffers (e.g. a rank's 1/S slice of a
-persistent secondary buffer); they must be 1-D and contiguous.
-:func:`packed_views` splits one uint8 buffer of :func:`quantized_nbytes` bytes
-into ``(q, scale)`` views, scales first so they stay 4-byte aligned.
-
-Blocks are independent, so quantizing S slices separately and concatenating the
-results equals quantizing the whole bucket at once exactly when every slice
-length is a multiple of the block size; otherwise dequantize slice by slice.
-
-Speed
------
-No Python loop over blocks: full blocks are viewed as a [rows, B] matrix (the
-partial tail is one extra 1-row matrix) and every step is one torch op over
-it. On CPU the work runs in chunks of ``_CPU_CHUNK_ELEMS`` = 2**20 elements
-(a 4 MiB fp32 temporary, reused): fp32 quantize of 16M elements measured
-7.4 GB/s that way, 2.6 GB/s with 2**16-element chunks (per-op overhead) and
-1.0 GB/s in one pass (a fresh 64 MiB temporary page-faults and misses cache).
-Other devices take a single chunk.
-
-Choosing DEFAULT_BLOCK_SIZE (measurement)
------------------------------------------
-Reproduce with::
-
-    python -m megatron_lbp.quant.bench --threads 1 --repeats 15
-
-(16M elements; add ``--json`` for the raw figures.) On the project's 2-core
-AMD EPYC VM, torch 2.13 CPU, one thread (two threads are faster on an idle
-machine but wildly noisy on a shared one), median of 15, in the same run
-memcpy (``dst.copy_(src)``) = 11.8 GB/s for fp32 and 11.3 GB/s for bf16.
-GB/s of the full-precision side (numel * itemsize), ratio to that memcpy in
-parentheses; two more runs under heavy load from other jobs agreed within ~15 %:
-
-=====  ============  ============  ============  ===========  =========  ==========  ========
-B      quantize      dequantize    quantize      dequantize   rel err    rel err     scale
-       fp32          -> fp32       bf16          -> bf16      fp32 out   bf16 out    overhead
-=====  ============  ============  ============  ===========  =========  ==========  ========
-64     5.29 (0.45)   12.69 (1.08)  2.35 (0.21)   7.90 (0.70)  0.631 %    0.617 %     6.25 %
-128    6.02 (0.51)   12.94 (1.10)  2.72 (0.24)   7.80 (0.69)  0.693 %    0.683 %     3.13 %
-256    6.08 (0.52)   13.47 (1.15)  3.36 (0.30)   7.83 (0.70)  0.749 %    0.743 %     1.56 %
-512    6.03 (0.51)   14.10 (1.20)  3.51 (0.31)   7.94 (0.71)  0.803 %    0.797 %     0.78 %
-1024   6.15 (0.52)   13.59 (1.16)  3.61 (0.32)   7.92 (0.70)  0.852 %    0.845 %     0.39 %
-2048   6.09 (0.52)   14.04 (1.19)  3.60 (0.32)   8.04 (0.71)  0.897 %    0.887 %     0.20 %
-=====  ============  ============  ============  ===========  =========  ==========  ========
-
-rel err = mean|x - x'| / mean|x| for a weight-like x = bf16(N(0, 1) * 0.02)
-(4M elements, seed 0); the worst element was 0.5000 of its step for every B.
-Dequantize beats memcpy for fp32 because it reads 1 byte per element, not 4.
-Scale overhead = 4/B bytes per element on top of the 1-byte code; the wire
-and memory cost of the secondary copy is (1 + 4/B)/2 of bf16.
-
-Why 256: from B = 256 up throughput is flat (within 7 % of B = 2048), while
-below it per-block work costs 10-30 % (bf16 quantize 0.21x memcpy at B = 64
-against 0.30x at 256). Error grows ~7-8 % per doubling of B (0.63 % at 64,
-0.75 % at 256, 0.90 % at 2048), and the scale overhead halves each time: at
-256 it is already under 2 %, so going larger saves less than 0.8 % of the
-bytes for 7-20 % more error. 256 is also what the plan tool's cost model
-(``costs.DEFAULT_QUANT_BLOCK``) assumes, and one block is a small Triton
-program (2 warps or wavefronts, 2-4 elements per lane). GPU throughput is not
-measured yet: the bench times the Triton kernels when it finds a GPU.
+One fp32 scale and B int8 codes per block of B elements; codes in [-127, 127],
+ties to even, error at most half a step plus fp32 rounding. A block holding a
+non-finite value is poisoned (scale +Inf, dequantizes to NaN) and ``quantize``
+raises :class:`QuantError` unless ``check_finite=False``. Outputs may be views
+into a larger buffer (:func:`packed_views`: scales first, 4-byte aligned). On
+CPU the work runs in 2**20-element chunks, one torch op per step, no Python
+loop over blocks. The format, the contract and the choice of the default block
+size: docs/int8.md, "The format".
 """
 from __future__ import annotations
 

@@ -1,31 +1,12 @@
 """Triton kernels for blockwise int8 quantization (CUDA and ROCm GPUs).
 
-Same contract as :mod:`megatron_lbp.quant.blockwise` (the reference), one
-program per block. Every step is chosen so the result is bit-identical to the
-torch implementation on finite input, and portable to Triton's CPU interpreter
-(``TRITON_INTERPRET=1``, how the tests run them without a GPU):
-
-- division is ``tl.math.div_rn`` (IEEE round-to-nearest). A plain ``/`` lowers
-  to an approximate division on NVIDIA (``div.full.f32``, up to 2 ulp), which
-  could move a quotient across a .5 tie.
-- ties-to-even rounding is built from ``floor`` on |y| (``d = |y| - floor|y|``
-  is exact), because libdevice ``rint`` is backend-specific and the
-  interpreter does not provide it.
-- fp32 -> bf16 output uses explicit round-to-nearest-even bit arithmetic: the
-  interpreter's own fp32 -> bf16 cast truncates, a GPU's rounds; the bit
-  version gives the GPU result everywhere.
-
-The one corner where a GPU could differ from torch: blocks whose amax is
-below 127 * 2**-126 ~ 1.5e-36 hold subnormal elements, and a backend that
-flushed subnormals would give them other codes (the error would still be at
-most the block's amax, < 1.5e-36). The compiled code does not flush: the
-tests compile both kernels for sm_90 and gfx90a (MI250X) without a GPU and
-check for ``div.rn.f32`` (no ``.ftz``) and ``amdhsa_float_denorm_mode_32 3``.
-Only the floor uses ``cvt.rmi.ftz``, which is harmless: it floors |y| >= 0,
-and a subnormal |y| floors to 0 either way. NaN payloads of poisoned blocks
-may differ (both are NaN); that is all.
-
-Importing this module never needs a GPU or Triton: without Triton,
+Same contract as :mod:`megatron_lbp.quant.blockwise` (the reference), one program per
+block, bit-identical to it on finite input and runnable in Triton's CPU interpreter
+(``TRITON_INTERPRET=1``, how the tests run them): division is ``tl.math.div_rn`` (a plain
+``/`` is approximate on NVIDIA), ties-to-even is built from ``floor`` (``rint`` is
+backend-specific), and bf16 output is rounded by bit arithmetic (the interpreter's cast
+truncates). The compiled code does not flush subnormals (the tests compile for sm_90 and
+gfx90a and check). Importing needs neither a GPU nor Triton: without Triton
 :func:`triton_available` is False and the entry points raise QuantError.
 """
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """The runs of a study and what they cost: ``python -m megatron_lbp.study plan``.
 
-A study is node counts x schemes (x seeds at its smallest node count), each run a
-fixed number of iterations of the same model, data, tokenizer and settings (the
-profile script's). Weak scaling keeps the micro-batches per GCD (the global batch
-grows with the GCDs); strong scaling keeps the global batch (the micro-batches per
-GCD shrink). All runs share one allocation of the largest node count, one after
-another, so the study costs that many nodes for the sum of the runs' times.
-
-The cost is an estimate, stated as such: per run, ``--startup-s`` (imports, process
-groups, model build, the health check; an assumption, not a measurement) plus the
-iterations at ``--step-seconds`` when given, else at the step time of ``bench
-project``'s cost model (its MI250X compute and Frontier link defaults; stock
-Megatron's distributed optimizer is costed as zero2, the nearest scheme it models).
+A study is node counts x schemes (x seeds at its smallest node count), each run a fixed
+number of iterations of the same model, data and settings, weak or strong scaling, one
+after another in one allocation of the largest node count. The cost is an estimate,
+stated as such: per run ``--startup-s`` (an assumption) plus the iterations at
+``--step-seconds``, or at the projection's step time (stock Megatron's distributed
+optimizer costed as zero2, the nearest scheme it models).
 """
 from __future__ import annotations
 

@@ -1,28 +1,13 @@
 """``python -m megatron_lbp.pretrain_gpt`` on N local ranks without paying its start-up N times.
 
-torchrun starts a fresh interpreter per rank, and each spends ~4 s of CPU importing
-torch and megatron-core before it reads an argument: on the 2-core CI machine that
-was most of every end-to-end test. Here each rank is a process forked from the
-multirank harness's server (those modules already imported, see _preload.py), given:
-
-- the variables torchrun gives a worker (RANK, LOCAL_RANK, WORLD_SIZE,
-  LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK, ..., MASTER_ADDR/PORT of a rendezvous
-  store that the launcher hosts, as torchrun's agent does), on top of the caller's
-  current environment, then ``env`` and ``rank_env(rank)``;
-- the caller's working directory;
-- stdout and stderr on one log file that every rank appends to (torchrun's
-  merged output);
-
-and then runs ``megatron_lbp.integration.pretrain_gpt.main(argv)``, the function
-``python -m megatron_lbp.pretrain_gpt`` runs. Exit status as torchrun reports it:
-0 when every rank exited 0, otherwise the first failed rank's status; once a rank
-has failed the others are sent SIGTERM (SIGKILL after a grace period).
-
-What this does not exercise, and where that is covered: the interpreter start-up
-and torchrun's own agent. tests/unit/test_patches.py launches the entry with torchrun,
-tests/e2e/test_bad_input_matrix.py runs ``python -m megatron_lbp.pretrain_gpt`` in a fresh
-interpreter for the rows that say so (the others through :func:`run_entry_captured`),
-and the real Slurm test starts it with srun.
+Each rank is forked from the multirank harness's server (torch and megatron-core already
+imported, _preload.py) with the variables torchrun gives a worker, a rendezvous store the
+launcher hosts, the caller's working directory and one merged log file, and runs
+``megatron_lbp.integration.pretrain_gpt.main(argv)``. Exit status as torchrun reports it;
+once a rank fails the others get SIGTERM, then SIGKILL. Interpreter start-up and
+torchrun's agent are not exercised here: tests/unit/test_patches.py and
+tests/e2e/test_bad_input_matrix.py start the entry in fresh interpreters, and the real
+Slurm test with srun.
 """
 from __future__ import annotations
 

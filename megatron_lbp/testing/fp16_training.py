@@ -1,18 +1,11 @@
 """fp16 training with Megatron's dynamic loss scaling, through stock Megatron and through the engine.
 
-The tiny GPT of :mod:`megatron_lbp.testing.tiny_gpt` as megatron.training builds
-it for ``--fp16``: fp16 parameters inside a Float16Module, fp32 gradient
-accumulation and master weights, and a DynamicGradScaler made from
-``--initial-loss-scale``, ``--min-loss-scale``, ``--loss-scale-window`` and
-``--hysteresis``. The loop scales each micro-batch's loss by the optimizer's
-loss scale before the backward pass (what Megatron's schedules do through
-``config.grad_scale_func``), steps the parameter scheduler only after an
-applied update (as megatron.training's train_step does) and records, per
-step, everything dynamic loss scaling decides: the scale the step ran with,
-whether the update was applied or skipped, and the gradient norm of applied
-steps.
-
-Runs inside ranks started by :mod:`megatron_lbp.testing.multirank`.
+The tiny GPT as megatron.training builds it for ``--fp16`` (Float16Module, fp32 gradient
+accumulation and master weights, a DynamicGradScaler from Megatron's loss-scale flags). The
+loop scales each micro-batch's loss as Megatron's schedules do, steps the scheduler only
+after an applied update, and records per step the scale, whether the update was applied
+or skipped, and the gradient norm. Runs inside ranks started by
+:mod:`megatron_lbp.testing.multirank`.
 """
 from __future__ import annotations
 

@@ -1,19 +1,12 @@
 """Run one function on N real torch.distributed ranks (gloo, CPU) and collect what each returned.
 
-Used by the multi-rank tests and the benchmarks. Each rank is a separate process
-with the environment a launcher would give it (RANK, WORLD_SIZE, LOCAL_RANK,
-LOCAL_WORLD_SIZE, MASTER_ADDR/PORT of a rendezvous store hosted by this process as
-torchrun's agent hosts it, plus anything the caller adds), so the code under test
-sees what it sees under torchrun. The store listens on a port the OS assigns
-while it binds: no other process on a shared machine can take it in between.
-
-Failure handling is the point of this module:
-- an exception on any rank is returned with that rank's traceback; the other
-  ranks (usually stuck in a collective waiting for it) are killed after a short
-  grace period instead of hanging;
-- on timeout every rank is killed, and the error message carries each
-  unfinished rank's Python stack, dumped by faulthandler just before the
-  deadline, so a hang reads as "rank 3 waited in all_gather at engine.py:120".
+Each rank is a process with the environment a launcher gives (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR/PORT of a rendezvous store this process hosts on a port the OS
+assigns while binding), so the code under test sees what it sees under torchrun.
+Failures are the point: an exception on any rank comes back with its traceback and the
+other ranks are killed after a short grace period; on timeout every rank is killed and
+the error carries each unfinished rank's Python stack, dumped by faulthandler just
+before the deadline.
 """
 from __future__ import annotations
 
