@@ -46,19 +46,12 @@
 #       with eight ranks on two busy cores): a floor of 1 MB/s that only a stalled link misses, not a
 #       model (the cost model's figures are Frontier's links)
 set -euo pipefail
-
-if [ -z "${LBP_REPO:-}" ]; then
-  here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-  if [ -f "$here/scripts/launch/lbp_launch.sh" ]; then
-    LBP_REPO=$here
-  elif [ -f "${SLURM_SUBMIT_DIR:-/nonexistent}/scripts/launch/lbp_launch.sh" ]; then
-    LBP_REPO=$SLURM_SUBMIT_DIR  # sbatch runs a copy of this script: submit from the repo root
-  else
-    echo "lbp_launch: error: cannot find the megatron-lbp checkout: set LBP_REPO" >&2
-    exit 2
-  fi
-fi
-export LBP_REPO
+set -a   # every value below reaches the launcher (python -m megatron_lbp.launch job)
+: "${LBP_REPO:=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
+# sbatch runs a copy of this script: the checkout is then the directory it was submitted from
+[ -f "$LBP_REPO/scripts/launch/lbp_launch.sh" ] || LBP_REPO=${SLURM_SUBMIT_DIR:-}
+[ -f "$LBP_REPO/scripts/launch/lbp_launch.sh" ] || {
+  echo "lbp_launch: error: cannot find the megatron-lbp checkout: set LBP_REPO" >&2; exit 2; }
 
 : "${LBP_PROFILE:=local-tiny-cpu}" "${LBP_SITE:=local}" "${LBP_MODULES=}"
 : "${LBP_PROFILE_SCRIPT:=$LBP_REPO/scripts/local_profile.sh}"
@@ -78,6 +71,7 @@ export LBP_REPO
 : "${LBP_HEALTH_EXPECT_GBPS:=package=0.05,node=0.05,network=0.05}" "${LBP_HEALTH_MIN_FRACTION:=0.02}"
 : "${LBP_HEALTH_MB:=2}"
 
+set +a
 # shellcheck source-path=SCRIPTDIR source=launch/lbp_launch.sh
 . "$LBP_REPO/scripts/launch/lbp_launch.sh"
 lbp_main "$@"

@@ -1,5 +1,10 @@
 """What the launchers (scripts/launch/lbp_launch.sh) compute in Python, one job per module.
 
+- ``job``: the launch environment resolved into a job (the planner's memory fit and
+  choice, the exit time), in stages the shell calls; the shell keeps modules, srun and
+  the chain's sbatch; ``rules``: its defaults, refusals and model flags; ``commands``:
+  its srun, training and health-check commands;
+- ``site``: the site's environment (Frontier's RCCL/libfabric settings) and its precedence;
 - ``estimate``: memory per GCD for each activation-recomputation choice and micro-batch
   size, the choice a profile makes, the cost model's step time, the save interval and
   the bytes and seconds of one checkpoint save (pure arithmetic);

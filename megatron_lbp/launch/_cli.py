@@ -17,7 +17,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def write_resolved(path: str | None, values: Mapping[str, object]) -> None:
-    """KEY=VALUE lines that lbp_launch.sh reads back (lbp_read_resolved), when ``path`` is given."""
+    """KEY=VALUE lines that a reader (the launcher's lbp_read_resolved, job.py) takes back, when
+    ``path`` is given."""
     if path:
         with open(path, "w") as f:
             f.writelines(f"{k}={v}\n" for k, v in values.items())

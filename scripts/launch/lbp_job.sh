@@ -1,8 +1,8 @@
 # shellcheck shell=bash
-# What the launcher does inside a job, after the checks every run makes (sourced by
-# lbp_launch.sh): the torch-build check, the chain's decision and its next job,
-# checkpoint retention and the free-space check, the health-check step, the training
-# step with a pruner beside it.
+# What the launcher does inside a job, with the job python -m megatron_lbp.launch job resolved
+# (sourced by lbp_launch.sh): the torch-build check, the chain's decision and its next job,
+# checkpoint retention and the free-space check, the health-check step, the training step
+# with a pruner beside it.
 
 # The job chain: stop when training is complete or the previous job made no progress.
 lbp_chain_decide() {
@@ -44,32 +44,19 @@ lbp_chain_submit() {
     case "$e" in SLURM_CONF=*) envs+=("$e") ;; SLURM_*|SLURMD_*|LBP_CHAIN_PREVIOUS_*) ;; *) envs+=("$e") ;; esac
   done
   envs+=("LBP_CHAIN_PREVIOUS_ITERATION=${TRACKER_ITERATION:-0}" "LBP_CHAIN_PREVIOUS_JOB=$SLURM_JOB_ID")
-  local out
+  local out args0=()
+  lbp_words args0 args0
   out=$(env -i "${envs[@]}" sbatch "${opts[@]}" "$script" --chain "$((LBP_CHAIN - 1))" \
-        "${LBP_ARGS0[@]}") || { lbp_die 4 "--chain: sbatch of the next job failed: $out"; return; }
+        "${args0[@]}") || { lbp_die 4 "--chain: sbatch of the next job failed: $out"; return; }
   LBP_NEXT_JOB=${out%%;*}
   lbp_log "chain: submitted job $LBP_NEXT_JOB (--dependency=afterany:$SLURM_JOB_ID, chain of" \
-    "$((LBP_CHAIN - 1)) more): $(lbp_quote sbatch "${opts[@]}" "$script" --chain "$((LBP_CHAIN - 1))" "${LBP_ARGS0[@]}")"
+    "$((LBP_CHAIN - 1)) more): $(lbp_quote sbatch "${opts[@]}" "$script" --chain "$((LBP_CHAIN - 1))" "${args0[@]}")"
 }
 
 lbp_health_step() {
-  local args=(health --tasks-per-node "$TASKS_PER_NODE" --gcds-per-package "$GCDS_PER_PACKAGE"
-              --gpus-per-task "$GPUS_PER_TASK" --require-gpu "$LBP_REQUIRE_GPU"
-              --min-fraction "$LBP_HEALTH_MIN_FRACTION" --megabytes "$LBP_HEALTH_MB"
-              --gcd-bus-ids "$LBP_GCD_BUS_IDS")
-  [ -n "$LBP_HEALTH_EXPECT_GBPS" ] && args+=(--expect "$LBP_HEALTH_EXPECT_GBPS")
-  if [ "$LBP_HEALTH_CHECK" = none ]; then
-    lbp_log "health check: none (LBP_HEALTH_CHECK=none: an earlier run checked these nodes)"; return 0
-  fi
-  # The measured figures, for the next estimate's choice (LBP_LINKS=$CHECKPOINT_DIR/lbp_links.json).
-  [ "$LBP_HEALTH_CHECK" = 1 ] && args+=(--links-out "$CHECKPOINT_DIR/lbp_links.json")
-  # The link survey, for the next estimate's bands (LBP_SURVEY=$CHECKPOINT_DIR/lbp_survey.json).
-  [ "$LBP_HEALTH_CHECK" = 1 ] && [ "$LBP_LINK_SURVEY" = 1 ] && args+=(
-    --survey-out "$CHECKPOINT_DIR/lbp_survey.json" --survey-max-seconds "$LBP_SURVEY_MAX_S")
-  if [ "$LBP_HEALTH_CHECK" = 0 ]; then
-    [ "$GPUS_PER_TASK" -gt 0 ] || { lbp_log "health check: off (LBP_HEALTH_CHECK=0)"; return 0; }
-    args+=(--skip-links)
-  fi
+  if [ -n "$LBP_HEALTH_NOTE" ]; then lbp_log "$LBP_HEALTH_NOTE"; return 0; fi
+  local args=()
+  lbp_words health args
   lbp_log "health check: $(lbp_quote "${SRUN[@]}" "$LBP_PYTHON" -m megatron_lbp.launch "${args[@]}")"
   # Its own rendezvous port: the training step's may still be in TIME_WAIT after it.
   local status=0
@@ -85,32 +72,36 @@ lbp_prune() {  # lbp_prune [--at-start] [--dry-run] [--every S]
 }
 
 lbp_launch_job() {
-  [ -n "${SLURM_JOB_ID:-}" ] || { lbp_die 2 "not inside a Slurm allocation: submit with" \
-    "sbatch $0 (or run with --dry-run / LBP_DRY_RUN=1 to see the commands)"; return; }
-  command -v srun >/dev/null 2>&1 || { lbp_die 2 "srun not found in PATH"; return; }
-  if [ "$LBP_REQUIRE_GPU" != none ]; then
-    lbp_py health --build-only --require-gpu "$LBP_REQUIRE_GPU" \
-      --devices-per-node "$((TASKS_PER_NODE * GPUS_PER_TASK))" || return 4
+  lbp_read_resolved "$LBP_TMP/job.env" NNODES_RESOLVED CHECKPOINT_DIR DATA_CACHE_PATH \
+    TENSORBOARD_DIR TRAIN_ITERS LBP_KEEP_LAST LBP_MILESTONE_EVERY LBP_PRUNE_EVERY_S LBP_RETAIN_BY \
+    LBP_CKPT_BYTES LBP_CHAIN LBP_HEALTH_NOTE
+  lbp_export exports
+  if [ -n "${LBP_SBCAST_ENV:-}" ]; then   # the tasks' Python from each node's own copy
+    lbp_sbcast_env && lbp_setup_python || return
   fi
+  local check=()
+  SRUN=()
+  lbp_words srun SRUN
+  lbp_words build_check check
+  if [ ${#check[@]} -gt 0 ]; then lbp_py "${check[@]}" || return 4; fi
   lbp_chain_decide || return
   if [ "$CHAIN_STATE" = complete ]; then return 0; fi
-  lbp_exit_time || return  # too little time left: refuse now (computed again before training)
+  lbp_py job exit-time --state "$LBP_TMP" || return  # too little time left: refuse now
   lbp_prune --at-start || return
   lbp_py checkpoints space "$CHECKPOINT_DIR" --checkpoint-bytes "$LBP_CKPT_BYTES" \
     | sed 's/^/[lbp] /'
   [ "${PIPESTATUS[0]}" = 0 ] || return 4
   mkdir -p "$CHECKPOINT_DIR" ${DATA_CACHE_PATH:+"$DATA_CACHE_PATH"} ${TENSORBOARD_DIR:+"$TENSORBOARD_DIR"} \
     || { lbp_die 4 "cannot create CHECKPOINT_DIR=$CHECKPOINT_DIR (or its data_cache/tensorboard)"; return; }
-  # What lbp_task.sh needs to check each task's place.
-  export LBP_TASKS_PER_NODE=$TASKS_PER_NODE LBP_GCDS_PER_PACKAGE=$GCDS_PER_PACKAGE \
-    LBP_GPUS_PER_TASK=$GPUS_PER_TASK LBP_PYTHON LBP_NODE_LOCAL_ROOT
+  lbp_export task_exports  # what lbp_task.sh needs to check each task's place
   lbp_health_step || return
-  lbp_exit_time || return  # after the health check, just before training; a refusal submits nothing
+  # After the health check, just before training; a refusal submits nothing.
+  lbp_py job exit-time --state "$LBP_TMP" || return
   lbp_chain_submit || return
-  lbp_build_train_args
-  lbp_resolve_capabilities || return
-  lbp_print_commands
-  lbp_ds_print_config || return
+  lbp_py job commands --state "$LBP_TMP" || return
+  local train=()
+  lbp_words train train
+  lbp_read_resolved "$LBP_TMP/job.env" LBP_RUN_DEVICE LBP_EXIT_MEASURED_AT
   # The tasks resolve for the same device, and refuse if they do not have it.
   [ "$LBP_RUN_DEVICE" = gpu ] && export LBP_DEVICE=gpu
   local pruner=""
@@ -126,7 +117,7 @@ lbp_launch_job() {
   # not after the imports (megatron_lbp.integration.training_hooks.start_clock_at_launch).
   export LBP_LAUNCH_TIME=$LBP_EXIT_MEASURED_AT
   local status=0
-  "${SRUN[@]}" "${ENTRY[@]}" "${TRAIN_ARGS[@]}" || status=$?
+  "${SRUN[@]}" "${train[@]}" || status=$?
   lbp_log "training step ended at $(date -u +%FT%TZ) with status $status"
   if [ -n "$pruner" ]; then kill "$pruner" 2>/dev/null || true; wait "$pruner" 2>/dev/null || true; fi
   lbp_prune || true
@@ -139,4 +130,3 @@ lbp_launch_job() {
   fi
   return "$status"
 }
-

@@ -107,11 +107,9 @@ study_run_one() {  # study_run_one NAME NODES SCHEME GLOBAL_BATCH SEED
       *) STUDY_CHECKED_NODES+="$nodes " ;;
     esac
   fi
-  case "$scheme" in
-    lbp) sec=$P_HIER_SECONDARY_GROUP_SIZE ;;
-    zeropp) sec=$P_TASKS_PER_NODE ;;
-    *) sec=0 ;;
-  esac
+  # lbp keeps the profile's secondary copy; every other scheme the one its preset implies
+  sec=$P_HIER_SECONDARY_GROUP_SIZE
+  [ "$scheme" = lbp ] || sec=$("$PY" -m megatron_lbp.launch job implied-secondary "$scheme" "$P_TASKS_PER_NODE")
   echo "[study] $(date -u +%H:%M:%S) run $name: $nodes node(s), $scheme, global batch $gbs, seed $seed, $check"
   ( export NNODES=$nodes LBP_HEALTH_CHECK=$health HIER_PRESET=$scheme HIER_SECONDARY_GROUP_SIZE=$sec GLOBAL_BATCH_SIZE=$gbs \
       MICRO_BATCH_SIZE=$STUDY_MBS TRAIN_ITERS=$STUDY_ITERS LR_WARMUP_ITERS=$STUDY_WARMUP_ITERS LBP_CHAIN=1 CHECKPOINT_DIR=$dir/checkpoint \
