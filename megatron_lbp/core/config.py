@@ -43,6 +43,7 @@ __all__ = [
     "GRAD_QUANT_SCHEMES",
     "hierarchical_grad_reduce",
     "default_grad_reduce_dtype",
+    "default_secondary_dtype",
     "DEFAULT_PRESET",
     "DEFAULT_GPUS_PER_NODE",
     "DEFAULT_GCDS_PER_PACKAGE",
@@ -303,6 +304,12 @@ def _check_hierarchical_reduce(cfg: "HierConfig") -> None:
             f"{FLAGS['grad_quant_scheme']} int8")
 
 
+def default_secondary_dtype(preset: str | None) -> str:
+    """--hier-secondary-dtype when not given: the weights' own dtype for zeropp (DeepSpeed's
+    hpZ copy), else int8."""
+    return "param" if preset == "zeropp" else DEFAULT_SECONDARY_DTYPE
+
+
 def default_grad_reduce_dtype(preset: str | None, param_dtype: str) -> str:
     """--hier-grad-reduce-dtype when not given: bf16 for zeropp under bf16 training (DeepSpeed
     reduces in its training dtype, ``communication_data_type``), else fp32."""
@@ -400,7 +407,7 @@ def resolve_hier_config(
     preset = DEFAULT_PRESET if preset is None else _check_choice("preset", preset, PRESETS)
     zeropp = preset == "zeropp"
     if secondary_dtype is None:
-        secondary_dtype = "param" if zeropp else DEFAULT_SECONDARY_DTYPE
+        secondary_dtype = default_secondary_dtype(preset)
     secondary_dtype = _check_choice("secondary_dtype", secondary_dtype, SECONDARY_DTYPES)
     if secondary_scope is None:
         secondary_scope = "step" if zeropp else "backward"

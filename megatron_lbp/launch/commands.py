@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import shutil
 
+from megatron_lbp.core.config import default_secondary_dtype
 from megatron_lbp.launch.rules import is_ds, log
 
 
@@ -60,9 +61,12 @@ def train_args(v, start_flags: list[str], cli_extra: list[str]) -> list[str]:
               "--hier-gpus-per-node", v["TASKS_PER_NODE"],
               "--hier-gcds-per-package", v["GCDS_PER_PACKAGE"],
               "--hier-secondary-group-size", v["HIER_SECONDARY_GROUP_SIZE"]]
+        # An unset dtype is the preset's own, said (zeropp: the weights' dtype; an unset
+        # gradient dtype stays unsaid: the engine picks it by the weights' dtype).
         if int(v["HIER_SECONDARY_GROUP_SIZE"]) > 0:
-            a += ["--hier-secondary-dtype", v["HIER_SECONDARY_DTYPE"]]
-        if v["HIER_GRAD_REDUCE_DTYPE"] != "fp32":
+            a += ["--hier-secondary-dtype",
+                  v["HIER_SECONDARY_DTYPE"] or default_secondary_dtype(v["HIER_PRESET"])]
+        if v["HIER_GRAD_REDUCE_DTYPE"]:
             a += ["--hier-grad-reduce-dtype", v["HIER_GRAD_REDUCE_DTYPE"]]
         # The knobs the estimate resolved; the engine's defaults (1, 2) go unsaid.
         if v["HIER_PREFETCH_UNITS"] not in ("auto", "1"):

@@ -140,8 +140,7 @@ def plan_job(v, words: list[str], state: Path) -> dict[str, str]:
             *model_flags(v, words), "--seq-length", v["SEQ_LENGTH"],
             "--vocab-size", v["VOCAB_SIZE_PADDED"], "--global-batch-size", v["GLOBAL_BATCH_SIZE"],
             "--micro-batch-size", v["MICRO_BATCH_SIZE"], "--recompute", v["RECOMPUTE"],
-            "--hier-secondary-group-size", secondary, "--hier-secondary-dtype", secondary_dtype,
-            "--params-dtype", v["PRECISION"], "--hier-grad-reduce-dtype", v["HIER_GRAD_REDUCE_DTYPE"],
+            "--hier-secondary-group-size", secondary, "--params-dtype", v["PRECISION"],
             "--hier-prefetch-units", knobs[0], "--hier-max-pending-reduces", knobs[1],
             "--hier-embedding-backward-gather", knobs[2], "--hier-layer-unit", knobs[3],
             "--gcd-memory-gb", v["GCD_MEMORY_GB"], "--reserve-gb", v["LBP_MEMORY_RESERVE_GB"],
@@ -149,6 +148,10 @@ def plan_job(v, words: list[str], state: Path) -> dict[str, str]:
             "--save-minutes", v["LBP_SAVE_MINUTES"], "--milestone-every", v["LBP_MILESTONE_EVERY"],
             "--write-gbps-per-node", v["LBP_WRITE_GBPS"], "--save-fixed-s", v["LBP_SAVE_FIXED_S"],
             "--resolved", str(state / "estimate")]
+    if secondary_dtype:
+        args += ["--hier-secondary-dtype", secondary_dtype]
+    if v["HIER_GRAD_REDUCE_DTYPE"]:
+        args += ["--hier-grad-reduce-dtype", v["HIER_GRAD_REDUCE_DTYPE"]]
     if v.get("LBP_STEP_SECONDS"):
         args += ["--step-seconds", v["LBP_STEP_SECONDS"]]
     if v["LBP_COMPARE_SCHEMES"] == "1":

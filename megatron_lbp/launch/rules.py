@@ -23,7 +23,7 @@ DEFAULTS = {
     "INIT_METHOD_STD": "0.01", "SAVE_INTERVAL": "auto", "LOG_INTERVAL": "10",
     "EVAL_INTERVAL": "1000", "EVAL_ITERS": "10", "DIST_TIMEOUT_MINS": "30",
     "EXIT_DURATION_MINS": "auto", "RECOMPUTE": "full", "PRECISION": "bf16", "HIER_PRESET": "lbp",
-    "HIER_SECONDARY_DTYPE": "int8", "GCD_MEMORY_GB": "64", "HIER_GRAD_REDUCE_DTYPE": "fp32",
+    "HIER_SECONDARY_DTYPE": "", "GCD_MEMORY_GB": "64", "HIER_GRAD_REDUCE_DTYPE": "",
     "HIER_PREFETCH_UNITS": "auto", "HIER_MAX_PENDING_REDUCES": "auto",
     "HIER_EMBEDDING_BACKWARD_GATHER": "auto", "HIER_LAYER_UNIT": "auto",
     "LBP_SAVE_MINUTES": "45", "LBP_WRITE_GBPS": "1", "LBP_SAVE_FIXED_S": "60",
@@ -185,7 +185,7 @@ def check_deepspeed(v, words: list[str]) -> None:
         raise Refusal(2, f"HIER_SECONDARY_GROUP_SIZE={v['HIER_SECONDARY_GROUP_SIZE']} does not "
                          f"apply to HIER_PRESET={p} (DeepSpeed's hpZ partition is the node, set by "
                          "the scheme): unset it")
-    if v["HIER_GRAD_REDUCE_DTYPE"] != "fp32":
+    if v["HIER_GRAD_REDUCE_DTYPE"]:
         raise Refusal(2, f"HIER_GRAD_REDUCE_DTYPE={v['HIER_GRAD_REDUCE_DTYPE']} does not apply to "
                          f"HIER_PRESET={p} (DeepSpeed reduces gradients in the training dtype): "
                          "unset it")
@@ -374,13 +374,14 @@ def model_flags(v, words: list[str]) -> list[str]:
 
 
 def estimate_as(v) -> tuple[str, str, str]:
-    """The engine scheme the estimate costs this job as (preset, secondary size and dtype): the
-    cost model has no DeepSpeed scheme nor stock Megatron's; these are the nearest."""
+    """The engine scheme the estimate costs this job as (preset, secondary size and dtype, ""
+    for the preset's own): the cost model has no DeepSpeed scheme nor stock Megatron's; these
+    are the nearest (zeropp is ZeRO++ as DeepSpeed ships it; hpZ alone keeps the weights' dtype)."""
     p = v["HIER_PRESET"]
     if p == "ds-zero3":
         return "zero3", "0", v["HIER_SECONDARY_DTYPE"]
     if p in ("ds-hpz", "ds-zeropp"):
-        return "zeropp", v["TASKS_PER_NODE"], "bf16" if p == "ds-hpz" else "int8"
+        return "zeropp", v["TASKS_PER_NODE"], "param" if p == "ds-hpz" else ""
     return ("zero2" if p == "distopt" else p), v["HIER_SECONDARY_GROUP_SIZE"], v["HIER_SECONDARY_DTYPE"]
 
 

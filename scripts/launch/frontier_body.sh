@@ -8,7 +8,7 @@ set -a   # every value reaches python -m megatron_lbp.launch job
 : "${LBP_SITE:=frontier}"
 : "${LBP_MODULES=PrgEnv-gnu/8.7.0 cpe/26.03 miniforge3/23.11.0-0 rocm/7.1.1 rccl-net-plugin craype-accel-amd-gfx90a}"
 : "${SEQ_LENGTH:=2048}" "${VOCAB_SIZE_PADDED:=50304}" "${GLOBAL_BATCH_SIZE:=1536}"
-: "${TRAIN_ITERS:=150000}" "${LR_WARMUP_ITERS:=1500}" "${RECOMPUTE:=auto}" "${HIER_SECONDARY_DTYPE:=int8}"
+: "${TRAIN_ITERS:=150000}" "${LR_WARMUP_ITERS:=1500}" "${RECOMPUTE:=auto}"
 set +a
 
 # shellcheck source-path=SCRIPTDIR source=lbp_launch.sh

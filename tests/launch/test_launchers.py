@@ -186,7 +186,9 @@ def test_dry_run_frontier(site, model, nodes):
     assert flag(cmd, "--hier-gpus-per-node") == "8"
     assert flag(cmd, "--hier-gcds-per-package") == "2"
     assert flag(cmd, "--hier-secondary-group-size") == str(secondary)
-    assert secondary == 0 or flag(cmd, "--hier-secondary-dtype") == "int8"
+    # zeropp's hpZ copy is in the weights' dtype (DeepSpeed's), lbp's int8
+    assert secondary == 0 or flag(cmd, "--hier-secondary-dtype") == (
+        "param" if scheme == "zeropp" else "int8")
     # The transient knobs the estimate resolved reach the command, said only when they are not
     # the engine's defaults (1 unit ahead, 2 reduce-scatters in flight, whole layers, the
     # embedding gathered). At 20B on 48 nodes (the scheme chosen too) lbp's fastest row needs
@@ -236,7 +238,7 @@ def test_dry_run_frontier(site, model, nodes):
     assert {"lbp S=node": f"W={W} ranks, P=2 G=8 O={W} S=8 (int8)",
             "lbp S=package": f"W={W} ranks, P=2 G=8 O={W} S=2 (int8)",
             "lbp S=0": f"W={W} ranks, P=2 G=8 O={W} S=0 (no secondary)",
-            "zeropp": f"W={W} ranks, P={W} G={W} O={W} S=8 (int8)",
+            "zeropp": f"W={W} ranks, P={W} G={W} O={W} S=8 (param)",
             "zero3": f"W={W} ranks, P={W} G={W} O={W} S=0 (no secondary)",
             "zero2": f"W={W} ranks, P=1 G={W} O={W} S=0 (no secondary)"}[scheme] in out
     m = re.search(r"memory per GCD total: state ([\d.]+) GB \+ transient ([\d.]+) GB .*\+ "
