@@ -7,7 +7,7 @@ move no data), builds the whole hierarchy (every group family, every
 layer shape in the engine with sharded initialization, trains it for two steps (one on CPU)
 and reads the bytes it holds per state from the storages themselves
 (engine/memory.py). The same shape goes through ``python -m megatron_lbp.plan``'s
-own code (launch/plan.make_plan), and each state's bytes must agree within 5%.
+own code (launch/plan.plan_json: the plan command in process), and each state's bytes must agree within 5%.
 
 What this cannot show: communication (no data moves: the weights the forward
 sees are whatever the gathers' buffers held, the loss is meaningless), nor
@@ -95,10 +95,10 @@ def fake_world(shape: Shape, device: torch.device) -> None:
 def measure(shape: Shape, variant: str, device: torch.device, steps: int = STEPS
             ) -> dict[str, Any]:
     """Build, train ``steps`` steps and compare with the plan: this variant's part-D record."""
-    from megatron_lbp.launch.plan import make_plan
+    from megatron_lbp.launch.plan import plan_json
     from megatron_lbp.testing.tiny_gpt import TinyGPTSpec, TrainSpec, setup_hier
 
-    plan = make_plan(plan_argv(shape, variant), knob_table=False)
+    plan = plan_json(plan_argv(shape, variant), knob_table=False)
     spec = TinyGPTSpec(num_layers=shape.num_layers, hidden_size=shape.hidden_size,
                        num_attention_heads=shape.num_attention_heads,
                        vocab_size=shape.vocab_size, seq_length=shape.tokens,

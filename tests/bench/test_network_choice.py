@@ -19,7 +19,7 @@ import pytest
 
 from benchmarks import netns
 from benchmarks import network_choice as nc
-from megatron_lbp.launch import estimate
+from megatron_lbp.launch import candidates, estimate
 from megatron_lbp.projection import project as pj
 
 REQUIREMENT = netns.missing_requirements()
@@ -82,21 +82,21 @@ def test_the_shared_uplink_is_the_health_checks_per_gcd_figure_times_the_node(tm
     args = nc.parse([])
     a = estimate.build_parser().parse_args(
         nc.estimate_argv(args, 64, 2, str(path), 0.002, "shared_uplink"))
-    a.links = estimate.load_links(a.links)
-    links = estimate.link_model(a)
+    a.links = candidates.load_links(a.links)
+    links = candidates.link_model(a)
     assert links.network == "shared_uplink"
     assert links.bandwidth["network"] == pytest.approx(LINKS["network"] * 1e9 * 4)
     b = estimate.build_parser().parse_args(estimate_argv := nc.estimate_argv(
         args, 64, 2, str(path), 0.002, "per_rank"))
-    b.links = estimate.load_links(b.links)
-    assert estimate.link_model(b).bandwidth["network"] == pytest.approx(LINKS["network"] * 1e9)
+    b.links = candidates.load_links(b.links)
+    assert candidates.link_model(b).bandwidth["network"] == pytest.approx(LINKS["network"] * 1e9)
     assert "--peak-tflops" in estimate_argv
     a.preset, a.hier_secondary_group_size = "zeropp", 4
-    p = estimate.cached_plan(estimate.plan_argv(a, 8, 4))
+    p = candidates.plan_of(a, 8, 4)
     compute = pj.ComputeModel(peak_flops=0.002e12, mfu=1.0, seq_length=64,
                               micro_batch_size=2, recompute=False)
     want = pj.step_time(p, estimate._model(a), links, compute)["step_s"]
-    assert estimate.step_seconds(a, p, "none", 2) == pytest.approx(want)
+    assert candidates.step_seconds(a, p, "none", 2) == pytest.approx(want)
 
 
 @pytest.mark.parametrize("argv, says", [

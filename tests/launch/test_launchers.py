@@ -261,7 +261,7 @@ def test_memory_shrinks_with_nodes_and_matches_plan(site):
         printed = float(re.search(r"memory per GCD \(plan\):.* = ([\d.]+) GB", out).group(1))
         peak = float(re.search(r"construction peak per GCD .*: ([\d.]+) GB", out).group(1))
         argv = re.search(r"plan: python -m megatron_lbp.plan (.*)", out).group(1).split()
-        p = plan.make_plan(argv)
+        p = plan.plan_json(argv)
         assert abs(p["memory_bytes"]["total"] / 1e9 - printed) < 0.01
         assert abs(p["construction_peak_bytes"] / 1e9 - peak) < 0.01, (peak, p["construction_peak_bytes"])
         totals.append(printed)
@@ -934,7 +934,7 @@ def test_layer_unit_split_reaches_the_estimate_and_the_command_and_full_recomput
     if knobs:
         shape += ["--hier-prefetch-units", knobs.group(1), "--hier-max-pending-reduces",
                   knobs.group(2)]
-    planned = plan.make_plan(shape, knob_table=False)["transient_bytes"]["peak"] / 1e9
+    planned = plan.plan_json(shape, knob_table=False)["transient_bytes"]["peak"] / 1e9
     assert float(m.group(2)) == pytest.approx(planned, abs=0.006), (m.group(0), planned)
     r = run(SCRIPTS["20b"], site, "--dry-run", HIER_LAYER_UNIT="split",
             **{**fixed, "RECOMPUTE": "full"})
