@@ -77,7 +77,7 @@ def zero3_uplink_bytes(model: Mapping[str, int], world: int, ranks_per_node: int
 
     plan = pj.plan_for(model, world, "zero3", micro_batches, gpus_per_node=ranks_per_node,
                        gcds_per_package=gcds_per_package)
-    return float(sum(plan["traffic_by_phase"][ph]["network"] * pj._uplink_multiplicity(plan, ph)
+    return float(sum(plan.traffic_by_phase[ph]["network"] * pj._uplink_multiplicity(plan, ph)
                      for ph in PHASES))
 
 

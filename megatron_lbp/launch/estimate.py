@@ -103,8 +103,19 @@ RC_TEXT = {"full": "full recomputation", "selective": "selective recomputation",
            "none": "no recomputation"}
 
 
-def report(a) -> tuple[list[str], dict, str | None]:
-    """(stdout lines, resolved values, refusal line or None)."""
+def report(a: Job) -> tuple[list[str], dict, str | None]:
+    """(the full estimate's lines, resolved values, refusal line or None)."""
+    _, lines, resolved, refusal = summarised_report(a)
+    return lines, resolved, refusal
+
+
+SUMMARY_HEAD = "summary (the full estimate and ranking: LBP_VERBOSE=1, estimate --verbose):"
+
+
+def summarised_report(a: Job) -> tuple[list[str], list[str], dict, str | None]:
+    """(the summary's lines, the full estimate's lines, resolved values, refusal or None). The
+    summary: the model, the hierarchy, the choice and why (its band, a tie), memory per GCD,
+    step time, saving; what the job would refuse."""
     asked, ranked, row = a, None, None
     if a.choose or a.preset == "auto":
         row, ranked = choose.choose(a)
@@ -184,6 +195,14 @@ def report(a) -> tuple[list[str], dict, str | None]:
     ]
     for w in base.warnings:
         lines.append(f"plan warning: {w}")
+    scheme = row.scheme if row else choose.scheme_label(a, a.preset, a.hier_secondary_group_size)
+    summary = [SUMMARY_HEAD, "  " + lines[0],
+               f"  hierarchy: {a.nodes} node(s) x {a.tasks_per_node} ranks, {scheme}: "
+               + lines[2].split(": ", 1)[1],
+               f"  choice: {scheme} RECOMPUTE={shown.recompute} MICRO_BATCH_SIZE="
+               f"{shown.micro_batch_size} ({shown.micro_batches} per step){shown.knob_text()}: "
+               + how.replace(", the ranking below", ""),
+               "  " + lines[-1 - len(base.warnings)]]   # memory per GCD total
     if chosen is None:
         need = smallest_fitting_nodes(a, shown, base)
         hint = (f"use at least NNODES={need} (sbatch -N {need})" if need else
@@ -201,7 +220,7 @@ def report(a) -> tuple[list[str], dict, str | None]:
                    f"exceeds the GCD's {a.gcd_memory_gb:g} GB on {a.nodes} node(s) "
                    f"(GCD_MEMORY_GB, RECOMPUTE={shown.recompute}, MICRO_BATCH_SIZE="
                    f"{shown.micro_batch_size}); {hint}")
-        return lines, {}, refusal
+        return summary + ["  would refuse: " + refusal.split("error: ", 1)[1]], lines, {}, refusal
 
     step = chosen.step_s if row is None else row.choice.step_s
     band = chosen.band if row is None else row.choice.band
@@ -229,8 +248,12 @@ def report(a) -> tuple[list[str], dict, str | None]:
         f"(2 x bytes at {a.write_gbps_per_node:g} GB/s per node x {a.nodes} node(s) + "
         f"{a.save_fixed_s:g} s)",
     ]
+    summary += ["  " + line for line in lines[-3:]]   # step time, save interval, checkpoint
     if row is not None:
-        lines += choose.ranking_lines(asked, ranked, row)
+        ranking = choose.ranking_lines(asked, ranked, row)
+        summary += ["  " + line for line in ranking
+                    if line.startswith(("tie:", "projected faster:"))]
+        lines += ranking
     elif a.compare:
         lines += comparison_lines(a, chosen)
     resolved = {"MICRO_BATCH_SIZE": chosen.micro_batch_size, "RECOMPUTE": chosen.recompute,
@@ -242,7 +265,7 @@ def report(a) -> tuple[list[str], dict, str | None]:
                 "LBP_CKPT_BYTES": ckpt, "LBP_SAVE_S": f"{save_s:.6g}", "LBP_PARAMS": params}
     if asked.preset == "auto":
         resolved.update(HIER_PRESET=a.preset, HIER_SECONDARY_GROUP_SIZE=a.hier_secondary_group_size)
-    return lines, resolved, None
+    return summary, lines, resolved, None
 
 
 def _choice(name: str, allowed: tuple[str, ...]):
@@ -357,6 +380,12 @@ def build_parser(machine: bool = True) -> argparse.ArgumentParser:
                          "check's --survey-out): step times and their bands from its tables "
                          "and measured overlap instead of the public figures")
     ap.add_argument("--resolved", default=None, help="write KEY=VALUE lines here")
+    ap.add_argument("--summary", default=None, metavar="FILE",
+                    help="write the summary here instead of printing it (the dry run prints "
+                         "it first)")
+    ap.add_argument("--verbose", action="store_true",
+                    help="print the full estimate after the summary: every candidate's memory, "
+                         "the ranking, the plan's figures (LBP_VERBOSE=1)")
     return ap
 
 
@@ -401,17 +430,24 @@ def job_from_args(ns: argparse.Namespace) -> Job:
     return replace(job, links=links, survey=survey, choose=job.choose or job.preset == "auto")
 
 
-def run(job: Job, resolved_path: str | None = None) -> int:
-    """Print the job's estimate (the summary first; everything with ``job.verbose``), write
-    the resolved values; the exit status (3: nothing fits, 2: bad input)."""
+def run(job: Job, resolved_path: str | None = None, summary_path: str | None = None) -> int:
+    """Print the job's estimate: its summary (into ``summary_path`` instead, when given: the dry
+    run leads with it), then, with ``job.verbose``, the full estimate; write the resolved
+    values. The exit status (3: nothing fits, 2: bad input)."""
     try:
-        lines, resolved, refusal = report(job)
+        summary, lines, resolved, refusal = summarised_report(job)
     except (PlanError, EstimateError) as exc:
         print(f"{PROG}: error: the hierarchy does not fit {job.nodes} node(s) x "
               f"{job.tasks_per_node} tasks: {exc}" if isinstance(exc, PlanError)
               else f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    print("\n".join(lines), flush=True)
+    if summary_path:
+        with open(summary_path, "w") as f:
+            f.writelines(line + "\n" for line in summary)
+        summary = []
+    shown = summary + (lines if job.verbose else [])
+    if shown:
+        print("\n".join(shown), flush=True)
     if refusal:
         print(refusal, file=sys.stderr)
         return 3
@@ -426,7 +462,7 @@ def main(argv=None) -> int:
     except EstimateError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    return run(job, ns.resolved)
+    return run(job, ns.resolved, ns.summary)
 
 
 def choose_main(argv) -> int:

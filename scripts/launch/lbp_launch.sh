@@ -148,6 +148,8 @@
 #                       (a sample of 2^20 tokens each; python -m megatron_lbp.launch contents);
 #                       0: paths only
 #   LBP_COMPARE_SCHEMES [0]; 1 with LBP_CHOOSE=0: the ranking as advice only
+#   LBP_VERBOSE         [0]; 1: the estimate in full (every candidate's memory, the ranking)
+#                       after its summary, which a dry run prints first
 #   EXTRA_ARGS          more training flags (word-split)
 
 # shellcheck source-path=SCRIPTDIR source=lbp_site.sh
@@ -455,6 +457,8 @@ lbp_estimate() {
               --resolved "$LBP_TMP/estimate")
   [ -n "${LBP_STEP_SECONDS:-}" ] && args+=(--step-seconds "$LBP_STEP_SECONDS")
   [ "${LBP_COMPARE_SCHEMES:-0}" = 1 ] && args+=(--compare)
+  [ "${LBP_VERBOSE:-0}" = 1 ] && args+=(--verbose)
+  [ -n "${LBP_SUMMARY_OUT:-}" ] && args+=(--summary "$LBP_SUMMARY_OUT")
   # The configuration by projected step time (megatron_lbp/launch/choose.py), the scheme
   # too when the profile left it open (LBP_CHOOSE_SCHEME=1).
   if [ "${LBP_CHOOSE:-1}" = 1 ]; then
@@ -756,8 +760,26 @@ lbp_write_settings() {  # lbp_write_settings FILE
   done >"$1"
 }
 
+# A dry run leads with its summary (the estimate's, python -m megatron_lbp.launch estimate
+# --summary, with the exit time and what the job would refuse), then the run's own lines.
+lbp_dry_run_summarised() {
+  local out status
+  out=$(mktemp -d "${TMPDIR:-/tmp}/lbp_dry_run.XXXXXX") || { lbp_die 2 "cannot create a" \
+    "temporary directory under ${TMPDIR:-/tmp}"; return; }
+  LBP_SUMMARY_OUT=$out/summary lbp_main "$@" >"$out/run"
+  status=$?
+  if [ -s "$out/summary" ]; then
+    sed 's/^/[lbp] /' "$out/summary"
+    grep -E '^\[lbp\] (exit time|a job would refuse):' "$out/run" | sed 's/^\[lbp\] /[lbp]   /'
+  fi
+  cat "$out/run"
+  rm -rf "$out"
+  return "$status"
+}
+
 # lbp_main [--dry-run] [--chain N] [--] [extra training flags...]
 lbp_main() {
+  local argv=("$@")
   # What the chain's next job is submitted with: this job's arguments and environment.
   mapfile -d '' LBP_ENV0 < <(env -0)
   LBP_ARGS0=()
@@ -777,6 +799,10 @@ lbp_main() {
     esac
     shift
   done
+  if [ "${LBP_DRY_RUN:-0}" = 1 ] && [ -z "${LBP_SUMMARY_OUT:-}" ] && [ -z "${LBP_SETTINGS_OUT:-}" ]; then
+    lbp_dry_run_summarised "${argv[@]}"
+    return
+  fi
   lbp_defaults || return
   lbp_ds_check || return
   lbp_start_from || return
