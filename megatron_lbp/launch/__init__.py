@@ -1,8 +1,9 @@
 """What the launchers (scripts/launch/lbp_launch.sh) compute in Python, one job per module.
 
-- ``estimate``: memory per GCD for each activation-recomputation choice and micro-batch
-  size, the choice a profile makes, the cost model's step time, the save interval and
-  the bytes and seconds of one checkpoint save (pure arithmetic);
+- ``estimate``: the job's flags resolved once into a ``job.Job``, then
+  ``estimate.decide(job)``: memory per GCD and step time of every candidate
+  (``candidates``), the choice (``choose``), the save interval and checkpoint, printed as a
+  summary and, with --verbose, in full;
 - ``walltime``: the job's remaining wall time and the exit time that leaves room for
   one save (Slurm's time formats, ``SLURM_JOB_END_TIME``, ``squeue -o %L``);
 - ``checkpoints``: the checkpoint directory as Megatron leaves it (tracker, complete

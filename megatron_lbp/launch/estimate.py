@@ -52,7 +52,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from megatron_lbp.core.config import (DEFAULT_BUCKET_SIZE, EMBEDDING_BACKWARD_GATHERS,
                                       LAYER_UNITS)
@@ -103,19 +103,54 @@ RC_TEXT = {"full": "full recomputation", "selective": "selective recomputation",
            "none": "no recomputation"}
 
 
+@dataclass(frozen=True)
+class Decision:
+    """What the planner decides for a job: the job as it will run (its scheme resolved), the
+    chosen candidate (None: nothing fits, ``refusal`` says why), the step time and saving, and
+    the summary and full estimate as printed."""
+    job: Job
+    choice: Choice | None
+    summary: list[str]
+    lines: list[str]
+    refusal: str | None = None
+    scheme_chosen: bool = False       # the scheme was chosen here (HIER_PRESET=auto)
+    step_s: float = 0.0
+    save_interval: int = 0
+    checkpoint_bytes: int = 0
+    save_s: float = 0.0
+    params: int = 0
+
+    def resolved(self) -> dict[str, object]:
+        """The launcher's KEY=VALUE settings (empty when nothing fits)."""
+        c, a = self.choice, self.job
+        if c is None or self.refusal:
+            return {}
+        out = {"MICRO_BATCH_SIZE": c.micro_batch_size, "RECOMPUTE": c.recompute,
+               "HIER_PREFETCH_UNITS": c.prefetch_units,
+               "HIER_MAX_PENDING_REDUCES": c.max_pending_reduces,
+               "HIER_LAYER_UNIT": c.layer_unit,
+               "HIER_EMBEDDING_BACKWARD_GATHER": c.embedding_backward_gather,
+               "SAVE_INTERVAL": self.save_interval, "LBP_STEP_S": f"{self.step_s:.6g}",
+               "LBP_CKPT_BYTES": self.checkpoint_bytes, "LBP_SAVE_S": f"{self.save_s:.6g}",
+               "LBP_PARAMS": self.params}
+        if self.scheme_chosen:
+            out.update(HIER_PRESET=a.preset, HIER_SECONDARY_GROUP_SIZE=a.hier_secondary_group_size)
+        return out
+
+
 def report(a: Job) -> tuple[list[str], dict, str | None]:
     """(the full estimate's lines, resolved values, refusal line or None)."""
-    _, lines, resolved, refusal = summarised_report(a)
-    return lines, resolved, refusal
+    d = decide(a)
+    return d.lines, d.resolved(), d.refusal
 
 
 SUMMARY_HEAD = "summary (the full estimate and ranking: LBP_VERBOSE=1, estimate --verbose):"
 
 
-def summarised_report(a: Job) -> tuple[list[str], list[str], dict, str | None]:
-    """(the summary's lines, the full estimate's lines, resolved values, refusal or None). The
-    summary: the model, the hierarchy, the choice and why (its band, a tie), memory per GCD,
-    step time, saving; what the job would refuse."""
+def decide(a: Job) -> Decision:
+    """Plan and choose for this job: the one entry a launcher calls (after job_from_args).
+    The summary: the model, the hierarchy, the choice and why (its band, a tie), memory per
+    GCD, step time, saving; what the job would refuse. Raises PlanError, EstimateError."""
     asked, ranked, row = a, None, None
     if a.choose or a.preset == "auto":
         row, ranked = choose.choose(a)
@@ -220,7 +255,8 @@ def summarised_report(a: Job) -> tuple[list[str], list[str], dict, str | None]:
                    f"exceeds the GCD's {a.gcd_memory_gb:g} GB on {a.nodes} node(s) "
                    f"(GCD_MEMORY_GB, RECOMPUTE={shown.recompute}, MICRO_BATCH_SIZE="
                    f"{shown.micro_batch_size}); {hint}")
-        return summary + ["  would refuse: " + refusal.split("error: ", 1)[1]], lines, {}, refusal
+        return Decision(a, None, summary + ["  would refuse: " + refusal.split("error: ", 1)[1]],
+                        lines, refusal)
 
     step = chosen.step_s if row is None else row.choice.step_s
     band = chosen.band if row is None else row.choice.band
@@ -256,16 +292,8 @@ def summarised_report(a: Job) -> tuple[list[str], list[str], dict, str | None]:
         lines += ranking
     elif a.compare:
         lines += comparison_lines(a, chosen)
-    resolved = {"MICRO_BATCH_SIZE": chosen.micro_batch_size, "RECOMPUTE": chosen.recompute,
-                "HIER_PREFETCH_UNITS": chosen.prefetch_units,
-                "HIER_MAX_PENDING_REDUCES": chosen.max_pending_reduces,
-                "HIER_LAYER_UNIT": chosen.layer_unit,
-                "HIER_EMBEDDING_BACKWARD_GATHER": chosen.embedding_backward_gather,
-                "SAVE_INTERVAL": interval, "LBP_STEP_S": f"{step:.6g}",
-                "LBP_CKPT_BYTES": ckpt, "LBP_SAVE_S": f"{save_s:.6g}", "LBP_PARAMS": params}
-    if asked.preset == "auto":
-        resolved.update(HIER_PRESET=a.preset, HIER_SECONDARY_GROUP_SIZE=a.hier_secondary_group_size)
-    return summary, lines, resolved, None
+    return Decision(a, chosen, summary, lines, None, asked.preset == "auto", step, interval,
+                    ckpt, save_s, params)
 
 
 def _choice(name: str, allowed: tuple[str, ...]):
@@ -435,23 +463,24 @@ def run(job: Job, resolved_path: str | None = None, summary_path: str | None = N
     run leads with it), then, with ``job.verbose``, the full estimate; write the resolved
     values. The exit status (3: nothing fits, 2: bad input)."""
     try:
-        summary, lines, resolved, refusal = summarised_report(job)
+        d = decide(job)
     except (PlanError, EstimateError) as exc:
         print(f"{PROG}: error: the hierarchy does not fit {job.nodes} node(s) x "
               f"{job.tasks_per_node} tasks: {exc}" if isinstance(exc, PlanError)
               else f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+    summary = d.summary
     if summary_path:
         with open(summary_path, "w") as f:
             f.writelines(line + "\n" for line in summary)
         summary = []
-    shown = summary + (lines if job.verbose else [])
+    shown = summary + (d.lines if job.verbose else [])
     if shown:
         print("\n".join(shown), flush=True)
-    if refusal:
-        print(refusal, file=sys.stderr)
+    if d.refusal:
+        print(d.refusal, file=sys.stderr)
         return 3
-    write_resolved(resolved_path, resolved)
+    write_resolved(resolved_path, d.resolved())
     return 0
 
 

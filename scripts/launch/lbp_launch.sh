@@ -766,11 +766,18 @@ lbp_dry_run_summarised() {
   local out status
   out=$(mktemp -d "${TMPDIR:-/tmp}/lbp_dry_run.XXXXXX") || { lbp_die 2 "cannot create a" \
     "temporary directory under ${TMPDIR:-/tmp}"; return; }
-  LBP_SUMMARY_OUT=$out/summary lbp_main "$@" >"$out/run"
+  # The run in a subshell with the caller's errexit (a `|| status=$?` would turn it off).
+  local errexit=0
+  if [[ $- == *e* ]]; then errexit=1; fi
+  set +e
+  ( if [ "$errexit" = 1 ]; then set -e; fi
+    LBP_SUMMARY_OUT=$out/summary lbp_main "$@" ) >"$out/run"
   status=$?
+  if [ "$errexit" = 1 ]; then set -e; fi
   if [ -s "$out/summary" ]; then
     sed 's/^/[lbp] /' "$out/summary"
-    grep -E '^\[lbp\] (exit time|a job would refuse):' "$out/run" | sed 's/^\[lbp\] /[lbp]   /'
+    { grep -E '^\[lbp\] (exit time|a job would refuse):' "$out/run" || true; } \
+      | sed 's/^\[lbp\] /[lbp]   /'
   fi
   cat "$out/run"
   rm -rf "$out"
