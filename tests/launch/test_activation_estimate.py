@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_lbp.launch import candidates, estimate
+from megatron_lbp.launch import candidates
 from megatron_lbp.launch.job import Job
 from megatron_lbp.testing.multirank import run_single
 

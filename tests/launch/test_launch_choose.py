@@ -191,7 +191,7 @@ def test_the_ranking_replays_the_committed_traces_without_torch():
             "'--vocab-size', '50304', '--global-batch-size', '1536', '--reserve-gb', '4', "
             # whole layers: split ones (never with full recomputation, the traces' mode)
             # would push the replayed rows below the five printed
-            "'--hier-layer-unit', 'whole']); "
+            "'--hier-layer-unit', 'whole', '--verbose']); "   # the ranking in full
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')]; "
             "assert rc == 0 and not bad, (rc, bad)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
