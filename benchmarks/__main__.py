@@ -7,7 +7,7 @@ import sys
 COMMANDS = {"overhead": "benchmarks.overhead",
             "report": "benchmarks.report",
             "traffic": "benchmarks.traffic",
-            "project": "megatron_lbp.projection.project",
+            "project": "megatron_lbp.projection.project_cli",
             "network": "benchmarks.network",
             "network-choice": "benchmarks.network_choice",
             "trace": "megatron_lbp.projection.trace",

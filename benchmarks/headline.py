@@ -53,9 +53,8 @@ def flagship(survey: str | None = None) -> dict[str, Any]:
     from megatron_lbp.projection import collectives
     from megatron_lbp.projection.schemes import MODELLED_AS
 
-    a = estimate.build_parser().parse_args(FLAGSHIP + (["--survey", survey] if survey else []))
-    a.links = None
-    a.survey = collectives.CollectiveModel.from_file(survey) if survey else None
+    a = estimate.job_from_args(estimate.build_parser().parse_args(
+        FLAGSHIP + (["--survey", survey] if survey else [])))
     row, ranked = choose.choose(a)
     if row is None:
         raise RuntimeError("the chooser fits nothing for the flagship")

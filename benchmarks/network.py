@@ -365,9 +365,9 @@ def _calibration(args, measured, links_fit, compute_meas) -> dict[str, Any]:
         {c: f["bandwidth_MB_per_s"] * 1e6 for c, f in fitted.items()},
         {c: f["latency_us"] * 1e-6 for c, f in fitted.items()}, network="shared_uplink")
     compute = pj.compute_from_measured(
-        _model(args), ref_plan["params"], args.seq, args.micro_batch_size,
+        _model(args), ref_plan.params, args.seq, args.micro_batch_size,
         compute_meas["fwd_bwd_s"] / args.micro_batches, compute_meas["adam_s"],
-        ref_plan["padded_params"] / world)
+        ref_plan.padded_params / world)
     return predict(args, measured, {
         "links": {k: v for k, v in links_fit.items() if k != "samples"},
         "link_samples": links_fit["samples"],
@@ -412,8 +412,8 @@ def predict(args, measured: dict[str, float], fit: dict[str, Any]) -> dict[str, 
     return {**per_scheme, "fit": {
         **fit,
         "modelled_as": {s: MODELLED_AS.get(s, s) for s in measured},
-        "buckets": {s: p["buckets"] for s, p in plans.items()},
-        "network_bytes_per_rank": {s: p["traffic_bytes"]["network"] for s, p in plans.items()},
+        "buckets": {s: p.buckets for s, p in plans.items()},
+        "network_bytes_per_rank": {s: p.traffic_bytes["network"] for s, p in plans.items()},
     }}
 
 
@@ -538,9 +538,9 @@ def config(args) -> dict[str, Any]:
         "model_name": args.model,
         "model": {"num_layers": args.layers, "hidden_size": args.hidden,
                   "num_attention_heads": args.heads, "vocab_size": args.vocab,
-                  "seq_length": args.seq, "params": plan["params"], "dtype": "bf16",
+                  "seq_length": args.seq, "params": plan.params, "dtype": "bf16",
                   "grad_reduce": "fp32", "recompute": getattr(args, "recompute_mode", "full" if args.recompute else "none"),
-                  "units": plan["units"]},
+                  "units": plan.units},
         "micro_batch_size": args.micro_batch_size, "micro_batches": args.micro_batches,
         "warmup_steps": args.warmup, "timed_steps": args.steps, "schemes": list(args.schemes),
         "versions": {"python": platform.python_version(), "torch": torch.__version__,

@@ -192,14 +192,8 @@ def projected(args, global_batch: int, micro_batch_size: int, links: str, rate_t
     micro-batch size, no recomputation)."""
     from megatron_lbp.launch import choose, estimate
 
-    a = estimate.build_parser().parse_args(
-        estimate_argv(args, global_batch, micro_batch_size, links, rate_tflops, network_model))
-    if args.links_from == "survey":
-        from megatron_lbp.projection import collectives
-
-        a.links, a.survey = None, collectives.CollectiveModel.from_file(a.survey)
-    else:
-        a.links = estimate.load_links(a.links)
+    a = estimate.job_from_args(estimate.build_parser().parse_args(
+        estimate_argv(args, global_batch, micro_batch_size, links, rate_tflops, network_model)))
     rows = choose.rank(a)
     out = {}
     for s in args.schemes:
@@ -212,14 +206,13 @@ def projected(args, global_batch: int, micro_batch_size: int, links: str, rate_t
 
 def flops_per_micro_batch(args, micro_batch_size: int) -> float:
     """The cost model's FLOPs of one micro-batch (fwd+bwd, the plan's parameter count)."""
-    from megatron_lbp.launch import estimate
+    from megatron_lbp.core.plan import Model
     from megatron_lbp.projection.project import model_flops_per_token
 
-    a = estimate.build_parser().parse_args(estimate_argv(
-        args, args.nodes * args.ranks_per_node * micro_batch_size, micro_batch_size, "-", 1.0,
-        "per_rank"))
-    a.preset = "lbp"    # any scheme: the same parameters
-    params = estimate.cached_plan(estimate.plan_argv(a, args.nodes * args.ranks_per_node))["params"]
+    # any scheme: the same parameters
+    params = sum(n for _, n in Model(MODEL["layers"], MODEL["hidden"], MODEL["vocab"],
+                                     table_rows=MODEL["seq"],
+                                     num_attention_heads=MODEL["heads"]).units())
     return model_flops_per_token(params, MODEL["layers"], MODEL["hidden"], MODEL["seq"]) * \
         MODEL["seq"] * micro_batch_size
 
@@ -243,7 +236,7 @@ def derive_rate(args, net, spec, trains) -> dict[str, Any]:
              "vocab_size": MODEL["vocab"]}
     p = pj.plan_for(model, args.nodes * args.ranks_per_node, scheme, 1,
                     gpus_per_node=args.ranks_per_node, gcds_per_package=GCDS_PER_PACKAGE)
-    uplink = sum(p["traffic_by_phase"][ph]["network"] * pj._uplink_multiplicity(p, ph)
+    uplink = sum(p.traffic_by_phase[ph]["network"] * pj._uplink_multiplicity(p, ph)
                  for ph in PHASES if ph in pj.PER_MICRO_BATCH)
     rate = uplink * 8 / 1e6 / (NETWORK_OVER_COMPUTE * compute)
     return {"batch": name, "compute_s": compute, "scheme": scheme,

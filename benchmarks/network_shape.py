@@ -143,9 +143,9 @@ def balance(model: Mapping[str, int], seq: int) -> dict[str, float]:
     from megatron_lbp.projection import project as pj
 
     big = pj.MODELS["20B"]
-    p20 = pj.plan_for(big, 384, "lbp", 1)["params"]
+    p20 = pj.plan_for(big, 384, "lbp", 1).params
     fpt20 = pj.model_flops_per_token(p20, big["num_layers"], big["hidden_size"], TWENTY_B["seq"])
-    pe = pj.plan_for(model, 8, "lbp", 1, gpus_per_node=8)["params"]
+    pe = pj.plan_for(model, 8, "lbp", 1, gpus_per_node=8).params
     fpte = pj.model_flops_per_token(pe, model["num_layers"], model["hidden_size"], seq)
     return {"params_20B": p20, "params": pe, "flops_per_param_20B": fpt20 * TWENTY_B["seq"] / p20,
             "flops_per_param": fpte * seq / pe,
@@ -166,7 +166,7 @@ def derive(args, net, spec, train, on_network, log) -> dict[str, Any]:
     compute = statistics.median(slowest)
     model = {"num_layers": args.layers, "hidden_size": args.hidden, "vocab_size": args.vocab}
     params = pj.plan_for(model, world, "lbp", args.micro_batches,
-                         gpus_per_node=args.ranks_per_node)["params"]
+                         gpus_per_node=args.ranks_per_node).params
     flops = pj.model_flops_per_token(params, args.layers, args.hidden, args.seq) * args.seq \
         * args.micro_batch_size * args.micro_batches
     node_rate = args.ranks_per_node * flops / compute

@@ -109,9 +109,9 @@ def train_one(name: str, spec, steps: int = STEPS) -> dict[str, Any]:
 
 def plan_bytes(spec) -> dict[str, int]:
     """``python -m megatron_lbp.plan`` for the engine's configuration at world size 1."""
-    from megatron_lbp.launch.plan import make_plan
+    from megatron_lbp.launch.plan import plan_json
 
-    plan = make_plan(["--world-size", "1", "--gpus-per-node", "1", "--gcds-per-package", "1",
+    plan = plan_json(["--world-size", "1", "--gpus-per-node", "1", "--gcds-per-package", "1",
                       "--num-layers", str(spec.num_layers), "--hidden-size", str(spec.hidden_size),
                       "--vocab-size", str(spec.vocab_size),
                       "--num-attention-heads", str(spec.num_attention_heads),

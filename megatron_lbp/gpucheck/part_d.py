@@ -4,7 +4,7 @@ One process poses as rank 0 of 384 over torch's fake process group (collectives 
 at once, move no data), builds the whole hierarchy, wraps a megatron-core GPT of the 20B
 layer shape in the engine with sharded initialization, trains two steps and reads the
 bytes it holds per state from the storages (engine/memory.py); each state must agree with
-``launch/plan.make_plan`` within 5%. It cannot show communication (the loss is
+the plan command's own code (``launch/plan.plan_json``) within 5%. It cannot show communication (the loss is
 meaningless) nor activations. Memory depends on the layer shape and the groups, not on
 the tokens, so on CPU ``--tokens`` is cut, never the layer shape.
 """
@@ -86,10 +86,10 @@ def fake_world(shape: Shape, device: torch.device) -> None:
 def measure(shape: Shape, variant: str, device: torch.device, steps: int = STEPS
             ) -> dict[str, Any]:
     """Build, train ``steps`` steps and compare with the plan: this variant's part-D record."""
-    from megatron_lbp.launch.plan import make_plan
+    from megatron_lbp.launch.plan import plan_json
     from megatron_lbp.testing.tiny_gpt import TinyGPTSpec, TrainSpec, setup_hier
 
-    plan = make_plan(plan_argv(shape, variant), knob_table=False)
+    plan = plan_json(plan_argv(shape, variant), knob_table=False)
     spec = TinyGPTSpec(num_layers=shape.num_layers, hidden_size=shape.hidden_size,
                        num_attention_heads=shape.num_attention_heads,
                        vocab_size=shape.vocab_size, seq_length=shape.tokens,

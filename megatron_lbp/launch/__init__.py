@@ -1,13 +1,14 @@
 """What the launchers (scripts/launch/lbp_launch.sh) compute in Python, one job per module.
 
-- ``job``: the launch environment resolved into a job (the planner's memory fit and
+- ``job_cli``: the launch environment resolved into a job (the planner's memory fit and
   choice, the exit time), in stages the shell calls; the shell keeps modules, srun and
   the chain's sbatch; ``rules``: its defaults, refusals and model flags; ``commands``:
   its srun, training and health-check commands;
 - ``site``: the site's environment (Frontier's RCCL/libfabric settings) and its precedence;
-- ``estimate``: memory per GCD for each activation-recomputation choice and micro-batch
-  size, the choice a profile makes, the cost model's step time, the save interval and
-  the bytes and seconds of one checkpoint save (pure arithmetic);
+- ``estimate``: the job's flags resolved once into a ``job.Job``, then
+  ``estimate.decide(job)``: memory per GCD and step time of every candidate
+  (``candidates``), the choice (``choose``), the save interval and checkpoint, printed as a
+  summary and, with --verbose, in full;
 - ``walltime``: the job's remaining wall time and the exit time that leaves room for
   one save (Slurm's time formats, ``SLURM_JOB_END_TIME``, ``squeue -o %L``);
 - ``checkpoints``: the checkpoint directory as Megatron leaves it (tracker, complete

@@ -5,7 +5,7 @@ import importlib
 import sys
 
 COMMANDS = {
-    "job": "megatron_lbp.launch.job",
+    "job": "megatron_lbp.launch.job_cli",
     "estimate": "megatron_lbp.launch.estimate",
     "exit-time": "megatron_lbp.launch.walltime",
     "checkpoints": "megatron_lbp.launch.checkpoints",

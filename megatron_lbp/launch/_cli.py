@@ -17,7 +17,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def write_resolved(path: str | None, values: Mapping[str, object]) -> None:
-    """KEY=VALUE lines that a reader (the launcher's lbp_read_resolved, job.py) takes back, when
+    """KEY=VALUE lines that a reader (the launcher's lbp_read_resolved, job_cli.py) takes back, when
     ``path`` is given."""
     if path:
         with open(path, "w") as f:

@@ -4,12 +4,12 @@ For the user's model, node count and global batch, every candidate — scheme (l
 node's int8 secondary copy, with the package's, with none; zeropp; zero3; zero2; and the
 user's own preset when it is none of these) x recomputation (none, selective, full) x
 micro-batch size with the micro-batches per step that keep the global batch, each with the
-first transient knob setting that fits (``estimate.knob_trials``: the engine's defaults,
+first transient knob setting that fits (``candidates.knob_trials``: the engine's defaults,
 then fewer reduce-scatters in flight, then the same with split layers where the
 recomputation is not full, then no prefetch; each with the embedding's backward gather,
 then without) — gets:
 
-- its memory per GCD from the one memory model (``estimate.choices``: plan state + plan
+- its memory per GCD from the one memory model (``candidates.choices``: plan state + plan
   transient + activations + margin, and the construction peak); rows that do not fit are
   dropped from the choice (they are still ranked, marked);
 - its projected step time: the engine's committed schedule trace replayed at this shape
@@ -25,22 +25,21 @@ then without) — gets:
 The choice is the fastest fitting row among those the user left open: an explicit
 ``--preset`` (HIER_PRESET, with its secondary size), ``--micro-batch-size`` or
 ``--recompute`` restricts the candidates to it. Plans are computed once per (scheme,
-micro-batches per step) and the topology once per scheme (``plan._topology``), the traces
+micro-batches per step) and the topology once per scheme (``core.plan._topology``), the traces
 read once, so that the ranking is cheap enough to run in every dry run.
 """
 from __future__ import annotations
 
 import functools
-import sys
-from argparse import Namespace
 from dataclasses import dataclass, replace
 from typing import Any
 
-from megatron_lbp.launch import plan
-from megatron_lbp.launch import estimate
+from megatron_lbp.core.plan import Plan, PlanError
+from megatron_lbp.launch import candidates
+from megatron_lbp.launch.job import Job
 
 # (label, preset, secondary: "node", "package" or 0) — the schemes every ranking covers.
-SCHEMES = estimate.SCHEMES
+SCHEMES = candidates.SCHEMES
 # label -> the scheme name of the committed traces (megatron_lbp/projection/traces/index.json).
 # (zeropp, ZeRO++, is timed by the idealised model: its committed traces are not yet held
 # to the idealised step the way lbp's are, tests/launch/test_launch_choose.py.)
@@ -52,7 +51,7 @@ class Row:
     scheme: str
     preset: str
     secondary: int
-    choice: estimate.Choice
+    choice: candidates.Choice
     source: str          # "replay" (a committed trace at this shape) or "idealised"
 
 
@@ -97,11 +96,11 @@ def _committed() -> dict[str, dict[int, Any]]:
         return {}
 
 
-def trace_for(a, label: str, c: estimate.Choice) -> str | None:
+def trace_for(a, label: str, c: candidates.Choice) -> str | None:
     """The committed trace whose replay times this row, or None (then: the idealised model)."""
     if (label not in TRACED or c.recompute != "full" or a.tasks_per_node != 8
             or c.embedding_backward_gather != "gather"   # the traces gather it (and whole layers)
-            or a.gcds_per_package != 2 or estimate.architecture_argv(a)   # not GPT-2's
+            or a.gcds_per_package != 2 or not a.gpt2_architecture()
             or a.ffn_hidden_size not in (0, 4 * a.hidden_size) or a.params_dtype != "bf16"
             or a.hier_grad_reduce_dtype not in (None, "fp32")
             or a.position_embedding_type != "rope"
@@ -119,15 +118,15 @@ def trace_for(a, label: str, c: estimate.Choice) -> str | None:
     return str(path) if records and records[-1]["micro_batches"] == c.micro_batches else None
 
 
-def replayed_step_s(a, p: dict, path: str, c: estimate.Choice) -> float | None:
+def replayed_step_s(a: Job, p: Plan, path: str, c: candidates.Choice) -> float | None:
     """The trace at ``path`` replayed with ``p``'s bytes and link classes at this model's
     compute (None when the replay refuses it: the idealised model then)."""
     from megatron_lbp.projection import project_replay as pr
 
-    compute = estimate.compute_model(a, c.micro_batch_size, True)
+    compute = candidates.compute_model(a, c.micro_batch_size, True)
     try:
-        out = pr.replay_one(list(_records(path)), p, estimate._model(a),
-                            estimate.link_model(a), compute)
+        out = pr.replay_one(list(_records(path)), p, candidates._model(a),
+                            candidates.link_model(a), compute)
     except (pr.ReplayError, KeyError, ValueError):
         return None
     return out["step_s"] if out.get("bytes_match_plan") else None
@@ -141,20 +140,20 @@ def rank(a) -> list[Row]:
     rows = []
     world = a.nodes * a.tasks_per_node
     for label, preset, secondary in _schemes(a):
-        b = Namespace(**{**vars(a), "preset": preset, "hier_secondary_group_size": secondary,
-                         "recompute": "auto", "micro_batch_size": "auto"})
+        b = replace(a, preset=preset, hier_secondary_group_size=secondary, recompute="auto",
+                    micro_batch_size="auto")
         try:
-            options, _ = estimate.choices(b)
-        except plan.UsageError:
+            options, _ = candidates.choices(b)
+        except PlanError:
             continue   # the scheme cannot be built on this machine shape
         for c in options:
-            source = "survey" if getattr(a, "survey", None) else "idealised"
+            source = "survey" if a.survey else "idealised"
             # With a survey the collective model times the step (its tables and overlap),
             # which the committed traces' replay (on the cost model's link figures) does not.
             path = None if a.step_seconds or source == "survey" else trace_for(b, label, c)
             if path:
-                t = replayed_step_s(b, estimate.cached_plan(estimate.plan_argv(
-                    b, world, c.micro_batches, c.knobs)), path, c)
+                t = replayed_step_s(b, candidates.plan_of(b, world, c.micro_batches, c.knobs),
+                                    path, c)
                 if t is not None:
                     # The band moves with the point (the replay refines the same schedule).
                     c, source = replace(c, step_s=t + c.knob_cost_s, band=c.band and c.band.shifted(
@@ -165,7 +164,7 @@ def rank(a) -> list[Row]:
     # (a secondary copy whose backward gathers hide either way) goes to the smaller total:
     # the same speed with more memory left and no int8 copy the step does not need.
     return sorted(rows, key=lambda r: (r.choice.step_s,
-                                       estimate.RECOMPUTE_ORDER.index(r.choice.recompute),
+                                       candidates.RECOMPUTE_ORDER.index(r.choice.recompute),
                                        -r.choice.micro_batch_size,
                                        0 if a.step_seconds else r.choice.total_bytes))
 
@@ -180,7 +179,7 @@ def allowed(a, r: Row) -> bool:
 
 def headroom(a, r: Row) -> float:
     """Bytes per GCD this row leaves free (its total or its construction peak, the larger)."""
-    return a.gcd_memory_gb * estimate.GB - max(r.choice.total_bytes, r.choice.construction_bytes)
+    return a.gcd_memory_gb * candidates.GB - max(r.choice.total_bytes, r.choice.construction_bytes)
 
 
 def tied(a, rows: list[Row]) -> list[Row]:
@@ -226,7 +225,7 @@ def row_text(r: Row, chosen) -> str:
     return (f"{r.scheme:<14} RECOMPUTE={c.recompute:<9} MICRO_BATCH_SIZE={c.micro_batch_size:<2}"
             f" ({c.micro_batches} per step){c.knob_text()}: step {c.step_s:.4g} s{band} "
             f"({r.source}), {c.step_s / t:.3f}x{ratio} the chosen's, total "
-            f"{estimate.gb(c.total_bytes)}{'' if c.fits else ' DOES NOT FIT'}")
+            f"{candidates.gb(c.total_bytes)}{'' if c.fits else ' DOES NOT FIT'}")
 
 
 def tie_line(a, rows: list[Row], chosen: Row) -> str | None:
@@ -241,8 +240,8 @@ def tie_line(a, rows: list[Row], chosen: Row) -> str | None:
             f"{fastest.choice.micro_batch_size}, {fastest.choice.band.text()}); chosen: "
             f"{chosen.scheme} RECOMPUTE={chosen.choice.recompute} MICRO_BATCH_SIZE="
             f"{chosen.choice.micro_batch_size}, the most memory headroom "
-            f"({estimate.gb(headroom(a, chosen))} per GCD free, against "
-            f"{estimate.gb(max(headroom(a, r) for r in others))} at most for the others)")
+            f"({candidates.gb(headroom(a, chosen))} per GCD free, against "
+            f"{candidates.gb(max(headroom(a, r) for r in others))} at most for the others)")
 
 
 def ranking_lines(a, rows: list[Row], chosen: Row, top: int = 5) -> list[str]:
@@ -251,16 +250,16 @@ def ranking_lines(a, rows: list[Row], chosen: Row, top: int = 5) -> list[str]:
     t = chosen.choice.step_s
     fitting = [r for r in rows if r.choice.fits]
     sources = sorted({r.source for r in fitting})
-    cm = estimate.collective_model(a)
+    cm = candidates.collective_model(a)
     lines = [f"ranking at GLOBAL_BATCH_SIZE={a.global_batch_size} on {a.nodes} node(s) by "
              f"projected step time ({' or '.join(sources) or 'none'}: replay = the engine's "
              f"committed trace replayed, idealised = the cost model, survey = the link "
              f"survey's tables; MFU {a.mfu:g}; {len(fitting)} of {len(rows)} candidates fit):"]
     if chosen.choice.band is not None:
         lines.append("  [bands]: over rates " + ("the survey's fastest to slowest repetitions"
-                     if getattr(a, "survey", None) else "the public figures' fast to slow ends")
+                     if a.survey else "the public figures' fast to slow ends")
                      + " and overlap perfect to " + ("the survey's least hidden"
-                     if getattr(a, "survey", None) else "none (no survey measured it)")
+                     if a.survey else "none (no survey measured it)")
                      + f"; collective times from {cm.source}")
     lines += ["  " + row_text(r, chosen) + ("  <- chosen" if r == chosen else "")
               for r in fitting[:top]]
@@ -293,29 +292,3 @@ def ranking_lines(a, rows: list[Row], chosen: Row, top: int = 5) -> list[str]:
                      + ("tied within the bands: the most headroom wins" if faster in
                         tied(a, rows) else "your explicit settings win") + ")")
     return lines
-
-
-# --------------------------------------------------------------------------- plan --choose
-
-
-def main(argv) -> int:
-    """``python -m megatron_lbp.plan --choose``: the estimate's ranking and choice for W ranks.
-
-    Takes the estimate's flags (``python -m megatron_lbp.launch estimate --help``) with the
-    plan's spellings of the machine (``--world-size W --gpus-per-node N``, N default 8);
-    ``--preset`` and ``--recompute`` default to auto here."""
-    import argparse
-
-    ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--world-size", type=int)
-    ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--choose", action="store_true")
-    known, rest = ap.parse_known_args(argv)
-    if known.world_size is None or known.world_size < 1 or known.gpus_per_node < 1 or \
-            known.world_size % known.gpus_per_node:
-        print(f"{plan.PROG}: error: --choose needs --world-size W, a multiple of "
-              f"--gpus-per-node N (default 8)", file=sys.stderr)
-        return 2
-    return estimate.main(["--nodes", str(known.world_size // known.gpus_per_node),
-                          "--tasks-per-node", str(known.gpus_per_node), "--preset", "auto",
-                          "--recompute", "auto", "--choose", *rest])

@@ -1,409 +1,105 @@
-"""python -m megatron_lbp.launch job STAGE --state DIR: the launch environment resolved into a job.
-
-The launchers (scripts/launch/lbp_launch.sh) keep what only a shell can do (the #SBATCH
-header, ``module load``, the Python environment, srun, the chain's sbatch); every rule of a
-launch is Python's, once: the defaults, refusals and model flags (rules.py), the memory fit
-and the choice (:func:`plan_job`, the one call into the planner), the exit time, and the
-srun and training commands (commands.py).
-
-Stages, each reading the environment and ``DIR/job.json`` that the previous one wrote:
-  resolve    settings, refusals, contents check, estimate; writes the job; a dry run goes on
-             through ``commands`` and the checkpoint checks and stops there
-  exit-time  the job's exit time from its remaining wall time (refuses a job too short)
-  commands   the training command (capability-resolved), printed with the srun command
-  implied-secondary PRESET TASKS_PER_NODE   the secondary group size a preset implies
-
-What the shell reads back: ``DIR/job.env`` (KEY=VALUE) and NUL-separated word lists
-(``DIR/srun``, ``DIR/train``, ``DIR/health``, ``DIR/build_check``, ``DIR/args0``,
-``DIR/exports``, ``DIR/task_exports``).
-
-Exit status: 0; 2 bad input; 3 does not fit in GCD memory; 4 the job cannot run it.
-"""
+"""The job a launch plans for, typed: resolved once from flags at the edge (estimate's command
+line, ``plan --choose``), then read by the memory fit (candidates.py) and the choice
+(choose.py). Fields keep Megatron's and the launcher's names; ``auto`` marks what the
+planner chooses. A job is never changed: a variant is ``dataclasses.replace(job, ...)``."""
 from __future__ import annotations
 
-import contextlib
-import io
-import json
-import os
-import shutil
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
-from typing import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
-from megatron_lbp.launch import commands as cmds
-from megatron_lbp.launch import site
-from megatron_lbp.launch._cli import PROG, write_resolved
-from megatron_lbp.launch.rules import (Refusal, SETTINGS, check_deepspeed, check_hierarchy,
-                                       check_paths, estimate_as, is_ds, log, model_flags,
-                                       parse_launcher_args, resolve_nodes, retention, settings,
-                                       sbatch_directive, start_from, implied_secondary, uint)
-
-REPO = Path(__file__).resolve().parents[2]
+from megatron_lbp.core.config import DEFAULT_BUCKET_SIZE
+from megatron_lbp.core.plan import Model, query_groups
 
 
-class Stop(Exception):
-    """A stage ends with ``status`` after its own message (a command it ran said why)."""
+@dataclass(frozen=True, eq=False)
+class Job:
+    # the machine
+    nodes: int = 1
+    tasks_per_node: int = 8
+    gcds_per_package: int = 2
+    gcd_memory_gb: float = 64.0
+    reserve_gb: float = 0.0
+    # the model (Megatron's flags and defaults)
+    num_layers: int = 0
+    hidden_size: int = 0
+    num_attention_heads: int = 0
+    seq_length: int = 0
+    vocab_size: int = 0
+    ffn_hidden_size: int = 0                  # 0: 4 * hidden
+    position_embedding_type: str = "rope"
+    max_position_embeddings: int = 0          # 0: seq_length
+    untie_embeddings_and_output_weights: bool = False
+    swiglu: bool = False
+    group_query_attention: bool = False
+    num_query_groups: int | None = None
+    kv_channels: int | None = None
+    normalization: str = "LayerNorm"
+    disable_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    params_dtype: str = "bf16"
+    # the hierarchy: preset "auto" is chosen by projected step time
+    preset: str = "lbp"
+    hier_secondary_group_size: int = 0
+    hier_secondary_dtype: str | None = None   # None: the preset's (int8 for lbp)
+    hier_grad_reduce_dtype: str | None = None  # None: the preset's (bf16 for zeropp under bf16)
+    bucket_size: int = DEFAULT_BUCKET_SIZE
+    # the batch
+    global_batch_size: int = 1
+    micro_batch_size: Any = "auto"            # "auto" or an int
+    recompute: str = "full"                   # "auto", "none", "selective", "full"
+    # the transient knobs ("auto" or a setting)
+    hier_prefetch_units: Any = "auto"
+    hier_max_pending_reduces: Any = "auto"
+    hier_embedding_backward_gather: str = "auto"
+    hier_layer_unit: str = "auto"
+    # timing: the cost model's inputs, or a measured step
+    step_seconds: float = 0.0
+    mfu: float = 0.35
+    peak_tflops: float | None = None
+    network_model: str = "per_rank"
+    links: dict | None = None                 # measured {class: bytes/s per GCD}, loaded
+    survey: Any = None                        # a projection.collectives.CollectiveModel, loaded
+    # saving and the run's length
+    train_iters: int = 150000
+    save_interval: Any = "auto"
+    save_minutes: float = 45.0
+    milestone_every: int = 0
+    write_gbps_per_node: float = 1.0
+    save_fixed_s: float = 60.0
+    # what to print
+    compare: bool = False
+    choose: bool = False
+    verbose: bool = False
 
-    def __init__(self, status: int):
-        super().__init__(status)
-        self.status = status
+    @property
+    def world(self) -> int:
+        return self.nodes * self.tasks_per_node
 
+    def model(self) -> Model:
+        """The model as the planner counts it (core.plan.Model)."""
+        return Model(self.num_layers, self.hidden_size, self.vocab_size,
+                     ffn_hidden_size=self.ffn_hidden_size or None,
+                     table_rows=self.max_position_embeddings or self.seq_length,
+                     position_embedding_type=self.position_embedding_type,
+                     tied=not self.untie_embeddings_and_output_weights, swiglu=self.swiglu,
+                     num_attention_heads=self.num_attention_heads,
+                     num_query_groups=query_groups(self.group_query_attention,
+                                                   self.num_query_groups),
+                     kv_channels=self.kv_channels, normalization=self.normalization,
+                     add_bias_linear=not self.disable_bias_linear,
+                     add_qkv_bias=self.add_qkv_bias)
 
-def entry(v, exports: list[tuple[str, str]]) -> tuple[list[str], str]:
-    """Each task's entry (megatron_lbp, a patched Megatron-LM tree, or the DeepSpeed runner)."""
-    py = v["LBP_PYTHON"]
-    if is_ds(v):
-        r = subprocess.run([sys.executable, "-c",
-                            "from megatron_lbp.deepspeed_baseline import environment\n"
-                            "environment.prepare()\nimport deepspeed\nprint(deepspeed.__version__)"],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            last = ([l for l in r.stderr.splitlines() if l.strip()] or ["no message"])[-1]
-            raise Refusal(2, f"HIER_PRESET={v['HIER_PRESET']} needs DeepSpeed, which {py} cannot "
-                             f"import ({last}): it is a benchmark dependency, installed by bash "
-                             "scripts/install.sh --test (or pip install -r requirements-test.txt)")
-        version = r.stdout.strip().splitlines()[-1]
-        return ([py, "-u", "-m", "megatron_lbp.deepspeed_baseline.pretrain", "--ds-scheme",
-                 v["HIER_PRESET"], "--ds-ranks-per-node", v["TASKS_PER_NODE"]],
-                f"python -m megatron_lbp.deepspeed_baseline.pretrain (DeepSpeed {version}, "
-                f"{v['HIER_PRESET']}; megatron-core from the Python env)")
-    tree = v.get("MEGATRON_LM_DIR")
-    if not tree:
-        return ([py, "-u", "-m", "megatron_lbp.pretrain_gpt"],
-                "python -m megatron_lbp.pretrain_gpt (megatron-core from the Python env)")
-    if not os.path.isfile(f"{tree}/pretrain_gpt.py"):
-        raise Refusal(2, f"MEGATRON_LM_DIR={tree} has no pretrain_gpt.py: set it to a Megatron-LM "
-                         "checkout (core_v0.19.0), or unset it to use python -m "
-                         "megatron_lbp.pretrain_gpt")
-    check = subprocess.run(["bash", str(REPO / "scripts" / "apply_patches.sh"), "--check", tree],
-                           capture_output=True)
-    if check.returncode != 0:
-        raise Refusal(2, f"MEGATRON_LM_DIR={tree} is not patched for megatron-lbp: run bash "
-                         f"{REPO}/scripts/apply_patches.sh {tree} (or unset MEGATRON_LM_DIR to "
-                         "use python -m megatron_lbp.pretrain_gpt)")
-    path = os.environ.get("PYTHONPATH", "")
-    exports.append(("PYTHONPATH", f"{tree}:{path}"))
-    return [py, "-u", f"{tree}/pretrain_gpt.py"], f"{tree}/pretrain_gpt.py (patched Megatron-LM tree)"
+    def gpt2_architecture(self) -> bool:
+        """Whether the layers are GPT-2's (what the committed traces record): Megatron's
+        defaults for every architecture flag."""
+        return not (self.untie_embeddings_and_output_weights or self.swiglu
+                    or self.group_query_attention or self.disable_bias_linear
+                    or self.add_qkv_bias or self.num_query_groups or self.kv_channels
+                    or self.normalization != "LayerNorm"
+                    or self.max_position_embeddings not in (0, self.seq_length))
 
-
-def _captured(fn: Callable[[], int], prefix: str = "[lbp] ", stderr_too: bool = False,
-              rewrite: tuple[str, str] | None = None) -> int:
-    """Run a launch command's main in this process, its stdout lines prefixed (and stderr's,
-    rewritten, with ``stderr_too``); its refusals go to stderr as they are."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err if stderr_too else sys.stderr):
-        try:
-            status = fn()
-        except SystemExit as exc:   # argparse's usage errors
-            status = exc.code if isinstance(exc.code, int) else 2
-    text = out.getvalue() + err.getvalue()
-    for line in text.splitlines():
-        if rewrite and line.startswith(rewrite[0]):
-            line = rewrite[1] + line[len(rewrite[0]):]
-        print(prefix + line, flush=True)
-    return status
-
-
-def check_contents(v) -> None:
-    """The tokenizer builds here and the data is a readable indexed dataset that fits it."""
-    if v["LBP_CHECK_CONTENTS"] != "1":
-        log("contents: not checked (LBP_CHECK_CONTENTS=0)")
-        return
-    from megatron_lbp.launch import contents
-
-    args = ["--tokenizer-type", v["TOKENIZER_TYPE"], "--vocab-size-padded", v["VOCAB_SIZE_PADDED"]]
-    if v["TOKENIZER_TYPE"] == "GPT2BPETokenizer":
-        args += ["--vocab-file", v["VOCAB_FILE"], "--merge-file", v["MERGE_FILE"]]
-    elif v["TOKENIZER_TYPE"] != "NullTokenizer":
-        args += ["--tokenizer-model", v["TOKENIZER_MODEL"]]
-    args += ["--mock-data"] if v["MOCK_DATA"] == "1" else ["--data-path", *v["DATA_PATH"].split()]
-    status = _captured(lambda: contents.main(args))
-    if status:
-        raise Stop(status)
-
-
-def plan_job(v, words: list[str], state: Path) -> dict[str, str]:
-    """The one call into the planner: memory per choice, the choice, step time, save interval
-    and checkpoint bytes for this job (megatron_lbp.launch.estimate); its lines printed."""
-    from megatron_lbp.launch import estimate
-
-    preset, secondary, secondary_dtype = estimate_as(v)
-    knobs = [v["HIER_PREFETCH_UNITS"], v["HIER_MAX_PENDING_REDUCES"],
-             v["HIER_EMBEDDING_BACKWARD_GATHER"], v["HIER_LAYER_UNIT"]]
-    if is_ds(v) or v["HIER_PRESET"] == "distopt":   # no engine knobs: costed at its defaults
-        knobs = ["1", "2", "gather", "whole"]
-    args = ["--nodes", v["NNODES_RESOLVED"], "--tasks-per-node", v["TASKS_PER_NODE"],
-            "--gcds-per-package", v["GCDS_PER_PACKAGE"], "--preset", preset,
-            *model_flags(v, words), "--seq-length", v["SEQ_LENGTH"],
-            "--vocab-size", v["VOCAB_SIZE_PADDED"], "--global-batch-size", v["GLOBAL_BATCH_SIZE"],
-            "--micro-batch-size", v["MICRO_BATCH_SIZE"], "--recompute", v["RECOMPUTE"],
-            "--hier-secondary-group-size", secondary, "--params-dtype", v["PRECISION"],
-            "--hier-prefetch-units", knobs[0], "--hier-max-pending-reduces", knobs[1],
-            "--hier-embedding-backward-gather", knobs[2], "--hier-layer-unit", knobs[3],
-            "--gcd-memory-gb", v["GCD_MEMORY_GB"], "--reserve-gb", v["LBP_MEMORY_RESERVE_GB"],
-            "--train-iters", v["TRAIN_ITERS"], "--save-interval", v["SAVE_INTERVAL"],
-            "--save-minutes", v["LBP_SAVE_MINUTES"], "--milestone-every", v["LBP_MILESTONE_EVERY"],
-            "--write-gbps-per-node", v["LBP_WRITE_GBPS"], "--save-fixed-s", v["LBP_SAVE_FIXED_S"],
-            "--resolved", str(state / "estimate")]
-    if secondary_dtype:
-        args += ["--hier-secondary-dtype", secondary_dtype]
-    if v["HIER_GRAD_REDUCE_DTYPE"]:
-        args += ["--hier-grad-reduce-dtype", v["HIER_GRAD_REDUCE_DTYPE"]]
-    if v.get("LBP_STEP_SECONDS"):
-        args += ["--step-seconds", v["LBP_STEP_SECONDS"]]
-    if v["LBP_COMPARE_SCHEMES"] == "1":
-        args.append("--compare")
-    # The configuration by projected step time (megatron_lbp/launch/choose.py), the scheme too
-    # when the profile left it open (LBP_CHOOSE_SCHEME=1).
-    if v["LBP_CHOOSE"] == "1":
-        args.append("--choose")
-        if v.get("LBP_CHOOSE_SCHEME") == "1":
-            args += ["--preset", "auto"]
-    if v.get("LBP_LINKS"):
-        args += ["--links", v["LBP_LINKS"]]
-    if v.get("LBP_SURVEY"):
-        args += ["--survey", v["LBP_SURVEY"]]
-    status = _captured(lambda: estimate.main(args))
-    if status:
-        raise Stop(status)
-    return _read_env(state / "estimate")
-
-
-def exit_time(v, env: Mapping[str, str], state: Path) -> None:
-    """--exit-duration-in-mins from the job's remaining wall time (a dry run: LBP_WALLTIME or
-    the script's #SBATCH -t), and when that was measured (Megatron's clock starts there)."""
-    from megatron_lbp.launch import walltime
-
-    v["LBP_EXIT_MEASURED_AT"] = str(int(time.time()))
-    if v["LBP_EXIT_AUTO"] != "1":
-        if not uint(v["EXIT_DURATION_MINS"]):
-            raise Refusal(2, f"EXIT_DURATION_MINS={v['EXIT_DURATION_MINS']}: use auto, minutes, "
-                             "or 0 (off)")
-        log(f"exit time: EXIT_DURATION_MINS={v['EXIT_DURATION_MINS']} as given")
-        return
-    args = ["--save-s", v["LBP_SAVE_S"], "--step-s", v["LBP_STEP_S"], "--slack-s",
-            v["LBP_EXIT_SLACK_S"], "--signal-s", v["LBP_SIGNAL_S"], "--resolved", str(state / "exit")]
-    wall = v.get("LBP_WALLTIME") or sbatch_directive(v.get("LBP_PROFILE_SCRIPT", ""), "-t")
-    if wall:
-        args += ["--walltime", wall]
-    if v["LBP_DRY_RUN"] == "1":
-        args.append("--no-job")   # a dry run plans for the job length
-    status = _captured(lambda: walltime.main(args, env=env))
-    if status:
-        raise Stop(status)
-    v["EXIT_DURATION_MINS"] = _read_env(state / "exit")["EXIT_DURATION_MINS"]
-
-
-def master_addr(v) -> None:
-    if v.get("MASTER_ADDR"):
-        return
-    # The batch script runs on the allocation's first node; its IP works for real and for
-    # emulated (unresolvable) node names alike.
-    try:
-        out = subprocess.run(["hostname", "-i"], capture_output=True, text=True).stdout.split()
-    except OSError:
-        out = []
-    v["MASTER_ADDR"] = out[0] if out else socket.gethostname()
-
-
-def capabilities(v, args: list[str]) -> tuple[str, str, str]:
-    """(device, the resolved training line, the flags' explanation) as the entry resolves them
-    (python -m megatron_lbp.capabilities, for the device the profile runs on: LBP_DEVICE=gpu for
-    a GPU profile, so that a login node without GPUs resolves for the compute nodes)."""
-    device = v.get("LBP_DEVICE") or ("cpu" if v["LBP_REQUIRE_GPU"] == "none" else "gpu")
-    r = subprocess.run([sys.executable, "-m", "megatron_lbp.capabilities", *args],
-                       env={**os.environ, "LBP_DEVICE": device}, capture_output=True, text=True)
-    if r.returncode != 0:
-        sys.stderr.write(r.stderr.replace("python -m megatron_lbp.capabilities: error: ",
-                                          f"{PROG}: error: "))
-        raise Stop(2)
-    return device, r.stdout.strip(), r.stderr
-
-
-def deepspeed_config(v) -> None:
-    """The DeepSpeed config the runner will use for this job shape (the function it calls)."""
-    if not is_ds(v):
-        return
-    args = ["--scheme", v["HIER_PRESET"], "--micro-batch-size", v["MICRO_BATCH_SIZE"],
-            "--global-batch-size", v["GLOBAL_BATCH_SIZE"], "--world-size", v["WORLD"],
-            "--ranks-per-node", v["TASKS_PER_NODE"], "--clip-grad", v["CLIP_GRAD"]]
-    if v["PRECISION"] == "bf16":
-        args.append("--bf16")
-    r = subprocess.run([sys.executable, "-m", "megatron_lbp.deepspeed_baseline.schemes", *args],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        sys.stderr.write(r.stderr)
-        raise Refusal(2, "no DeepSpeed config for this job shape (above)")
-    log(f"DeepSpeed config ({v['HIER_PRESET']}, {v['WORLD']} ranks, {v['TASKS_PER_NODE']} per "
-        f"node; python -m megatron_lbp.deepspeed_baseline.schemes {cmds.quote(args)}):")
-    for line in r.stdout.splitlines():
-        print(f"[lbp]   {line}")
-    preset, secondary, _ = estimate_as(v)
-    log(f"checkpoints: none (the DeepSpeed runner runs TRAIN_ITERS={v['TRAIN_ITERS']} iterations "
-        f"and saves nothing); memory and step time above are estimated as the engine's {preset} "
-        f"(S={secondary}), the nearest scheme the cost model has")
-
-
-def _read_env(path: Path) -> dict[str, str]:
-    out = {}
-    for line in path.read_text().splitlines():
-        k, _, x = line.partition("=")
-        out[k] = x
-    return out
-
-
-def _write_words(path: Path, words: list[str]) -> None:
-    path.write_bytes(b"".join(w.encode() + b"\0" for w in words))
-
-
-def _save(state: Path, v: dict) -> None:
-    (state / "job.json").write_text(json.dumps(v))
-    keys = ("NNODES_RESOLVED", "WORLD", "CHECKPOINT_DIR", "DATA_CACHE_PATH", "TENSORBOARD_DIR",
-            "TRAIN_ITERS", "LBP_KEEP_LAST", "LBP_MILESTONE_EVERY", "LBP_PRUNE_EVERY_S",
-            "LBP_RETAIN_BY", "LBP_CKPT_BYTES", "LBP_CHAIN", "LBP_DRY_RUN", "LBP_REQUIRE_GPU",
-            "TASKS_PER_NODE", "GPUS_PER_TASK", "LBP_HEALTH_NOTE", "LBP_RUN_DEVICE",
-            "LBP_EXIT_MEASURED_AT", "LBP_PROFILE_SCRIPT")
-    write_resolved(str(state / "job.env"), {k: v.get(k, "") for k in keys})
-
-
-def _load(state: Path) -> dict:
-    v = json.loads((state / "job.json").read_text())
-    v["SITE_EXPORTS"] = [tuple(kv) for kv in v["SITE_EXPORTS"]]
-    return v
-
-
-def _before_modules(path: str | None) -> dict[str, str]:
-    if not path:
-        return dict(os.environ)
-    out = {}
-    for item in Path(path).read_bytes().split(b"\0"):
-        k, sep, x = item.decode(errors="replace").partition("=")
-        if sep:
-            out[k] = x
-    return out
-
-
-def resolve(state: Path, argv: list[str], script_arg: str, env0: str | None) -> None:
-    env = dict(os.environ)
-    v = {k: x for k, x in env.items()}
-    pre = {"LBP_DRY_RUN": env.get("LBP_DRY_RUN", ""), "LBP_CHAIN": env.get("LBP_CHAIN", "")}
-    cli_extra, args0 = parse_launcher_args(argv, pre)
-    v.update({k: x for k, x in pre.items() if x})
-    v = settings(v)
-    words_extra = v.get("EXTRA_ARGS", "").split() + cli_extra
-    check_deepspeed(v, words_extra)
-    start_flags = start_from(v)
-    if v.get("LBP_SETTINGS_OUT"):   # scripts/launch/lbp_study.sh reads the profile's values
-        write_resolved(v["LBP_SETTINGS_OUT"], {k: v.get(k, "") for k in SETTINGS})
-        return
-    resolve_nodes(v, env, script_arg)
-    check_hierarchy(v)
-    check_paths(v)
-    if v["LBP_DRY_RUN"] != "1":
-        if not env.get("SLURM_JOB_ID"):
-            raise Refusal(2, f"not inside a Slurm allocation: submit with sbatch {script_arg} (or "
-                             "run with --dry-run / LBP_DRY_RUN=1 to see the commands)")
-        if shutil.which("srun") is None:
-            raise Refusal(2, "srun not found in PATH")
-    exports: list[tuple[str, str]] = []
-    entry_words, v["ENTRY_DESC"] = entry(v, exports)
-    check_contents(v)
-    v.update(plan_job(v, start_flags + words_extra, state))
-    check_hierarchy(v)
-    retention(v)
-    master_addr(v)
-    site_exports, v["SITE_USER"] = site.exports(
-        site.defaults(v["LBP_SITE"], int(v["NNODES_RESOLVED"]), v["CPUS_PER_TASK"],
-                      v.get("RCCL_NET_PLUGIN_DIR", "")), _before_modules(env0))
-    v["SITE_EXPORTS"] = site_exports
-    exports = site_exports + exports + [("MASTER_ADDR", v["MASTER_ADDR"]),
-                                        ("MASTER_PORT", v["MASTER_PORT"])]
-    health, v["LBP_HEALTH_NOTE"] = cmds.health_words(v)
-    build_check = ([] if v["LBP_REQUIRE_GPU"] == "none" else
-                   ["health", "--build-only", "--require-gpu", v["LBP_REQUIRE_GPU"],
-                    "--devices-per-node", str(int(v["TASKS_PER_NODE"]) * int(v["GPUS_PER_TASK"]))])
-    v.update(ENTRY=entry_words, START_FLAGS=start_flags, CLI_EXTRA=cli_extra)
-    for name, words in (("srun", cmds.srun_words(v)), ("health", health), ("build_check", build_check),
-                        ("args0", args0), ("exports", [f"{k}={x}" for k, x in exports]),
-                        ("task_exports", [f"LBP_TASKS_PER_NODE={v['TASKS_PER_NODE']}",
-                                          f"LBP_GCDS_PER_PACKAGE={v['GCDS_PER_PACKAGE']}",
-                                          f"LBP_GPUS_PER_TASK={v['GPUS_PER_TASK']}",
-                                          f"LBP_PYTHON={v['LBP_PYTHON']}",
-                                          f"LBP_NODE_LOCAL_ROOT={v['LBP_NODE_LOCAL_ROOT']}"])):
-        _write_words(state / name, words)
-    _save(state, v)
-    if v["LBP_DRY_RUN"] == "1":
-        dry_run(state, v, env)
-
-
-def commands(state: Path, v: dict) -> None:
-    args = cmds.train_args(v, v["START_FLAGS"], v["CLI_EXTRA"])
-    device, line, notes = capabilities(v, args)
-    v["LBP_RUN_DEVICE"] = device
-    srun = (state / "srun").read_bytes().decode().split("\0")[:-1]
-    cmds.print_commands(v, srun, v["ENTRY"], args, device, line, notes)
-    deepspeed_config(v)
-    _write_words(state / "train", v["ENTRY"] + args)
-    _save(state, v)
-
-
-def dry_run(state: Path, v: dict, env: Mapping[str, str]) -> None:
-    from megatron_lbp.launch import checkpoints
-
-    exit_time(v, env, state)
-    commands(state, v)
-    chain = int(v["LBP_CHAIN"])
-    if chain > 1:
-        log(f"chain: --chain {chain}: this job submits the next at its start "
-            "(--dependency=afterany:<this job>, the same sbatch options), "
-            f"{chain - 1} more; a job stops the chain when training is complete or the tracker "
-            "has not moved")
-    status = checkpoints.main(["prune", v["CHECKPOINT_DIR"], "--keep-last", v["LBP_KEEP_LAST"],
-                               "--milestone-every", v["LBP_MILESTONE_EVERY"], "--prefix", "[lbp] ",
-                               "--dry-run"])
-    if status:
-        raise Stop(status)
-    sys.stdout.flush()
-    _captured(lambda: checkpoints.main(["space", v["CHECKPOINT_DIR"], "--checkpoint-bytes",
-                                        v["LBP_CKPT_BYTES"]]),
-              stderr_too=True, rewrite=(f"{PROG}: error: ", "a job would refuse: "))
-    log("dry run: not launching (unset LBP_DRY_RUN / drop --dry-run to run srun)")
-
-
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["implied-secondary"] and len(argv) == 3:   # PRESET TASKS_PER_NODE
-        print(implied_secondary(argv[1], argv[2]))
-        return 0
-    usage = ("usage: python -m megatron_lbp.launch job {resolve,exit-time,commands} --state DIR "
-             "[--script PATH] [--env0 FILE] [-- launcher arguments] | implied-secondary PRESET "
-             "TASKS_PER_NODE")
-    if not argv or argv[0] not in ("resolve", "exit-time", "commands") or "--state" not in argv:
-        print(usage, file=sys.stderr)
-        return 2
-    stage, rest = argv[0], argv[1:]
-    launcher_args = rest[rest.index("--") + 1:] if "--" in rest else []
-    opts = rest[:rest.index("--")] if "--" in rest else rest
-    opt = dict(zip(opts[::2], opts[1::2]))
-    state = Path(opt["--state"])
-    try:
-        if stage == "resolve":
-            resolve(state, launcher_args, opt.get("--script", "<profile>"), opt.get("--env0"))
-        else:
-            v = _load(state)
-            if stage == "exit-time":
-                exit_time(v, os.environ, state)
-                _save(state, v)
-            else:
-                commands(state, v)
-    except Refusal as exc:
-        sys.stdout.flush()
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return exc.status
-    except Stop as exc:
-        return exc.status
-    return 0
-
+    @classmethod
+    def fields_of(cls, namespace) -> "Job":
+        """A job from a parsed namespace's attributes of the same names (the others ignored)."""
+        names = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in vars(namespace).items() if k in names})

@@ -55,6 +55,7 @@ plus the inputs (dtypes, micro_batches, buckets, machine shape) and ``warnings``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import decimal
 import functools
 import json
@@ -62,15 +63,15 @@ import sys
 from typing import Any, Sequence
 
 from megatron_lbp.core import costs
-from megatron_lbp.core.config import (DEFAULT_BUCKET_SIZE, PRESETS, HierConfigError, add_hier_arguments,
-                                 check_quantized_grad_families, check_training_dtypes,
-                                 default_grad_reduce_dtype,
-                                 max_pending_reduces_from_args, prefetch_units_from_args,
-                                 resolve_hier_config)
-from megatron_lbp.core.layout import LayoutError
+from megatron_lbp.core.config import (PRESETS, HierConfigError, add_hier_arguments,
+                                      default_grad_reduce_dtype, max_pending_reduces_from_args,
+                                      prefetch_units_from_args)
+from megatron_lbp.core.plan import (Model, Plan, PlanError, PlanRequest, make_plan, query_groups,
+                                    transient)
+from megatron_lbp.core.topology import LINK_CLASSES
 from megatron_lbp.core.vocabulary import SPLIT_WITH_FULL_RECOMPUTE
-from megatron_lbp.core.topology import (LINK_CLASSES, TopologyError, check_colocation,
-                                   emulated_locations, family_link_classes, hierarchy_groups)
+from megatron_lbp.projection import knobs
+from megatron_lbp.projection.project import ComputeModel
 
 PROG = "python -m megatron_lbp.plan"
 FAMILY_LABELS = {
@@ -203,10 +204,8 @@ def _pick_alias(args, short: str, long: str, default):
     return next(iter(values.values()), default)
 
 
-def _model_units(args, bucket: int | None, layer_unit: str | None = None) -> list[tuple[str, int]]:
-    """(kind, numel) of each gather unit: a GPT shape's units, or --params cut into buckets.
-    ``layer_unit``: --hier-layer-unit, None for the one given."""
-    layer_unit = layer_unit or args.hier_layer_unit
+def model_from_args(args) -> Model:
+    """The model of the plan's flags: a GPT shape, or --params; UsageError naming the flag."""
     shape_flags = ("--num-layers", "--hidden-size", "--vocab-size")
     extra_flags = ("--ffn-hidden-size", "--seq-length", "--max-position-embeddings")
     given = {f: getattr(args, f[2:].replace("-", "_")) for f in shape_flags + extra_flags}
@@ -215,11 +214,7 @@ def _model_units(args, bucket: int | None, layer_unit: str | None = None) -> lis
         if both:
             raise UsageError(f"--params={args.params} and {both[0]}={given[both[0]]} both "
                              "given: give --params or a model shape, not both")
-        if layer_unit == "split":
-            raise UsageError("--hier-layer-unit split needs a GPT shape (--num-layers, "
-                             "--hidden-size, --vocab-size): --params has no layers to split")
-        return [("other", n) for n in costs.split_buckets(_number("--params", args.params),
-                                                           bucket)]
+        return Model(params=_number("--params", args.params))
     missing = [f for f in shape_flags if given[f] is None]
     if len(missing) == len(shape_flags):
         extras = [f for f in extra_flags if given[f] is not None]
@@ -239,35 +234,17 @@ def _model_units(args, bucket: int | None, layer_unit: str | None = None) -> lis
     if pe == "learned_absolute" and seq is None:
         raise UsageError("--position-embedding-type=learned_absolute needs --seq-length or "
                          "--max-position-embeddings (the position table's rows)")
-    heads = _int_or_none("--num-attention-heads", args.num_attention_heads)
-    groups = query_groups(args.group_query_attention,
-                          _int_or_none("--num-query-groups", args.num_query_groups))
-    kv = _int_or_none("--kv-channels", args.kv_channels)
-    try:
-        return costs.gpt_units(num["--num-layers"], num["--hidden-size"], num["--vocab-size"],
-                               seq_length=seq, ffn_hidden_size=ffn,
-                               tied=not args.untie_embeddings_and_output_weights,
-                               position_embedding_type=pe, swiglu=args.swiglu,
-                               num_attention_heads=heads, num_query_groups=groups,
-                               normalization=args.normalization,
-                               add_bias_linear=not args.disable_bias_linear,
-                               kv_channels=kv, add_qkv_bias=args.add_qkv_bias,
-                               split_layers=layer_unit == "split")
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-
-
-def query_groups(group_query_attention: bool, num_query_groups: int | None) -> int | None:
-    """Key/value heads as Megatron reads its flags: --num-query-groups (default 1) counts only
-    with --group-query-attention, else the attention is multi-head (None). Given alone it
-    is refused: Megatron would silently train multi-head attention."""
-    if not group_query_attention:
-        if num_query_groups is not None:
-            raise UsageError(f"--num-query-groups={num_query_groups} without "
-                             "--group-query-attention: Megatron ignores it; give both for "
-                             "grouped-query attention")
-        return None
-    return 1 if num_query_groups is None else num_query_groups
+    return Model(num["--num-layers"], num["--hidden-size"], num["--vocab-size"],
+                 ffn_hidden_size=ffn, table_rows=seq, position_embedding_type=pe,
+                 tied=not args.untie_embeddings_and_output_weights, swiglu=args.swiglu,
+                 num_attention_heads=_int_or_none("--num-attention-heads",
+                                                  args.num_attention_heads),
+                 num_query_groups=query_groups(args.group_query_attention,
+                                               _int_or_none("--num-query-groups",
+                                                            args.num_query_groups)),
+                 kv_channels=_int_or_none("--kv-channels", args.kv_channels),
+                 normalization=args.normalization, add_bias_linear=not args.disable_bias_linear,
+                 add_qkv_bias=args.add_qkv_bias)
 
 
 def _int_or_none(flag: str, value) -> int | None:
@@ -277,15 +254,14 @@ def _int_or_none(flag: str, value) -> int | None:
 # --------------------------------------------------------------------------- planning
 
 
-def make_plan(argv: Sequence[str] | None = None, *, knob_table: bool = True) -> dict[str, Any]:
-    """Parse ``argv`` and return the plan as the JSON-ready dict; raises UsageError."""
-    return plan_from_args(build_parser().parse_args(argv), knob_table=knob_table)
+def plan_json(argv: Sequence[str] | None = None, *, knob_table: bool = True) -> dict[str, Any]:
+    """``python -m megatron_lbp.plan ARGV --json`` in process: the command's JSON object;
+    raises UsageError. The package plans through core.plan.make_plan with a request."""
+    return plan_from_args(build_parser().parse_args(argv), knob_table=knob_table).as_dict()
 
 
-def plan_from_args(args: argparse.Namespace, *, knob_table: bool = True) -> dict[str, Any]:
-    """The plan for parsed arguments (see build_parser); raises UsageError. ``knob_table=False``
-    leaves ``transient_knobs`` empty: the launcher's ranking asks ~50 plans and prices the
-    knobs it tries itself, and the table is most of a plan's time."""
+def request_from_args(args: argparse.Namespace) -> PlanRequest:
+    """The plan's flags resolved once into a request (the command's edge); UsageError."""
     world = _number("--world-size", args.world_size)
     gpn = _pick_alias(args, "--gpus-per-node", "--hier-gpus-per-node", 8)
     gpp = _pick_alias(args, "--gcds-per-package", "--hier-gcds-per-package", 2)
@@ -301,172 +277,111 @@ def plan_from_args(args: argparse.Namespace, *, knob_table: bool = True) -> dict
         raise UsageError(f"--hier-layer-unit split with --recompute full: "
                          f"{SPLIT_WITH_FULL_RECOMPUTE} (the engine refuses it); plan "
                          "--recompute selective or none")
-    units = _model_units(args, bucket)
-    numels = [n for _, n in units]
-
+    model = model_from_args(args)
     try:
-        cfg = resolve_hier_config(
-            world, gpus_per_node=gpn, gcds_per_package=gpp, preset=preset,
-            param_group_size=args.hier_param_group_size,
-            grad_group_size=args.hier_grad_group_size,
-            optim_group_size=args.hier_optim_group_size,
-            secondary_group_size=args.hier_secondary_group_size,
-            secondary_dtype=args.hier_secondary_dtype, quant_block_size=block,
-            quantize_weight_gather=args.hier_quantize_weight_gather,
-            quantize_grad_reduce=args.hier_quantize_grad_reduce)
-        check_training_dtypes(cfg, args.params_dtype)
-        groups, warnings, classes = _topology(world, gpn, gpp, cfg,
-                                              bool(args.hier_allow_non_colocated))
-        warnings, classes = list(warnings), dict(classes)
-        qgz = costs.quantized_grad_families(cfg, classes)
-        check_quantized_grad_families(cfg, qgz)
-        embedding = args.hier_embedding_backward_gather
-        tied = units[0][0] == "embedding" and not args.untie_embeddings_and_output_weights
-        result = costs.estimate(cfg, numels, classes, param_dtype=args.params_dtype,
-                                grad_dtype=args.grad_dtype, micro_batches=k,
-                                no_backward_gather=costs.backward_gather_skipped(
-                                    [kind for kind, _ in units], tied, embedding))
-        # Construction's transient buffers are one unit's: the model's units, or with
-        # --params buckets of the engine's size (its default when none is given).
-        construction = costs.construction_peak_bytes(
-            cfg, numels if args.params is None else costs.split_buckets(
-                _number("--params", args.params), bucket or DEFAULT_BUCKET_SIZE),
-            param_dtype=args.params_dtype, grad_dtype=args.grad_dtype)
         depth = prefetch_units_from_args(args)
         pending = max_pending_reduces_from_args(args)
-
-        def transient_of(d: int, r: int, grad_dtype: str, emb: str = embedding,
-                         layers: list[tuple[str, int]] = units) -> dict[str, int]:
-            return costs.transient_bytes(
-                cfg, [n for _, n in layers], param_dtype=args.params_dtype,
-                grad_dtype=grad_dtype, prefetch_units=d if args.hier_overlap else 0,
-                overlap=args.hier_overlap, tied_embedding=tied, quantized_grad_families=qgz,
-                micro_batches=k, max_pending_reduces=r,
-                embedding_backward_gather=emb if units[0][0] == "embedding" else "gather",
-                unit_kinds=[kind for kind, _ in layers],
-                linear_biases=not args.disable_bias_linear)
-
-        transient = transient_of(depth, pending, args.grad_dtype)
-        knob_rows = _knob_rows(args, cfg, units, classes, k, transient_of, depth, pending) \
-            if args.hier_overlap and knob_table else []
-    except (HierConfigError, TopologyError, LayoutError) as exc:
-        msg = str(exc)
-        # Speak the spelling the user typed.
-        if args.gpus_per_node is not None:
-            msg = msg.replace("--hier-gpus-per-node", "--gpus-per-node")
-        if args.gcds_per_package is not None:
-            msg = msg.replace("--hier-gcds-per-package", "--gcds-per-package")
-        if args.preset is not None:
-            msg = msg.replace("--hier-preset", "--preset")
-        msg = msg.replace("train in bf16 (--bf16)", "plan bf16 weights (--params-dtype bf16)")
-        if args.quant_block_size is not None:
-            msg = msg.replace("--hier-quant-block-size", "--quant-block-size")
-        if getattr(args, "hier_grad_reduce_dtype", None) is None:
-            msg = msg.replace("--hier-grad-reduce-dtype", "--grad-dtype")
-        raise UsageError(msg.replace("--hier-world-size", "--world-size")) from None
-
-    return {
-        "world_size": world,
-        "gpus_per_node": gpn,
-        "gcds_per_package": gpp,
-        "preset": cfg.preset,
-        "group_sizes": {"param": cfg.param_group_size, "grad": cfg.grad_group_size,
-                        "optim": cfg.optim_group_size, "secondary": cfg.secondary_group_size,
-                        "replicas": cfg.replicas},
-        "secondary_dtype": cfg.secondary_dtype if cfg.secondary_group_size else None,
-        "params_dtype": args.params_dtype,
-        "grad_dtype": args.grad_dtype,
-        "micro_batches": k,
-        "quant_block_size": block,
-        "quantize_weight_gather": cfg.quantize_weight_gather,
-        "quantize_grad_reduce": list(qgz),
-        "secondary_scope": cfg.secondary_scope,
-        "grad_quant_scheme": cfg.grad_quant_scheme,
-        "params": result["params"],
-        "padded_params": result["padded_params"],
-        "padding": result["padded_params"] - result["params"],
-        "buckets": len(result["bucket_numels"]),
-        # A split layer's two kinds only when split: the counts keep their keys otherwise.
-        "units": {kind: sum(1 for k_, _ in units if k_ == kind) for kind in costs.UNIT_KINDS
-                  if kind not in costs.SPLIT_KINDS or args.hier_layer_unit == "split"},
-        "largest_unit": max(numels),
-        "prefetch_units": transient["prefetch_units"],
-        "max_pending_reduces": transient["max_pending_reduces"],
-        "embedding_backward_gather": args.hier_embedding_backward_gather,
-        "layer_unit": args.hier_layer_unit,
-        "transient_bytes": {key: v for key, v in transient.items()
-                            if key not in ("prefetch_units", "max_pending_reduces")},
-        "transient_knobs": knob_rows,
-        "memory_bytes": result["memory_bytes"],
-        "construction_peak_bytes": construction,
-        "traffic_bytes": result["traffic_bytes"],
-        "traffic_by_phase": result["traffic_by_phase"],
-        "groups": {fam: list(_group_of(0, gs)) for fam, gs in groups.items()},
-        "link_classes": classes,
-        "warnings": warnings,
-    }
+    except HierConfigError as exc:
+        raise UsageError(_spoken(args, str(exc))) from None
+    return PlanRequest(
+        world_size=world, model=model, gpus_per_node=gpn, gcds_per_package=gpp, preset=preset,
+        param_group_size=args.hier_param_group_size, grad_group_size=args.hier_grad_group_size,
+        optim_group_size=args.hier_optim_group_size,
+        secondary_group_size=args.hier_secondary_group_size,
+        secondary_dtype=args.hier_secondary_dtype, quant_block_size=block,
+        quantize_weight_gather=args.hier_quantize_weight_gather,
+        quantize_grad_reduce=args.hier_quantize_grad_reduce,
+        allow_non_colocated=bool(args.hier_allow_non_colocated), overlap=bool(args.hier_overlap),
+        params_dtype=args.params_dtype, grad_dtype=args.grad_dtype, micro_batches=k,
+        bucket_size=bucket, prefetch_units=depth, max_pending_reduces=pending,
+        embedding_backward_gather=args.hier_embedding_backward_gather,
+        layer_unit=args.hier_layer_unit)
 
 
-def _knob_rows(args, cfg, units, classes, k: int, transient_of, depth: int,
-               pending: int) -> list[dict[str, Any]]:
+def _spoken(args, msg: str) -> str:
+    """A config error in the spelling the user typed."""
+    if args.gpus_per_node is not None:
+        msg = msg.replace("--hier-gpus-per-node", "--gpus-per-node")
+    if args.gcds_per_package is not None:
+        msg = msg.replace("--hier-gcds-per-package", "--gcds-per-package")
+    if args.preset is not None:
+        msg = msg.replace("--hier-preset", "--preset")
+    msg = msg.replace("train in bf16 (--bf16)", "plan bf16 weights (--params-dtype bf16)")
+    if args.quant_block_size is not None:
+        msg = msg.replace("--hier-quant-block-size", "--quant-block-size")
+    if getattr(args, "hier_grad_reduce_dtype", None) is None:
+        msg = msg.replace("--hier-grad-reduce-dtype", "--grad-dtype")
+    return msg.replace("--hier-world-size", "--world-size")
+
+
+def plan_from_args(args: argparse.Namespace, *, knob_table: bool = True) -> Plan:
+    """The plan for parsed arguments (see build_parser), with the knob table unless
+    ``knob_table=False``; raises UsageError."""
+    try:
+        req = request_from_args(args)
+        p = make_plan(req)
+        if not (args.hier_overlap and knob_table):
+            return p
+        return dataclasses.replace(p, transient_knobs=tuple(_knob_rows(args, req, p)))
+    except PlanError as exc:
+        raise UsageError(_spoken(args, str(exc))) from None
+
+
+def _knob_rows(args, req: PlanRequest, plan: Plan) -> list[dict[str, Any]]:
     """The transient knobs: per setting, its transient peak, what it saves against the setting
     asked for, and what it costs in exposed seconds per step (projection/knobs.py; None where
     the model has no GPT shape and --seq-length to time its compute by)."""
-    from megatron_lbp.projection import knobs
-    from megatron_lbp.projection.project import ComputeModel
-
     timed = args.params is None and args.seq_length is not None
-    model = {"hidden_size": _number("--hidden-size", args.hidden_size)} if timed else None
+    model = {"hidden_size": req.model.hidden_size} if timed else None
     mfu = _fraction("--mfu", args.mfu)
     compute = ComputeModel(mfu=mfu, seq_length=_number("--seq-length", args.seq_length)
                            if timed else 2048,
                            micro_batch_size=_number("--micro-batch-size", args.micro_batch_size),
                            recompute=args.recompute == "full")
-    base_plan = {"group_sizes": {"param": cfg.param_group_size, "grad": cfg.grad_group_size,
-                                 "secondary": cfg.secondary_group_size},
-                 "link_classes": classes, "micro_batches": k}
-    numels = [n for _, n in units]
-    tied = units[0][0] == "embedding" and not args.untie_embeddings_and_output_weights
+    cfg, classes, units = plan.config, plan.link_classes, list(plan.unit_list)
+    qgz = tuple(plan.quantize_grad_reduce)
+    tied = units[0][0] == "embedding" and req.model.tied
+    depth, pending, gdt0 = req.prefetch_units, req.max_pending_reduces, req.grad_dtype
 
-    def exposed(d: int, r: int, grad_dtype: str, emb: str, layers) -> float | None:
+    def exposed(grad_dtype: str, d: int, r: int, emb: str, layers) -> float | None:
         if not timed:
             return None
         # Every unit's backward gather, priced per unit (knobs.exposed_s leaves out the ones
         # the setting skips).
         _, by_phase = costs.traffic_bytes(cfg, [n for _, n in layers], classes,
-                                          param_dtype=args.params_dtype, grad_dtype=grad_dtype,
-                                          micro_batches=k)
-        p = {**base_plan, "traffic_by_phase": by_phase}
+                                          param_dtype=req.params_dtype, grad_dtype=grad_dtype,
+                                          micro_batches=req.micro_batches)
+        p = dataclasses.replace(plan, traffic_by_phase=by_phase)
         return knobs.exposed_s(p, layers, model, knobs.Knobs(d, r, emb), compute=compute,
                                tied=tied)["step"]
 
-    emb, lu = args.hier_embedding_backward_gather, args.hier_layer_unit
-    settings = [(depth, pending, args.grad_dtype, emb, lu, "as given")]
-    settings += [(d, r, args.grad_dtype, emb, lu, "") for d, r in knobs.TABLE_SETTINGS
+    emb, lu = req.embedding_backward_gather, req.layer_unit
+    settings = [(depth, pending, gdt0, emb, lu, "as given")]
+    settings += [(d, r, gdt0, emb, lu, "") for d, r in knobs.TABLE_SETTINGS
                  if (d, r) != (depth, pending)]
-    other = "bf16" if args.grad_dtype == "fp32" else "fp32"
+    other = "bf16" if gdt0 == "fp32" else "fp32"
     settings.append((depth, pending, other, emb, lu, f"--hier-grad-reduce-dtype {other}: also "
                      "the gradient shard; a numerics choice, never made for you"))
     if units[0][0] == "embedding":
         flip = "skip" if emb == "gather" else "gather"
-        settings.append((depth, pending, args.grad_dtype, flip, lu,
+        settings.append((depth, pending, gdt0, flip, lu,
                          f"--hier-embedding-backward-gather {flip}"))
         # Splitting the largest units, where the engine can: not under full recomputation.
         if args.recompute != "full" or lu == "split":
             other_lu = "whole" if lu == "split" else "split"
-            settings.append((depth, pending, args.grad_dtype, emb, other_lu,
+            settings.append((depth, pending, gdt0, emb, other_lu,
                              f"--hier-layer-unit {other_lu}"))
     layers_of = {lu: units}
     rows = []
     for d, r, gdt, e, layer_unit, note in settings:
         if layer_unit not in layers_of:
-            layers_of[layer_unit] = _model_units(args, None, layer_unit)
+            layers_of[layer_unit] = req.model.units(layer_unit)
         layers = layers_of[layer_unit]
-        t = transient_of(d, r, gdt, e, layers)
+        t = transient(req, cfg, qgz, layers, d, r, gdt, e)
         rows.append({"prefetch_units": d, "max_pending_reduces": r, "grad_reduce_dtype": gdt,
                      "embedding_backward_gather": e, "layer_unit": layer_unit,
                      "transient_peak": t["peak"], "transient_backward": t["backward"],
-                     "exposed_s": exposed(d, r, gdt, e, layers), "note": note})
+                     "exposed_s": exposed(gdt, d, r, e, layers), "note": note})
     first = rows[0]
     for row in rows:
         row["saves_bytes"] = first["transient_peak"] - row["transient_peak"]
@@ -483,22 +398,6 @@ def _fraction(flag: str, text: str) -> float:
     if not 0 < value <= 1:
         raise UsageError(f"{flag}={text}: must be in (0, 1]")
     return value
-
-
-@functools.lru_cache(maxsize=64)
-def _topology(world: int, gpn: int, gpp: int, cfg, allow: bool):
-    """(groups, colocation warnings, link class per family) of one hierarchy on the emulated
-    placement. Cached: it is most of a plan's time at hundreds of ranks, and a ranking plans
-    each scheme at several micro-batch counts (megatron_lbp.launch.choose); callers copy
-    what they hand out."""
-    locations = emulated_locations(world, gpn, gpp)
-    groups = hierarchy_groups(range(world), cfg)
-    warnings = check_colocation(groups, locations, allow=allow)
-    return groups, tuple(warnings), family_link_classes(groups, locations)
-
-
-def _group_of(rank: int, fam_groups: list[tuple[int, ...]]) -> tuple[int, ...]:
-    return next(g for g in fam_groups if rank in g)
 
 
 # --------------------------------------------------------------------------- output
@@ -532,74 +431,74 @@ def _units_text(counts: dict[str, int]) -> str:
                      for k, n in counts.items() if n)
 
 
-def _uses_int8(plan: dict[str, Any]) -> bool:
-    return bool((plan["group_sizes"]["secondary"] and plan["secondary_dtype"] == "int8")
-                or plan["quantize_weight_gather"] or plan["quantize_grad_reduce"])
+def _uses_int8(plan: Plan) -> bool:
+    return bool((plan.group_sizes.secondary and plan.secondary_dtype == "int8")
+                or plan.quantize_weight_gather or plan.quantize_grad_reduce)
 
 
-def render(plan: dict[str, Any]) -> str:
+def render(plan: Plan) -> str:
     """Human-readable report of a plan dict."""
-    gs = plan["group_sizes"]
-    W = plan["world_size"]
-    nodes = -(-W // plan["gpus_per_node"])
+    gs = plan.group_sizes
+    W = plan.world_size
+    nodes = -(-W // plan.gpus_per_node)
     lines = [
         f"megatron-lbp plan: W={W} data-parallel ranks on {nodes} node(s) of "
-        f"{plan['gpus_per_node']} ranks, {plan['gcds_per_package']} ranks per package; "
-        f"preset {plan['preset']}",
-        f"group sizes: P={gs['param']}  S={gs['secondary'] or 0}"
-        f"{' (' + plan['secondary_dtype'] + ')' if gs['secondary'] else ' (off)'}"
-        f"  G={gs['grad']}  O={gs['optim']}  R={gs['replicas']} replica(s)",
-        f"model: {plan['params']:,} parameters in {plan['buckets']} gather unit(s)"
-        f" ({_units_text(plan['units'])}), padded to "
-        f"{plan['padded_params']:,} (+{plan['padding']:,} padding elements, "
-        f"{100 * plan['padding'] / plan['params']:.4f}%)",
-        f"step: weights {plan['params_dtype']}, gradients {plan['grad_dtype']}, "
-        f"{plan['micro_batches']} micro-batch(es) per optimizer step"
-        + (f", int8 scale block {plan['quant_block_size']}"
+        f"{plan.gpus_per_node} ranks, {plan.gcds_per_package} ranks per package; "
+        f"preset {plan.preset}",
+        f"group sizes: P={gs.param}  S={gs.secondary or 0}"
+        f"{' (' + plan.secondary_dtype + ')' if gs.secondary else ' (off)'}"
+        f"  G={gs.grad}  O={gs.optim}  R={gs.replicas} replica(s)",
+        f"model: {plan.params:,} parameters in {plan.buckets} gather unit(s)"
+        f" ({_units_text(plan.units)}), padded to "
+        f"{plan.padded_params:,} (+{plan.padding:,} padding elements, "
+        f"{100 * plan.padding / plan.params:.4f}%)",
+        f"step: weights {plan.params_dtype}, gradients {plan.grad_dtype}, "
+        f"{plan.micro_batches} micro-batch(es) per optimizer step"
+        + (f", int8 scale block {plan.quant_block_size}"
            if _uses_int8(plan) else "")
-        + (", int8 weight gathers (qwZ)" if plan["quantize_weight_gather"] else "")
-        + (f", int8 gradient all-to-all (qgZ) in {'+'.join(plan['quantize_grad_reduce'])}"
-           if plan["quantize_grad_reduce"] else ""),
+        + (", int8 weight gathers (qwZ)" if plan.quantize_weight_gather else "")
+        + (f", int8 gradient all-to-all (qgZ) in {'+'.join(plan.quantize_grad_reduce)}"
+           if plan.quantize_grad_reduce else ""),
         "",
         "groups (rank 0's)        size  link     ranks",
     ]
-    for fam, ranks in plan["groups"].items():
-        cls = plan["link_classes"][fam] or "-"
+    for fam, ranks in plan.groups.items():
+        cls = plan.link_classes[fam] or "-"
         lines.append(f"  {FAMILY_LABELS.get(fam, fam):<22}{len(ranks):>5}  {cls:<8} "
                      f"{_ranks_text(ranks)}")
     lines += ["", "memory per rank (GB = 1e9 bytes)     GB             bytes"]
     for state in costs.MEMORY_STATES:
-        v = plan["memory_bytes"][state]
+        v = getattr(plan.memory_bytes, state)
         if state == "total":
             lines.append("  " + "-" * 52)
         lines.append(f"  {state:<28}{_gb(v)}  {_bytes(v):>18}")
-    v = plan["construction_peak_bytes"]
+    v = plan.construction_peak_bytes
     lines.append(f"  {'construction peak':<28}{_gb(v)}  {_bytes(v):>18}"
                  "  (model built module by module)")
-    t = plan["transient_bytes"]
-    lines += ["", f"transient per rank, at most (GB; prefetch {plan['prefetch_units']} unit(s) ahead)",
-              f"  {'largest unit gathered':<28}{_gb(t['unit_gather'])}",
-              f"  {'prefetch':<28}{_gb(t['prefetch'])}",
-              f"  {'forward / backward / step':<28}{_gb(t['forward'])} {_gb(t['backward'])} "
-              f"{_gb(t['step'])}",
-              f"  ({plan['max_pending_reduces']} gradient reduce-scatter(s) in flight at most)"]
+    t = plan.transient_bytes
+    lines += ["", f"transient per rank, at most (GB; prefetch {plan.prefetch_units} unit(s) ahead)",
+              f"  {'largest unit gathered':<28}{_gb(t.unit_gather)}",
+              f"  {'prefetch':<28}{_gb(t.prefetch)}",
+              f"  {'forward / backward / step':<28}{_gb(t.forward)} {_gb(t.backward)} "
+              f"{_gb(t.step)}",
+              f"  ({plan.max_pending_reduces} gradient reduce-scatter(s) in flight at most)"]
     lines += _knob_lines(plan)
     lines += ["", "bytes sent per rank per optimizer step (GB)",
               f"  {'phase':<20}" + "".join(f"{c:>12}" for c in LINK_CLASSES)]
-    for ph, by_cls in plan["traffic_by_phase"].items():
+    for ph, by_cls in plan.traffic_by_phase.items():
         lines.append(f"  {ph:<20}" + "".join(f"{by_cls[c] / GB:12.3f}" for c in LINK_CLASSES))
     lines.append("  " + "-" * 56)
-    lines.append(f"  {'total':<20}" + "".join(f"{plan['traffic_bytes'][c] / GB:12.3f}"
+    lines.append(f"  {'total':<20}" + "".join(f"{plan.traffic_bytes[c] / GB:12.3f}"
                                               for c in LINK_CLASSES))
     for c in LINK_CLASSES:
-        lines.append(f"  {c + ' bytes':<20}{_bytes(plan['traffic_bytes'][c]):>36}")
-    for w in plan["warnings"]:
+        lines.append(f"  {c + ' bytes':<20}{_bytes(plan.traffic_bytes[c]):>36}")
+    for w in plan.warnings:
         lines.append(f"warning: {w}")
     return "\n".join(lines)
 
 
-def _knob_lines(plan: dict[str, Any]) -> list[str]:
-    rows = plan["transient_knobs"]
+def _knob_lines(plan: Plan) -> list[str]:
+    rows = plan.transient_knobs
     if not rows:
         return []
     lines = ["", "transient knobs (peak GB; saves: against the first row; exposed: seconds of "
@@ -623,18 +522,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit status (2 for any user error)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--choose" in argv:   # the configuration by projected step time (launch/choose.py)
-        from megatron_lbp.launch import choose
+        from megatron_lbp.launch import estimate
 
-        return choose.main(argv)
+        return estimate.choose_main(argv)
     try:
         args = build_parser().parse_args(argv)
         plan = plan_from_args(args)
-    except UsageError as exc:
+    except (UsageError, PlanError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
-    print(json.dumps(plan) if args.json else render(plan))
+    print(json.dumps(plan.as_dict()) if args.json else render(plan))
     return 0
 
 

@@ -1,7 +1,7 @@
 """The rules of a launch, once: the launcher's defaults and what they imply (the secondary copy
 a preset implies, the device's torch build and memory margin, the --signal lead), every
 refusal of bad input (one line, ``lbp_launch: error: ...``), and the model flags the estimate
-counts. Read from the environment by python -m megatron_lbp.launch job (job.py).
+counts. Read from the environment by python -m megatron_lbp.launch job (job_cli.py).
 """
 from __future__ import annotations
 

@@ -14,9 +14,9 @@ def main(argv=None) -> int:
         from megatron_lbp.projection import trace
 
         return trace.main(argv[1:])
-    from megatron_lbp.projection import project
+    from megatron_lbp.projection import project_cli
 
-    return project.main(argv)
+    return project_cli.main(argv)
 
 
 if __name__ == "__main__":

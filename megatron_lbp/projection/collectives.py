@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from megatron_lbp.core.plan import Plan
 from megatron_lbp.projection import survey_file as sf
 
 GB = 1e9
@@ -182,13 +183,13 @@ class CollectiveModel:
 
     # ------------------------------------------------------------------ a plan's phases
 
-    def phase_times(self, plan: Mapping[str, Any], rate: str) -> dict[str, dict[str, float]]:
+    def phase_times(self, plan: Plan, rate: str) -> dict[str, dict[str, float]]:
         """Seconds each phase keeps each link class busy per optimizer step (project._phase_times'
         shape), every collective of a bucket timed by :meth:`seconds`."""
         from megatron_lbp.core.costs import LINK_CLASS_ORDER, PHASES
         from megatron_lbp.projection.project import PER_MICRO_BATCH, PHASE_FAMILIES, _family_size
 
-        k, buckets = plan["micro_batches"], plan["buckets"]
+        k, buckets = plan.micro_batches, plan.buckets
         out: dict[str, dict[str, float]] = {}
         for phase in PHASES:
             times = {c: 0.0 for c in LINK_CLASS_ORDER}
@@ -196,9 +197,9 @@ class CollectiveModel:
             charged = set()
             for fam in PHASE_FAMILIES[phase]:
                 if fam == "secondary|param":
-                    fam = "secondary" if plan["group_sizes"]["secondary"] else "param"
-                n, cls = _family_size(plan, fam), plan["link_classes"].get(fam)
-                total = plan["traffic_by_phase"][phase].get(cls, 0) if cls else 0
+                    fam = "secondary" if plan.group_sizes.secondary else "param"
+                n, cls = _family_size(plan, fam), plan.link_classes.get(fam)
+                total = plan.traffic_by_phase[phase].get(cls, 0) if cls else 0
                 # The plan adds a phase's families up per link class: the first family of a
                 # class carries its bytes.
                 if n <= 1 or cls in charged or total <= 0:
@@ -211,28 +212,28 @@ class CollectiveModel:
         return out
 
 
-def phase_op(plan: Mapping[str, Any], phase: str, family: str) -> tuple[str, str]:
+def phase_op(plan: Plan, phase: str, family: str) -> tuple[str, str]:
     """(op, dtype) of a phase's collective as the engine issues it."""
-    grad = plan.get("grad_dtype", "fp32")
+    grad = plan.grad_dtype
     if phase in ("forward_gather", "step_gather"):
-        return "all_gather", "int8" if plan.get("quantize_weight_gather") else "bf16"
+        return "all_gather", "int8" if plan.quantize_weight_gather else "bf16"
     if phase == "backward_gather":
-        return "all_gather", plan.get("secondary_dtype", "bf16") if family == "secondary" \
+        return "all_gather", plan.secondary_dtype if family == "secondary" \
             else "bf16"
     if phase == "grad_reduce":
-        return ("all_to_all", "int4") if plan.get("quantize_grad_reduce") else \
+        return ("all_to_all", "int4") if plan.quantize_grad_reduce else \
             ("reduce_scatter", grad)
     return ("all_reduce", "fp32") if family == "replica" else ("reduce_scatter", "fp32")
 
 
-def shape_of(plan: Mapping[str, Any], family: str, cls: str) -> str:
+def shape_of(plan: Plan, family: str, cls: str) -> str:
     """The survey shape a family's groups have: by link class, and for the network whether each
     node holds one member (the cross-node hop, every such group at once) or several (a world-like
     ring)."""
     if cls != "network":
         return cls
-    rpn = plan["gpus_per_node"]
-    in_node = sum(1 for r in plan["groups"][family] if r // rpn == 0)
+    rpn = plan.gpus_per_node
+    in_node = sum(1 for r in plan.groups[family] if r // rpn == 0)
     return "cross_node" if in_node <= 1 else "world"
 
 
@@ -263,7 +264,7 @@ def partial_overlap(perfect: Mapping[str, float], none: Mapping[str, float],
             + (slowdown - 1) * min(perfect["compute_s"], hidden * hideable))
 
 
-def step_band(plan: Mapping[str, Any], model: Mapping[str, int], compute, cm: CollectiveModel,
+def step_band(plan: Plan, model: Mapping[str, int], compute, cm: CollectiveModel,
               point: float | None = None) -> Band:
     """The step's band (see the module's doc); ``point`` (no survey: the cost model's own figure)
     replaces the survey's median point."""

@@ -38,6 +38,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from megatron_lbp.core.plan import Plan
 from megatron_lbp.core.config import (DEFAULT_EMBEDDING_BACKWARD_GATHER,
                                       DEFAULT_MAX_PENDING_REDUCES, DEFAULT_PREFETCH_UNITS)
 from megatron_lbp.core.program import BACKWARD, FORWARD, Op, ProgramSpec, step_program
@@ -62,29 +63,29 @@ class Knobs:
     embedding_backward_gather: str = DEFAULT_EMBEDDING_BACKWARD_GATHER
 
 
-def _family(plan: Mapping[str, Any], phase: str) -> str:
+def _family(plan: Plan, phase: str) -> str:
     fam = _PHASE_FAMILY[phase]
     if fam is None:
-        fam = "secondary" if plan["group_sizes"]["secondary"] else "param"
+        fam = "secondary" if plan.group_sizes.secondary else "param"
     return fam
 
 
-def _group_size(plan: Mapping[str, Any], family: str) -> int:
-    g = plan["group_sizes"]
-    return {"param": g["param"], "secondary": g["secondary"] or 0, "grad": g["grad"]}[family]
+def _group_size(plan: Plan, family: str) -> int:
+    g = plan.group_sizes
+    return {"param": g.param, "secondary": g.secondary or 0, "grad": g.grad}[family]
 
 
-def unit_comm_s(plan: Mapping[str, Any], numels: Sequence[int], phase: str,
+def unit_comm_s(plan: Plan, numels: Sequence[int], phase: str,
                 links: LinkModel) -> tuple[str | None, list[float]]:
     """(link class, seconds per unit) of one per-micro-batch phase's collectives."""
     fam = _family(plan, phase)
-    cls = plan["link_classes"].get(fam)
+    cls = plan.link_classes.get(fam)
     n = _group_size(plan, fam)
     if cls is None or n <= 1:
         return None, [0.0] * len(numels)
-    k = plan["micro_batches"]
-    per_mb = sum(plan["traffic_by_phase"][phase][c] / links.bandwidth[c]
-                 for c in plan["traffic_by_phase"][phase]) / k
+    k = plan.micro_batches
+    per_mb = sum(plan.traffic_by_phase[phase][c] / links.bandwidth[c]
+                 for c in plan.traffic_by_phase[phase]) / k
     total = sum(numels)
     lat = links.latency[cls] * math.ceil(math.log2(n))
     return cls, [per_mb * x / total + lat for x in numels]
@@ -134,7 +135,7 @@ def _walk(ops: Sequence[Op], seconds: Mapping[str, tuple[str | None, Sequence[fl
     return t - busy
 
 
-def exposed_s(plan: Mapping[str, Any], units: Sequence[tuple[str, int]],
+def exposed_s(plan: Plan, units: Sequence[tuple[str, int]],
               model: Mapping[str, int], knobs: Knobs, *, links: LinkModel = LinkModel(),
               compute: ComputeModel = ComputeModel(), tied: bool = True) -> dict[str, float]:
     """Exposed seconds of the per-micro-batch collectives: {forward, backward, micro_batch, step}
@@ -149,24 +150,24 @@ def exposed_s(plan: Mapping[str, Any], units: Sequence[tuple[str, int]],
     bwd = [w * 2 / 3 + (w / 3 if compute.recompute else 0.0) for w in work]
     seconds = {phase: unit_comm_s(plan, numels, phase, links)
                for phase in ("forward_gather", "backward_gather", "grad_reduce")}
-    g = plan["group_sizes"]
+    g = plan.group_sizes
     # The embedding skip applies to unit 0 (the program's rule): only where it is the embedding.
     skip = knobs.embedding_backward_gather == "skip" and bool(units) and units[0][0] == "embedding"
     spec = ProgramSpec(
         unit_kinds=tuple(kind if kind in UNIT_KINDS else "other" for kind, _ in units),
-        group_sizes={"param": g["param"], "secondary": g["secondary"] or 0, "grad": g["grad"]},
+        group_sizes={"param": g.param, "secondary": g.secondary or 0, "grad": g.grad},
         tied_embedding=tied, prefetch_units=knobs.prefetch_units,
         max_pending_reduces=knobs.max_pending_reduces,
         embedding_backward_gather="skip" if skip else "gather")
     passes = {segment: ops for segment, _, ops in step_program(spec).segments()}
     forward = _walk(passes[FORWARD], seconds, fwd)
     backward = _walk(passes[BACKWARD], seconds, bwd)
-    k = plan["micro_batches"]
+    k = plan.micro_batches
     return {"forward": forward, "backward": backward, "micro_batch": forward + backward,
             "step": k * (forward + backward)}
 
 
-def cost_s(plan: Mapping[str, Any], units: Sequence[tuple[str, int]], model: Mapping[str, int],
+def cost_s(plan: Plan, units: Sequence[tuple[str, int]], model: Mapping[str, int],
            knobs: Knobs, default_units: Sequence[tuple[str, int]] | None = None,
            **kw) -> float:
     """Seconds per optimizer step a knob setting adds to the default's exposed communication.

@@ -1,7 +1,7 @@
 """Frontier projection: step time and TFLOPS per GCD from a per-link cost model (pure Python).
 
-The engine's collective schedule per optimizer step is replayed from the plan
-tool's exact per-phase bytes (``megatron_lbp.launch.plan.make_plan`` over
+The engine's collective schedule per optimizer step is replayed from the
+planner's exact per-phase bytes (``megatron_lbp.core.plan.make_plan`` over
 ``megatron_lbp.core.costs``: buckets padded as the engine pads them, every group's
 link class from the emulated Frontier placement of 8 GCDs per node in packages
 of 2). Each collective costs
@@ -46,6 +46,8 @@ rank x groups of the family in a node) and :func:`fit_uplink` fits the
 uplink on the same rule; the projection keeps ``network="per_rank"``.
 
     python -m megatron_lbp.projection [--json] [--mfu 0.35] [--micro-batches 1] ...
+
+(the command line: projection/project_cli.py)
 """
 from __future__ import annotations
 from megatron_lbp.projection import json_out
@@ -57,9 +59,10 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
-from megatron_lbp.core.config import DEFAULT_BUCKET_SIZE
+from megatron_lbp.core.config import DEFAULT_BUCKET_SIZE, DEFAULT_SECONDARY_DTYPE
 from megatron_lbp.core.costs import LINK_CLASS_ORDER, PHASES
-from megatron_lbp.projection.schemes import ENGINE_SCHEMES
+from megatron_lbp.core.plan import Model, Plan, PlanRequest, make_plan
+from megatron_lbp.projection.schemes import ENGINE_SCHEME_SETTINGS, ENGINE_SCHEMES
 
 GB = 1e9
 US = 1e-6
@@ -176,18 +179,18 @@ def exchange_uplink_factor(group_size: int, members_in_node: int, ranks_per_node
     return ranks_per_node * (group_size - members_in_node) / (group_size - 1)
 
 
-def _uplink_multiplicity(plan: Mapping[str, Any], phase: str) -> float:
+def _uplink_multiplicity(plan: Plan, phase: str) -> float:
     """Uplink bytes per rank byte of the network family of ``phase``: groups per node for a
     ring, exchange_uplink_factor for the reduce-scatters (an exchange on gloo)."""
-    rpn = plan["gpus_per_node"]
+    rpn = plan.gpus_per_node
     found = set()
     for fam in PHASE_FAMILIES[phase]:
         if fam == "secondary|param":
-            fam = "secondary" if plan["group_sizes"]["secondary"] else "param"
-        if _family_size(plan, fam) <= 1 or plan["link_classes"].get(fam) != "network":
+            fam = "secondary" if plan.group_sizes.secondary else "param"
+        if _family_size(plan, fam) <= 1 or plan.link_classes.get(fam) != "network":
             continue
-        # plan["groups"][fam] is rank 0's group; rank 0 sits in the first node.
-        in_node = sum(1 for r in plan["groups"][fam] if r // rpn == 0)
+        # plan.groups[fam] is rank 0's group; rank 0 sits in the first node.
+        in_node = sum(1 for r in plan.groups[fam] if r // rpn == 0)
         if fam in EXCHANGE_PHASES.get(phase, ()):
             found.add(exchange_uplink_factor(_family_size(plan, fam), in_node, rpn))
         else:
@@ -220,45 +223,43 @@ def model_flops_per_token(num_params: int, num_layers: int, hidden_size: int,
 
 def plan_for(model: Mapping[str, int], gcds: int, scheme: str, micro_batches: int,
              bucket_size: int = DEFAULT_BUCKET_SIZE, gpus_per_node: int = 8,
-             gcds_per_package: int = 2) -> dict[str, Any]:
-    """The plan tool's figures for one (model, GCD count, scheme): bytes by phase and link.
-
-    ``gpus_per_node``/``gcds_per_package`` default to Frontier; the emulated
-    network's calibration passes its own node shape.
-    """
-    from megatron_lbp.launch.plan import make_plan
-
-    argv = ["--world-size", str(gcds), "--num-layers", str(model["num_layers"]),
-            "--hidden-size", str(model["hidden_size"]), "--vocab-size", str(model["vocab_size"]),
-            "--micro-batches", str(micro_batches), "--params-dtype", "bf16",
-            "--grad-dtype", "fp32", "--gpus-per-node", str(gpus_per_node),
-            "--gcds-per-package", str(gcds_per_package), "--bucket-size", str(bucket_size)]
-    return make_plan(argv + SCHEMES[scheme])
+             gcds_per_package: int = 2) -> Plan:
+    """The plan for one (model, GCD count, scheme): bytes by phase and link, bf16 weights and
+    fp32 gradients. ``gpus_per_node``/``gcds_per_package`` default to Frontier; the emulated
+    network's calibration passes its own node shape."""
+    preset, secondary, dtype = ENGINE_SCHEME_SETTINGS[scheme]
+    return make_plan(PlanRequest(
+        world_size=gcds, model=Model(model["num_layers"], model["hidden_size"],
+                                     model["vocab_size"]),
+        gpus_per_node=gpus_per_node, gcds_per_package=gcds_per_package, preset=preset,
+        secondary_group_size=secondary, secondary_dtype=dtype or DEFAULT_SECONDARY_DTYPE,
+        micro_batches=micro_batches,
+        bucket_size=bucket_size))
 
 
-def _family_size(plan: Mapping[str, Any], family: str) -> int:
-    g = plan["group_sizes"]
-    P, G, O, S, R = g["param"], g["grad"], g["optim"], g["secondary"] or 0, g["replicas"]
+def _family_size(plan: Plan, family: str) -> int:
+    g = plan.group_sizes
+    P, G, O, S, R = g.param, g.grad, g.optim, g.secondary or 0, g.replicas
     return {"param": P, "secondary": S, "grad": G, "optim": O, "inter": O // G,
             "grad_to_param": G // P, "replica": R}[family]
 
 
-def _phase_times(plan: Mapping[str, Any], links: LinkModel) -> dict[str, dict[str, float]]:
+def _phase_times(plan: Plan, links: LinkModel) -> dict[str, dict[str, float]]:
     """Seconds each phase keeps each link class busy, per optimizer step (k micro-batches)."""
-    k, buckets = plan["micro_batches"], plan["buckets"]
+    k, buckets = plan.micro_batches, plan.buckets
     out: dict[str, dict[str, float]] = {}
     for phase in PHASES:
-        times = {c: plan["traffic_by_phase"][phase][c] / links.bandwidth[c]
+        times = {c: plan.traffic_by_phase[phase][c] / links.bandwidth[c]
                  for c in LINK_CLASS_ORDER}
         if links.network == "shared_uplink":
             times["network"] *= _uplink_multiplicity(plan, phase)
         for fam in PHASE_FAMILIES[phase]:
             if fam == "secondary|param":
-                fam = "secondary" if plan["group_sizes"]["secondary"] else "param"
+                fam = "secondary" if plan.group_sizes.secondary else "param"
             n = _family_size(plan, fam)
             if n <= 1:
                 continue
-            cls = plan["link_classes"][fam]
+            cls = plan.link_classes[fam]
             count = buckets * (k if phase in PER_MICRO_BATCH else 1)
             times[cls] += count * links.latency[cls] * math.ceil(math.log2(n))
         out[phase] = times
@@ -272,7 +273,7 @@ def _window(comm: float, compute: float, buckets: int, head: float | None = None
     return first + max(0.0, comm - first - compute)
 
 
-def step_time(plan: Mapping[str, Any], model: Mapping[str, int], links: LinkModel = LinkModel(),
+def step_time(plan: Plan, model: Mapping[str, int], links: LinkModel = LinkModel(),
               compute: ComputeModel = ComputeModel(), overlap: bool = True,
               phase_times: Mapping[str, Mapping[str, float]] | None = None) -> dict[str, float]:
     """Predicted seconds of one optimizer step on one GCD, with its parts, and TFLOPS/GCD.
@@ -289,9 +290,9 @@ def step_time(plan: Mapping[str, Any], model: Mapping[str, int], links: LinkMode
     ``phase_times`` (seconds each phase keeps each link class busy, as ``_phase_times``
     gives them) replaces ``links``: the collective model's (projection/collectives.py).
     """
-    k, buckets = plan["micro_batches"], plan["buckets"]
+    k, buckets = plan.micro_batches, plan.buckets
     tokens_mb = compute.micro_batch_size * compute.seq_length
-    per_token = model_flops_per_token(plan["params"], model["num_layers"], model["hidden_size"],
+    per_token = model_flops_per_token(plan.params, model["num_layers"], model["hidden_size"],
                                       compute.seq_length)
     rate = compute.peak_flops * compute.mfu
     t_mb = per_token * tokens_mb / rate
@@ -315,7 +316,7 @@ def step_time(plan: Mapping[str, Any], model: Mapping[str, int], links: LinkMode
     else:
         exposed_mb = sum(ph[p][c] for p in PER_MICRO_BATCH for c in LINK_CLASS_ORDER)
         exposed_step = step_comm
-    optim_elems = plan["padded_params"] / plan["group_sizes"]["optim"]
+    optim_elems = plan.padded_params / plan.group_sizes.optim
     t_adam = optim_elems * compute.adam_bytes_per_element / compute.hbm_bytes_per_s
     total = k * (t_fwd + t_bwd) + exposed_mb + exposed_step + t_adam
     useful = per_token * tokens_mb * k
@@ -342,7 +343,7 @@ def network_time_over_compute(model: str = "20B", gcds: int = 384, scheme: str =
     return {"model": model, "gcds": gcds, "scheme": scheme, "micro_batches": micro_batches,
             "recompute": recompute, "mfu": compute.mfu,
             "network_GB_per_s_per_gcd": links.bandwidth["network"] / GB,
-            "network_bytes_per_gcd": plan["traffic_bytes"]["network"],
+            "network_bytes_per_gcd": plan.traffic_bytes["network"],
             "network_s": net, "compute_s": comp["compute_s"], "ratio": net / comp["compute_s"]}
 
 
@@ -360,9 +361,9 @@ def project(models: Sequence[str] = tuple(MODELS), gcds: Sequence[int] = GCDS,
             for n in gcds:
                 plan = plan_for(model, n, scheme, micro_batches, bucket_size)
                 row = step_time(plan, model, links, compute, overlap)
-                row["traffic_bytes"] = plan["traffic_bytes"]
-                row["persistent_state_gb"] = plan["memory_bytes"]["total"] / GB
-                row["params"] = plan["params"]
+                row["traffic_bytes"] = plan.traffic_bytes
+                row["persistent_state_gb"] = plan.memory_bytes.total / GB
+                row["params"] = plan.params
                 rows[str(n)] = row
             base = rows[str(min(gcds))]["tflops_per_gcd"]
             for row in rows.values():
@@ -556,148 +557,3 @@ def render(out: Mapping[str, Any]) -> str:
     lines.append(f"  paper: {p['source']}")
     return "\n".join(lines)
 
-
-def main(argv=None) -> int:
-    c, links = ComputeModel(), LinkModel()
-    p = argparse.ArgumentParser(prog="python -m megatron_lbp.projection", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--gcds", default=",".join(map(str, GCDS)))
-    p.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES),
-                   help=f"comma-separated subset of {','.join(SCHEMES)}")
-    p.add_argument("--micro-batches", type=int, default=1)
-    p.add_argument("--micro-batch-size", type=int, default=c.micro_batch_size)
-    p.add_argument("--seq-length", type=int, default=c.seq_length)
-    p.add_argument("--bucket-size", type=int, default=DEFAULT_BUCKET_SIZE,
-                   help=f"elements (default {DEFAULT_BUCKET_SIZE:,}, Megatron's)")
-    p.add_argument("--mfu", type=float, default=c.mfu)
-    p.add_argument("--peak-tflops", type=float, default=c.peak_flops / 1e12)
-    p.add_argument("--recompute", action="store_true", help="full activation recomputation")
-    p.add_argument("--no-overlap", action="store_true")
-    for cls in LINK_CLASS_ORDER:
-        p.add_argument(f"--bw-{cls}", type=float, default=links.bandwidth[cls] / GB,
-                       help="GB/s per GCD")
-        p.add_argument(f"--lat-{cls}", type=float, default=links.latency[cls] / US,
-                       help="microseconds per collective step")
-    r = p.add_argument_group("the replayed schedule (megatron_lbp/projection/project_replay.py)")
-    r.add_argument("--trace", action="append", default=[], metavar="SCHEME=PATH",
-                   help="replay SCHEME from this schedule trace (--hier-trace output, .gz "
-                        "allowed) instead of the committed one; repeatable")
-    r.add_argument("--trace-rank", type=int, default=0, help="whose program to replay")
-    r.add_argument("--no-replay", action="store_true", help="only the idealised model")
-    r.add_argument("--record-traces", metavar="DIR", default=None,
-                   help="record the traces the replay uses into DIR (index.json + one "
-                        ".jsonl.gz per layer count and scheme) and stop")
-    r.add_argument("--record-layers", default=None,
-                   help="layer counts to record (default: those of --models)")
-    r.add_argument("--record-ranks", type=int, default=16,
-                   help="gloo ranks, 8 per node (default 16: two nodes)")
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
-    given = list(sys.argv[1:] if argv is None else argv)
-    models = [m for m in args.models.split(",") if m]
-    schemes = [s for s in args.schemes.split(",") if s]
-    if not models or any(m not in MODELS for m in models):
-        p.error(f"--models must be a subset of {','.join(MODELS)}")
-    if not schemes or any(s not in SCHEMES for s in schemes):
-        p.error(f"--schemes must be a subset of {','.join(SCHEMES)}")
-    try:
-        gcds = sorted({int(g) for g in args.gcds.split(",") if g})
-    except ValueError:
-        p.error(f"--gcds={args.gcds!r}: comma-separated integers")
-    if not gcds or any(g < 1 for g in gcds):
-        p.error("--gcds must list positive GCD counts")
-    for flag in ("micro_batches", "micro_batch_size", "seq_length", "bucket_size"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be >= 1")
-    if not 0 < args.mfu <= 1 or args.peak_tflops <= 0:
-        p.error("--mfu must be in (0, 1] and --peak-tflops > 0")
-    try:
-        links = LinkModel.from_measured(
-            {c: getattr(args, f"bw_{c}") * GB for c in LINK_CLASS_ORDER},
-            {c: getattr(args, f"lat_{c}") * US for c in LINK_CLASS_ORDER})
-    except ValueError as e:
-        p.error(str(e))
-    compute = replace(c, mfu=args.mfu, peak_flops=args.peak_tflops * 1e12,
-                      micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
-                      recompute=args.recompute)
-    from megatron_lbp.projection import project_replay as pr
-
-    if args.record_traces is not None:
-        return _record(p, args, models, schemes, given)
-    try:
-        traces = {} if args.no_replay else _traces(args.trace, schemes, models, pr)
-    except pr.ReplayError as e:
-        print(f"python -m megatron_lbp.projection: error: {e}", file=sys.stderr)
-        return 2
-    out = project(models, gcds, schemes, args.micro_batches, args.bucket_size, links, compute,
-                  not args.no_overlap)
-    if not args.no_replay:
-        try:
-            out["replay"] = pr.replay_projection(models, gcds, schemes, traces, links, compute,
-                                                 rank=args.trace_rank)
-        except pr.ReplayError as e:
-            print(f"python -m megatron_lbp.projection: error: {e}", file=sys.stderr)
-            return 2
-    if args.json:
-        json_out.emit(out)
-    else:
-        print(render(out) + ("\n" + "\n".join(pr.render(out["replay"], out["paper"], out))
-                             if "replay" in out else ""))
-    return 0
-
-
-def _traces(given: Sequence[str], schemes: Sequence[str], models: Sequence[str],
-            pr) -> dict[str, dict[int, Any]]:
-    """scheme -> layer count -> trace path: the committed ones, replaced by each --trace
-    (which must have the units of every model asked for)."""
-    import os
-
-    traces = pr.default_traces()
-    for item in given:
-        scheme, sep, path = item.partition("=")
-        if not sep or scheme not in SCHEMES or not path:
-            raise pr.ReplayError(f"--trace {item!r}: give SCHEME=PATH, SCHEME one of "
-                                 f"{','.join(SCHEMES)}")
-        if "{rank}" not in path and not os.path.exists(path):
-            raise pr.ReplayError(f"--trace {item!r}: {path} does not exist")
-        if scheme not in schemes:
-            raise pr.ReplayError(f"--trace {item!r}: {scheme} is not in --schemes")
-        records = pr.load(path)
-        for name in models:
-            pr.check_units(records, MODELS[name], f"--trace {item} for {name}")
-        traces[scheme] = {pr.layer_count(records): path}
-    return traces
-
-
-def _record(p, args, models, schemes, given: Sequence[str]) -> int:
-    import shlex
-
-    from megatron_lbp.projection import project_replay as pr
-
-    try:
-        layers = sorted({int(x) for x in args.record_layers.split(",") if x}, reverse=True) \
-            if args.record_layers else [MODELS[m]["num_layers"] for m in models]
-    except ValueError:
-        p.error(f"--record-layers={args.record_layers!r}: comma-separated layer counts")
-    if not layers or min(layers) < 1:
-        p.error("--record-layers must list positive layer counts")
-    if args.record_ranks < 16 or args.record_ranks % 8:
-        p.error(f"--record-ranks={args.record_ranks} must be a multiple of 8 (nodes of 8 "
-                f"GCDs), at least 16 (two nodes: every group family spans ranks)")
-    command = shlex.join(["python", "-m", "megatron_lbp.projection", *given])
-    try:
-        index = pr.record_traces(args.record_traces, layers=layers, schemes=schemes,
-                                 ranks=args.record_ranks, command=command,
-                                 log=lambda line: print(line, file=sys.stderr, flush=True))
-    except pr.ReplayError as e:
-        p.error(str(e))
-    if args.json:
-        json_out.emit(index)
-    else:
-        print("\n".join(f"{e['file']}: {e['scheme']}, {e['layers']} layers" for e in index["traces"]))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -56,6 +56,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Mapping, Sequence
 
+from megatron_lbp.core.plan import Plan
 from megatron_lbp.core import costs
 from megatron_lbp.projection import project as pj
 from megatron_lbp.projection.replay import ReplayError, explain, replay
@@ -130,34 +131,33 @@ def _kinds_text(kinds: Sequence[str]) -> str:
 # --------------------------------------------------------------------------- durations
 
 
-def config_of(plan: Mapping[str, Any]) -> SimpleNamespace:
-    """The HierConfig fields costs reads, from a plan (plan.make_plan's dict)."""
-    g = plan["group_sizes"]
+def config_of(plan: Plan) -> SimpleNamespace:
+    """The HierConfig fields costs reads, from a plan (core.plan.Plan)."""
+    g = plan.group_sizes
     return SimpleNamespace(
-        world_size=plan["world_size"], param_group_size=g["param"], grad_group_size=g["grad"],
-        optim_group_size=g["optim"], secondary_group_size=g["secondary"] or 0,
-        secondary_dtype=plan["secondary_dtype"] or "int8",
-        quant_block_size=plan["quant_block_size"],
-        quantize_weight_gather=plan["quantize_weight_gather"],
-        quantize_grad_reduce=bool(plan["quantize_grad_reduce"]),
-        secondary_scope=plan.get("secondary_scope", "backward"),
-        grad_quant_scheme=plan.get("grad_quant_scheme", "int8"))
+        world_size=plan.world_size, param_group_size=g.param, grad_group_size=g.grad,
+        optim_group_size=g.optim, secondary_group_size=g.secondary or 0,
+        secondary_dtype=plan.secondary_dtype or "int8",
+        quant_block_size=plan.quant_block_size,
+        quantize_weight_gather=plan.quantize_weight_gather,
+        quantize_grad_reduce=bool(plan.quantize_grad_reduce),
+        secondary_scope=plan.secondary_scope, grad_quant_scheme=plan.grad_quant_scheme)
 
 
 class FrontierDurations:
     """collective_s and compute_s for replay.replay: one plan at the real shape."""
 
-    def __init__(self, records: Sequence[dict[str, Any]], plan: Mapping[str, Any],
+    def __init__(self, records: Sequence[dict[str, Any]], plan: Plan,
                  model: Mapping[str, int], links: pj.LinkModel, compute: pj.ComputeModel):
         self.plan, self.model, self.links, self.compute = plan, model, links, compute
         cfg = config_of(plan)
         self.units = costs.gpt_units(model["num_layers"], model["hidden_size"],
                                      model["vocab_size"])
         self.unit_bytes = [
-            costs.unit_collective_bytes(cfg, numel, plan["link_classes"],
-                                        param_dtype=plan["params_dtype"],
-                                        grad_dtype=plan["grad_dtype"],
-                                        quant_block_size=plan["quant_block_size"])
+            costs.unit_collective_bytes(cfg, numel, plan.link_classes,
+                                        param_dtype=plan.params_dtype,
+                                        grad_dtype=plan.grad_dtype,
+                                        quant_block_size=plan.quant_block_size)
             for _, numel in self.units]
         # Recorded bytes of every (record, unit, phase, family, micro-batch): the share
         # each collective of a unit takes when the engine splits one into several.
@@ -170,7 +170,7 @@ class FrontierDurations:
         self._records = records
         tokens = compute.micro_batch_size * compute.seq_length
         self._seconds_per_flop_token = tokens / (compute.peak_flops * compute.mfu)
-        optim = plan["padded_params"] / plan["group_sizes"]["optim"]
+        optim = plan.padded_params / plan.group_sizes.optim
         self.adam_s = optim * compute.adam_bytes_per_element / compute.hbm_bytes_per_s
         self._numel = sum(numel for _, numel in self.units)
 
@@ -205,14 +205,14 @@ class FrontierDurations:
         try:
             return pj._family_size(self.plan, family)
         except KeyError:
-            return self.plan["world_size"]
+            return self.plan.world_size
 
     def collective_s(self, record: dict[str, Any], c: dict[str, Any]) -> float:
         family = self.family_of(c)
         n = self.family_size(family)
         if n <= 1:
             return 0.0
-        cls = self.plan["link_classes"].get(family) or c["link"]
+        cls = self.plan.link_classes.get(family) or c["link"]
         return (self.real_bytes(record, c) / self.links.bandwidth[cls]
                 + self.links.latency[cls] * math.ceil(math.log2(n)))
 
@@ -263,7 +263,7 @@ def _coverage(records, durations: FrontierDurations, where: str) -> None:
                     f"group has more than one rank")
 
 
-def replay_one(records: Sequence[dict[str, Any]], plan: Mapping[str, Any],
+def replay_one(records: Sequence[dict[str, Any]], plan: Plan,
                model: Mapping[str, int], links: pj.LinkModel, compute: pj.ComputeModel,
                where: str = "") -> dict[str, Any]:
     """The last record's step replayed at ``plan``'s shape: times, exposure, TFLOPS/GCD."""
@@ -273,7 +273,7 @@ def replay_one(records: Sequence[dict[str, Any]], plan: Mapping[str, Any],
     steps, _ = replay(records, d.collective_s, d.compute_s)
     last = steps[-1].as_json()
     k = records[-1]["micro_batches"]
-    per_token = pj.model_flops_per_token(plan["params"], model["num_layers"],
+    per_token = pj.model_flops_per_token(plan.params, model["num_layers"],
                                          model["hidden_size"], compute.seq_length)
     useful = per_token * compute.micro_batch_size * compute.seq_length * k
     last["tflops_per_gcd"] = useful / last["step_s"] / 1e12
@@ -286,10 +286,10 @@ def replay_one(records: Sequence[dict[str, Any]], plan: Mapping[str, Any],
                                           for ph in costs.PHASES}
     for c in records[-1]["collectives"]:
         if c["phase"] in moved and d.family_size(d.family_of(c)) > 1:
-            cls = plan["link_classes"].get(d.family_of(c)) or c["link"]
+            cls = plan.link_classes.get(d.family_of(c)) or c["link"]
             moved[c["phase"]][cls] += d.real_bytes(records[-1], c)
     last["bytes_match_plan"] = all(
-        math.isclose(moved[ph][cls], float(plan["traffic_by_phase"][ph][cls]), rel_tol=1e-9,
+        math.isclose(moved[ph][cls], float(plan.traffic_by_phase[ph][cls]), rel_tol=1e-9,
                      abs_tol=1e-6) for ph in costs.PHASES for cls in costs.LINK_CLASS_ORDER)
     return last
 

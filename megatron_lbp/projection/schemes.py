@@ -13,18 +13,27 @@ from typing import Iterable
 # GCDs per MI250X package: the emulated node's package tier in every benchmark.
 GCDS_PER_PACKAGE = 2
 
-# Megatron flags of each engine scheme (the launcher's presets, int8 secondaries spelled out).
-ENGINE_SCHEMES: dict[str, list[str]] = {
-    "lbp": ["--hier-preset", "lbp"],
-    "lbp-int8-S2": ["--hier-preset", "lbp", "--hier-secondary-group-size", "2",
-                    "--hier-secondary-dtype", "int8"],
-    "lbp-int8-S8": ["--hier-preset", "lbp", "--hier-secondary-group-size", "8",
-                    "--hier-secondary-dtype", "int8"],
-    "zeropp": ["--hier-preset", "zeropp"],
-    "zero3": ["--hier-preset", "zero3"],
-    "zero2": ["--hier-preset", "zero2"],
-    "hsdp": ["--hier-preset", "hsdp"],
+# Each engine scheme's preset and secondary copy (size, dtype; None: the preset's): what the
+# planner is asked (core/plan.PlanRequest) and, as Megatron flags, what training is given.
+ENGINE_SCHEME_SETTINGS: dict[str, tuple[str, int | None, str | None]] = {
+    "lbp": ("lbp", None, None),
+    "lbp-int8-S2": ("lbp", 2, "int8"),
+    "lbp-int8-S8": ("lbp", 8, "int8"),
+    "zeropp": ("zeropp", None, None),
+    "zero3": ("zero3", None, None),
+    "zero2": ("zero2", None, None),
+    "hsdp": ("hsdp", None, None),
 }
+
+
+def _flags(preset: str, secondary: int | None, dtype: str | None) -> list[str]:
+    return ["--hier-preset", preset] + ([] if secondary is None else [
+        "--hier-secondary-group-size", str(secondary), "--hier-secondary-dtype", dtype])
+
+
+# Megatron flags of each engine scheme (the launcher's presets, int8 secondaries spelled out).
+ENGINE_SCHEMES: dict[str, list[str]] = {name: _flags(*v) for name, v in
+                                        ENGINE_SCHEME_SETTINGS.items()}
 # Stock megatron-core, through its own DDP: the distributed optimizer and Megatron-FSDP.
 DISTOPT, FSDP = "megatron-distopt", "megatron-fsdp"
 STOCK_SCHEMES = (DISTOPT, FSDP)

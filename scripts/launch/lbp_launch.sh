@@ -7,7 +7,7 @@
 # copy of it), the site's exports, srun, and the chain's next sbatch. Every rule of a launch
 # (defaults, what a preset implies, refusals, model flags, memory fit and choice, exit time,
 # the srun and training commands) is Python's, once: python -m megatron_lbp.launch job
-# (megatron_lbp/launch/job.py); the variables it reads: docs/frontier.md, "Variables".
+# (megatron_lbp/launch/job_cli.py); the variables it reads: docs/frontier.md, "Variables".
 #
 # Every stop prints "lbp_launch: error: ..." (or lbp_health / lbp_task) naming what to set
 # or run, and returns: 2 bad input; 3 does not fit in GCD memory; 4 the job or its nodes

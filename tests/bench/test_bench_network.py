@@ -354,7 +354,7 @@ def test_calibrate_reports_ratios_to_lbp_and_the_error():
 def test_compute_from_measured_reproduces_the_timed_compute():
     model = {"num_layers": 4, "hidden_size": 256, "vocab_size": 1024}
     plan = pj.plan_for(model, 8, "lbp", 2, gpus_per_node=4)
-    compute = pj.compute_from_measured(model, plan["params"], 64, 1, micro_batch_s=0.08,
+    compute = pj.compute_from_measured(model, plan.params, 64, 1, micro_batch_s=0.08,
                                        adam_s=0.01, adam_elements=plan["padded_params"] / 8)
     ideal = pj.LinkModel.from_measured({c: 1e30 for c in ("package", "node", "network")},
                                        {c: 0.0 for c in ("package", "node", "network")})
@@ -410,7 +410,7 @@ def _check_exposure(out):
         plan = pj.plan_for(model, world, scheme, c["micro_batches"],
                            gpus_per_node=c["ranks_per_node"], gcds_per_package=2)
         tr = row["trace"]
-        for phase, by_class in plan["traffic_by_phase"].items():
+        for phase, by_class in plan.traffic_by_phase.items():
             assert tr["phases"][phase]["bytes"] == pytest.approx(sum(by_class.values())), (
                 scheme, phase)
         assert 0 <= tr["exposed_s"] <= tr["step_s"]

@@ -60,9 +60,9 @@ def test_infinite_links_give_the_assumed_mfu():
 
 def test_lbp_network_bytes_do_not_depend_on_micro_batches():
     model = pj.MODELS["20B"]
-    net = {k: pj.plan_for(model, 96, "lbp", k)["traffic_bytes"]["network"] for k in (1, 4)}
+    net = {k: pj.plan_for(model, 96, "lbp", k).traffic_bytes["network"] for k in (1, 4)}
     assert net[1] == net[4] > 0, net
-    z3 = {k: pj.plan_for(model, 96, "zero3", k)["traffic_bytes"]["network"] for k in (1, 4)}
+    z3 = {k: pj.plan_for(model, 96, "zero3", k).traffic_bytes["network"] for k in (1, 4)}
     assert z3[4] == 4 * z3[1], z3
 
 
@@ -140,7 +140,7 @@ def test_uplink_rule_world_peers_and_strided_groups():
             "8", "--hier-optim-group-size", "8"], {"forward_gather": 1, "step_reduce": 4}),
 ])
 def test_uplink_multiplicity_from_the_plans_groups(scheme, argv, expected):
-    from megatron_lbp.launch.plan import make_plan
+    from megatron_lbp.launch import plan as plan_cli
 
     if scheme:
         plan = _emulated(scheme)
@@ -148,10 +148,11 @@ def test_uplink_multiplicity_from_the_plans_groups(scheme, argv, expected):
         base = ["--world-size", "8", "--num-layers", "2", "--hidden-size", "128",
                 "--vocab-size", "1024", "--gpus-per-node", "4", "--gcds-per-package", "2",
                 "--params-dtype", "bf16", "--grad-dtype", "fp32"]
-        plan = make_plan(base + argv)
+        plan = plan_cli.plan_from_args(plan_cli.build_parser().parse_args(base + argv),
+                                       knob_table=False)
     got = {ph: pj._uplink_multiplicity(plan, ph) for ph in expected}
-    assert got == expected, (plan["groups"], plan["link_classes"])
-    assert plan["traffic_by_phase"][next(iter(expected))]["network"] > 0
+    assert got == expected, (plan.groups, plan.link_classes)
+    assert plan.traffic_by_phase[next(iter(expected))]["network"] > 0
 
 
 # lbp's network families are all peer groups (4); zero3's and zeropp's all-gathers are rings

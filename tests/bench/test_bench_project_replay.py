@@ -164,7 +164,7 @@ def test_compute_is_the_model_flops_plus_the_recomputed_layers():
     layer = costs.gpt_units(L, h, V)[1][1]
     fwd_layer = 2 * layer + 4 * h * s
     fwd_all = L * fwd_layer + 2 * (2 * h + V * h)
-    per_token = pj.model_flops_per_token(plan["params"], L, h, s)
+    per_token = pj.model_flops_per_token(plan.params, L, h, s)
     assert 3 * fwd_all == pytest.approx(per_token, rel=1e-12)
     want = 2 * (3 * fwd_all + L * fwd_layer) * s / (compute.peak_flops * compute.mfu) + d.adam_s
     got = sum(d.compute_s(records[-1], i) for i in records[-1]["compute"])

@@ -10,6 +10,7 @@ one. Needs root and iproute2; run it under ``flock /tmp/lbp-netns.lock``.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -19,7 +20,7 @@ import pytest
 
 from benchmarks import netns
 from benchmarks import network_choice as nc
-from megatron_lbp.launch import estimate
+from megatron_lbp.launch import candidates, estimate
 from megatron_lbp.projection import project as pj
 
 REQUIREMENT = netns.missing_requirements()
@@ -80,23 +81,21 @@ def test_the_shared_uplink_is_the_health_checks_per_gcd_figure_times_the_node(tm
     path.write_text(json.dumps({"convention": health.LINKS_CONVENTION,
                                 "GB_per_s_per_gcd": LINKS}))
     args = nc.parse([])
-    a = estimate.build_parser().parse_args(
-        nc.estimate_argv(args, 64, 2, str(path), 0.002, "shared_uplink"))
-    a.links = estimate.load_links(a.links)
-    links = estimate.link_model(a)
+    a = estimate.job_from_args(estimate.build_parser().parse_args(
+        nc.estimate_argv(args, 64, 2, str(path), 0.002, "shared_uplink")))
+    links = candidates.link_model(a)
     assert links.network == "shared_uplink"
     assert links.bandwidth["network"] == pytest.approx(LINKS["network"] * 1e9 * 4)
-    b = estimate.build_parser().parse_args(estimate_argv := nc.estimate_argv(
-        args, 64, 2, str(path), 0.002, "per_rank"))
-    b.links = estimate.load_links(b.links)
-    assert estimate.link_model(b).bandwidth["network"] == pytest.approx(LINKS["network"] * 1e9)
+    b = estimate.job_from_args(estimate.build_parser().parse_args(
+        estimate_argv := nc.estimate_argv(args, 64, 2, str(path), 0.002, "per_rank")))
+    assert candidates.link_model(b).bandwidth["network"] == pytest.approx(LINKS["network"] * 1e9)
     assert "--peak-tflops" in estimate_argv
-    a.preset, a.hier_secondary_group_size = "zeropp", 4
-    p = estimate.cached_plan(estimate.plan_argv(a, 8, 4))
+    a = dataclasses.replace(a, preset="zeropp", hier_secondary_group_size=4)
+    p = candidates.plan_of(a, 8, 4)
     compute = pj.ComputeModel(peak_flops=0.002e12, mfu=1.0, seq_length=64,
                               micro_batch_size=2, recompute=False)
-    want = pj.step_time(p, estimate._model(a), links, compute)["step_s"]
-    assert estimate.step_seconds(a, p, "none", 2) == pytest.approx(want)
+    want = pj.step_time(p, candidates._model(a), links, compute)["step_s"]
+    assert candidates.step_seconds(a, p, "none", 2) == pytest.approx(want)
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -147,7 +146,7 @@ def test_the_projection_prefers_lbp_at_every_uplink_on_this_network():
     for b, k in ((8, 1), (1, 4)):
         plans = {s: pj.plan_for(model, 8, s, k, gpus_per_node=4, gcds_per_package=2)
                  for s in ("lbp", "zeropp", "zero3", "zero2", "hsdp")}
-        uplink = {s: sum(p["traffic_by_phase"][ph]["network"] * pj._uplink_multiplicity(p, ph)
+        uplink = {s: sum(p.traffic_by_phase[ph]["network"] * pj._uplink_multiplicity(p, ph)
                          for ph in pj.PHASES) for s, p in plans.items()}
         assert uplink["lbp"] == pytest.approx(2.78e6, rel=0.01)
         assert uplink["zeropp"] == pytest.approx(8.24e6 * k, rel=0.01)

@@ -83,7 +83,7 @@ def _check(cases):
         if c.get("kv_channels"):
             argv += ["--kv-channels", str(c["kv_channels"])]
         argv += ["--add-qkv-bias"] * c.get("add_qkv_bias", False)
-        planned = plan.make_plan(argv)["params"]
+        planned = plan.plan_json(argv)["params"]
         if not want == planned == got:
             wrong.append((c, f"costs {want}, plan {planned}, megatron-core {got}"))
     assert not wrong, f"{len(wrong)} of {len(cases)} architectures miscounted: {wrong[:3]}"
@@ -107,15 +107,15 @@ def test_bad_architecture_values_are_one_line_errors():
         costs.gpt_units(2, 64, 96, kv_channels=16)
     # Megatron reads --num-query-groups only with --group-query-attention (default 1 group)
     with pytest.raises(plan.UsageError, match="without --group-query-attention"):
-        plan.make_plan(["--world-size", "8", "--num-layers", "2", "--hidden-size", "64",
+        plan.plan_json(["--world-size", "8", "--num-layers", "2", "--hidden-size", "64",
                         "--vocab-size", "96", "--num-attention-heads", "8",
                         "--num-query-groups", "2"])
     one = ["--world-size", "8", "--num-layers", "2", "--hidden-size", "64", "--vocab-size", "96",
            "--num-attention-heads", "8", "--group-query-attention"]
-    assert plan.make_plan(one)["params"] == costs.gpt_param_count(
+    assert plan.plan_json(one)["params"] == costs.gpt_param_count(
         2, 64, 96, num_attention_heads=8, num_query_groups=1)
     # the learned position table has --max-position-embeddings rows, as Megatron's
     table = ["--world-size", "8", "--num-layers", "2", "--hidden-size", "64", "--vocab-size",
              "96", "--seq-length", "16", "--position-embedding-type", "learned_absolute"]
-    assert plan.make_plan(table + ["--max-position-embeddings", "32"])["params"] \
-        == plan.make_plan(table)["params"] + 16 * 64
+    assert plan.plan_json(table + ["--max-position-embeddings", "32"])["params"] \
+        == plan.plan_json(table)["params"] + 16 * 64

@@ -111,7 +111,7 @@ def _records(trace_dir, name, rank=None):
 
 
 def _plan(k=TRAIN.micro_batches, extra=()):
-    return plan.make_plan(["--world-size", str(WORLD), "--gpus-per-node", str(NODE),
+    return plan.plan_json(["--world-size", str(WORLD), "--gpus-per-node", str(NODE),
                            "--num-layers", str(LAYERS), "--hidden-size", "64",
                            "--vocab-size", "128", "--params-dtype", "fp32",
                            "--micro-batches", str(k), "--json", *HIER, *extra])

@@ -1,4 +1,4 @@
-"""The launcher's activation estimate (estimate.activation_bytes) for the MLP's width and SwiGLU.
+"""The launcher's activation estimate (candidates.activation_bytes) for the MLP's width and SwiGLU.
 
 What a transformer layer holds for its backward is measured on real megatron-core layers
 (local spec, bf16, Megatron's default dropouts): every tensor autograd saves in the
@@ -10,11 +10,11 @@ architectures equals the measured one.
 """
 from __future__ import annotations
 
-from argparse import Namespace
 
 import pytest
 
-from megatron_lbp.launch import estimate
+from megatron_lbp.launch import candidates
+from megatron_lbp.launch.job import Job
 from megatron_lbp.testing.multirank import run_single
 
 S, B, H, HEADS, V = 64, 2, 128, 8, 256
@@ -25,13 +25,13 @@ def _shape(**over):
              vocab_size=V, ffn_hidden_size=0, swiglu=False, params_dtype="bf16",
              untie_embeddings_and_output_weights=False)
     a.update(over)
-    return Namespace(**a)
+    return Job(**a)
 
 
 def _layer(**over) -> int:
     """The formula's bytes of one layer without recomputation (two layers minus one)."""
-    return (estimate.activation_bytes(_shape(num_layers=2, **over), "none", B)
-            - estimate.activation_bytes(_shape(num_layers=1, **over), "none", B))
+    return (candidates.activation_bytes(_shape(num_layers=2, **over), "none", B)
+            - candidates.activation_bytes(_shape(num_layers=1, **over), "none", B))
 
 
 def test_defaults_keep_korthikantis_34sbh_and_the_width_and_swiglu_count():
@@ -42,10 +42,11 @@ def test_defaults_keep_korthikantis_34sbh_and_the_width_and_swiglu_count():
     # SwiGLU's fc1 has 2f outputs (saved by the fused bias-SwiGLU) and the product f
     assert _layer(swiglu=True, ffn_hidden_size=352) - _layer(ffn_hidden_size=352) \
         == 2 * S * B * 352
-    assert "--swiglu" in estimate.plan_argv(_shape(
-        nodes=1, tasks_per_node=8, gcds_per_package=2, preset="lbp", position_embedding_type="rope",
-        bucket_size=1000, hier_grad_reduce_dtype="fp32", hier_secondary_group_size=0, swiglu=True),
-        8)
+    swiglu = _shape(nodes=1, tasks_per_node=8, gcds_per_package=2, preset="lbp",
+                    position_embedding_type="rope", bucket_size=1000,
+                    hier_grad_reduce_dtype="fp32", hier_secondary_group_size=0, swiglu=True)
+    assert candidates.plan_request(swiglu, 8).model.swiglu     # the plan counts it too
+    assert "--swiglu" in candidates.plan_command(swiglu, 8)
 
 
 def _saved_per_layer(cases):

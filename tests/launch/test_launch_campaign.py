@@ -13,14 +13,14 @@ import shutil
 import subprocess
 import sys
 import time
-from argparse import Namespace
 from pathlib import Path
 
 import pytest
 
 from megatron_lbp.core import costs
 from megatron_lbp.launch import plan
-from megatron_lbp.launch import checkpoints, estimate, health, placement, walltime
+from megatron_lbp.launch.job import Job
+from megatron_lbp.launch import candidates, checkpoints, estimate, health, placement, walltime
 from megatron_lbp.testing.multirank import run_on_ranks
 from tests.helpers.pretrain_runner import REPO, TINY, demo_data, run_pretrain, why
 
@@ -52,36 +52,39 @@ def _shape(**over):
              global_batch_size=1536, micro_batch_size="auto", recompute="full",
              gcd_memory_gb=64.0, reserve_gb=4.0, train_iters=150000, save_interval="auto",
              save_minutes=45.0, milestone_every=10000, step_seconds=0.0, mfu=0.35,
-             write_gbps_per_node=1.0, save_fixed_s=60.0)
+             write_gbps_per_node=1.0, save_fixed_s=60.0,
+             # whole layers and the embedding gathered, as given (the launcher's auto tries
+             # the others where these do not fit)
+             hier_layer_unit="whole", hier_embedding_backward_gather="gather")
     a.update(over)
-    return Namespace(**a)
+    return Job(**a)
 
 
 def test_activation_estimate_orders_the_recomputation_choices():
     a = _shape()
     for b in (1, 2):
-        full, sel, none = (estimate.activation_bytes(a, rc, b) for rc in ("full", "selective", "none"))
+        full, sel, none = (candidates.activation_bytes(a, rc, b) for rc in ("full", "selective", "none"))
         assert full < sel < none, (full, sel, none)
     # Korthikanti: selective keeps 34sbh per layer; the 5as^2b scores only for one layer
     s, h, L, n = 2048, 6144, 44, 64
-    assert estimate.activation_bytes(a, "selective", 2) - estimate.activation_bytes(a, "selective", 1) \
+    assert candidates.activation_bytes(a, "selective", 2) - candidates.activation_bytes(a, "selective", 1) \
         == 34 * s * h * L + 5 * n * s * s + 10 * s * 50304
 
 
 def test_auto_picks_the_largest_micro_batch_that_fits_and_refuses_what_does_not():
-    options, _ = estimate.choices(_shape())
-    chosen = estimate.pick(options, "full")
+    options, _ = candidates.choices(_shape())
+    chosen = candidates.pick(options, "full")
     assert (chosen.recompute, chosen.micro_batch_size) == ("full", 4)   # 1536 / 384 ranks = 4
-    auto = estimate.pick(options, "auto")
+    auto = candidates.pick(options, "auto")
     # At 20B neither no recomputation nor selective fits once the engine's transient
     # buffers are counted (selective at micro-batch 1: ~68 GB): full it is.
     assert auto.recompute == "full" and auto.fits
     assert all(not c.fits for c in options if c.recompute in ("none", "selective"))
     # 10B on 16 nodes: full recompute at micro-batch 1 leaves half the GCD idle
-    small, _ = estimate.choices(_shape(nodes=16, num_layers=32, hidden_size=5120,
+    small, _ = candidates.choices(_shape(nodes=16, num_layers=32, hidden_size=5120,
                                        num_attention_heads=40))
     by = {(c.recompute, c.micro_batch_size): c for c in small}
-    assert by[("full", 1)].total_bytes < 32e9 and estimate.pick(small, "full").micro_batch_size == 4
+    assert by[("full", 1)].total_bytes < 32e9 and candidates.pick(small, "full").micro_batch_size == 4
     lines, resolved, refusal = estimate.report(_shape(nodes=1))
     assert refusal and "use at least NNODES=3" in refusal and not resolved
 
@@ -92,23 +95,23 @@ def test_total_is_plan_state_plus_plan_transient_plus_activations_plus_the_margi
     plus the activation estimate and the named allocator margin; the construction peak counts."""
     shape = {"20b": {}, "10b": dict(num_layers=32, hidden_size=5120, num_attention_heads=40)}
     a = _shape(nodes=nodes, **shape[model])
-    options, _ = estimate.choices(a)
+    options, _ = candidates.choices(a)
     world = nodes * 8
     for c in options:
-        p = plan.make_plan(["--world-size", str(world), "--num-layers", str(a.num_layers),
+        p = plan.plan_json(["--world-size", str(world), "--num-layers", str(a.num_layers),
                             "--hidden-size", str(a.hidden_size), "--vocab-size", "50304",
                             "--seq-length", "2048", "--hier-secondary-group-size", "8",
                             "--micro-batches", str(c.micro_batches),
                             "--hier-prefetch-units", str(c.prefetch_units),
                             "--hier-max-pending-reduces", str(c.max_pending_reduces)])
         want = (p["memory_bytes"]["total"] + p["transient_bytes"]["peak"]
-                + estimate.activation_bytes(a, c.recompute, c.micro_batch_size) + 4 * 10**9)
+                + candidates.activation_bytes(a, c.recompute, c.micro_batch_size) + 4 * 10**9)
         assert c.total_bytes == want, (c, want)
         assert c.state_bytes == p["memory_bytes"]["total"]
         assert c.transient_bytes == p["transient_bytes"]["peak"]
         assert c.construction_bytes == p["construction_peak_bytes"] + 4 * 10**9
         assert c.fits == (max(c.total_bytes, c.construction_bytes) <= 64e9), c
-    chosen = estimate.pick(options, "full")
+    chosen = candidates.pick(options, "full")
     assert chosen is not None and chosen.fits
     lines, _, _ = estimate.report(a)
     total = next(l for l in lines if l.startswith("memory per GCD total:"))
@@ -118,7 +121,7 @@ def test_total_is_plan_state_plus_plan_transient_plus_activations_plus_the_margi
 
 def test_scheme_comparison_ranks_by_projected_step_time_and_names_zeropp_and_zero3():
     a = _shape(nodes=4, num_layers=32, hidden_size=5120, num_attention_heads=40)
-    rows = estimate.scheme_rows(a)
+    rows = candidates.scheme_rows(a)
     steps = [r.choice.step_s for r in rows]
     assert steps == sorted(steps) and all(r.choice.fits for r in rows), steps
     assert {r.scheme for r in rows} >= {"lbp S=node", "zeropp", "zero3"}, {r.scheme for r in rows}
@@ -142,22 +145,22 @@ def test_scheme_comparison_ranks_by_projected_step_time_and_names_zeropp_and_zer
 def test_tied_embedding_gradient_and_untied_output_are_counted():
     a, b = _shape(), _shape(untie_embeddings_and_output_weights=True)
     # Tied: the output layer's gradient of the shared weight waits in autograd (bf16 V*h).
-    assert estimate.activation_bytes(a, "full", 1) - estimate.activation_bytes(b, "full", 1) \
+    assert candidates.activation_bytes(a, "full", 1) - candidates.activation_bytes(b, "full", 1) \
         == 2 * 50304 * 6144
-    ta, tb = (estimate.choices(x)[0][0] for x in (a, b))
+    ta, tb = (candidates.choices(x)[0][0] for x in (a, b))
     assert tb.state_bytes > ta.state_bytes   # the output layer's own V*h weights
 
 
 def test_save_interval_and_checkpoint_size():
-    assert estimate.nice_interval(90, 150000, 10000) == 100        # a divisor of 10000
-    assert estimate.nice_interval(117, 150000, 10000) == 125
-    assert estimate.nice_interval(117, 150000, 0) == 120           # two significant digits
-    assert estimate.nice_interval(5000, 300, 0) == 300             # at most TRAIN_ITERS
+    assert candidates.nice_interval(90, 150000, 10000) == 100        # a divisor of 10000
+    assert candidates.nice_interval(117, 150000, 10000) == 125
+    assert candidates.nice_interval(117, 150000, 0) == 120           # two significant digits
+    assert candidates.nice_interval(5000, 300, 0) == 300             # at most TRAIN_ITERS
     lines, resolved, _ = estimate.report(_shape(step_seconds=30.0))
     assert resolved["SAVE_INTERVAL"] == 100 and resolved["LBP_STEP_S"] == "30"
     assert any("save interval: 100 iterations = 50.0 min of training" in l for l in lines)
     assert resolved["LBP_CKPT_BYTES"] == 14 * resolved["LBP_PARAMS"]
-    assert estimate.save_seconds(283e9, 48, 1.0, 60) == pytest.approx(2 * 283 / 48 + 60)
+    assert candidates.save_seconds(283e9, 48, 1.0, 60) == pytest.approx(2 * 283 / 48 + 60)
 
 
 # --------------------------------------------------------------------------- exit time
@@ -289,7 +292,7 @@ def test_retention_never_touches_a_save_in_progress_and_clears_torn_ones_at_star
 def test_checkpoint_estimate_matches_a_real_checkpoint(saves):
     _, found = checkpoints.scan(saves)
     params = costs.gpt_param_count(2, 64, 4096, seq_length=32, position_embedding_type="rope")
-    est = estimate.checkpoint_bytes(params, "fp32")   # the TINY run's weights are fp32
+    est = candidates.checkpoint_bytes(params, "fp32")   # the TINY run's weights are fp32
     assert abs(found[-1].nbytes - est) / est < 0.15, (found[-1].nbytes, est)
 
 

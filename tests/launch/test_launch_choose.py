@@ -15,7 +15,7 @@ from megatron_lbp.projection import collectives
 from megatron_lbp.projection import project as pj
 from megatron_lbp.projection import knobs
 from megatron_lbp.projection import project_replay as pr
-from megatron_lbp.launch import choose, estimate
+from megatron_lbp.launch import candidates, choose, estimate
 from tests.launch.test_launch_campaign import _shape
 
 MODELS = {"20b": {}, "10b": dict(num_layers=32, hidden_size=5120, num_attention_heads=40)}
@@ -52,7 +52,7 @@ def _independent_plan(a, row):
             "--hier-max-pending-reduces", str(row.choice.max_pending_reduces)]
     if row.choice.layer_unit == "split":
         argv += ["--hier-layer-unit", "split", "--recompute", row.choice.recompute]
-    return plan.make_plan(argv)
+    return plan.plan_from_args(plan.build_parser().parse_args(argv), knob_table=False)
 
 
 @pytest.mark.parametrize("model,nodes", [("20b", 16), ("20b", 48), ("10b", 16), ("10b", 48)])
@@ -62,8 +62,8 @@ def test_the_chosen_total_is_the_plans_state_transient_activations_and_margin(mo
     assert row is not None and row.choice.fits, rows[:3]
     c = row.choice
     p = _independent_plan(a, row)
-    want = (p["memory_bytes"]["total"] + p["transient_bytes"]["peak"]
-            + estimate.activation_bytes(a, c.recompute, c.micro_batch_size) + 4 * 10**9)
+    want = (p.memory_bytes.total + p.transient_bytes.peak
+            + candidates.activation_bytes(a, c.recompute, c.micro_batch_size) + 4 * 10**9)
     assert c.total_bytes == want and max(want, c.construction_bytes) <= 64e9, (row, want)
     assert c.micro_batch_size * c.micro_batches * nodes * 8 == 1536
     # the fastest of those that fit, or, where other schemes' step-time bands tie with it
@@ -85,7 +85,7 @@ def test_the_chosen_total_is_the_plans_state_transient_activations_and_margin(mo
             resolved["RECOMPUTE"], resolved["MICRO_BATCH_SIZE"]) == (
         row.preset, row.secondary, c.recompute, c.micro_batch_size)
     total = next(l for l in lines if l.startswith("memory per GCD total:"))
-    assert f"= {estimate.gb(want)} of 64 GB (fits)" in total, total
+    assert f"= {candidates.gb(want)} of 64 GB (fits)" in total, total
     for name in ("zeropp", "zero3"):
         best = next(r for r in rows if r.scheme == name and r.choice.fits)
         line = next(l for l in lines if l.startswith(f"best {name}:"))
@@ -124,9 +124,9 @@ def test_the_ranking_is_the_projections_step_times_in_order():
             want = pj.step_time(p, model, compute=compute)["step_s"]
         # a row run with other transient knobs than the engine's defaults adds their exposed
         # time; split layers against whole ones at the defaults
-        want += knobs.cost_s(p, estimate.units(a, c.layer_unit), model,
+        want += knobs.cost_s(p, candidates.units(a, c.layer_unit), model,
                              knobs.Knobs(*c.knobs, c.embedding_backward_gather),
-                             default_units=estimate.units(a, "whole"), compute=compute)
+                             default_units=candidates.units(a, "whole"), compute=compute)
         assert c.step_s == pytest.approx(want, rel=1e-12), (r, want)
     assert any(k[0] == "replay" for k in checked) and any(k[0] == "idealised" for k in checked)
 
@@ -203,7 +203,7 @@ def test_the_ranking_replays_the_committed_traces_without_torch():
             "'--vocab-size', '50304', '--global-batch-size', '1536', '--reserve-gb', '4', "
             # whole layers: split ones (never with full recomputation, the traces' mode)
             # would push the replayed rows below the five printed
-            "'--hier-layer-unit', 'whole']); "
+            "'--hier-layer-unit', 'whole', '--verbose']); "   # the ranking in full
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')]; "
             "assert rc == 0 and not bad, (rc, bad)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -234,9 +234,9 @@ def test_measured_links_change_the_projection(tmp_path):
     assert data["GB_per_s_per_gcd"] == {"package": 190.0, "node": 50.0, "network": 2.0}
     links = health.read_links(str(path))
     assert links["network"] == 2e9
-    p = estimate.cached_plan(estimate.plan_argv(_shape(), 384, 1))
-    slow = estimate.step_seconds(_shape(links=links), p, "full", 4)
-    fast = estimate.step_seconds(_shape(), p, "full", 4)
+    p = candidates.plan_of(_shape(), 384, 1)
+    slow = candidates.step_seconds(_shape(links=links), p, "full", 4)
+    fast = candidates.step_seconds(_shape(), p, "full", 4)
     assert slow > fast
     path.write_text(json.dumps({"GB_per_s_per_gcd": {"network": 12.5}}))
     with pytest.raises(ValueError, match="convention"):
@@ -262,11 +262,11 @@ def test_split_layers_make_lbp_fit_without_full_recomputation_at_20b_on_16_nodes
     assert c.step_s < whole.choice.step_s, (row, whole)
     assert "HIER_LAYER_UNIT=split" in c.knob_text()
     # the same row with whole layers does not fit: the split is what makes it fit
-    same = estimate.cached_plan(estimate.plan_argv(
+    same = candidates.plan_of(
         _auto(nodes=16, preset="lbp", hier_secondary_group_size=row.secondary), 128,
-        c.micro_batches, c.knobs))
-    assert (c.state_bytes + same["transient_bytes"]["peak"] + c.activation_bytes
-            + c.margin_bytes) > 64e9, same["transient_bytes"]
+        c.micro_batches, c.knobs)
+    assert (c.state_bytes + same.transient_bytes.peak + c.activation_bytes
+            + c.margin_bytes) > 64e9, same.transient_bytes
     lines, resolved, _ = estimate.report(_auto(nodes=16, preset="lbp",
                                               hier_secondary_group_size=row.secondary))
     assert resolved["HIER_LAYER_UNIT"] == "split" and resolved["RECOMPUTE"] == "selective"
@@ -286,11 +286,11 @@ def test_the_embeddings_skip_makes_a_row_fit_and_is_chosen_at_no_cost(lbp_varian
     assert (c.recompute, c.micro_batch_size, c.embedding_backward_gather) == (
         "none", 1, "skip"), row
     assert c.knob_cost_s == 0 and "HIER_EMBEDDING_BACKWARD_GATHER=skip" in c.knob_text()
-    gathered = estimate.cached_plan(estimate.plan_argv(
+    gathered = candidates.plan_of(
         _auto(nodes=48, preset=row.preset, hier_secondary_group_size=row.secondary,
-              **MODELS["10b"]), 384, c.micro_batches, c.knobs))
-    assert (c.state_bytes + gathered["transient_bytes"]["peak"] + c.activation_bytes
-            + c.margin_bytes) > 64e9, gathered["transient_bytes"]
+              **MODELS["10b"]), 384, c.micro_batches, c.knobs)
+    assert (c.state_bytes + gathered.transient_bytes.peak + c.activation_bytes
+            + c.margin_bytes) > 64e9, gathered.transient_bytes
     _, resolved, _ = estimate.report(_auto(
         nodes=48, hier_layer_unit="whole", hier_embedding_backward_gather="auto",
         preset=row.preset, hier_secondary_group_size=row.secondary, **MODELS["10b"]))

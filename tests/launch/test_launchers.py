@@ -71,6 +71,9 @@ def site(tmp_path):
         # The stand-in files above are not a tokenizer or a dataset: the content checks have
         # their own tests on real files (tests/launch/test_launch_contents.py, the bad-input matrix).
         LBP_CHECK_CONTENTS="0",
+        # The tests read the estimate's full table (every candidate, the ranking); a dry run
+        # without it is the summary's test (test_dry_run_leads_with_its_summary).
+        LBP_VERBOSE="1",
     )
     return {"env": env, "tmp": tmp_path, "srun_marker": calls}
 
@@ -263,11 +266,41 @@ def test_memory_shrinks_with_nodes_and_matches_plan(site):
         printed = float(re.search(r"memory per GCD \(plan\):.* = ([\d.]+) GB", out).group(1))
         peak = float(re.search(r"construction peak per GCD .*: ([\d.]+) GB", out).group(1))
         argv = re.search(r"plan: python -m megatron_lbp.plan (.*)", out).group(1).split()
-        p = plan.make_plan(argv)
+        p = plan.plan_json(argv)
         assert abs(p["memory_bytes"]["total"] / 1e9 - printed) < 0.01
         assert abs(p["construction_peak_bytes"] / 1e9 - peak) < 0.01, (peak, p["construction_peak_bytes"])
         totals.append(printed)
     assert totals[0] > totals[1] > totals[2]
+
+
+def test_dry_run_leads_with_its_summary(site):
+    """The dry run's first lines: the model, the hierarchy, the choice and why (its band, the
+    tie), memory per GCD, step time, saving, the exit time and what a job would refuse, in at
+    most 15 lines; the full table only with LBP_VERBOSE=1, and the summary's choice is the
+    one the training command runs."""
+    r = run(SCRIPTS["20b"], site, "--dry-run", NNODES=48, LBP_VERBOSE=None, HIER_PRESET=None)
+    assert r.returncode == 0, r.stderr + r.stdout
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("[lbp] summary ("), lines[:3]
+    summary = lines[:next(i for i, l in enumerate(lines[1:], 1) if not l.startswith("[lbp]   "))]
+    assert len(summary) <= 15, "\n".join(summary)
+    text = "\n".join(summary)
+    for part in ("model: 44 layers, hidden 6144", "hierarchy: 48 node(s) x 8 ranks",
+                 "choice: ", "memory per GCD total: ", "step time: ", "band [",
+                 "save interval: ", "checkpoint: ", "tie: ", "exit time: "):
+        assert part in text, (part, text)
+    m = re.search(r"choice: (lbp S=\w+|zeropp|zero3|zero2) RECOMPUTE=(\w+) "
+                  r"MICRO_BATCH_SIZE=(\d+)", text)
+    assert m, text
+    cmd = training_line(r.stdout)
+    assert flag(cmd, "--hier-preset") == m.group(1).split()[0]
+    assert flag(cmd, "--micro-batch-size") == m.group(3)
+    assert (flag(cmd, "--recompute-granularity") if "--recompute-granularity" in cmd
+            else "none") == m.group(2)
+    # the free-space check speaks in the summary too, when the job would refuse
+    refusals = [l for l in lines[len(summary):] if l.startswith("[lbp] a job would refuse:")]
+    assert all(l.replace("[lbp] ", "[lbp]   ", 1) in summary for l in refusals), refusals
+    assert "<- chosen" not in r.stdout and "memory per GCD by choice" not in r.stdout
 
 
 def test_dry_run_node_count_from_env_allocation_or_script(site):
@@ -936,7 +969,7 @@ def test_layer_unit_split_reaches_the_estimate_and_the_command_and_full_recomput
     if knobs:
         shape += ["--hier-prefetch-units", knobs.group(1), "--hier-max-pending-reduces",
                   knobs.group(2)]
-    planned = plan.make_plan(shape, knob_table=False)["transient_bytes"]["peak"] / 1e9
+    planned = plan.plan_json(shape, knob_table=False)["transient_bytes"]["peak"] / 1e9
     assert float(m.group(2)) == pytest.approx(planned, abs=0.006), (m.group(0), planned)
     r = run(SCRIPTS["20b"], site, "--dry-run", HIER_LAYER_UNIT="split",
             **{**fixed, "RECOMPUTE": "full"})

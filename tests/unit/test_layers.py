@@ -39,24 +39,12 @@ LAYERS = (
                   "megatron_lbp.gpu_check")),
 )
 
-# Upward imports still allowed, each inside a function (checked), with why. The one left is the
-# planner calling itself through a command line (issue "one way through the planner"): the
-# projection prices a plan that launch/plan.py builds from argv.
-UPWARD = {
-    ("megatron_lbp.projection.project", "megatron_lbp.launch.plan"):
-        "plan_for builds the plan tool's command line and calls make_plan",
-}
+# Upward imports still allowed, each inside a function (checked), with why: none.
+UPWARD: dict[tuple[str, str], str] = {}
 
 # Import circles still allowed (every module of each, function-level imports included), with
 # why; any other circle fails, and so does an entry no circle matches any more.
-CIRCLES = {
-    frozenset({"megatron_lbp.launch.choose", "megatron_lbp.launch.estimate",
-               "megatron_lbp.launch.health", "megatron_lbp.launch.link_survey",
-               "megatron_lbp.launch.plan", "megatron_lbp.projection.collectives",
-               "megatron_lbp.projection.knobs", "megatron_lbp.projection.project",
-               "megatron_lbp.projection.project_replay"}):
-        "the planner calls itself through argv (the UPWARD entry above); it goes with it",
-}
+CIRCLES: dict[frozenset[str], str] = {}
 
 # The package root runs first for every import (the Python 3.11 shims, the notice filter).
 ROOT_IMPORTS = {"megatron_lbp.integration.compat"}

@@ -11,7 +11,7 @@ import pytest
 
 from megatron_lbp.core import costs, program
 from megatron_lbp.launch import plan
-from megatron_lbp.launch import estimate
+from megatron_lbp.launch import candidates, estimate
 from megatron_lbp.projection import knobs
 from megatron_lbp.projection.project import ComputeModel
 from tests.launch.test_launch_campaign import _shape
@@ -45,24 +45,29 @@ SHAPE = ["--world-size", "64", "--num-layers", "6", "--hidden-size", "1024",
          "--micro-batches", "2", "--micro-batch-size", "2", "--json"]
 
 
+def _typed(argv):
+    """The plan command's plan for ``argv``, typed (core.plan.Plan), with its knob table."""
+    return plan.plan_from_args(plan.build_parser().parse_args(argv))
+
+
 def test_the_plans_knob_table_is_the_formula():
-    got = plan.make_plan(SHAPE)
-    rows = got["transient_knobs"]
+    got = _typed(SHAPE)
+    rows = got.transient_knobs
     first = rows[0]
     assert (first["prefetch_units"], first["max_pending_reduces"], first["note"]) == (1, 2, "as given")
-    assert first["transient_peak"] == got["transient_bytes"]["peak"]
+    assert first["transient_peak"] == got.transient_bytes.peak
     assert {(r["prefetch_units"], r["max_pending_reduces"]) for r in rows} >= {
         (1, 1), (0, 2), (0, 1), (2, 2)}
     units = costs.gpt_units(6, 1024, 8192, 512, position_embedding_type="rope")
     compute = ComputeModel(micro_batch_size=2, seq_length=512, recompute=True)
     for r in rows:
         # each setting planned on its own: the table's bytes are that plan's transient peak
-        own = plan.make_plan(SHAPE + ["--hier-prefetch-units", str(r["prefetch_units"]),
-                                      "--hier-max-pending-reduces", str(r["max_pending_reduces"]),
-                                      "--grad-dtype", r["grad_reduce_dtype"],
-                                      "--hier-embedding-backward-gather",
-                                      r["embedding_backward_gather"]])
-        assert r["transient_peak"] == own["transient_bytes"]["peak"], r
+        own = _typed(SHAPE + ["--hier-prefetch-units", str(r["prefetch_units"]),
+                              "--hier-max-pending-reduces", str(r["max_pending_reduces"]),
+                              "--grad-dtype", r["grad_reduce_dtype"],
+                              "--hier-embedding-backward-gather",
+                              r["embedding_backward_gather"]])
+        assert r["transient_peak"] == own.transient_bytes.peak, r
         assert r["saves_bytes"] == first["transient_peak"] - r["transient_peak"], r
         want = knobs.exposed_s(own, units, {"hidden_size": 1024},
                                knobs.Knobs(r["prefetch_units"], r["max_pending_reduces"],
@@ -80,7 +85,7 @@ def test_the_plans_knob_table_is_the_formula():
     text = plan.render(got)
     assert "transient knobs" in text and "as given" in text, text
     # A model given by --params has no compute to time: bytes only.
-    bare = plan.make_plan(["--world-size", "8", "--params", "1e8", "--json"])
+    bare = plan.plan_json(["--world-size", "8", "--params", "1e8", "--json"])
     assert all(r["exposed_s"] is None and r["cost_s"] is None for r in bare["transient_knobs"])
 
 
@@ -95,17 +100,17 @@ def test_the_choice_takes_a_knob_where_the_defaults_do_not_fit():
     settings carry the knob to the launcher."""
     a = _shape(preset="lbp", hier_secondary_group_size=0, recompute="selective",
                micro_batch_size=1)
-    row = _row(estimate.choices(a)[0])
+    row = _row(candidates.choices(a)[0])
     assert row.fits and row.knobs == (1, 1) and row.knob_cost_s == 0.0, row
-    default = estimate.cached_plan(estimate.plan_argv(a, 384, row.micro_batches))
-    over = (row.state_bytes + default["transient_bytes"]["peak"] + row.activation_bytes
+    default = candidates.plan_of(a, 384, row.micro_batches)
+    over = (row.state_bytes + default.transient_bytes.peak + row.activation_bytes
             + row.margin_bytes)
     assert over > 64e9 >= row.total_bytes, (over, row.total_bytes)
     _, resolved, refusal = estimate.report(a)
     assert refusal is None and (resolved["HIER_PREFETCH_UNITS"],
                                 resolved["HIER_MAX_PENDING_REDUCES"]) == (1, 1), resolved
     # An explicit setting is kept: the defaults, which do not fit, are refused.
-    kept = _row(estimate.choices(_shape(**{**vars(a), "hier_max_pending_reduces": 2,
+    kept = _row(candidates.choices(_shape(**{**vars(a), "hier_max_pending_reduces": 2,
                                            "hier_prefetch_units": 1}))[0])
     assert kept.knobs == (1, 2) and not kept.fits
 
@@ -114,8 +119,8 @@ def test_embedding_backward_skip_saves_the_tied_weights_and_only_removes_traffic
     """--hier-embedding-backward-gather skip in the plan: tied, the V*h weights gathered for the
     output layer no longer live across every layer's backward (bf16: 2 bytes each) and the
     collectives are the default's; untied, one backward gather fewer. Never more exposed."""
-    tied = plan.make_plan(SHAPE)
-    skip = plan.make_plan(SHAPE + ["--hier-embedding-backward-gather", "skip"])
+    tied = plan.plan_json(SHAPE)
+    skip = plan.plan_json(SHAPE + ["--hier-embedding-backward-gather", "skip"])
     embedding = costs.padded_numel(8192 * 1024, _hier(tied))
     saved = tied["transient_bytes"]["backward"] - skip["transient_bytes"]["backward"]
     assert saved == 2 * embedding, (saved, 2 * embedding)
@@ -125,8 +130,8 @@ def test_embedding_backward_skip_saves_the_tied_weights_and_only_removes_traffic
     assert skip["embedding_backward_gather"] == "skip"
 
     untied_flags = SHAPE + ["--untie-embeddings-and-output-weights"]
-    gather = plan.make_plan(untied_flags)
-    skip = plan.make_plan(untied_flags + ["--hier-embedding-backward-gather", "skip"])
+    gather = plan.plan_json(untied_flags)
+    skip = plan.plan_json(untied_flags + ["--hier-embedding-backward-gather", "skip"])
     one = costs.unit_collective_bytes(_hier(gather), 8192 * 1024, gather["link_classes"])
     fewer = {c: gather["traffic_by_phase"]["backward_gather"][c]
              - skip["traffic_by_phase"]["backward_gather"][c] for c in costs.LINK_CLASS_ORDER}
@@ -152,7 +157,7 @@ def test_embedding_backward_gather_refuses_other_values():
     with pytest.raises(HierConfigError, match="--hier-embedding-backward-gather"):
         EngineOptions(embedding_backward_gather="never")
     with pytest.raises(ValueError, match="embedding_backward_gather"):
-        costs.transient_bytes(_hier(plan.make_plan(SHAPE)), [10, 10],
+        costs.transient_bytes(_hier(plan.plan_json(SHAPE)), [10, 10],
                               embedding_backward_gather="never")
     assert plan.main(SHAPE + ["--hier-embedding-backward-gather", "never"]) == 2
 
