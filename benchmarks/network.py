@@ -293,7 +293,7 @@ def _model(args) -> dict[str, int]:
     return {"num_layers": args.layers, "hidden_size": args.hidden, "vocab_size": args.vocab}
 
 
-def _plans(args, schemes) -> dict[str, dict[str, Any]]:
+def _plans(args, schemes) -> dict[str, Any]:
     from megatron_lbp.projection.project import plan_for
 
     world = args.nodes * args.ranks_per_node
@@ -425,7 +425,7 @@ def run(args) -> dict[str, Any]:
     cpu_start = cpu_share.snapshot()
     spec, train = _specs(args)
     world = args.nodes * args.ranks_per_node
-    adam_elements = _plans(args, ["lbp"])["lbp"]["padded_params"] / world
+    adam_elements = _plans(args, ["lbp"])["lbp"].padded_params / world
     out: dict[str, Any] = {"config": config(args), "schemes": {}, "calibration": {}}
     derived = args.rate_mbit is None  # frontier-shaped: at Frontier's compute/network ratio
     steps = {s: [] for s in args.schemes}

@@ -36,9 +36,8 @@ def plan(iters: int) -> list[RunSpec]:
 
 
 def preset_extra(preset: str, bf16: bool) -> tuple[str, ...]:
-    # zeropp's int8 secondary (hpZ) copy of fp32 weights is refused by the engine
-    # (config.check_training_dtypes); with fp32 weights the copy is kept in bf16,
-    # the remedy the refusal names, and the plot's legend says so.
+    # With fp32 weights zeropp's hpZ copy is kept in bf16 (its gathers at 16 bits, as
+    # under bf16 training); the summary's preset_extra_args and the plot's legend say so.
     return ("--hier-secondary-dtype", "bf16") if preset == "zeropp" and not bf16 else ()
 
 

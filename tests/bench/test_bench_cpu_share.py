@@ -51,6 +51,7 @@ def test_a_process_outside_the_tree_is_counted_as_others():
         f"{share['others_cpu_s']:.2f} (own {share['own_cpu_s']:.2f})")
 
 
+@pytest.mark.slow
 def test_forkserver_ranks_and_reaped_children_count_as_the_runs_own():
     # Ranks come from a forkserver, which reaps them itself (megatron_lbp.testing.multirank).
     # The harness's own context: a bare mp.get_context("forkserver") started first would

@@ -357,6 +357,7 @@ def test_huggingface_tokenizer_is_refused_without_transformers(tmp_path):
     _refused("needs the 'transformers' package", tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
 
 
+@pytest.mark.slow
 def test_frontier_profiles_default_tokenizer_takes_this_path(files, site):  # noqa: F811  (site: fixture)
     """scripts/frontier_gpt20b.sh as shipped (TOKENIZER_TYPE=GPT2BPETokenizer from VOCAB_FILE/MERGE_FILE)."""
     from tests.launch.test_launchers import SCRIPTS, run, training_line

@@ -32,6 +32,7 @@ def _tensors(model_dir: str) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.slow
 def test_import_matches_transformers_logits_and_export_is_bit_identical(tmp_path):
     tokens = torch.randint(0, hf_models.VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))
     models, jobs = {}, []

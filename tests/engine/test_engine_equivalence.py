@@ -295,6 +295,7 @@ def assert_bf16_tracks(got, ref, label):
     assert_bf16_weights_close(got, ref, label)
 
 
+@pytest.mark.slow
 def test_bf16_lbp_tracks_stock_bf16(bf16):
     """bf16 weights, fp32 master and gradient reduction in both.
 

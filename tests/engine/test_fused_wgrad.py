@@ -37,6 +37,7 @@ def _compare(fused, unfused, label):
         assert diff <= REL * max(w.abs().max().item(), 1.0), f"{label}: final {name} differs by {diff:.3g}"
 
 
+@pytest.mark.slow
 def test_fused_wgrad_trains_like_the_unfused_path_for_10_iterations():
     train = TrainSpec(steps=10, micro_batches=2, bucket_size=20000)
     ranks = run_on_ranks(train_fused_and_unfused, WORLD, TinyGPTSpec(), train, LBP,

@@ -104,6 +104,7 @@ def uninterrupted(tmp_path_factory):
     return root, a
 
 
+@pytest.mark.slow
 def test_optimizer_state_moves_between_hierarchies_and_world_sizes(uninterrupted):
     """B: zero2/4 loads A's checkpoint, saves it again at once, trains steps 2-4.
     C: lbp/8 loads B's checkpoint (two reshardings away from A's) and trains steps 2-4."""

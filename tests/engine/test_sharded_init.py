@@ -177,6 +177,7 @@ def peaks_and_stock_losses(specs, train, argv):
     return out
 
 
+@pytest.mark.slow
 def test_construction_peak_per_rank_is_slices_plus_two_units_on_8_ranks():
     """zero3 on 8 ranks (P = 8: the full weights are 8x a primary slice); the allocator's own
     count of bytes while the model, the engine and the optimizer are built, on every rank,

@@ -78,6 +78,7 @@ SKIP = {"--hier-embedding-backward-gather": "skip"}
 SPLIT = {"--hier-layer-unit": "split"}
 
 
+@pytest.mark.slow
 def test_plan_transient_is_the_engine_peak_never_below_it():
     # One launch, three runs: tied with accumulation and the node-wide secondary copy, the
     # same with one reduce-scatter in flight, and with its layers split in two as well

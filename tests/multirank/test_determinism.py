@@ -44,6 +44,7 @@ def _assert_identical(data, tmp, nproc, iters, extra):
         [rh.tensor_differences({key: a_ckpt[key]}, {key: nudged})[0]]
 
 
+@pytest.mark.slow
 def test_two_runs_identical_4_ranks_lbp(data, tmp_path):
     """CI form: lbp on 4 ranks (2 emulated nodes: P=2, G=2, O=4, so the reductions cross
     nodes and the optimizer state spans both), 3 iterations, bf16 weights."""

@@ -47,6 +47,7 @@ def test_exception_carries_rank_and_traceback_and_peers_are_killed():
     assert "rank(s) [0, 2] killed 2 s after another rank failed (the grace period)" in msg, msg
 
 
+@pytest.mark.slow
 def test_hang_becomes_timeout_failure_with_stacks():
     with pytest.raises(MultiRankError) as err:
         run_on_ranks(ranks_fns.hang_forever_in_sleep, 2, timeout=12)

@@ -110,6 +110,7 @@ def test_dist_checkpointing_roundtrip_on_gloo_ranks(tmp_path):
     assert (tmp_path / "ckpt" / "metadata.json").exists(), sorted(p.name for p in (tmp_path / "ckpt").iterdir())
 
 
+@pytest.mark.slow
 def test_nothing_is_patched_when_an_accelerator_is_present():
     code = (
         "import torch\n"
@@ -150,6 +151,7 @@ print('ok')
 """
 
 
+@pytest.mark.slow
 def test_torch_compile_of_a_function_is_set_up_at_its_first_call():
     out = subprocess.run([sys.executable, "-c", _COMPILE_PROBE], capture_output=True, text=True,
                          timeout=300)

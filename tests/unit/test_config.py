@@ -263,7 +263,7 @@ def test_argument_group_and_defaults():
             args.hier_grad_group_size, args.hier_optim_group_size,
             args.hier_secondary_group_size, args.hier_secondary_dtype, args.hier_gpus_per_node,
             args.hier_gcds_per_package, args.hier_allow_non_colocated) == \
-        (False, None, None, None, None, None, "int8", None, None, False)
+        (False, None, None, None, None, None, None, None, None, False)   # dtype: the preset's
     assert not hasattr(args, "hier_world_size")
     for action in p._actions:
         if action.dest.startswith("hier_"):
@@ -333,7 +333,7 @@ def test_from_plain_namespace_without_hier_attributes():
 
 
 def test_secondary_dtypes_constant():
-    assert SECONDARY_DTYPES == ("int8", "bf16") and PRESETS[0] == "lbp"
+    assert SECONDARY_DTYPES == ("int8", "bf16", "param") and PRESETS[0] == "lbp"
 
 
 def test_megatron_parser_accepts_our_flags():
@@ -351,7 +351,8 @@ def test_megatron_parser_accepts_our_flags():
     megatron_dests = {a.dest for a in megatron._actions}
     p = add_hier_arguments(megatron)  # argparse raises on a clashing option string
     ours = {a.dest for a in p._actions if a.dest.startswith("hier_")}
-    assert len(ours) == 25 and not ours & megatron_dests, ours & megatron_dests
+    # 25 + --hier-secondary-scope and --hier-grad-quant-scheme (ZeRO++'s hpZ scope and qgZ)
+    assert len(ours) == 27 and not ours & megatron_dests, ours & megatron_dests
     clash = ours & {f.name for f in dataclasses.fields(ddp_config)}
     assert not clash, f"get_megatron_ddp_config would copy {clash}"
     args = p.parse_args(["--hier-partition", "--hier-preset", "hsdp",
