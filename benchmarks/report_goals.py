@@ -401,7 +401,7 @@ def headline(runs, goal_list) -> list[dict[str, Any]]:
     z3, zp = by_id["bytes_vs_zero3"], by_id["bytes_vs_zeropp"]
     if z3["value"] is not None and zp["value"] is not None:
         same = by_id["bytes_independent_of_k"]
-        k_note = ("" if same["value"] is None else "; the same at K=4" if same["value"]
+        k_note = ("" if same["value"] is None else "; lbp's own the same at K=4" if same["value"]
                   else "; different at K=4")
         lines.append({"id": "network_bytes", "values": [z3["value"], zp["value"]],
                       "text": f"Network bytes per rank per optimizer step (K=1): lbp / zero3 = "
