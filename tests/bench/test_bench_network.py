@@ -355,7 +355,7 @@ def test_compute_from_measured_reproduces_the_timed_compute():
     model = {"num_layers": 4, "hidden_size": 256, "vocab_size": 1024}
     plan = pj.plan_for(model, 8, "lbp", 2, gpus_per_node=4)
     compute = pj.compute_from_measured(model, plan.params, 64, 1, micro_batch_s=0.08,
-                                       adam_s=0.01, adam_elements=plan["padded_params"] / 8)
+                                       adam_s=0.01, adam_elements=plan.padded_params / 8)
     ideal = pj.LinkModel.from_measured({c: 1e30 for c in ("package", "node", "network")},
                                        {c: 0.0 for c in ("package", "node", "network")})
     t = pj.step_time(plan, model, ideal, compute)
