@@ -1,86 +1,12 @@
 """Memory and traffic per rank of one hierarchy configuration (pure arithmetic, no torch).
 
-This is the planning side of docs/design.md §2: given the group sizes (P, S, G, O and
-R = W/O replicas), the bucket sizes and the dtypes, it says how many bytes of each
-kind of state a rank holds and how many bytes it sends per optimizer step over
-each link class. The engine's byte counters are meant to equal these figures
-exactly, so every size comes from the padded bucket, exactly as the layout pads it.
-
-Accounting rules
-----------------
-* Every figure is bytes **per rank**; buckets are summed.
-* Padding: a bucket of ``numel`` elements occupies ``padded_numel`` elements,
-  the smallest multiple of ``lcm(O*align, S*align if S else 1)`` that is at
-  least ``numel`` (``align`` = 128 by default). Every group size divides it.
-  :func:`padded_numel` uses ``megatron_lbp.core.layout.plan_bucket`` when that module
-  is importable, so plan and engine cannot disagree.
-* A collective over a group of ``n`` ranks is charged to the slowest link class
-  its members span (``topology.link_class`` of the group); the caller passes the
-  class of each group family in ``link_classes``. A group of one rank costs 0.
-* Bytes **sent** per rank (ring algorithms):
-
-  - all-gather whose full output is ``T`` bytes: ``T*(n-1)/n``
-  - reduce-scatter whose full input is ``T`` bytes: ``T*(n-1)/n``
-  - all-reduce of ``T`` bytes: ``2*T*(n-1)/n``
-
-  All-gathers and reduce-scatters are exact integers after padding (asserted).
-  An all-reduce across ``R`` replicas is exact only when ``R`` divides
-  ``2*T``; otherwise the figure is returned as a float (the ring then
-  splits the buffer unevenly and the average is fractional).
-* Every int8 payload is blockwise: one fp32 scale per ``quant_block_size``
-  elements of each rank's slice, a slice of ``n`` elements taking
-  ``q(n) = n + 4*ceil(n/quant_block_size)`` bytes (``int8_payload_bytes``,
-  equal to megatron_lbp.quant.quantized_nbytes). The int8 secondary copy is
-  one such slice per rank, and the full bucket gathered in the backward pass
-  is S of them. qwZ gathers P slices q(N/P), and a secondary copy not stored as
-  int8 as S slices q(N/S); qgZ sends each peer of an n-rank reduce-scatter its
-  chunk as q(N_in/n) bytes through an all-to-all (a rank's own chunk stays
-  home), i.e. (n-1)*q(N_in/n) bytes per rank. With ``grad_quant_scheme``
-  "int4-hier" every qgZ chunk is int4 instead, q4(n) = ceil(n/2) +
-  4*ceil(n/block) (``int4_payload_bytes``), and where the S-groups nest in the
-  G-group (1 < S < G, S | G; ``config.hierarchical_grad_reduce``) the "grad"
-  reduce runs in two hops, X = G/S, c = N/G: (S-1)*X*q4(c) over the S-group
-  ("secondary") and (X-1)*q4(c) across S-groups ("grad_cross").
-* qwZ and qgZ come from the config (``quantize_weight_gather``,
-  ``quantize_grad_reduce``, ``quant_block_size``; absent = off / 256). qgZ
-  quantizes exactly the gradient reduce-scatter families ("grad", "inter")
-  whose link class is "network" (``quantized_grad_families``).
-* The secondary copy's scope (``secondary_scope``): "backward" (read by the
-  backward gathers only) or "step" (ZeRO++'s hpZ: the step's first forward
-  gathers from the primary slices, every later forward and every backward from
-  the secondary copy), so with the step scope forward_gather is one P-group
-  gather plus k-1 S-group gathers per unit.
-
-Memory per rank (N = padded bucket numel, w = weight bytes, g = grad bytes)::
-
-    primary   = w*N/P
-    secondary = 0 (S = 0) | N/S + 4*ceil(N/S/block) (int8) | 2*N/S (bf16)
-                | w*N/S (param: the weights' dtype)
-    grad      = g*N/G
-    optimizer = 12*N/O for bf16/fp16 weights (fp32 master + Adam m, v);
-                 8*N/O for fp32 weights (the master is the primary slice: the
-                 optimizer slice lies inside the primary slice)
-
-Traffic per rank per optimizer step (k micro-batches), phase -> collective::
-
-    forward_gather   k * allgather(w*N, P)                       class(param)
-                     qwZ: k * (P-1)*q(N/P)
-                     step scope: 1 of those + (k-1) * the S gather below
-    backward_gather  k * allgather(secondary full bucket, S)     class(secondary)
-                     (qwZ on a non-int8 copy: (S-1)*q(N/S))
-                     or, if S = 0, as forward_gather             class(param)
-    grad_reduce      k * reducescatter(g*N, G)                   class(grad)
-                     qgZ on "grad": k * (G-1)*q(N/G)
-                     two-hop int4: k * ((S-1)*X*q4(c)            class(secondary)
-                                      + (X-1)*q4(c))             class(grad_cross)
-    step_reduce      reducescatter(g*N/G, O/G)                   class(inter)
-                     qgZ on "inter": (O/G-1)*q(N/O)
-                     + allreduce(g*N/O, R)                       class(replica)
-    step_gather      allgather(w*N/G, O/G)                       class(inter)
-                     + allgather(w*N/P, G/P)                     class(grad_to_param)
-
-Transient buffers (the full bucket being gathered or reduced) are not part of
-the memory figures.
+The planning side of docs/design.md §2: from the group sizes (P, S, G, O, R),
+bucket sizes and dtypes, the bytes of each kind of state a rank holds and the
+bytes it sends per optimizer step over each link class.
+Invariants: every figure is bytes per rank, from the padded bucket exactly as
+the layout pads it (so the engine's byte counters equal these figures); a
+collective is charged to the slowest link class its group spans; a group of
+one rank costs 0. The accounting rules and formulas: docs/design.md.
 """
 from __future__ import annotations
 

@@ -1,45 +1,13 @@
 """One optimizer step's communication as a program: what is issued on which communicator, where.
 
-A pure description (no torch) of what the engine (megatron_lbp.engine.schedule,
-step_comm) does in one step, derived from the units, the hierarchy's group
-sizes, the micro-batches and the knobs. It is a list of :class:`Op`, in program
-order, each at a *program point*: a unit's hook in a forward or backward pass
-(``at``: the unit whose module runs), or the optimizer step (``at`` None).
-Five actions:
-
-- ``issue``: a collective (phase, unit, group family, op) on its communicator
-  (``comm``, family and channel: ``grad_reduce``, ``inter_gather``...). Each
-  communicator is one ordered stream: its collectives run in program order.
-  ``waits`` lists the collectives (op indices) on *other* streams whose
-  completion its stream waits for before running it (an event recorded on the
-  producer's stream): the network reduction after the in-node reduce-scatter,
-  the replica all-reduce after the network reduction, a refresh's node hop after
-  its network hop. The issue itself never waits: it happens at its point.
-  An index above the op's own means that op in the step before (a unit's
-  forward gather waits for the previous step's refresh of the unit).
-- ``wait``: the compute at this point uses the data of collective ``waits[0]``
-  (on a GPU the compute stream waits for its event; on gloo the host does).
-- ``compute``: the unit's module computes (its forward, or its backward with the
-  recomputation inside it), with every unit it needs landed;
-- ``alloc`` / ``free``: a transient buffer of a unit (``buffer``: ``weights``,
-  ``gather`` (a gather's own receive/send buffers), ``secondary_gather`` (the
-  same, of a gather that reads the secondary copy), ``grad`` (the full
-  gradient), ``reduce`` (a reduce-scatter's extra buffers), ``finish`` (qgZ's
-  fp32 sum while a reduction lands), ``step_grad`` (the 1/O result of the
-  network reduction), ``step_network`` (qgZ's buffers of it), ``widened``
-  (the fp32 copy of a bf16 1/O gradient)). A buffer a collective reads or writes
-  is freed only after a ``wait`` for that collective.
-
-The program is what the engine issues, in this order, on every rank, for
-models whose modules run in unit order (forward) and its reverse (backward):
-every issue is at a hook, a micro-batch boundary or the optimizer step, never
-where the host happened to see a collective finish. The plan's transient bytes
-(megatron_lbp.core.costs.transient_bytes) are this program's buffers walked in
-order (:func:`peaks`).
-
-Segments: the forward and the backward of each micro-batch, then ``step``. A
-backward ends with the reductions it left completed (the engine completes them
-at the next forward, or before the step, with nothing issued between).
+A pure description (no torch) of what the engine does in one step: a list of
+:class:`Op` in program order, each at a program point (a unit's hook, or the
+optimizer step), with actions ``issue``, ``wait``, ``compute``, ``alloc``, ``free``.
+Invariants: each communicator runs its collectives in program order; every
+issue is at a hook, a micro-batch boundary or the step, so the program is the
+same on every rank; a buffer is freed only after a ``wait`` for its collective.
+The plan's transient bytes are this program's buffers walked in order (:func:`peaks`).
+See docs/schedule-trace.md and docs/engine.md.
 """
 from __future__ import annotations
 

@@ -1,45 +1,12 @@
 """Every collective the engine issues, and the bytes each one puts on each link.
 
-One small interface (:class:`Collectives`) wraps the five torch.distributed
-calls the engine needs. Each call names the group *family* it runs in
-("param", "grad", "inter", ...) and the *phase* of the step it belongs to;
-the ledger then charges the bytes this rank sends to that family's link
-class. The accounting is the same as the plan tool's (megatron_lbp.core.costs):
-
-- all-gather producing T bytes over n ranks: T·(n-1)/n sent per rank;
-- reduce-scatter consuming T bytes over n ranks: T·(n-1)/n (on gloo run as an
-  all-to-all and a local sum, which sends exactly that: :func:`exchange_reduce_scatter`);
-- all-reduce of T bytes: 2·T·(n-1)/n (ring);
-- all-to-all of a T-byte input over n ranks: T·(n-1)/n (the own chunk stays home);
-- a group of one rank sends nothing (and no collective is issued).
-
-Bulk phases are those the plan predicts; "control" holds the scalar
-collectives (gradient norm, inf/nan flags, start-up broadcast) that it does not.
-
-Each family has one communicator per *channel* (megatron_lbp.engine.process_groups):
-all-gathers run on its "gather" communicator, reduce-scatters, all-to-alls and
-all-reduces on its "reduce" one, so a weight gather never waits behind a
-gradient reduction over the same ranks.
-
-Every per-collective concern is an observer of the collectives
-(:class:`CollectiveObserver`, registered once): the ledger (bytes per phase
-and link), the fault-injection seam, the fault tracker (what is in flight, for
-a diagnosis; the stall watch on NCCL), :class:`CommStats` (counts of
-synchronous and asynchronous calls and of those in flight, docs/design.md §6)
-and, with ``--hier-trace``, the schedule trace (megatron_lbp.engine.trace),
-which records when each was issued, first waited for and done. Issuing a
-collective is one path (:meth:`Collectives._issue`) that tells them.
-
-Every asynchronous collective runs on the stream of its communicator
-(megatron_lbp.engine.streams); a synchronous one runs on the host, after what
-that communicator's stream still holds.
-
-A collective that fails (a peer died, or the group's timeout ran out) is
-diagnosed once by :mod:`megatron_lbp.engine.faults` and raised as a
-``CollectiveFault`` naming the lost rank(s) and the phase; asynchronous work
-keeps the phase it was issued in until ``wait()``. On NCCL, where ``wait()``
-only orders streams, every collective is also handed to the fault module's
-stall watch, which diagnoses one that does not complete in time.
+:class:`Collectives` wraps the torch.distributed calls the engine needs; each
+call names its group family and phase, and one path (:meth:`Collectives._issue`)
+tells the registered observers (ledger, fault tracker, :class:`CommStats`, trace).
+Invariants: the ledger's bytes follow the plan's ring accounting
+(megatron_lbp.core.costs) exactly; a group of one rank issues nothing; gathers
+and reductions run on separate communicators, each asynchronous one on its
+communicator's stream. Accounting: docs/design.md.
 """
 from __future__ import annotations
 

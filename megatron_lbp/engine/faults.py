@@ -1,66 +1,13 @@
 """A lost rank or a stuck collective: who, in which phase, one log line, and every rank exits.
 
-Why this is needed: gloo tells a dead peer's loss only to the ranks that read
-from that peer's socket. The others keep waiting in collectives with ranks
-that are alive but busy handling the error, so without help a dead rank
-turns into a job that hangs until the process-group timeout, and the log of
-whichever rank fails first says "Connection reset by peer" without naming
-anyone.
-
-How it works (all through the job's own rendezvous store, no extra service):
-
-1. Phase tracking: :class:`~megatron_lbp.engine.comm.Collectives` marks, for
-   every collective it issues or waits for, its phase, group family and ranks
-   (:data:`TRACKER`); asynchronous work carries the phase it was issued in, so
-   an error that surfaces at ``wait()`` is attributed to that phase.
-2. A monitor thread per rank blocks on its own store key over its own
-   connection: idle, it costs nothing. A rank that raises the fault flag sets
-   every rank's key, which wakes every live monitor; it checks in with what
-   its main thread is doing -- even when that thread sits in a collective with
-   a peer that is itself busy diagnosing.
-3. A rank whose collective fails (:func:`diagnose`) checks in and raises the
-   flag; the first one (a store counter decides) waits up to the check-in
-   window for every rank and publishes the verdict: the ranks that never
-   checked in are lost, and the phase is the earliest collective a survivor
-   waits for them in. Every rank prints one line naming them and the phase
-   (its monitor does, wherever the main thread fails), and the engine raises
-   :class:`CollectiveFault` (exit status non-zero). A failure surfacing in a
-   collective outside the engine (Megatron's own) is diagnosed by
-   :func:`install_excepthook` before the traceback.
-4. The store lives in rank 0's process for plain and Slurm launches: when it
-   no longer answers, rank 0 is the lost one.
-5. Once a verdict is known a rank exits within ``exit_grace_s`` even if its
-   main thread is stuck somewhere else (Megatron's own collectives, shutdown).
-   The hierarchy's groups are created with ``--hier-collective-timeout-s``,
-   so a peer that is alive but stuck cannot hold the others forever either.
-
-6. NCCL (and RCCL, which torch names nccl) is different: ``work.wait()`` only
-   makes the compute stream wait, a failure or timeout surfaces in
-   ProcessGroupNCCL's watchdog thread, and by default (TORCH_NCCL_ASYNC_ERROR_
-   HANDLING=3) that thread ends the process, before anyone could name anyone.
-   On the nccl backend the engine therefore (a) sets TORCH_NCCL_ASYNC_ERROR_
-   HANDLING=2 before any process group exists (:func:`prepare_backend_environment`:
-   an NCCL error or timeout aborts the communicators and leaves the process to
-   the engine) and (b) runs a stall watch (:class:`_StallWatch`): every engine
-   collective is registered when issued, and one that has not completed half of
-   ``--hier-collective-timeout-s`` after its issue (the watchdog's timeout)
-   starts the same check-in through the store as above; the verdict is out
-   after the stall window plus the check-in window, before the watchdog's
-   timeout (:func:`check_timing` refuses windows that would not be). A rank's
-   check-in then names the oldest collective it is waiting for on the device,
-   since its main thread is not inside one. A failed (aborted) collective
-   surfaces on the host at the next collective issued on its communicator, and
-   reaches :func:`diagnose` as on gloo. ``LBP_FAULT_STALL_WATCH=1`` runs the
-   stall watch on gloo as well, which is how the tests exercise this path on CPU
-   (a hung rank: gloo's blocking ``wait()`` would otherwise only fail at the timeout).
-
-Fault injection (testing aid): ``LBP_FAULT_INJECT="rank=3,phase=grad_reduce,
-iteration=2"`` makes rank 3 SIGKILL itself right before issuing its first
-``grad_reduce`` collective of iteration 2, once the collectives it already
-issued have completed (so the collective it dies before is the one it never
-joined) (``action=hang``: sleep there instead; ``action=nan``, with ``phase=grad_reduce`` only: write a nan into the
-rank's own gradient before it is checked and reduced, as a poisoned batch
-would). Unset, the engine never looks at it again after start-up.
+Collectives mark their phase, family and ranks (:data:`TRACKER`); a rank whose
+collective fails (:func:`diagnose`), or whose collective stalls (the stall watch,
+on nccl or with ``LBP_FAULT_STALL_WATCH=1``), raises a flag through the job's
+rendezvous store; every live rank checks in, the ranks that never do are the
+lost ones, every rank prints one line naming them and the phase, and exits
+within ``exit_grace_s`` (:class:`CollectiveFault`).
+``LBP_FAULT_INJECT="rank=3,phase=grad_reduce,iteration=2"`` (``action=hang``
+or ``nan``) is the testing aid. Details: docs/faults.md.
 """
 from __future__ import annotations
 

@@ -1,61 +1,13 @@
 """Sharded initialization: build a model without ever holding all of its weights.
 
-The model's own constructor runs, unchanged, twice; each parameter is
-generated in full only while the constructors that can touch it run, so at
-most a few modules' weights are ever resident (on top of this rank's slices),
-and every initializer draws from the generators exactly as in a plain build,
-which is what makes the values equal the stock path's for the same seed.
-
-1. Build time (:func:`build_sharded`): the constructor runs for real. As soon
-   as a module is attached to its parent, the parameters it registered are
-   *released*: ``param.data`` becomes a placeholder, one element of its own
-   broadcast to the parameter's shape, already in the dtype and on the device
-   the model's wrappers will give it (``.cuda()`` and a cast to the same dtype
-   return it unchanged and allocate nothing). Buffers and every other
-   attribute are the real ones, so the model is the stock model minus weights.
-   Parameters stay the same objects (their Megatron attributes included).
-2. Wrap time (:meth:`ShardedConstruction.materialize`): when the engine has
-   laid out its buckets, the constructor runs again from the generator state
-   the first run started from; each parameter, once released, is handed to
-   ``write`` (the engine copies this rank's slices of it, see
-   :meth:`HierDataParallel.write_weights`) and dropped. That second model is
-   discarded and the generators are put back where they were.
-
-Constructors that touch a parameter after attaching its module. Releasing at
-attach is a guess about when a parameter's values are final, and a
-constructor may prove it wrong: megatron-core's ``LanguageModelEmbedding``
-attaches ``torch.nn.Embedding`` (whose own init draws N(0, 1)) and then
-re-initialises its weight with ``embedding_init_method``. Every aten operation
-while a constructor runs passes a dispatch watch (:class:`_Watch`), so such a
-touch is seen, whatever the constructor:
-
-- in the first run, the touched parameter gets real memory again (zeros, in
-  its original dtype and device) and the operation runs on it; the parameter
-  is *late*, and is released again only when the constructor that touched it
-  returns (its module is attached, or the build ends). Its memory is named in
-  :attr:`ShardedConstruction.late`. A first operation that overwrites the whole
-  tensor (an initializer: ``normal_``, ``uniform_``, ``fill_``, ``zero_``,
-  ``copy_``, an ``out=`` variant) needs none of the dropped values and draws
-  the generators as the plain build does; anything else (a read, a view, a
-  partial write) would have seen the dropped values, so the first run is
-  repeated from its starting generator state with every late parameter held
-  from registration until its release, which makes it exact.
-- in the second run, late parameters are held the same way (they are handed
-  to ``write`` at their release point, with their final values); touching a
-  released parameter there means the two runs differ and raises
-  :class:`ShardedInitError`. A parameter whose ``.data`` a constructor
-  replaces after release is treated as late too.
-
-Why not the meta device (PyTorch FSDP2/torchtitan, megatron-core's
-``--init-model-with-meta-device``): those build on ``meta`` and then call each
-module's ``reset_parameters``/``init_weights``. megatron-core's local layers
-have none (Megatron-FSDP refuses such modules) and ``torch.nn.Embedding``'s
-draws N(0, 1), not Megatron's ``embedding_init_method``, so the values and
-the generator states would not be a plain build's. Rerunning the constructor
-itself keeps both, for any constructor.
-
-The two runs are matched parameter by parameter in registration order (name,
-shape and dtype checked).
+The model's constructor runs twice: at build time (:func:`build_sharded`) each
+parameter is released to a placeholder once its module is attached; at wrap
+time (:meth:`ShardedConstruction.materialize`) it runs again from the same
+generator state and each parameter is handed to ``write`` and dropped.
+Invariants: the values equal a plain build's for the same seed; a constructor
+touching a released parameter is seen by a dispatch watch (such parameters
+are *late*); the two runs are matched parameter by parameter (name, shape,
+dtype), and a mismatch raises :class:`ShardedInitError`. See docs/engine.md.
 """
 from __future__ import annotations
 

@@ -1,88 +1,14 @@
 """When each gather unit is gathered, freed and reduced: the engine's schedule, in one place.
 
 Hooks (megatron_lbp.engine.data_parallel) call the methods here; the units
-(megatron_lbp.engine.unit) do the collectives. One micro-batch:
-
-forward     the root module's pre-forward opens the pass. A module's pre-forward
-            *needs* the units it uses: each one not yet gathered is gathered
-            (asynchronously when overlap is on), then the gathers of the next
-            ``prefetch_units`` units in forward order are issued, and only then
-            does the module wait for its own units and compute. So the next
-            unit's all-gather is in flight while the current one computes. The
-            first need of a unit in a forward also keeps its 1/S secondary copy
-            (S > 0). A unit is freed after its last user's post-forward, or, where
-            modules hold it (grouping.UnitSpec.held_by), after theirs: a split
-            layer's attention unit is held by the pre-MLP norm, its MLP unit by
-            the layer, because the layer adds each half's last bias after the
-            half's module returns (a user called twice, megatron-core's chunked
-            MLP, then frees nothing early).
-backward    the first backward hook opens the pass. A module's pre-backward (a
-            hook on its outputs' gradients) needs its units again, in backward
-            order and with the same look-ahead; the gathers read the secondary
-            copy when S > 0. Activation recomputation is the forward of a
-            module running inside the backward pass: it needs its units like a
-            backward hook does, prefetching as well. When a unit's last
-            gradient has arrived its weights are freed and its gradient
-            reduce-scatter is issued, asynchronously when overlap is on, at
-            most ``max_pending_reduces`` (--hier-max-pending-reduces, default
-            MAX_PENDING_REDUCES) of them in flight before the oldest is
-            waited for. Weight gathers and reductions run on separate
-            communicators, each asynchronous one on its communicator's stream
-            (megatron_lbp.engine.streams), so a gather never queues behind a
-            reduce-scatter and the compute waits only where it uses the data
-            (the unit's need, the bound).
-            With ``embedding_backward_gather="skip"``
-            (--hier-embedding-backward-gather skip) the embedding unit is not
-            gathered (nor prefetched) for its own modules' backward: a lookup's
-            backward reads only the indices and the weight's shape. A module
-            computing with it from another unit (the tied output layer) still
-            gathers it, and frees it once that module's backward is done
-            (:meth:`UnitSchedule.post_backward`: the gradients of its inputs
-            are ready), not at the embedding's last gradient. The gradient
-            path is unchanged.
-between     the next forward (or finish_grad_sync) first completes what the
-            backward left: units whose gradients never came are reduced anyway
-            (every rank takes part in every collective), every reduce-scatter is
-            waited for.
-
-The optimizer step overlaps at both ends (megatron_lbp.engine.chains):
-
-last micro-batch  the backward that follows :meth:`UnitSchedule.mark_last_micro_batch`
-            (Megatron's schedules say so by leaving the wrapper's ``no_sync()``,
-            inside which they run every micro-batch but the last) is the step's
-            last: where the schedule completes a unit's G-group reduce-scatter
-            (at the bound, or at the end of the backward), the unit's network
-            reduction to the 1/O optimizer slice is issued, under the rest of
-            the backward. A backward after it (before zero_grad_buffer)
-            would come too late and is refused. Without the mark the reductions
-            start in the optimizer step, all at once.
-next forward the optimizer issues each unit's updated-weights gathers (both hops,
-            on their communicators' streams) at the end of the step, in the
-            order the forward will need the units; the unit's first use waits
-            for them (``StepComm.await_refresh`` before its gather): its
-            forward gather, issued as a prefetch under the unit before it or
-            at its need. On a GPU that wait only orders streams;
-            on gloo it blocks the host for what has not landed yet (usually
-            nothing: they ran under the units before).
-
-Nothing is issued because the host saw a collective finish: every collective is
-issued at a hook, a micro-batch boundary or the optimizer step, and a reduce-scatter
-is completed only at the bound or the flush, so the sequence of collectives a rank
-issues is a function of the program (megatron_lbp.core.program), the same on every
-rank whatever its timing, as NCCL/RCCL require across communicators.
-
-Order: prefetching follows each pass's order, the order in which units were
-first needed in the previous pass of that kind (forward, or backward with its
-recomputation); before any pass has run, module order for forward and its
-reverse for backward. The look-ahead counts from the *home* unit of the module
-being run (megatron_lbp.engine.grouping), so the tied output layer, which also
-uses the embedding unit, does not make the window jump back to the start.
-Every rank runs the same modules in the same order, so every rank issues the
-same collectives in the same order.
-
-The schedule also samples ``comm.stats.in_flight`` at the start of each unit's
-compute (``overlap_samples``) and, with a trace, records each unit's compute
-intervals per pass.
+(megatron_lbp.engine.unit) do the collectives. A unit is gathered at its first
+need in a pass, with the next ``prefetch_units`` units prefetched in that pass's
+order; freed after its last user; its gradient reduce-scatter is issued when its
+last gradient arrives, at most ``max_pending_reduces`` in flight.
+Invariant: every collective is issued at a hook, a micro-batch boundary or the
+optimizer step, never because the host saw one finish, so the sequence of
+collectives is a function of the program and the same on every rank.
+Passes, look-ahead and the optimizer-step overlap: docs/engine.md, docs/schedule-trace.md.
 """
 from __future__ import annotations
 

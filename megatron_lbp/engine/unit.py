@@ -1,49 +1,13 @@
 """A gather unit: what one all-gather brings in and one reduce-scatter sends back.
 
-A unit is one :class:`~megatron_lbp.engine.buckets.FlatBucket` (one layout, one
-padding) holding the weights of one part of the model that is computed as a
-whole: a transformer layer, the embedding, the output layer (see
-megatron_lbp.engine.grouping for how a model is cut into units). The unit owns
-its collectives and its state; *when* they run is the schedule's business
-(megatron_lbp.engine.schedule), and hooks only call the schedule.
-
-Weights: ``SHARDED`` (only this rank's 1/P primary slice, and the 1/S secondary
-copy when S > 0) -> :meth:`GatherUnit.unshard` -> ``GATHERING`` (an asynchronous
-all-gather into ``full`` in flight) -> :meth:`GatherUnit.wait_for_unshard` ->
-``GATHERED`` -> :meth:`GatherUnit.reshard` -> ``SHARDED``. In forward the gather
-reads the primary slices in the P-group (int8 + scales with qwZ); in backward,
-the secondary copies in the S-group when S > 0, and with the secondary copy's step
-scope (zeropp's hpZ) also in every forward after the step's first
-(:meth:`GatherUnit.reads_secondary`).
-
-Gradients: each parameter's gradient is written into the unit's transient
-fp32 ``grad_full`` (:meth:`GatherUnit.accumulate`: copied on its first arrival,
-added after), or, with gradient-accumulation fusion, a fused kernel has
-already added it into ``param.main_grad``, a view of ``grad_full`` that
-:meth:`GatherUnit.prepare_backward` gives zeroed memory before the unit's
-backward (only counted then: :func:`unfused_gradient`); when the last one has
-arrived the schedule calls :meth:`GatherUnit.start_reduce`, which frees the
-weights and reduce-scatters in the G-group with the 1/W average folded into
-the collective where the backend can (NCCL's PREMUL_SUM,
-:meth:`Collectives.folds_prescale`; this rank's inf/nan then counted only with
---check-for-nan-in-loss-and-grad, which names the rank), else into the one
-pass that also counts this rank's inf/nan (qgZ's quantized all-to-all, in two hops
-for zeropp: engine/quantized.py),
-straight into the persistent 1/G shard on the first micro-batch of a step and, at
-:meth:`GatherUnit.finish_reduce`, added to it on later ones.
-
-Every asynchronous collective of a unit runs on its communicator's stream
-(megatron_lbp.engine.streams); the host waits for its event where the data is
-used (:meth:`GatherUnit.wait_for_unshard`, :meth:`GatherUnit.finish_reduce`)
-and only then frees its buffers (``check_free``).
-
-The optimizer step's two hops (the 1/G shard to the 1/O optimizer slice, the
-updated weights back up) are not the unit's: megatron_lbp.engine.step_comm owns
-them. Whoever gathers a unit waits for its refresh first
-(``StepComm.await_refresh``: the schedule, the wrapper's checkpoint gathers), so
-the weights a forward computes with are always the updated ones; a gather
-issued while the refresh still writes the primary slice is refused
-(``check_free``).
+One :class:`~megatron_lbp.engine.buckets.FlatBucket` holding the weights of a part
+of the model computed as a whole (a layer, the embedding, the output layer). The
+unit owns its collectives and state (weights SHARDED -> GATHERING -> GATHERED ->
+SHARDED; gradients into ``grad_full`` then reduce-scattered into the 1/G shard);
+*when* they run is the schedule's business (megatron_lbp.engine.schedule).
+Invariants: buffers are freed only after the host waited for their event
+(``check_free``); a gather waits for the unit's refresh first
+(``StepComm.await_refresh``). See docs/engine.md.
 """
 from __future__ import annotations
 

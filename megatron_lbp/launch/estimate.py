@@ -4,48 +4,11 @@
         --hidden-size H --num-attention-heads A --seq-length S --vocab-size V \\
         --global-batch-size B [--micro-batch-size auto|b] [--recompute auto|full|selective|none]
 
-Memory, one model (the plan's): per GCD, the plan's persistent state (``megatron_lbp.plan``:
-primary, secondary, gradient and optimizer shards, buckets padded as the engine pads them)
-+ the plan's transient peak for the choice's micro-batches per step (``transient_bytes``:
-the engine's schedule replayed over the model's gather units; the backward's, where the
-activations also peak) + :func:`activation_bytes` for the recomputation choice and
-micro-batch size + the allocator margin (``--reserve-gb``, :data:`MARGIN_TEXT`). This
-module keeps no model of the engine's buffers of its own. A choice fits when that total,
-and the plan's construction peak (``construction_peak_bytes``: what a rank holds while
-the model is built sharded) plus the margin, are at most the GCD's memory.
-
-Choice (``auto``): the least recomputation that fits (none, then selective, then full),
-and with it the largest micro-batch that fits and divides the global batch over the
-ranks. An explicit value is kept and refused (exit 3) when it does not fit.
-
-Transient knobs (``--hier-prefetch-units``, ``--hier-max-pending-reduces``,
-``--hier-layer-unit``, ``--hier-embedding-backward-gather``; ``auto`` by default): each
-(recomputation, micro-batch) tries the settings of :func:`knob_trials` — the engine's
-default (prefetch 1, 2 reduce-scatters in flight), 1 in flight, no prefetch as well
-(``projection.knobs.CHOICE_SETTINGS``), each with whole layers and, where the
-recomputation is not full and the engine runs the scheme, with a layer's attention and
-MLP as two gather units (``split``), each with the embedding's backward gather and
-without it (``skip``) — and takes the fastest that fits (one tried later only where it is
-projected ``KNOB_GAIN`` faster), its step time with what the setting adds in exposed
-communication (``projection.knobs``; negative where smaller units pipeline closer); none
-fitting, the last tried. A value keeps that setting.
-
-Step time: the Frontier cost model (``megatron_lbp.projection.project.step_time``, MI250X
-bf16 peak at an assumed MFU, the link bandwidths it assumes, the engine's overlap) for
-the chosen micro-batch count; selective recomputation adds the core attention's forward
-FLOPs (4*L*h*s per token) to it. ``--step-seconds`` replaces it (a measured figure, or a
-machine the model does not describe, e.g. CPU ranks).
-
-Save interval (``auto``): about ``--save-minutes`` of training in iterations, rounded to a
-divisor of ``--milestone-every`` when that is set (so that milestones land on saves) or to
-two significant digits, at most ``--train-iters``.
-
-Checkpoint: 14 bytes per parameter with bf16 weights (the weights, and the fp32 master
-weights, Adam m and v), 12 with fp32 weights (the master is the weight); a save is
-assumed to take ``2 x bytes / (nodes x --write-gbps-per-node) + --save-fixed-s``.
-
+Memory per GCD is the plan's persistent state + its transient peak + activations
++ the allocator margin (--reserve-gb); ``auto`` takes the least recomputation and
+largest micro-batch that fit, and the fastest transient knobs that fit.
 Exit status: 0, 3 (does not fit; the message names what would), 2 (bad input).
-``--resolved FILE`` writes the resolved values as KEY=VALUE lines for the launcher.
+``--resolved FILE`` writes the resolved values as KEY=VALUE lines. See docs/planning.md.
 """
 from __future__ import annotations
 

@@ -5,47 +5,10 @@
         --gcds-per-package 2 --gpus-per-task 1 [--expect package=200,node=50,network=12.5] \\
         [--min-fraction 0.25] [--megabytes 64] [--skip-links]
 
-``--build-only`` (the batch script, one process on the first node, before any srun): the
-torch build must be the one ``--require-gpu`` names (``rocm``: ``torch.version.hip``,
-``cuda``: ``torch.version.cuda``, ``any``: either, ``none``: no check) and see the node's
-GPUs; otherwise one line naming ``torch.version.hip`` and ``torch.version.cuda``, so that a
-GPU profile never becomes a CPU run.
-
-In a job step (one process per task, ranks from ``RANK``/``WORLD_SIZE`` as lbp_task.sh
-sets them): every task sees ``--gpus-per-task`` devices; with devices, each one's PCI bus
-(``torch.cuda.get_device_properties(0).pci_bus_id``) is mapped to a GCD number with
-``--gcd-bus-ids`` (Frontier's node: c1 c6 c9 ce d1 d6 d9 de for GCDs 0-7, OLCF's
-Frontier user guide) and checked against ``ROCR_VISIBLE_DEVICES`` and against the package
-layout (local ranks P*k .. P*k+P-1 on one package). Then, all groups of one link class at
-once as in training, a timed all-gather of ``--megabytes`` MiB per rank:
-
-- package: the P ranks of each package;
-- node: the T ranks of each node;
-- network: one rank per node in pairs of nodes (0-1, 2-3, ... then 1-2, 3-4, ...), every
-  local rank at once: a node is named when every pair it is in is slow.
-
-Each rank's bandwidth is the bytes it sends (chunk x (n-1), the plan's ring accounting)
-over the median of three timed repetitions, compared with ``--expect`` (GB/s per GCD;
-default: the cost model's ``megatron_lbp.projection.project.LinkModel``). A node whose slowest
-rank is under ``--min-fraction`` of it on any class is named, and the check fails (exit 4)
-naming every such node. ``--skip-links`` keeps the device checks only.
-
-``--survey-out FILE``: after the checks, the link survey (megatron_lbp/launch/link_survey.py:
-every collective kind by dtype, size and group shape through the engine's collectives, and the
-overlap probe; ``--survey-*`` are its options) on the same ranks, rank 0 writing FILE for the
-estimate's ``--survey`` (LBP_SURVEY in the launcher).
-
-``--links-out FILE``: rank 0 also writes the measured figures as JSON, the median over
-ranks per link class (network: over both rounds of pairs), for the plan and the launcher's
-choice to use instead of the cost model's (``--links FILE`` of ``python -m
-megatron_lbp.launch estimate`` and ``python -m megatron_lbp.plan --choose``; LBP_LINKS in
-the launcher): ``{"convention": LINKS_CONVENTION, "GB_per_s_per_gcd": {class: GB/s}}``.
-
-Bandwidth convention, here and in every figure the plan and the projection use
-(project.LinkModel, LBP_HEALTH_EXPECT_GBPS): GB/s (1e9 bytes) per GCD, in one direction —
-the bytes one rank sends in a collective (chunk x (n-1) for a ring all-gather) over its
-seconds, while every rank of its groups sends at once. A bidirectional figure (a link's
-send + receive) is twice that.
+A node whose slowest rank is under --min-fraction of --expect (GB/s per GCD, one
+direction) on any link class is named and the check fails (exit 4).
+--survey-out FILE runs the link survey after; --links-out FILE writes the
+measured figures as JSON for the plan. See docs/frontier.md.
 """
 from __future__ import annotations
 

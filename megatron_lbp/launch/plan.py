@@ -1,56 +1,11 @@
 """Plan a hierarchy before launching it: ``python -m megatron_lbp.plan``.
 
-Resolves the --hier-* flags exactly as training does (megatron_lbp.core.config),
-places W ranks consecutively on emulated nodes and packages
-(megatron_lbp.core.topology), builds every group family, takes the slowest link
-each family's groups cross, and prints the memory per rank by state and the
-bytes each rank sends per optimizer step per link class (megatron_lbp.core.costs).
-
-Example (the paper's 20B model on 384 GCDs, int8 secondary copy per node)::
-
-    python -m megatron_lbp.plan --world-size 384 --params 20e9 --preset lbp \\
-        --hier-secondary-group-size 8 --json
-
-The model size is either ``--params M`` or a GPT shape
-(``--num-layers --hidden-size --vocab-size`` [``--ffn-hidden-size``
-``--seq-length --max-position-embeddings --position-embedding-type
---untie-embeddings-and-output-weights``
-``--swiglu --num-attention-heads --group-query-attention --num-query-groups --kv-channels
---normalization --disable-bias-linear --add-qkv-bias``, Megatron's spellings and meanings], counted by ``costs.gpt_param_count``). ``--gpus-per-node``/``--gcds-per-package``
-and ``--preset`` are short spellings of ``--hier-gpus-per-node``,
-``--hier-gcds-per-package`` and ``--hier-preset``; giving both spellings with
-different values is an error.
-
-``--choose`` (with the launcher estimate's flags: ``--num-attention-heads``,
-``--seq-length``, ``--global-batch-size`` ...) ranks the configurations for this machine
-and batch by projected step time under memory and prints the choice
-(``megatron_lbp.launch.choose``).
-
-Every user error exits with status 2 and one line on stderr that names the
-flag, the value and the rule; ``main(argv)`` returns that status instead of
-exiting, for in-process callers.
-
-JSON output (``--json``): one object with ``world_size``, ``group_sizes``
-{param, grad, optim, secondary, replicas}, ``preset``, ``memory_bytes``
-{primary, secondary, grad, optimizer, total} (steady state), ``construction_peak_bytes``
-(the most a rank holds while the model, engine and optimizer are built, with
---hier-sharded-init: ``costs.construction_peak_bytes`` for the model's gather units,
-or, with --params, buckets of --bucket-size or the engine's default 40M),
-``traffic_bytes`` {package, node,
-network}, ``traffic_by_phase`` {phase: {class: bytes}}, ``params`` (model
-size), ``padded_params`` (sum of padded buckets), ``groups`` (rank 0's group
-of each family), ``link_classes`` (slowest class over each family's groups;
-``null`` for a family whose groups are single ranks: it sends nothing),
-``quant_block_size``, ``quantize_weight_gather`` (qwZ on/off) and
-``quantize_grad_reduce`` (the gradient families qgZ quantizes, ``[]`` when
-off), ``transient_bytes`` (the engine's transient peak by part of the step, at
-``prefetch_units``, ``max_pending_reduces`` and ``embedding_backward_gather``:
---hier-prefetch-units, --hier-max-pending-reduces, --hier-embedding-backward-gather) and
-``transient_knobs`` (per knob setting: its transient peak,
-``saves_bytes`` against the first row, which is the setting asked for, and
-``exposed_s``/``cost_s``, the exposed seconds per step of megatron_lbp.projection.knobs at
---micro-batch-size, --recompute and --mfu, null without a GPT shape and --seq-length),
-plus the inputs (dtypes, micro_batches, buckets, machine shape) and ``warnings``.
+Resolves the --hier-* flags as training does, places W ranks on emulated
+nodes and packages, and prints the memory per rank by state and the bytes each
+rank sends per optimizer step per link class (megatron_lbp.core.costs);
+``--choose`` ranks the configurations by projected step time under memory.
+A user error exits with status 2 and one line naming the flag, value and rule
+(``main(argv)`` returns it). Flags and the ``--json`` fields: docs/planning.md.
 """
 from __future__ import annotations
 

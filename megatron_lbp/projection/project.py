@@ -1,53 +1,14 @@
 """Frontier projection: step time and TFLOPS per GCD from a per-link cost model (pure Python).
 
-The engine's collective schedule per optimizer step is replayed from the
-planner's exact per-phase bytes (``megatron_lbp.core.plan.make_plan`` over
-``megatron_lbp.core.costs``: buckets padded as the engine pads them, every group's
-link class from the emulated Frontier placement of 8 GCDs per node in packages
-of 2). Each collective costs
-
-    bytes sent by this rank / bandwidth of its link class (per GCD)
-    + latency of its link class * ceil(log2(group size))
-
-and the step is put together with this overlap model (the engine's schedule):
-
-- forward, per micro-batch: the bucket-by-bucket weight all-gathers overlap the
-  forward compute (1/3 of a micro-batch's FLOPs); the first bucket's gather is
-  exposed (nothing to hide it behind), the rest only where it outlasts compute;
-- backward, per micro-batch: weight regathers and gradient reduce-scatters
-  overlap the backward compute (2/3, plus the forward again with
-  recomputation); the last bucket's share is exposed;
-- within one window, collectives on different link classes run concurrently
-  (separate links), those on one class one after another;
-- optimizer step, as the engine issues it (engine/step_comm.py): each unit's
-  reduce-scatter to the optimizer shard and replica all-reduce start under
-  the last micro-batch's backward and share its window; Adam on the 1/O
-  shard at HBM bandwidth is exposed; the weight all-gathers back up the
-  hierarchy land under the next step's first forward and share its window;
-  in each of those two windows one unit's chain of hops stays exposed.
-
-TFLOPS/GCD counts model FLOPs: 6*N per token plus attention 12*L*h*s per
-token (recomputation is not counted as useful work, but takes time). Scaling
-efficiency is TFLOPS/GCD at n GCDs over the same scheme's at the smallest GCD
-count (one node). Every assumption is printed with the output; none is tuned
-to the paper's figures.
-
-Calibration: :class:`LinkModel` carries the bandwidths and latencies;
-``LinkModel.from_measured`` builds one from measured link bandwidths and
-:func:`step_time` predicts a step for any plan with it. ``bench network``
-measures on an emulated network and uses :func:`fit_link` (bandwidth and
-latency of a link class from timed collectives), :func:`compute_from_measured`
-(a ComputeModel reproducing timed compute) and :func:`calibrate` (predicted vs
-measured step-time ratios to lbp); only those inputs are fitted, the step
-model is this one. Its one option there: the emulated nodes each have one
-shared uplink, so ``LinkModel(network="shared_uplink")`` charges a network
-collective the bytes crossing that uplink (:func:`uplink_bytes`: bytes per
-rank x groups of the family in a node) and :func:`fit_uplink` fits the
-uplink on the same rule; the projection keeps ``network="per_rank"``.
+Replays the planner's exact per-phase bytes (core.plan over core.costs) with each
+collective costing bytes / link-class bandwidth + latency * ceil(log2 group),
+under the engine's overlap model; :class:`LinkModel` holds the link figures and
+``bench network`` fits them (:func:`fit_link`, :func:`calibrate`). Every
+assumption is printed with the output; none is tuned to the paper's figures.
 
     python -m megatron_lbp.projection [--json] [--mfu 0.35] [--micro-batches 1] ...
 
-(the command line: projection/project_cli.py)
+The overlap model and its assumptions: docs/frontier.md.
 """
 from __future__ import annotations
 from megatron_lbp.projection import json_out

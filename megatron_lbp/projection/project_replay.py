@@ -1,49 +1,12 @@
 """The Frontier projection from the engine's real schedule: its trace replayed at Frontier figures.
 
-``bench project``'s idealised step (project.step_time) assumes that all but one
-unit of each micro-batch's communication hides behind compute and that the
-optimizer step's collectives are exposed. This module assumes nothing about
-overlap: it takes the program order of one rank from a schedule trace of the
-engine (``--hier-trace``, recorded on CPU with the target GPT's units: the
-embedding, L layers, the output layer) and replays it
-(megatron_lbp.projection.replay: a collective starts when issued and its
-communicator is free, compute runs serially, a wait blocks until the
-collective is done) with these durations at the real shape:
-
-- a collective of unit u, phase p, group family f: the bytes
-  ``costs.unit_collective_bytes`` gives for unit u of the real model under the
-  plan at n GCDs (group sizes, link classes, dtypes), split between the
-  trace's collectives of that (unit, phase, family, micro-batch) in the
-  proportion of their recorded bytes; seconds = bytes / the family's link
-  class bandwidth per GCD + latency x ceil(log2 group size)
-  (project.LinkModel). A family whose group is a single rank at n GCDs costs
-  nothing; scalar (control) collectives keep their recorded bytes;
-- a compute interval of unit u: forward FLOPs per token 2 x numel + 4·h·s for
-  a layer (attention scores and values), 2 x (numel + V·h) for the output
-  layer (its tied weight is the embedding's), 0 for the embedding (a lookup);
-  recomputation = forward, backward = 2 x forward; x tokens per micro-batch /
-  (peak x MFU); another pass is refused. The optimizer intervals together are
-  Adam on the 1/O shard at HBM speed (project.ComputeModel): one with a unit
-  takes that unit's share, those without one the rest;
-- nothing else about the schedule is assumed: a phase, a communicator or a
-  collective carried into the next step (``carried``: the optimizer step's
-  all-gathers waited for under the next forward) is replayed as the trace
-  records it, so an engine that overlaps more shows it here once its traces
-  are re-recorded.
-
-TFLOPS/GCD counts model FLOPs (6N + 12·L·h·s per token) of the trace's
-micro-batches over the replayed step; scaling efficiency is relative to the
-same scheme at the smallest GCD count. The replayed bytes of each phase and
-link class are checked against the plan's (``bytes_match_plan``).
-
-Traces: ``megatron_lbp/projection/traces`` holds one per (layer count, scheme),
-rank 0's records of a few steps, described in its ``index.json`` (how each was
-recorded, in which trace format: :func:`stale_traces` says when the reader's
-``TRACE_FORMAT_VERSION`` is another), and beside them a small reference trace
-recorded by the same call on a few ranks, whose program structure
-(megatron_lbp.projection.structure) a test records afresh and compares, so an
-engine whose schedule changed fails it; ``record_traces``
-(``python -m megatron_lbp.projection --record-traces DIR``) makes them all.
+Takes one rank's program order from a schedule trace recorded on CPU with the
+target GPT's units and replays it (megatron_lbp.projection.replay) with each
+collective's bytes from ``costs.unit_collective_bytes`` at the real shape and
+each compute interval's FLOPs at peak x MFU. Nothing about overlap is assumed.
+Invariant: the replayed bytes per phase and link class equal the plan's
+(``bytes_match_plan``). Stored traces live in megatron_lbp/projection/traces
+(``record_traces`` makes them). See docs/schedule-trace.md, docs/frontier.md.
 """
 from __future__ import annotations
 

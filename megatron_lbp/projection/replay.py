@@ -1,58 +1,12 @@
 """Replay an engine schedule trace in program order with other durations (pure Python, no torch).
 
-The schedule trace (``--hier-trace``, docs/schedule-trace.md) says in which
-order one rank issued its collectives, computed its units and waited. This
-module keeps that order and nothing else of the recorded run: every
-collective's link time and every compute interval's time come from the
-caller (``collective_s(record, c)``, ``compute_s(record, interval)``), e.g.
-Frontier's link and compute figures at the real model shape
-(megatron_lbp.projection.project_replay). The rules, applied to the events of the
-given step records in program order (``*_seq`` within a step, steps in the
-order given):
-
-- one host clock runs the rank's program; compute is serial on it: a compute
-  interval adds its duration when it ends (``end_seq``);
-- a collective starts when it is issued and its communicator (``comm``) is
-  free, then holds that communicator for its link time (collectives on
-  different communicators run at once, at full speed each);
-- a wait (``wait_seq``; for a synchronous collective the issue itself) holds
-  the host clock until the collective is done; what it holds is the
-  collective's *exposed* time;
-- a collective the engine took after a poll had found it complete
-  (``polled``) was never blocked on: at its ``wait_seq`` it lands if it is
-  done by then, else it is left in flight and lands at the first later point
-  of the program (a compute end or a wait: where the engine's hooks poll
-  again) that finds it done. Where the engine then needed its data (the
-  record's ``needs``: a unit's first use of its updated weights, the optimizer
-  step's gradient, the reduce-scatter cap), a need not yet landed holds the
-  clock like a wait;
-- a collective that runs after another (``after``: a chain's next hop, on a
-  stream that waits for the hop before; a unit's network reduction after its
-  in-node reduce-scatter) starts no earlier than that one's landing, whether
-  or not the host has waited for it; until the one it follows is issued it is
-  held, and so is everything issued after it on its communicator (the engine
-  issues each communicator's collectives in one order on every rank);
-- a collective issued in one step and waited for in a later one (the trace
-  writes it with ``wait`` null, then under ``carried`` in the step it
-  completed in) keeps its place in the issuing step; one carried into the
-  first record given, whose issue is not in the replay, counts as issued at
-  that record's start.
-
-Traces from before ``polled``/``after``/``needs`` replay with every wait
-blocking, as the engine's trace said then.
-
-Nothing else takes time: host work outside the recorded intervals (loss,
-data, Python) is free. Each exposed second is put down to one of three
-causes, so that a report can say what a wait was behind:
-
-- ``queued``: the part of the exposed interval the collective spent waiting
-  for its communicator, behind the collective named in ``behind`` (the phase
-  of the one queued last on it when this one was issued), or held behind the
-  collective whose landing issues it (``behind`` is then that one's phase);
-- ``at_once``: the rest, when no compute ended between its issue and its wait
-  (a synchronous call, or a prefetch that had nothing to hide behind);
-- ``ahead``: the rest, when compute ran between issue and wait but was
-  shorter than the link time.
+Keeps the order of a schedule trace (docs/schedule-trace.md) and nothing else:
+every collective's link time and compute interval's time come from the caller
+(``collective_s``, ``compute_s``). One host clock runs the program; compute is
+serial; a collective holds its communicator for its link time; a wait holds the
+clock until the collective is done (its exposed time, put down to ``queued``,
+``at_once`` or ``ahead``). Host work outside recorded intervals is free.
+The replay rules (``polled``, ``after``, ``needs``, ``carried``): docs/schedule-trace.md.
 """
 from __future__ import annotations
 

@@ -5,43 +5,10 @@
         [--layers 4] [--hidden 128] [--steps 4] [--micro-batches 2] [--no-recompute]
         [--prefetch-units 1] [--json]
 
-PATH is a trace file (``.gz``: gzip-compressed), or a pattern with ``{rank}``
-(as given to --hier-trace) standing for every rank's file. For each rank and
-each phase of the step (forward_gather, backward_gather, grad_reduce,
-step_reduce, step_gather, control) it sums, per optimizer step:
-
-- exposed time: for each collective, ``max(0, done - max(wait, issued))``, the
-  time the rank waited for a collective it had not yet got back (a
-  synchronous call is exposed from start to end); a collective completed in a
-  later step (``carried``) counts there;
-- the number of collectives and the bytes the ledger charged for them (from the
-  second step on equal to the comm report's bytes of that phase: the report
-  charges a step's second weight-gather hop to that step, the trace records it
-  where it is issued, under the next forward; docs/schedule-trace.md);
-
-and the compute time per pass (forward, recompute, backward, optimizer) and
-the step time (``t_end``). Figures are means over the chosen steps; the first
-step is left out by default when there are more (it sets up communicators and
-allocations), ``--steps all`` keeps it. The table shows the median over ranks,
-then each rank's exposed time per phase. ``--json`` prints::
-
-    {"steps": [...], "ranks": {"0": R, ...}, "median": R}
-    R = {"step_s": s, "compute_s": {pass: s},
-         "phases": {phase: {"exposed_s": s, "count": n, "bytes": b}},
-         "exposed_s": total}
-
-``--record DIR`` first makes a trace: the tests' tiny megatron-core GPT (``--layers``
-layers of ``--hidden``, full activation recomputation unless ``--no-recompute``)
-trains through the engine (lbp, P=2, G = ``--gpus-per-node``) on gloo ranks of
-this machine, three ways in the same ranks, one step of each in turn (the order
-rotated every step): with overlap and the trace (DIR/overlap-on/trace-{rank}.jsonl),
-without overlap and with the trace (DIR/overlap-off/...), and with overlap but
-no trace, each step timed between two barriers. It prints both summaries side by side and the median step time
-with and without the trace (what recording costs when it is on). ``--json``
-prints ``{"overlap-on": S, "overlap-off": S, "step_s": {"traced": s, "untraced": s}}``
-with S as above.
-
-Format of the trace: docs/schedule-trace.md.
+PATH is a trace file (``.gz`` allowed) or a pattern with ``{rank}``. Per rank and
+phase: exposed time, collective count and bytes, compute per pass, step time;
+means over steps (the first left out unless --steps all). ``--record DIR``
+first traces the tests' tiny GPT on gloo ranks. Format: docs/schedule-trace.md.
 """
 from __future__ import annotations
 from megatron_lbp.projection import json_out
