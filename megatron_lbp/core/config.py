@@ -1,27 +1,12 @@
 """Hierarchy configuration: the group sizes P | G | O | W (and S) of LBP.
 
-Pure Python on purpose (no torch): the same object is built by the training
-entry point, the cost model and the tests, and it must be possible to
-validate a launch command without a GPU or a process group.
-
-Sizes count *data-parallel* ranks:
-
-    P  param_group_size      bf16 primary weights sharded 1/P  (package)
-    S  secondary_group_size  optional secondary weight copy, 1/S (0 = off)
-    G  grad_group_size       fp32 gradient shard 1/G            (node)
-    O  optim_group_size      fp32 master + Adam state 1/O       (network)
-    R  = W / O               optimizer replicas (HSDP-style when > 1)
-
-``HierConfig.gpus_per_node`` / ``gcds_per_package`` are likewise counts of
-*data-parallel* ranks sharing a node / package: they only supply the presets'
-"node" and "package" sizes. The --hier-gpus-per-node / --hier-gcds-per-package
-flags count all ranks (what the launcher places); with tensor or context
-parallelism the caller converts them (``topology.dp_domain_sizes``) and passes
-the result to ``hier_config_from_args``. Forgetting that yields groups that
-cannot be co-located, which the topology check then refuses.
-
-Every invalid input raises ``HierConfigError`` with a single line that names
-the flag as the user types it, the value, and the rule that was broken.
+Pure Python (no torch), so a launch command can be validated without a GPU.
+Sizes count data-parallel ranks: P param (primary weights 1/P, package),
+S secondary copy (0 = off), G grad (node), O optim (network), R = W / O replicas.
+Invariants: the --hier-gpus-per-node / --hier-gcds-per-package flags count all
+ranks, and the caller converts them to data-parallel counts
+(``topology.dp_domain_sizes``); every invalid input raises ``HierConfigError``
+with one line naming the flag, the value and the rule. See docs/design.md.
 """
 
 from __future__ import annotations

@@ -1,41 +1,13 @@
 """Flat buckets: the parameters of a gather unit laid end to end, and what one rank keeps of them.
 
-A bucket owns three kinds of memory:
-
-- ``primary``: this rank's 1/P slice of the weights (persistent, the only
-  copy of the weights between uses);
-- ``full``: the whole bucket, allocated only while gathered. Every parameter's
-  ``.data`` is a view into it for the module's whole life; freeing resizes the
-  storage to zero, so the views stay valid objects but hold no memory, and a
-  stray use of a freed weight fails loudly instead of reading stale numbers;
-- ``grad_shard``: this rank's persistent 1/G slice of the gradient, in the
-  reduce dtype, accumulated across micro-batches (the first micro-batch's
-  reduce-scatter writes it, later ones add: ``grad_shard_fresh`` says its
-  contents are to be read as zero); plus ``grad_full``, the whole bucket's
-  gradient of one backward, holding memory only from the bucket's backward
-  until it is reduced. Like ``full``, it is one tensor for the bucket's whole
-  life whose storage is resized: every parameter's ``main_grad`` is a view
-  into it, so a fused weight-gradient kernel (gradient-accumulation fusion:
-  Apex's ``fused_weight_gradient_mlp_cuda``, Transformer Engine's
-  ``fuse_wgrad_accumulation``) that captured ``weight.main_grad`` in the
-  forward accumulates straight into the bucket in the backward, as into
-  Megatron's DDP grad buffer. Its memory is not zero-filled on arrival: each
-  parameter's first gradient of the backward is copied into its window and
-  later ones added (:meth:`FlatBucket.write_grad`), and
-  :meth:`FlatBucket.finish_grad_full` zeroes only what no gradient wrote
-  (padding, unused parameters) before the reduce. Only a window a kernel
-  accumulates into (``main_grad`` with fusion, :meth:`FlatBucket.ensure_grad_full`
-  with ``zero``) is zeroed first;
-- ``secondary`` (only when S > 0): this rank's 1/S slice of the weights as the
-  backward pass will regather them, persistent: int8 codes and fp32 scales
-  packed in one uint8 buffer (``quant.packed_views`` layout,
-  ``quantized_nbytes(N/S, block)`` bytes), N/S bf16 values, or N/S values in
-  the weights' dtype ("param"). Its contents are written from ``full`` by a
-  forward (:meth:`FlatBucket.build_secondary`: every forward, or with the step
-  scope the step's first), so they always come from weights a forward used;
-  ``secondary_version`` says whether those are the current ones.
-
-Slices come from :mod:`megatron_lbp.core.layout`; nothing here talks to other ranks.
+A bucket owns ``primary`` (this rank's persistent 1/P weight slice), ``full``
+(the whole bucket, held only while gathered), ``grad_shard`` (the persistent 1/G
+gradient slice, accumulated across micro-batches), ``grad_full`` (one
+backward's gradient) and, when S > 0, ``secondary`` (the 1/S copy the backward
+regathers). Invariants: every parameter's ``.data`` and ``main_grad`` are views
+into ``full`` and ``grad_full`` for the module's whole life (freeing resizes the
+storage, so a stray use fails loudly); slices come from megatron_lbp.core.layout;
+nothing here talks to other ranks. See docs/engine.md.
 """
 from __future__ import annotations
 

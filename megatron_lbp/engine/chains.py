@@ -1,26 +1,13 @@
 """Collectives that must run one after another, per unit, without holding up the host.
 
-The optimizer step moves each unit's data through two hops: the gradient from
-its 1/G shard to the 1/O optimizer slice (``inter`` reduce-scatter, then the
-``replica`` all-reduce when R > 1), and the updated weights back up (``inter``
-all-gather 1/O -> 1/G, then ``grad_to_param`` all-gather 1/G -> 1/P). Each hop
-reads what the one before it wrote. A :class:`Chain` holds one unit's hops (its
-*stages*); a :class:`ChainQueue` holds the chains of one kind in the order they
-were started.
-
-:meth:`ChainQueue.start` issues every stage of a chain at once, at the chain's
-program point, each on the stream of its communicator
-(megatron_lbp.engine.streams): stage k+1 is issued with ``waits`` = stage k's
-event, so its stream runs it once stage k's data has landed, and the host goes
-on. Every rank starts the chains of a queue in one order, so every rank issues
-every communicator's collectives in one order, whatever its timing (the
-program's order, megatron_lbp.core.program). :meth:`ChainQueue.complete` waits
-for a chain and every chain before it: where the data is needed (a unit's first
-use in the next forward, the optimizer step, a checkpoint); on a GPU that wait
-orders the compute stream after the chain, on gloo it blocks the host.
-
-The comm report (megatron_lbp.engine.comm.CommLedger) charges each stage when
-it is issued, so every stage counts in the step that started its chain.
+A :class:`Chain` holds one unit's optimizer-step hops (reduction 1/G -> 1/O
+[-> replica all-reduce], or refresh 1/O -> 1/G -> 1/P); a :class:`ChainQueue`
+holds the chains of one kind in start order. :meth:`ChainQueue.start` issues
+every stage at once, each on its communicator's stream and waiting for the
+stage before's event; :meth:`ChainQueue.complete` waits where the data is needed.
+Invariants: every rank starts a queue's chains in one order, so every
+communicator's collectives are issued in one order; each stage is charged in
+the step that started its chain.
 """
 from __future__ import annotations
 

@@ -1,20 +1,11 @@
 """Distributed checkpoints (Megatron's ``torch_dist`` format) straight from the shards.
 
-No rank ever holds a whole weight, so nothing is gathered to save: each rank
-describes the pieces it holds as ShardedTensors of the *global* parameter
-(same keys and global shapes as megatron-core's own GPT checkpoint) and
-PyTorch's distributed checkpoint writes and reads them. A piece is a flat range
-of a parameter; a range of a 2-D weight is written as at most three
-rectangles (the tail of a row, whole rows, the head of a row), which
-megatron-core's uneven-sharding support hands to DCP as is. Because every
-piece is addressed in the global parameter's coordinates, a checkpoint
-written under one hierarchy and world size loads under any other.
-
-- weights: the primary slice (1/P). Ranks holding the same slice are replicas;
-  only the first of them (replica index 0) writes.
-- optimizer: ``optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<weight key>``
-  (megatron-core DistributedOptimizer's naming) from the 1/O slice; the R
-  replicas of an optimizer shard likewise write once.
+Each rank describes the pieces it holds as ShardedTensors of the *global*
+parameter (megatron-core's GPT keys and shapes; a flat range of a 2-D weight is
+at most three rectangles); weights come from the 1/P primary slice, optimizer
+state (``optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<key>``) from the 1/O slice.
+Invariants: nothing is gathered to save; only replica index 0 writes; a
+checkpoint written under one hierarchy and world size loads under any other.
 """
 from __future__ import annotations
 

@@ -1,32 +1,13 @@
 """HierDataParallel: Megatron's data-parallel wrapper with weights sharded 1/P and gradients 1/G.
 
-Drop-in for megatron-core's ``DistributedDataParallel`` where megatron.training
-and :class:`~megatron_lbp.engine.optimizer.HierDistributedOptimizer` use it
-(it subclasses megatron-core's ``_BaseDataParallel``, the template class for
-data-parallel implementations).
-
-This module only wires things together (see docs/design.md §2.3 for the data flow):
-
-- the model is cut into gather units (megatron_lbp.engine.grouping; for a GPT
-  the embedding, each transformer layer and the output layer, declared by the
-  Megatron adapter), each unit one flat bucket (megatron_lbp.engine.unit) that
-  owns its gather, free and reduce;
-- module forward pre/post hooks, hooks on each module's outputs' gradients
-  (just before its backward) and each parameter's post-accumulate-grad hook
-  call the schedule (megatron_lbp.engine.schedule), which decides when each
-  unit is gathered, prefetched, freed and reduced;
-- Megatron's DDP interface (no_sync, finish_grad_sync, zero_grad_buffer,
-  state dicts, ...) at the bottom. ``no_sync()`` marks the micro-batch after
-  it as the step's last (megatron_lbp.engine.schedule): the step's network
-  reductions then run under its backward. Everything that reads or writes
-  the weights outside the training step (state dicts, checkpoints, loads,
-  broadcast, ``start_param_sync(force_sync=True)``) first waits for the
-  updated-weights gathers still in flight (:meth:`HierDataParallel.settle`);
-  a forward waits for each unit's own at its first use.
-
-Every rank issues the same collectives in the same order because every rank
-runs the same modules in the same order. Data-dependent parameter use that
-differs between ranks is not supported.
+Drop-in for megatron-core's ``DistributedDataParallel`` (a ``_BaseDataParallel``).
+It only wires things together: the model cut into gather units
+(engine.grouping, engine.unit), hooks that call the schedule (engine.schedule),
+and Megatron's DDP interface; ``no_sync()`` marks the step's last micro-batch.
+Invariants: anything reading or writing weights outside the step first waits
+for the updated-weights gathers (:meth:`HierDataParallel.settle`); every rank
+runs the same modules in the same order (rank-dependent parameter use is not
+supported). Data flow: docs/design.md §2.3.
 """
 from __future__ import annotations
 

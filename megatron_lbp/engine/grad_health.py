@@ -1,18 +1,10 @@
 """Gradient health: whether a step's gradients are finite, and whose were not.
 
 One object per wrapper (``UnitContext.health``), shared by its units and read by
-the optimizer:
-
-- while gradients are reduced (engine/unit.py ``GatherUnit.start_reduce``), each
-  rank counts its *own* inf/nan before the reduction mixes ranks: for free in
-  the pass that scales the gradient by 1/W (:meth:`GradHealth.scale_and_count`),
-  or, where the collective scales (NCCL's PREMUL_SUM), by a read pass of its
-  own (:meth:`GradHealth.count`) only when the ranks are to be named
-  (:attr:`GradHealth.name_ranks`, Megatron's --check-for-nan-in-loss-and-grad);
-- at the step (engine/optimizer.py ``_norm_and_inf_check``) the optimizer takes
-  the count (:meth:`GradHealth.take_count`) into its one all-reduce with the sum
-  of squares, and :meth:`GradHealth.verdict` decides; only then, and only when
-  something is non-finite, does ``_blame`` find whose.
+the optimizer. Each rank counts its *own* inf/nan while its gradients are
+reduced (before the reduction mixes ranks); the optimizer takes the count into
+its one all-reduce with the sum of squares, and :meth:`GradHealth.verdict`
+decides. Only when something is non-finite does ``_blame`` find whose.
 """
 from __future__ import annotations
 

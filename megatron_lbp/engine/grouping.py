@@ -1,31 +1,12 @@
 """Cutting a model into gather units, and which module's forward needs which unit.
 
-The model declares its units (:class:`UnitSpec`, built for megatron-core by
+The model declares its units (:class:`UnitSpec`, from
 megatron_lbp.integration.megatron_adapter.gather_units): a GPT's embedding, each
-transformer layer and the output layer are one unit each, whatever their size,
-so one all-gather brings in everything a layer computes with and a layer's
-biases and norms travel with its matrices instead of as separately padded
-tiny buckets. Parameters no declared unit holds (another model, or parts of one
-the adapter does not name) form "other" units: consecutive runs in parameter
-order, cut at ``bucket_size`` elements. That is the only place the bucket size
-still applies: a declared unit is never split, because splitting it would turn
-the unit's one gather back into several that each wait in turn.
-
-A unit also holds one dtype (a flat bucket is one tensor), so a declared unit
-mixing dtypes becomes one unit per dtype run, with the same kind and layer.
-
-Users: the declared modules of a unit bracket every use of its weights (a
-transformer layer adds the biases its linear modules hand back), so their
-forward and backward hooks gather it. Where a unit's last use comes after its
-modules' forward (a layer split in two: the layer adds the attention's
-linear_proj bias after self-attention returns, the MLP's linear_fc2 bias after
-the MLP), the spec names ``held_by``: the modules whose post-forward, not the
-users', frees the unit; they do not gather it. An "other" unit is used by the
-modules that register its parameters. A module may also use a weight of another unit
-(the output layer computing with the tied embedding), which the caller passes
-as ``extra_weight_users``. A module's *home* unit is the one it was declared
-in (or owns parameters of): its compute is the home unit's compute in the
-schedule trace, and prefetching runs ahead from the home unit's position.
+layer and the output layer. Undeclared parameters form "other" units cut at
+``bucket_size``. Invariants: a declared unit is never split (one gather per
+unit) and holds one dtype; its declared modules' hooks gather it, ``held_by``
+modules free it; a module's *home* unit is where prefetching counts from.
+See docs/engine.md.
 """
 from __future__ import annotations
 

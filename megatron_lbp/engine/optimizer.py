@@ -1,37 +1,12 @@
 """HierDistributedOptimizer: Adam state for 1/O of every bucket, and the step's two network hops.
 
-Per bucket, this rank owns the optimizer slice that the layout nests inside
-its gradient slice (and so inside its primary weight slice). One step:
-
-1. ``inter`` reduce-scatter (network): the persistent 1/G gradient shard ->
-   the 1/O slice; all-reduce over the R replicas when O < W; both averaged in
-   the collective. Each unit's starts under the last micro-batch's backward
-   when the wrapper knows it is the last (megatron_lbp.engine.schedule), else
-   here, all units at once; the step waits for all of them (its one barrier);
-2. gradient norm: sum of squares over the O-group (the ranks of one optimizer
-   instance hold every element exactly once) and the inf/nan verdict from the
-   same pass (a non-finite element makes the sum non-finite) with each rank's
-   own count of non-finite gradients (on NCCL/RCCL only with
-   --check-for-nan-in-loss-and-grad: elsewhere it is free), in one all-reduce;
-   only when something is non-finite, a second one names the ranks. Clipping,
-   and with fp16 Megatron's dynamic loss scale;
-3. Adam (torch's AdamW, which is what megatron-core uses without Apex/TE) on
-   the fp32 master slice; master, exp_avg and exp_avg_sq are three flat
-   buffers of exactly 1/O of each padded bucket, each model parameter's share
-   a view into them;
-4. the updated weights back down: cast into the primary slice, ``inter``
-   all-gather (network) 1/O -> 1/G, then ``grad_to_param`` all-gather (node)
-   1/G -> 1/P, in place, per unit in the order the next forward needs the
-   units. With overlap the first hop is issued here and the second once the
-   first is done, under the next forward, whose gather of each unit waits for
-   both (Megatron's overlap-param-gather): they are in the next step's trace
-   record (``carried``, and the second hop's collectives), while both hops'
-   bytes are in this step's comm report (a chain is charged when it starts:
-   megatron_lbp.engine.chains), so every step's report, the first included,
-   counts the same bytes.
-
-With fp32 weights the master slice *is* the primary slice's optimizer part
-(nesting makes it a view), so no separate master copy exists.
+One step: the 1/G gradient shard reduce-scattered to the 1/O slice (and
+all-reduced over R replicas), the gradient norm and inf/nan verdict in one
+all-reduce, clipping, AdamW on the fp32 master slice, then the updated weights
+gathered back 1/O -> 1/G -> 1/P per unit in the next forward's order.
+Invariants: the optimizer slice nests inside the gradient and primary slices
+(with fp32 weights the master *is* the primary slice's part); every step's comm
+report counts the same bytes. See docs/engine.md.
 """
 from __future__ import annotations
 

@@ -1,32 +1,12 @@
 """The torch.distributed process groups of the hierarchy, built from where each rank really is.
 
-``build_hier_groups`` is the only place that turns the pure pieces (launcher
-environment -> :mod:`topology` locations, flags -> :mod:`config`, group families
--> :mod:`layout`) into live process groups. Order of work, and why:
-
-1. every rank resolves its own location from the launcher environment;
-2. one ``all_gather_object`` over the world shares locations, data-parallel
-   group memberships and any error found so far, so that every rank reaches
-   the same verdict (a rank that raised alone would leave the others hanging
-   in the next collective);
-3. configuration and co-location are validated on that shared picture:
-   an error is raised on every rank *before any hierarchy group is created*;
-4. only then are the groups created, every rank calling ``new_group`` for
-   every group in the same order (torch.distributed's rule). Each family's
-   group gets a communicator per *channel* it uses (``FAMILY_CHANNELS``):
-   weight all-gathers run on "gather" communicators, gradient reductions and
-   the scalar all-reduces on "reduce" ones, so a backward gather never queues
-   behind a reduce-scatter over the same ranks (zero3, or S = G). Within one
-   channel, identical member lists are created once and shared between
-   families (zero3's G- and O-group reductions are one communicator). The
-   G-group's reduce communicator lists its members in chunk order
-   (layout.grad_reduce_order, ``new_group(sort_ranks=False)`` where torch has
-   it), so the gradient reduce-scatter hands every rank its slice without a
-   transpose copy; ``HierGroups.grad_chunk_ordered`` says whether it got that.
-
-Megatron's model-parallel layout enters only as the caller's data-parallel
-group plus the tensor/context parallel sizes; this module imports nothing
-from megatron.
+``build_hier_groups`` is the only place that turns topology, config and layout
+into live process groups: every rank resolves its location, one
+``all_gather_object`` shares locations and errors, validation runs on that
+shared picture, and only then are groups created.
+Invariants: an error is raised on every rank before any hierarchy group exists;
+every rank calls ``new_group`` in the same order; each family gets one
+communicator per channel ("gather", "reduce"); nothing here imports megatron.
 """
 from __future__ import annotations
 

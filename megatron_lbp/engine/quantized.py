@@ -1,39 +1,13 @@
 """Collectives whose payload is blockwise int8 (or int4) + fp32 scales (megatron_lbp.quant).
 
-Four uses, one protocol each; none of them knows about hooks or buckets:
-
-- :func:`gather_packed_slices`: every rank of an n-rank group contributes one
-  packed slice (``quant.packed_views`` layout: scales, then codes) of ``numel``
-  elements; the n slices are all-gathered and dequantized, in group order, into
-  the destination (the secondary copy's backward gather);
-- :func:`all_gather_quantized` (qwZ): quantize this rank's shard, then as above
-  (the P-group weight gather);
-- :func:`reduce_scatter_quantized` (qgZ): cut the input into n chunks, quantize
-  each peer's chunk, exchange them with one all-to-all, then dequantize the n-1
-  received chunks and add them to this rank's own chunk in fp32. The own chunk
-  never leaves the rank, so it is used unquantized; only the bytes that cross a
-  link are quantized (int8, or int4 two codes per byte: :data:`INT4`);
-- :func:`reduce_scatter_hierarchical` (ZeRO++'s qgZ): the same sum over a
-  gradient group made of X S-groups, in two hops as DeepSpeed's
-  ``all_to_all_quant_reduce`` does: an all-to-all inside the S-group (the node)
-  carrying, to each member, the quantized chunks of every rank that shares its
-  S-group position, summed there in fp32; then the partial sums, quantized
-  again, exchanged across S-groups ("grad_cross") and summed into this rank's
-  chunk. Each element crosses the network once, as int4, already summed over
-  the node.
-
-Each function but the last issues exactly one collective through
-:class:`~megatron_lbp.engine.comm.Collectives` (so the ledger charges the int8
-bytes actually sent: ``(n-1) * quantized_nbytes(chunk)``) and returns a
-:class:`Pending`. ``Pending.wait()`` waits for the collective and then lands the
-result (dequantize / sum), so the same code serves synchronous calls and the
-prefetch that overlaps with compute. Temporary buffers are registered with the
-caller's transient ledger for as long as they live.
-
-Non-finite input does not raise here (that would be a host sync on GPUs and,
-worse, an error on one rank while its peers wait in the collective): a block
-holding NaN/Inf travels as a poisoned block and dequantizes to NaN, so the loss
-or the optimizer's inf check sees it.
+:func:`gather_packed_slices`, :func:`all_gather_quantized` (qwZ),
+:func:`reduce_scatter_quantized` (qgZ) and :func:`reduce_scatter_hierarchical`
+(ZeRO++'s two-hop qgZ); none knows about hooks or buckets. Each returns a
+:class:`Pending` whose ``wait()`` lands the result.
+Invariants: only bytes that cross a link are quantized (a rank's own chunk stays
+exact); the ledger charges the quantized bytes actually sent; non-finite input
+does not raise here but travels as a poisoned block that dequantizes to NaN.
+See docs/int8.md.
 """
 from __future__ import annotations
 

@@ -1,31 +1,12 @@
 """The optimizer step's communication: one owner for its chains, their queues and their order.
 
-One step moves each unit's data through two hops (megatron_lbp.engine.chains):
-
-- the **reduction**: the unit's 1/G gradient shard -> this rank's 1/O optimizer
-  slice (``inter`` reduce-scatter, then the ``replica`` all-reduce when R > 1,
-  both sums: the 1/W came with the G-group reduce-scatter);
-- the **refresh**: the updated weights back up (``inter`` all-gather 1/O -> 1/G,
-  then ``grad_to_param`` all-gather 1/G -> 1/P, each in place into the primary
-  slice).
-
-Who talks to it, in the order of a step:
-
-1. the schedule (engine/schedule.py) says when a unit's gradient shard is
-   final: :meth:`StepComm.shard_final` (under the last micro-batch's backward
-   with overlap) or :meth:`StepComm.start_reduction` for every unit left
-   (``start_step_reduces``);
-2. the optimizer (engine/optimizer.py) asks for the reduced gradients
-   (:meth:`StepComm.reduced_grad`), steps, drops them (:meth:`StepComm.release`)
-   and hands the updated weights back (:meth:`StepComm.send_updated_weights`),
-   which refreshes every unit in the next forward's order;
-3. a unit's next gather (engine/unit.py ``GatherUnit.unshard``) waits for its
-   own refresh (:meth:`StepComm.await_refresh`); ``settle`` waits for all.
-
-Every rank starts the chains of each kind at the same program points in the same
-order (the schedule's reduce order, the next forward's order), and chains.py
-issues all of a chain's hops when it starts, each on its communicator's stream:
-so every rank issues the same collectives in the same order.
+Each unit's **reduction** (1/G gradient shard -> 1/O slice, then the replica
+all-reduce when R > 1) and **refresh** (updated weights 1/O -> 1/G -> 1/P).
+The schedule says when a shard is final (:meth:`StepComm.shard_final`), the
+optimizer takes the reduced gradients and sends the updated weights back, and a
+unit's next gather waits for its refresh (:meth:`StepComm.await_refresh`).
+Invariant: every rank starts each kind's chains at the same program points in
+the same order, so every rank issues the same collectives in the same order.
 """
 from __future__ import annotations
 

@@ -1,37 +1,12 @@
 """Ordered streams for the step's collectives, and the events that order them across streams.
 
-Every asynchronous collective runs on the stream of its communicator
-(megatron_lbp.engine.comm.Collectives.stream): a unit's forward and backward
-weight gathers and its gradient reduce-scatter (megatron_lbp.engine.unit), and
-the optimizer step's chains (megatron_lbp.engine.chains), whose hops are all
-issued at once, at the chain's program point: a hop that reads what another
-communicator's hop wrote waits for that hop's *event* (recorded on the
-producer's stream, waited on by the consumer's). The compute waits for an
-event only where it uses the data. Nothing is issued because the host saw
-something finish, so every rank issues the same collectives in the same order
-(megatron_lbp.core.program).
-
-One interface, two implementations, chosen by the device:
-
-- :class:`DeviceStream` (a GPU/GCD, CUDA or ROCm alike): a ``torch.Stream`` of
-  the accelerator; a task runs on the host at once under that stream (the
-  collective is enqueued, not completed), after the stream waited for the
-  compute stream (which wrote the inputs) and for the producers' events; its
-  event is recorded on the stream. Waiting for it makes the *current* stream
-  wait (``torch.Stream.wait_event``): no host synchronisation.
-- :class:`WorkerStream` (CPU/gloo): one ordered worker thread per stream. A
-  task waits for its producers' events, runs (a collective runs synchronously on
-  the worker: one at a time per stream, in submission order, as on a GPU
-  stream), and sets its event. Waiting for it blocks the host, as gloo's own
-  ``wait()`` does. A failed task's error is raised where its event is waited for.
-
-Buffers: a task names the tensors it reads or writes (``holds``); a
-:class:`WorkerStream` keeps their storages registered until the task is done, and
-:func:`check_free` (called by the engine where it frees or overwrites such a
-buffer) raises :class:`BufferInFlight` if one is still in use. On a GPU the
-engine's rule is the same (free only after waiting for the event), and each held
-tensor is recorded on the task's stream (``Tensor.record_stream``), so the
-allocator reuses its memory only after the stream's work on it.
+Every asynchronous collective runs on its communicator's stream; a hop that reads
+another communicator's output waits for that hop's event; the compute waits for
+an event only where it uses the data. :class:`DeviceStream` (GPU: a torch.Stream,
+no host sync) and :class:`WorkerStream` (CPU/gloo: one ordered worker thread).
+Invariants: nothing is issued because the host saw something finish, so every
+rank issues the same collectives in the same order; a buffer a task holds is
+freed only after its event (:func:`check_free` raises :class:`BufferInFlight`).
 """
 from __future__ import annotations
 

@@ -1,43 +1,12 @@
 """The schedule trace: what the engine did in one optimizer step, in the order it did it.
 
-``--hier-trace PATH`` (EngineOptions.trace) makes every rank that writes keep one
-:class:`ScheduleTrace`; without it no trace object exists and every recording
-point in the engine is a skipped ``if trace is not None``. The format is
-docs/schedule-trace.md (the contract between this module, ``bench trace`` and
-the schedule benchmarks):
-
-- each collective the engine issues, as one record: phase, unit, micro-batch,
-  group family, communicator, link class, the bytes the ledger charged for it,
-  whether it was asynchronous, and three points in time, ``issued`` (the engine
-  called it), ``wait`` (the engine first blocked on it; equal to ``issued`` for
-  a synchronous call) and ``done`` (that wait returned); an ``id`` unique in
-  the trace, ``polled`` when the engine took it only after a poll had found it
-  complete (the engine never polls: false), and ``after``, the id of the
-  collective this one runs after (a chain's previous hop, whose event its
-  stream waits for, or the unit's in-node reduce-scatter for its network
-  reduction);
-- the *needs*: the points where the engine required the data of a collective
-  it had taken by a poll (none: the engine never polls);
-- each unit's compute intervals per micro-batch and pass (forward,
-  recompute, backward; "optimizer" for the host side of the step).
-
-Times are seconds of this rank's ``time.perf_counter()`` minus ``t_start`` (the
-start of the step's first forward); ``*_seq`` numbers every recorded point of
-the step in program order, which breaks ties in time.
-
-A record holds every collective issued since the previous step's record was
-written (so a checkpoint load or an evaluation before a step's first forward
-lands in that step, at negative times), each with the bytes the ledger charged
-for it: summed per phase and link, its step's report. ``issued_seq`` is the
-program order; a collective on a stream (megatron_lbp.engine.streams) is
-recorded when it is submitted there.
-
-A collective still in flight when the record is written (the updated weights'
-gathers, which the next forward waits for: megatron_lbp.engine.schedule) is
-written with ``wait``/``done`` null, and again, once completed, under
-``carried`` in the record of the step it completed in, its times relative to
-that record's ``t_start`` (its ``issued_seq`` still counts in the step that
-issued it).
+``--hier-trace PATH`` makes every writing rank keep one :class:`ScheduleTrace`;
+without it no trace object exists. Per step: each collective (phase, unit,
+family, communicator, bytes, ``issued``/``wait``/``done`` times, ``after``),
+each unit's compute intervals per pass; ``*_seq`` is program order.
+Invariant: a record's bytes summed per phase and link are its step's comm
+report. A collective still in flight at the record is written again under
+``carried`` in the step it completed in. Format: docs/schedule-trace.md.
 """
 from __future__ import annotations
 

@@ -6,39 +6,9 @@ overlap probe; one JSON file (megatron_lbp/projection/survey_file.py) the cost m
         [--max-seconds 600] [--reps 3]
     python -m megatron_lbp.launch survey --estimate --nodes 48      # the time bound, no ranks
 
-The job's health check runs it too (``--survey-out FILE`` of ``python -m megatron_lbp.launch
-health``; the launchers with LBP_LINK_SURVEY=1 write ``$CHECKPOINT_DIR/lbp_survey.json``).
-
-Groups and collectives are the engine's: ``build_hier_groups`` with the lbp preset and the
-node's secondary copy gives the package groups (P, its "gather" communicators), the node
-groups (S's "gather", G's "reduce", the latter in the engine's chunk order), one rank per node
-(the optimizer step's inter-node hop, both channels) and the world (the optimizer group's
-"reduce" communicator, used for the world's gathers too). Every collective goes through
-``megatron_lbp.engine.comm.Collectives`` — on gloo its reduce-scatter is the engine's
-all-to-all exchange. Every group of a shape runs at once, as in training.
-
-What is timed: all-gather and all-to-all in int8, int4 (two per byte, uint8 storage: the
-bytes of qgZ's packed gradients) bf16 and fp32; reduce-scatter and all-reduce in bf16 and
-fp32 (a sum of int8 or packed int4 codes is not a reduction anyone runs: quantized
-reductions are all-to-alls, timed as such). Sizes ascend per (shape, op, dtype); each is a
-warm-up and ``--reps`` timed repetitions after one barrier, back to back, each timed from the
-one before's end (:func:`time_case`), its time the slowest rank's.
-
-Bound: before each case the ranks agree (one MAX all-reduce) on the seconds spent so far and
-on the case's prediction (the previous size's time scaled by bytes, x (1 + reps)); a case
-that would pass ``--max-seconds`` is skipped with every larger one of its series, and listed
-in the file's "skipped". The timed part is therefore at most ``--max-seconds`` plus one
-case's misprediction; the overlap probe adds its four cases (each about ``4 x`` the
-collective's time at ``--overlap-mib``). ``--estimate`` prints what the whole survey takes at
-a node count on the cost model's public Frontier figures (projection/collectives.py), the
-derivation of the bound in docs/planning.md.
-
-Overlap probe (on the widest shape that crosses links: one rank per node, else the node):
-a GEMM-heavy layer (two square GEMMs of ``--gemm-dim``, as an MLP's) repeated to last about
-as long as the collective alone, timed alone, then while each collective kind runs
-asynchronously. ``slowdown`` = GEMMs' time with the collective / alone; ``hidden_fraction`` =
-(GEMMs alone + collective alone - both together) / the shorter of the two: 1 is perfect
-overlap, 0 none (the measure of Agrawal et al., arXiv 2412.14335).
+Groups and collectives are the engine's. A case predicted to pass --max-seconds
+is skipped with every larger one of its series (listed in "skipped").
+Bound and overlap probe: docs/planning.md.
 """
 from __future__ import annotations
 

@@ -1,36 +1,13 @@
 """What the engine's transient knobs cost in exposed time: its schedule, unit by unit (pure Python).
 
-The knobs (docs/design.md, "Transient memory and its knobs") trade transient memory
-(``costs.transient_bytes``) for overlap: ``--hier-prefetch-units`` d (gathers issued ahead
-of the unit being computed) and ``--hier-max-pending-reduces`` r (gradient reduce-scatters
-in flight before the oldest is waited for). The idealised step model
-(``project.step_time``) pools a pass's communication against its compute and cannot see
-them, so this module walks the step's program (megatron_lbp.core.program, the order the
-engine issues in) over the model's gather units for one micro-batch, with each
-collective's seconds from the same cost model:
-
-- a unit's gather, reduce-scatter: the plan's per-micro-batch bytes of its phase
-  (``forward_gather``, ``backward_gather``, ``grad_reduce``) in proportion to the unit's
-  size, at its link class's bandwidth (``project.LinkModel``), plus the class's latency
-  x ceil(log2(group size));
-- collectives on one link class run one after another in issue order (the idealised
-  model's rule), on different classes concurrently;
-- a unit's compute: model FLOPs of its parameters (6 per parameter per token, plus the
-  attention's 12*h*s per token for a layer; the tied output layer computes with the
-  embedding's weights; the embedding lookup is free), a third forward, two thirds
-  backward, plus the forward again with full recomputation, at ``ComputeModel``'s rate;
-- forward: a module's unit is gathered at its need unless prefetched, then the gathers
-  of the next d units not yet used are issued, then it waits for its own and computes;
-- backward: the same in reverse order (the tied output layer also needs the
-  embedding); after a unit's compute its reduce-scatter is issued, and the oldest is
-  waited for while more than r are in flight; the pass ends when every one is done.
-  With ``--hier-embedding-backward-gather skip`` the embedding is neither gathered nor
-  prefetched for its own backward (tied, the output layer's need still gathers it): the
-  knob only removes a collective, so it never adds exposed time.
-
-Exposed seconds = the pass's end minus its compute. A knob's cost is the difference to
-the default's (d = 1, r = 2), times the micro-batches per step; the step's own network
-hops do not depend on the knobs.
+The knobs (--hier-prefetch-units d, --hier-max-pending-reduces r,
+--hier-embedding-backward-gather) trade transient memory for overlap. This
+module walks the step's program (megatron_lbp.core.program) over the model's
+gather units for one micro-batch, each collective timed by the cost model
+(``project.LinkModel``) and each unit's compute by ``ComputeModel``.
+Exposed seconds = the pass's end minus its compute; a knob's cost is the
+difference to the default's (d = 1, r = 2) times the micro-batches per step.
+See docs/design.md, "Transient memory and its knobs".
 """
 from __future__ import annotations
 
