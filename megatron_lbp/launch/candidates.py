@@ -1,20 +1,12 @@
 """Each configuration a job could run with: its memory per GCD and its step time.
 
-A candidate is (recomputation, micro-batch size) with the micro-batches per step that keep the
-global batch, and the transient knobs it runs with. Memory, one model (the planner's): the
-plan's persistent state + the plan's transient peak at the candidate's micro-batches and knobs
-(core.plan, the engine's schedule over the model's gather units) + :func:`activation_bytes` +
-the allocator margin (``reserve_gb``, :data:`MARGIN_TEXT`); it fits when that total, and the
-construction peak plus the margin, are at most the GCD's memory. Time: the cost model
-(projection/project.py) inside a band over what is not known (projection/collectives.py),
-plus what non-default knobs expose (projection/knobs.py walking core/program.py's schedule).
-
-Knobs tried (:func:`knob_trials`): the engine's default (prefetch 1, 2 reduce-scatters in
-flight), 1 in flight, no prefetch (``projection.knobs.CHOICE_SETTINGS``), each with whole
-layers and, where the recomputation is not full and the engine runs the scheme, split
-layers; each with the embedding's backward gather and without it. The fastest that fits
-wins, one tried later only where it is projected ``KNOB_GAIN`` faster; none fitting, the
-last tried.
+A candidate is (recomputation, micro-batch size, transient knobs). Memory is the
+planner's one model: plan state + plan transient peak + :func:`activation_bytes`
++ the allocator margin (:data:`MARGIN_TEXT`); it fits when that, and the
+construction peak plus the margin, are at most the GCD's memory. Time: the cost
+model in a band (projection/collectives.py) plus what non-default knobs expose.
+:func:`knob_trials` lists the knob settings tried; the fastest that fits wins.
+See docs/planning.md.
 """
 from __future__ import annotations
 

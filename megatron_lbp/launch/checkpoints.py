@@ -6,25 +6,10 @@
     python -m megatron_lbp.launch checkpoints chain DIR --train-iters N
                                                       [--previous-iteration I --previous-job J]
 
-Megatron (``--ckpt-format torch_dist``) writes ``DIR/iter_NNNNNNN/`` and, last, that
-directory's ``metadata.json``; only then does it name the iteration in
-``DIR/latest_checkpointed_iteration.txt`` (the tracker). A checkpoint is *complete* when its
-``metadata.json`` exists; one without it is a save in progress or one torn by a kill.
-
-Retention (``prune``) keeps every complete checkpoint that is one of the newest K, the one
-the tracker names, the newest complete one, or a milestone: the first complete checkpoint
-at or after each multiple of N iterations. It deletes the other complete ones. With
-``--at-start`` (no training is writing into DIR) it also deletes torn saves that the tracker
-does not name; otherwise incomplete checkpoints are never touched. Symbolic links are kept.
-
-``space``: refuses (exit 4) when DIR's file system has less free space than two
-checkpoints (the larger of the estimate and the newest complete checkpoint on disk).
-
-``chain``: the decision of a chained job at its start: ``complete`` when the tracker has
-reached the training's last iteration, ``stalled`` (exit 5) when it has not moved since the
-previous job of the chain started, ``continue`` otherwise.
-
-Every refusal is one line on stderr; ``--resolved FILE`` writes KEY=VALUE lines.
+A checkpoint is *complete* when its ``metadata.json`` exists. ``prune`` never deletes
+the newest K, the tracker's, the newest complete one or a milestone, nor (without
+--at-start) an incomplete one; ``space`` exits 4 below two checkpoints' room; ``chain``
+says complete, stalled (exit 5) or continue. See docs/frontier.md.
 """
 from __future__ import annotations
 

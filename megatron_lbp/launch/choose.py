@@ -1,32 +1,12 @@
 """The configuration to launch, chosen by projected step time under memory.
 
-For the user's model, node count and global batch, every candidate — scheme (lbp with the
-node's int8 secondary copy, with the package's, with none; zeropp; zero3; zero2; and the
-user's own preset when it is none of these) x recomputation (none, selective, full) x
-micro-batch size with the micro-batches per step that keep the global batch, each with the
-first transient knob setting that fits (``candidates.knob_trials``: the engine's defaults,
-then fewer reduce-scatters in flight, then the same with split layers where the
-recomputation is not full, then no prefetch; each with the embedding's backward gather,
-then without) — gets:
-
-- its memory per GCD from the one memory model (``candidates.choices``: plan state + plan
-  transient + activations + margin, and the construction peak); rows that do not fit are
-  dropped from the choice (they are still ranked, marked);
-- its projected step time: the engine's committed schedule trace replayed at this shape
-  (``megatron_lbp.projection.project_replay``) where one matches — same scheme and layer count,
-  the trace's micro-batches per step, full recomputation (the traces are recorded with it),
-  the architecture the replay times (GPT-2's layers: GELU, LayerNorm, biases, multi-head
-  attention; tied embedding, ffn 4h, bf16 weights, fp32 gradients),
-  Frontier's 8 GCDs per node in packages of 2 — and the idealised cost model
-  (``megatron_lbp.projection.project.step_time``) otherwise. Every row says which. A row
-  whose knobs are not the defaults adds their exposed seconds (``projection/knobs.py``),
-  which neither of the two sees.
-
-The choice is the fastest fitting row among those the user left open: an explicit
-``--preset`` (HIER_PRESET, with its secondary size), ``--micro-batch-size`` or
-``--recompute`` restricts the candidates to it. Plans are computed once per (scheme,
-micro-batches per step) and the topology once per scheme (``core.plan._topology``), the traces
-read once, so that the ranking is cheap enough to run in every dry run.
+Every candidate (scheme x recomputation x micro-batch size, each with the first
+transient knob setting that fits) gets its memory per GCD from the one memory model
+(``candidates.choices``) and its projected step time: the committed schedule trace
+replayed at this shape (projection/project_replay.py) where one matches, the
+idealised cost model otherwise (every row says which).
+The choice is the fastest fitting row among those the user left open (an explicit
+--preset, --micro-batch-size or --recompute restricts it). See docs/planning.md.
 """
 from __future__ import annotations
 

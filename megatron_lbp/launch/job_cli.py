@@ -1,22 +1,10 @@
 """python -m megatron_lbp.launch job STAGE --state DIR: the launch environment resolved into a job.
 
-The launchers (scripts/launch/lbp_launch.sh) keep what only a shell can do (the #SBATCH
-header, ``module load``, the Python environment, srun, the chain's sbatch); every rule of a
-launch is Python's, once: the defaults, refusals and model flags (rules.py), the memory fit
-and the choice (:func:`plan_job`, the one call into the planner), the exit time, and the
-srun and training commands (commands.py).
-
-Stages, each reading the environment and ``DIR/job.json`` that the previous one wrote:
-  resolve    settings, refusals, contents check, estimate; writes the job; a dry run goes on
-             through ``commands`` and the checkpoint checks and stops there
-  exit-time  the job's exit time from its remaining wall time (refuses a job too short)
-  commands   the training command (capability-resolved), printed with the srun command
-  implied-secondary PRESET TASKS_PER_NODE   the secondary group size a preset implies
-
-What the shell reads back: ``DIR/job.env`` (KEY=VALUE) and NUL-separated word lists
-(``DIR/srun``, ``DIR/train``, ``DIR/health``, ``DIR/build_check``, ``DIR/args0``,
-``DIR/exports``, ``DIR/task_exports``).
-
+The shell launchers keep what only a shell can do (#SBATCH, modules, srun, the
+chain's sbatch); every rule of a launch is Python's, once (rules.py, :func:`plan_job`,
+commands.py). Stages ``resolve``, ``exit-time``, ``commands``, ``implied-secondary``
+each read the environment and ``DIR/job.json``; the shell reads back ``DIR/job.env``
+and NUL-separated word lists.
 Exit status: 0; 2 bad input; 3 does not fit in GCD memory; 4 the job cannot run it.
 """
 from __future__ import annotations

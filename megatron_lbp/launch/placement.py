@@ -3,25 +3,11 @@
     python -m megatron_lbp.launch placement --tasks-per-node 8 --gcds-per-package 2 \\
         --gpus-per-task 1 [--exchange-root /tmp] [--allow-non-colocated]
 
-The hierarchy's groups assume (megatron_lbp.core.topology) that ranks node*T .. node*T+T-1 are
-the T tasks of one node and that local ranks P*k .. P*k+P-1 share one package (on
-Frontier's MI250X, local ranks 2k and 2k+1 one OAM). ``srun --gpu-bind=closest`` gives
-that (local ranks 0..7 on GCDs 4,5,2,3,6,7,0,1); other ``-c``/``--gpu-bind`` values or
-``SRUN_EXTRA_ARGS`` may not. This command verifies it from what the task is given:
-
-- its rank, node and local rank (``SLURM_PROCID``, ``SLURM_NODEID``, ``SLURM_LOCALID``):
-  rank = node * T + local rank;
-- its GCD: the one device index in ``ROCR_VISIBLE_DEVICES`` (Slurm sets it, and
-  ``CUDA_VISIBLE_DEVICES`` / ``GPU_DEVICE_ORDINAL``, to the node's device number);
-  the package of device d is d // P;
-- its package mates' GCDs: each task of a node writes its device into a node-local
-  directory (``--exchange-root``, one directory per job step and node) and reads its
-  mates' (up to ``--timeout`` seconds); all must be distinct and in one package.
-
-Exit status 0 (rank 0 prints one line saying what it verified), 4 with one line naming the
-rank and what is wrong (with ``--allow-non-colocated``: a warning, status 0), 2 bad input.
-The PCI location of each device is checked against the same layout by the health check,
-where torch sees the devices.
+Verifies rank = node * T + local rank (Slurm's variables), the task's GCD from
+``ROCR_VISIBLE_DEVICES`` (package = d // P), and that its package mates' GCDs
+(exchanged under --exchange-root) are distinct and in one package.
+Exit status 0, 4 with one line naming the rank and what is wrong (a warning with
+--allow-non-colocated), 2 bad input. See docs/frontier.md.
 """
 from __future__ import annotations
 

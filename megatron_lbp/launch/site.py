@@ -1,19 +1,13 @@
 """The site environment of a launch: Frontier's RCCL/libfabric settings, or the local one's.
 
-The launcher exports what :func:`exports` returns: these defaults, with every one the user
-exported before ``module load`` put back over them (modules first, then the defaults, then
-the user's values). The values and their sources:
-  [P] OLCF "PyTorch on Frontier" (docs.olcf.ornl.gov/software/analytics/pytorch_frontier.html),
-      "Manual RCCL Network Plugin Configuration": the variables "strongly recommended by
-      HPE and AMD on Frontier"; its "Alternative Rendezvous Protocol" (FI_CXI_RDZV_PROTO
-      with #SBATCH --network=disable_rdzv_get) and "Master Address and Sockets" (port 3442).
-      NCCL_NET: OFI forces the plugin on multi-node jobs, Socket on one node (the plugin
-      does not initialise there), same section. NCCL_SOCKET_IFNAME: the page lists
-      hsn0,hsn1,hsn2,hsn3 and advises hsn0 alone "if you happen to encounter hangs".
-  [U] OLCF Frontier User Guide (docs.olcf.ornl.gov/systems/frontier_user_guide.html):
-      -c 7 per GCD with core specialisation (56 usable cores / 8 GCDs), OMP_NUM_THREADS.
-CUDA_DEVICE_MAX_CONNECTIONS is not set: Megatron needs it = 1 only with tensor/context
-parallelism, and these runs are data-parallel only (an exported value still wins).
+The launcher exports what :func:`exports` returns: modules first, then these
+defaults, then every value the user exported before ``module load``.
+Sources: [P] OLCF "PyTorch on Frontier"
+(docs.olcf.ornl.gov/software/analytics/pytorch_frontier.html: the RCCL network
+plugin variables, NCCL_NET, NCCL_SOCKET_IFNAME, FI_CXI_RDZV_PROTO, port 3442);
+[U] OLCF Frontier User Guide (docs.olcf.ornl.gov/systems/frontier_user_guide.html:
+-c 7 per GCD, OMP_NUM_THREADS). CUDA_DEVICE_MAX_CONNECTIONS is not set (these
+runs are data-parallel only).
 """
 from __future__ import annotations
 

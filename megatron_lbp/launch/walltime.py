@@ -3,23 +3,11 @@
     python -m megatron_lbp.launch exit-time --save-s 72 --step-s 22.5 --slack-s 120 \\
         [--walltime 02:00:00] [--resolved FILE]
 
-The job's remaining wall time comes from ``SLURM_JOB_END_TIME`` (a Unix time, set by
-Slurm 23.02 and later) or else from ``squeue -h -j $SLURM_JOB_ID -o %L`` (the time left,
-Slurm's ``[days-]hours:minutes:seconds``); outside a job (a dry run) from ``--walltime``,
-the job length to plan for. The margin is one save (``--save-s``, from the checkpoint's
-bytes), one training step (``--step-s``: Megatron checks the clock between steps) and
-``--slack-s`` (the tasks' exit and the batch script's last steps), and at least the job's
-``--signal`` lead (``--signal-s``: ``#SBATCH --signal=TERM@150``) plus the 60 s that Slurm
-may send it early plus one step, so that the computed exit always comes first and the
-signal (Megatron's ``--exit-signal-handler``) stays the backstop. Megatron's clock
-starts when this command reads the time left: the launcher passes that moment to the
-tasks as LBP_LAUNCH_TIME (megatron_lbp.integration.training_hooks.start_clock_at_launch), so the
-imports before Megatron's own clock, minutes at scale, do not eat the margin.
-``--exit-duration-in-mins`` takes whole minutes: the exit time is rounded down to one.
-
-Exit status: 0 (the resolved EXIT_DURATION_MINS, 0 when the job has no time limit),
-4 (less than one minute of training would be left: the one-line message says how much
-time there is and what the margin is made of), 2 (bad input).
+Time left from ``SLURM_JOB_END_TIME``, else ``squeue -o %L``, else --walltime.
+The margin is one save + one step + --slack-s, and at least the --signal lead + 60 s
++ one step, so the computed exit comes before Slurm's signal; rounded down to a minute.
+Exit status: 0 (EXIT_DURATION_MINS, 0 without a limit), 4 (under one minute of
+training left), 2 (bad input). See docs/frontier.md.
 """
 from __future__ import annotations
 

@@ -1,32 +1,11 @@
 """Collective time from the link survey's tables, or from stated public figures; step-time bands.
 
-A collective of ``op`` in ``dtype`` over a group of ``n`` ranks of a *shape* (survey_file.SHAPES:
-package, node, cross_node = one rank per node with every such group at once, world) in which
-one rank sends ``s`` bytes (ring accounting) takes
-
-    (n - 1) * alpha + s / beta                      (a ring: n - 1 steps)
-
-Without a survey alpha and beta are :data:`PUBLIC` (each with a fast and a slow end, the
-sources beside them). With one (megatron_lbp/projection/survey_file.py) the time is the
-survey's table for (op, dtype, shape) read at ``s``: piecewise linear in the bytes sent
-between its sizes, along the end segments beyond them, never below 0; a group size other
-than the surveyed one m adds (n - m) * alpha, alpha the table's fitted intercept / (m - 1).
-The median column is the point, seconds_min the fast end, seconds_max the slow end. A table
-missing for the dtype uses the same op in another dtype on that shape (bytes are what
-travel), then another op, then the public figures for the shape (``fallbacks`` says which).
-
-A step (``step_band``) is :func:`megatron_lbp.projection.project.step_time` with these phase
-times, at four corners: rates fast or slow x overlap perfect (the step model's windows) or
-pessimistic (the survey's least hidden fraction and largest compute slowdown; without a
-survey, none: every collective exposed). Partial overlap h with compute slowdown d:
-
-    perfect + (1 - h) * (exposed_none - perfect) + (d - 1) * min(compute, h * hideable)
-
-(hideable = exposed_none - perfect, the communication the windows hide). The point: with a
-survey its median rates and the median hidden fraction and slowdown over the collective
-kinds; without, the cost model's own figure (project.step_time with project.LinkModel). The
-band is the corners' range, widened to hold the point. A ratio of two steps is a band over
-the same four corners (the same machine under both schemes).
+A collective over n ranks of a shape in which one rank sends s bytes takes
+(n - 1) * alpha + s / beta: :data:`PUBLIC` figures without a survey, else the
+survey's table for (op, dtype, shape) read at s (``fallbacks`` says when another
+table stood in). ``step_band`` is project.step_time at four corners (rates fast or
+slow x overlap perfect or pessimistic), widened to hold the point estimate.
+See docs/planning.md.
 """
 from __future__ import annotations
 

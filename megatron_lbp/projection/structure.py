@@ -1,29 +1,12 @@
 """A schedule trace's program structure: what a re-recording on another day must reproduce.
 
-The committed traces (``traces/``) are replayed as the engine's schedule, so a
-test has to show that they still are today's engine's. Their times never
-repeat, and part of their order is the machine's, not the program's: a chain's
-next stage is issued when a poll finds the previous one done, and a poll finds
-what the host's timing lets it find. What the program decides, and what this
-module keeps, per step record:
-
-- the order of the program's points: each compute interval's start (pass,
-  unit, micro-batch), each collective the program issues itself (``after``
-  null: the gathers and reduce-scatters at its hooks, the scalar control
-  collectives, a chain's first stage), and each point where the program needs
-  a collective's data (a blocking wait, or the recorded need of one a poll
-  had taken) for collectives that end a chain; needs with nothing else of the
-  program between them are one point, sorted (the optimizer step takes its
-  chains' ends in the order they landed);
-- every collective with its phase, unit, micro-batch, group family,
-  communicator, link class, bytes, whether it is asynchronous, and the
-  collective whose landing issues it (``after``), as a sorted list.
-
-Units are named by kind and index (``layer 3``), collectives by those fields,
-never by their trace ``id`` (a counter over the whole run). Two recordings of
-one engine, configuration and trace format give equal structures; a changed
-order of the engine's hooks, a collective more, fewer or of other bytes, or a
-changed overlap (a gather issued a compute interval later) does not.
+Keeps, per step record, what the program decides and not what timing does: the
+order of compute starts, program-issued collectives and needs, and every collective
+(phase, unit, micro-batch, family, communicator, link, bytes, async, ``after``) as
+a sorted list, units named by kind and index, never by trace ``id``.
+Invariant: two recordings of one engine, configuration and trace format give equal
+structures; a changed hook order, collective set or overlap does not.
+See docs/schedule-trace.md.
 """
 from __future__ import annotations
 

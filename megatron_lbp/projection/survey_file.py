@@ -1,22 +1,12 @@
 """The link survey's JSON file: its schema, and the one reader that refuses a bad one (pure Python).
 
-``python -m megatron_lbp.launch survey`` (megatron_lbp/launch/link_survey.py) writes it; the
-collective-time model (megatron_lbp/projection/collectives.py) and the launcher's estimate
-read it. Layout (version 1)::
-
-    {"schema": SCHEMA, "version": 1, "complete": true,
-     "convention": CONVENTION,
-     "machine": {"nodes", "tasks_per_node", "gcds_per_package", "world", "backend", "device"},
-     "shapes": {shape: {"group_size", "groups", "link"}},       # shape in SHAPES
-     "tables": [{"op", "dtype", "shape", "group_size",
-                 "bytes": [message bytes, ascending], "sent_bytes": [...],
-                 "seconds": [median], "seconds_min": [...], "seconds_max": [...]}],
-     "overlap": {"shape", "message_bytes", "by_op": {op: {"gemm_alone_s", "gemm_with_s",
-                 "comm_alone_s", "together_s", "slowdown", "hidden_fraction"}}} | null,
-     "skipped": ["op dtype shape bytes: why"], "seconds": wall seconds of the survey}
-
-``complete`` is written last (the file is written whole, then renamed): a file without it was
-cut off. Every problem is one line (:class:`SurveyError`), naming the file and what is wrong.
+Written by ``python -m megatron_lbp.launch survey`` (launch/link_survey.py), read by
+projection/collectives.py and the launcher's estimate. Version 1 holds the machine,
+the shapes, one table per (op, dtype, shape) of seconds by message bytes, the overlap
+probe and what was skipped (the fields: :func:`check`; docs/planning.md).
+Invariants: ``complete`` is written last (the file is written whole, then renamed), so
+a file without it was cut off; every problem is one line (:class:`SurveyError`)
+naming the file and what is wrong.
 """
 from __future__ import annotations
 
