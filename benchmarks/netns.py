@@ -31,8 +31,10 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 PREFIX = "lbpn-"
 SUBNET = "10.77.0"
@@ -300,3 +302,36 @@ def signals_unwind():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def command_main(prog: str, run: Callable[[], Any], emit: Callable[[Any], None], *,
+                 network: bool = True, refusal_hint: str = "") -> int:
+    """A network benchmark's ``main`` around ``run()``: refuse in one line where namespaces
+    cannot be built (exit 2; skipped with ``network=False``, a run that builds none), remove
+    stale namespaces of earlier runs, run with SIGINT/SIGTERM unwinding, and turn a failed
+    rank, a network that cannot be built or a RuntimeError into one error line (exit 1;
+    interrupted: 130), the namespaces removed on the way out; else ``emit`` what ``run``
+    returned (exit 0). ``refusal_hint`` is added to the refusal line."""
+    from megatron_lbp.testing.multirank import MultiRankError
+
+    removed = "; emulated network removed" if network else ""
+    if network:
+        why = missing_requirements()
+        if why:
+            print(f"{prog}: error: {why}{refusal_hint}", file=sys.stderr)
+            return 2
+        sweep_stale()
+    with signals_unwind():
+        try:
+            out = run()
+        except MultiRankError as e:
+            print(f"{prog}: error: a rank failed{removed}\n{e}", file=sys.stderr)
+            return 1
+        except (NetworkSetupError, RuntimeError) as e:
+            print(f"{prog}: error: {e}{removed}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print(f"{prog}: interrupted{removed}", file=sys.stderr)
+            return 130
+    emit(out)
+    return 0

@@ -26,7 +26,6 @@ Needs root and iproute2; it stops in one line without them.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -174,25 +173,9 @@ def parse(argv) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    why = netns.missing_requirements()
-    if why:
-        print(f"{PROG}: error: {why}", file=sys.stderr)
-        return 2
-    netns.sweep_stale()
-    from megatron_lbp.testing.multirank import MultiRankError
-
-    with netns.signals_unwind():
-        try:
-            out = run(args)
-        except MultiRankError as e:
-            print(f"{PROG}: error: a rank failed; emulated network removed\n{e}",
-                  file=sys.stderr)
-            return 1
-        except (KeyboardInterrupt, netns.NetworkSetupError) as e:
-            print(f"{PROG}: error: {e}; emulated network removed", file=sys.stderr)
-            return 1
-    json_out.emit(out) if args.json else print(render(out))
-    return 0
+    return netns.command_main(
+        PROG, lambda: run(args),
+        lambda out: json_out.emit(out) if args.json else print(render(out)))
 
 
 if __name__ == "__main__":

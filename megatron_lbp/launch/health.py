@@ -285,6 +285,20 @@ def _subgroup(dist, groups: list[list[int]], rank: int):
     return mine
 
 
+def join_job(rank: int, world: int, use_gpu: bool):
+    """Bring up this job step's default process group as srun started it (env:// rendezvous):
+    NCCL/RCCL bound to the task's one visible device, or gloo on the CPU; the device."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
+    if use_gpu:
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if use_gpu else "gloo", rank=rank, world_size=world,
+                            device_id=device if use_gpu else None)
+    return device
+
+
 def run_step(a, env: Mapping[str, str]) -> int:
     import torch
     import torch.distributed as dist
@@ -298,11 +312,7 @@ def run_step(a, env: Mapping[str, str]) -> int:
         if seen != a.gpus_per_task:
             raise HealthError(f"rank {rank} on {host}: {describe_build(torch)} sees {seen} "
                               f"device(s), expected {a.gpus_per_task} per task", own=True)
-    device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
-    if use_gpu:
-        torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if use_gpu else "gloo", rank=rank, world_size=world,
-                            device_id=device if use_gpu else None)
+    device = join_job(rank, world, use_gpu)
     try:
         pci = None
         if use_gpu:
