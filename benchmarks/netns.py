@@ -285,6 +285,48 @@ class EmulatedNetwork:
         self.uplinks.clear()
 
 
+def softirq_threads() -> dict[str, float] | None:
+    """Run-queue time of the kernel's softirq threads (``ksoftirqd/N``, /proc/<pid>/schedstat),
+    summed: {run_s, wait_s, wakeups}; None where schedstat is not kept.
+
+    An emulated link's packets move in softirq context: the tbf's release when its timer fires,
+    the veth's delivery, TCP's ACK processing. When softirq work piles up or a task waits to
+    run, the kernel hands it to ksoftirqd, an ordinary nice-0 thread, which then waits for a
+    CPU behind every other runnable thread: the link carries nothing meanwhile, and the tbf's
+    bucket (BURST_S of the rate) makes up no more than that much of a longer wait. The ranks'
+    own priority does not reach it. ``wait_s`` over a run says how long that work waited for
+    a CPU."""
+    total = {"run_s": 0.0, "wait_s": 0.0, "wakeups": 0}
+    found = False
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/comm") as f:
+                if not f.read().startswith("ksoftirqd/"):
+                    continue
+            with open(f"/proc/{name}/schedstat") as f:
+                run_ns, wait_ns, slices = (int(v) for v in f.read().split()[:3])
+        except (OSError, ValueError):
+            continue
+        found = True
+        total["run_s"] += run_ns / 1e9
+        total["wait_s"] += wait_ns / 1e9
+        total["wakeups"] += slices
+    return total if found else None
+
+
+def softirq_between(start: dict[str, float] | None,
+                    end: dict[str, float] | None) -> dict[str, float] | None:
+    """What ksoftirqd ran and waited between two :func:`softirq_threads` readings, with its
+    mean wait per wake-up."""
+    if not start or not end:
+        return None
+    d = {k: end[k] - start[k] for k in start}
+    d["mean_wait_ms"] = 1e3 * d["wait_s"] / d["wakeups"] if d["wakeups"] else 0.0
+    return d
+
+
 def _terminate(signum, frame):
     # SIGTERM unwinds like Ctrl-C, through every cleanup on the way out.
     raise KeyboardInterrupt(f"signal {signum}")
