@@ -292,9 +292,9 @@ def softirq_threads() -> dict[str, float] | None:
     An emulated link's packets move in softirq context: the tbf's release when its timer fires,
     the veth's delivery, TCP's ACK processing. When softirq work piles up or a task waits to
     run, the kernel hands it to ksoftirqd, an ordinary nice-0 thread, which then waits for a
-    CPU behind every other runnable thread: the link carries nothing meanwhile, and the tbf's
-    bucket (BURST_S of the rate) makes up no more than that much of a longer wait. The ranks'
-    own priority does not reach it. ``wait_s`` over a run says how long that work waited for
+    CPU behind every other runnable thread: the link carries nothing meanwhile (the tbf's
+    releases, the deliveries and the ACKs all wait), and neither the ranks' priority nor the
+    tbf's bucket reaches that time. ``wait_s`` over a run says how long that work waited for
     a CPU."""
     total = {"run_s": 0.0, "wait_s": 0.0, "wakeups": 0}
     found = False

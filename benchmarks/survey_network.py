@@ -24,11 +24,10 @@ rate at best.
 What takes it below that on a shared host: the emulated link's packets move in softirq context
 (the tbf's timer releases, the veth's delivery, TCP's ACKs). Under CPU contention the kernel
 hands that work to its ksoftirqd threads, which run at nice 0 and wait behind every other
-runnable thread; meanwhile the uplink carries nothing, and the tbf's bucket (5 ms of the rate)
-makes up at most 5 ms of each wait. A larger bucket would let every collective's first bytes
-through above the line rate after an idle spell, which a NIC does not do, so the emulation
-keeps it. The ranks' priority (RANK_NICE) does not reach those threads. The command records
-how long they waited for a CPU during the run (``config.ksoftirqd``,
+runnable thread; meanwhile the tbf's releases, the deliveries and the ACKs that would let the
+senders go on all wait alike, and the uplink carries nothing. Neither the ranks' priority
+(RANK_NICE) nor the tbf's bucket (``--burst-kb``) reaches that time. The command records how
+long those threads waited for a CPU during the run (``config.ksoftirqd``,
 netns.softirq_threads) beside the other processes' share of the cores (``config.other_cpu``).
 
 Needs root and iproute2; it stops in one line without them.

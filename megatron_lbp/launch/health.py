@@ -285,23 +285,11 @@ def _subgroup(dist, groups: list[list[int]], rank: int):
     return mine
 
 
-def join_job(rank: int, world: int, use_gpu: bool):
-    """Bring up this job step's default process group as srun started it (env:// rendezvous):
-    NCCL/RCCL bound to the task's one visible device, or gloo on the CPU; the device."""
-    import torch
-    import torch.distributed as dist
-
-    device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
-    if use_gpu:
-        torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if use_gpu else "gloo", rank=rank, world_size=world,
-                            device_id=device if use_gpu else None)
-    return device
-
-
 def run_step(a, env: Mapping[str, str]) -> int:
     import torch
     import torch.distributed as dist
+
+    from megatron_lbp.launch.job_group import join_job
 
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     T, P = a.tasks_per_node, a.gcds_per_package

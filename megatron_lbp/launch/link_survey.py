@@ -431,7 +431,7 @@ def main(argv=None, env: Mapping[str, str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from megatron_lbp.launch.health import join_job
+    from megatron_lbp.launch.job_group import join_job
 
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     device = join_job(rank, world, a.gpus_per_task > 0 and torch.cuda.is_available())
