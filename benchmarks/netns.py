@@ -286,16 +286,12 @@ class EmulatedNetwork:
 
 
 def softirq_threads() -> dict[str, float] | None:
-    """Run-queue time of the kernel's softirq threads (``ksoftirqd/N``, /proc/<pid>/schedstat),
-    summed: {run_s, wait_s, wakeups}; None where schedstat is not kept.
+    """Run-queue figures of the kernel's softirq threads (``ksoftirqd/N``,
+    /proc/<pid>/schedstat), summed: {run_s, wait_s, wakeups}; None where schedstat is not kept.
 
-    An emulated link's packets move in softirq context: the tbf's release when its timer fires,
-    the veth's delivery, TCP's ACK processing. When softirq work piles up or a task waits to
-    run, the kernel hands it to ksoftirqd, an ordinary nice-0 thread, which then waits for a
-    CPU behind every other runnable thread: the link carries nothing meanwhile (the tbf's
-    releases, the deliveries and the ACKs all wait), and neither the ranks' priority nor the
-    tbf's bucket reaches that time. ``wait_s`` over a run says how long that work waited for
-    a CPU."""
+    Part of an emulated link's packet handling (the tbf's timer releases, the veth's delivery,
+    TCP's ACKs) runs as softirq work, which the kernel hands to these nice-0 threads when the
+    cores are busy; their wait for a CPU over a run is part of what its collectives wait on."""
     total = {"run_s": 0.0, "wait_s": 0.0, "wakeups": 0}
     found = False
     for name in os.listdir("/proc"):
@@ -316,10 +312,30 @@ def softirq_threads() -> dict[str, float] | None:
     return total if found else None
 
 
-def softirq_between(start: dict[str, float] | None,
+def threads_cpu_wait(pid: int | str = "self") -> dict[str, float]:
+    """The run-queue figures of every thread of process ``pid`` (/proc/<pid>/task/*/schedstat),
+    summed: {run_s, wait_s, wakeups}; zeros where schedstat is not kept."""
+    total = {"run_s": 0.0, "wait_s": 0.0, "wakeups": 0}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return total
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                run_ns, wait_ns, slices = (int(v) for v in f.read().split()[:3])
+        except (OSError, ValueError):
+            continue
+        total["run_s"] += run_ns / 1e9
+        total["wait_s"] += wait_ns / 1e9
+        total["wakeups"] += slices
+    return total
+
+
+def cpu_wait_between(start: dict[str, float] | None,
                     end: dict[str, float] | None) -> dict[str, float] | None:
-    """What ksoftirqd ran and waited between two :func:`softirq_threads` readings, with its
-    mean wait per wake-up."""
+    """What ran and waited between two readings (:func:`softirq_threads`,
+    :func:`threads_cpu_wait`), with the mean wait per wake-up."""
     if not start or not end:
         return None
     d = {k: end[k] - start[k] for k in start}
