@@ -202,29 +202,13 @@ def parse(argv) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    args = parse(argv)
-    if args.measure:
-        from benchmarks import netns
-
-        why = netns.missing_requirements()
-        if why:
-            print(f"{PROG}: error: {why} (--no-measure: the projection alone)", file=sys.stderr)
-            return 2
-        netns.sweep_stale()
-    from megatron_lbp.testing.multirank import MultiRankError
     from benchmarks import netns
 
-    with netns.signals_unwind():
-        try:
-            out = run(args)
-        except MultiRankError as e:
-            print(f"{PROG}: error: a rank failed; emulated network removed\n{e}", file=sys.stderr)
-            return 1
-        except (KeyboardInterrupt, netns.NetworkSetupError, RuntimeError) as e:
-            print(f"{PROG}: error: {e}", file=sys.stderr)
-            return 1
-    json_out.emit(out) if args.json else print(render(out))
-    return 0
+    args = parse(argv)
+    return netns.command_main(
+        PROG, lambda: run(args),
+        lambda out: json_out.emit(out) if args.json else print(render(out)),
+        network=args.measure, refusal_hint=" (--no-measure: the projection alone)")
 
 
 if __name__ == "__main__":

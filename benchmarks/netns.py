@@ -31,8 +31,10 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 PREFIX = "lbpn-"
 SUBNET = "10.77.0"
@@ -283,6 +285,64 @@ class EmulatedNetwork:
         self.uplinks.clear()
 
 
+def softirq_threads() -> dict[str, float] | None:
+    """Run-queue figures of the kernel's softirq threads (``ksoftirqd/N``,
+    /proc/<pid>/schedstat), summed: {run_s, wait_s, wakeups}; None where schedstat is not kept.
+
+    Part of an emulated link's packet handling (the tbf's timer releases, the veth's delivery,
+    TCP's ACKs) runs as softirq work, which the kernel hands to these nice-0 threads when the
+    cores are busy; their wait for a CPU over a run is part of what its collectives wait on."""
+    total = {"run_s": 0.0, "wait_s": 0.0, "wakeups": 0}
+    found = False
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/comm") as f:
+                if not f.read().startswith("ksoftirqd/"):
+                    continue
+            with open(f"/proc/{name}/schedstat") as f:
+                run_ns, wait_ns, slices = (int(v) for v in f.read().split()[:3])
+        except (OSError, ValueError):
+            continue
+        found = True
+        total["run_s"] += run_ns / 1e9
+        total["wait_s"] += wait_ns / 1e9
+        total["wakeups"] += slices
+    return total if found else None
+
+
+def threads_cpu_wait(pid: int | str = "self") -> dict[str, float]:
+    """The run-queue figures of every thread of process ``pid`` (/proc/<pid>/task/*/schedstat),
+    summed: {run_s, wait_s, wakeups}; zeros where schedstat is not kept."""
+    total = {"run_s": 0.0, "wait_s": 0.0, "wakeups": 0}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return total
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                run_ns, wait_ns, slices = (int(v) for v in f.read().split()[:3])
+        except (OSError, ValueError):
+            continue
+        total["run_s"] += run_ns / 1e9
+        total["wait_s"] += wait_ns / 1e9
+        total["wakeups"] += slices
+    return total
+
+
+def cpu_wait_between(start: dict[str, float] | None,
+                    end: dict[str, float] | None) -> dict[str, float] | None:
+    """What ran and waited between two readings (:func:`softirq_threads`,
+    :func:`threads_cpu_wait`), with the mean wait per wake-up."""
+    if not start or not end:
+        return None
+    d = {k: end[k] - start[k] for k in start}
+    d["mean_wait_ms"] = 1e3 * d["wait_s"] / d["wakeups"] if d["wakeups"] else 0.0
+    return d
+
+
 def _terminate(signum, frame):
     # SIGTERM unwinds like Ctrl-C, through every cleanup on the way out.
     raise KeyboardInterrupt(f"signal {signum}")
@@ -300,3 +360,36 @@ def signals_unwind():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def command_main(prog: str, run: Callable[[], Any], emit: Callable[[Any], None], *,
+                 network: bool = True, refusal_hint: str = "") -> int:
+    """A network benchmark's ``main`` around ``run()``: refuse in one line where namespaces
+    cannot be built (exit 2; skipped with ``network=False``, a run that builds none), remove
+    stale namespaces of earlier runs, run with SIGINT/SIGTERM unwinding, and turn a failed
+    rank, a network that cannot be built or a RuntimeError into one error line (exit 1;
+    interrupted: 130), the namespaces removed on the way out; else ``emit`` what ``run``
+    returned (exit 0). ``refusal_hint`` is added to the refusal line."""
+    from megatron_lbp.testing.multirank import MultiRankError
+
+    removed = "; emulated network removed" if network else ""
+    if network:
+        why = missing_requirements()
+        if why:
+            print(f"{prog}: error: {why}{refusal_hint}", file=sys.stderr)
+            return 2
+        sweep_stale()
+    with signals_unwind():
+        try:
+            out = run()
+        except MultiRankError as e:
+            print(f"{prog}: error: a rank failed{removed}\n{e}", file=sys.stderr)
+            return 1
+        except (NetworkSetupError, RuntimeError) as e:
+            print(f"{prog}: error: {e}{removed}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print(f"{prog}: interrupted{removed}", file=sys.stderr)
+            return 130
+    emit(out)
+    return 0

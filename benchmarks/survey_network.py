@@ -21,12 +21,22 @@ What the configured rate can give: tbf counts whole frames, so a TCP payload is 
 1514 bytes (0.956), less the other direction's ACKs sharing the tbf (~2%): about 0.93 of the
 rate at best.
 
+What takes it below that on a shared host: an emulated node shares this machine's cores with
+every other process, where a real node has its own. Each rank's threads (the gloo loop that
+feeds and drains the sockets, the worker that completes a collective, the thread that issues
+the next) wait for a CPU at every wake-up, and so does the kernel's softirq work that its
+ksoftirqd threads take over when the cores are busy (part of the link's packet handling);
+a collective's time holds those waits. The ranks run at nice -10 (RANK_NICE); what waiting
+remains is recorded per run: the ranks' threads' mean wait for a CPU per wake-up
+(``config.rank_threads``, netns.threads_cpu_wait) and ksoftirqd's (``config.ksoftirqd``),
+beside the other processes' share of the cores (``config.other_cpu``) and the tbf's drops
+(``config.qdisc_stats_end``).
+
 Needs root and iproute2; it stops in one line without them.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -47,7 +57,8 @@ def _log(line: str) -> None:
 
 
 def survey_rank(ns_of_rank, master, out_path, tasks_per_node, sizes, reps):
-    """On one rank: join the emulated network, run the survey (no overlap probe)."""
+    """On one rank: join the emulated network, run the survey (no overlap probe); how long this
+    rank's threads ran and waited for a CPU during it (netns.threads_cpu_wait)."""
     import torch
 
     from benchmarks.network import _join
@@ -60,6 +71,7 @@ def survey_rank(ns_of_rank, master, out_path, tasks_per_node, sizes, reps):
     # ahead of others costs those little CPU time and leaves the link in the figure.
     os.nice(RANK_NICE)
     _join(ns_of_rank, master)
+    before = netns.threads_cpu_wait()
     data = link_survey.run(out_path=out_path, tasks_per_node=tasks_per_node,
                            gcds_per_package=min(2, tasks_per_node), sizes=sizes, reps=reps,
                            max_seconds=1e9, overlap_bytes=0, gemm_dim=1,
@@ -69,7 +81,7 @@ def survey_rank(ns_of_rank, master, out_path, tasks_per_node, sizes, reps):
     import torch.distributed as dist
 
     dist.barrier()
-    return data is not None
+    return netns.cpu_wait_between(before, netns.threads_cpu_wait())
 
 
 def uplink_figures(survey: dict[str, Any], rate_mbit: float) -> list[dict[str, Any]]:
@@ -100,11 +112,12 @@ def run(args) -> dict[str, Any]:
     out_path = args.out or os.path.join(tempfile.mkdtemp(prefix="lbp-survey-net-"),
                                         "survey.json")
     cpu_start = cpu_share.snapshot()
+    softirq_start = netns.softirq_threads()
     with netns.EmulatedNetwork(args.nodes, args.rate_mbit, burst_kb=args.burst_kb) as net:
         burst = net.burst_for(args.rate_mbit)
         args.package_rate_mbit = 0
-        _on_network(net, args, survey_rank, out_path, args.ranks_per_node, sizes, args.reps,
-                    timeout=args.timeout)
+        waits = _on_network(net, args, survey_rank, out_path, args.ranks_per_node, sizes,
+                            args.reps, timeout=args.timeout)
         qdiscs = net.qdiscs(stats=True)
     from megatron_lbp.projection import survey_file
 
@@ -112,6 +125,10 @@ def run(args) -> dict[str, Any]:
     rows = uplink_figures(survey, args.rate_mbit)
     config = {"cpus": len(os.sched_getaffinity(0))}
     cpu_share.record(config, cpu_start, config["cpus"])
+    config["ksoftirqd"] = netns.cpu_wait_between(softirq_start, netns.softirq_threads())
+    config["rank_threads"] = {k: sum(w[k] for w in waits) for k in ("run_s", "wait_s", "wakeups")}
+    config["rank_threads"]["mean_wait_ms"] = (1e3 * config["rank_threads"]["wait_s"]
+                                              / max(1, config["rank_threads"]["wakeups"]))
     return {"config": {**config, "nodes": args.nodes, "ranks_per_node": args.ranks_per_node,
                        "rate_mbit": args.rate_mbit, "burst_kb": burst,
                        "sizes_mib": args.sizes_mib, "reps": args.reps, "survey": out_path,
@@ -132,9 +149,14 @@ def render(out: dict[str, Any]) -> str:
                      f"{r['ratio']:>8.2f}{r['uplink_B_per_s_marginal'] / 1e6:>10.2f}"
                      f"{r['ratio_marginal']:>8.2f}{r['fixed_s'] * 1e3:>10.1f}")
     lo, hi = min(r["ratio"] for r in out["cross_node"]), max(r["ratio"] for r in out["cross_node"])
+    k, t = c.get("ksoftirqd"), c.get("rank_threads")
     lines.append(f"cross-node figures {lo:.2f}-{hi:.2f} of the configured rate; within "
                  f"{ALLOWED:.0%}: {'yes' if out['within'] else 'NO'}"
-                 + cpu_share.clause(c.get("other_cpu")))
+                 + cpu_share.clause(c.get("other_cpu"))
+                 + (f"; the ranks' threads waited {t['mean_wait_ms']:.2f} ms for a CPU per "
+                    f"wake-up ({t['wakeups']} wake-ups)" if t else "")
+                 + (f", the kernel's softirq threads {k['mean_wait_ms']:.1f} ms "
+                    f"({k['wakeups']})" if k else ""))
     return "\n".join(lines)
 
 
@@ -174,25 +196,9 @@ def parse(argv) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    why = netns.missing_requirements()
-    if why:
-        print(f"{PROG}: error: {why}", file=sys.stderr)
-        return 2
-    netns.sweep_stale()
-    from megatron_lbp.testing.multirank import MultiRankError
-
-    with netns.signals_unwind():
-        try:
-            out = run(args)
-        except MultiRankError as e:
-            print(f"{PROG}: error: a rank failed; emulated network removed\n{e}",
-                  file=sys.stderr)
-            return 1
-        except (KeyboardInterrupt, netns.NetworkSetupError) as e:
-            print(f"{PROG}: error: {e}; emulated network removed", file=sys.stderr)
-            return 1
-    json_out.emit(out) if args.json else print(render(out))
-    return 0
+    return netns.command_main(
+        PROG, lambda: run(args),
+        lambda out: json_out.emit(out) if args.json else print(render(out)))
 
 
 if __name__ == "__main__":

@@ -289,6 +289,8 @@ def run_step(a, env: Mapping[str, str]) -> int:
     import torch
     import torch.distributed as dist
 
+    from megatron_lbp.launch.job_group import join_job
+
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     T, P = a.tasks_per_node, a.gcds_per_package
     host = env.get("SLURMD_NODENAME") or socket.gethostname()
@@ -298,11 +300,7 @@ def run_step(a, env: Mapping[str, str]) -> int:
         if seen != a.gpus_per_task:
             raise HealthError(f"rank {rank} on {host}: {describe_build(torch)} sees {seen} "
                               f"device(s), expected {a.gpus_per_task} per task", own=True)
-    device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
-    if use_gpu:
-        torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if use_gpu else "gloo", rank=rank, world_size=world,
-                            device_id=device if use_gpu else None)
+    device = join_job(rank, world, use_gpu)
     try:
         pci = None
         if use_gpu:

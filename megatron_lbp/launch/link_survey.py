@@ -431,13 +431,10 @@ def main(argv=None, env: Mapping[str, str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
+    from megatron_lbp.launch.job_group import join_job
+
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    use_gpu = a.gpus_per_task > 0 and torch.cuda.is_available()
-    device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
-    if use_gpu:
-        torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if use_gpu else "gloo", rank=rank, world_size=world,
-                            device_id=device if use_gpu else None)
+    device = join_job(rank, world, a.gpus_per_task > 0 and torch.cuda.is_available())
     try:
         run(out_path=a.out, tasks_per_node=a.tasks_per_node, gcds_per_package=a.gcds_per_package,
             sizes=sizes, reps=a.reps, max_seconds=a.max_seconds,

@@ -103,10 +103,10 @@ class CollectiveModel:
 
     def alpha(self, t: Mapping[str, Any], column: str) -> float:
         """Seconds per ring step: the least-squares intercept of seconds on bytes sent (>= 0)
-        over the table's sizes, / (m - 1)."""
+        over the table's sizes (their :meth:`monotone` times), / (m - 1)."""
         key = (t["op"], t["dtype"], t["shape"], column)
         if key not in self._fit:
-            xs, ys = t["sent_bytes"], t[column]
+            xs, ys = t["sent_bytes"], self.monotone(t[column])
             if len(xs) < 2:
                 a = 0.0
             else:
@@ -118,8 +118,23 @@ class CollectiveModel:
         return self._fit[key][0]
 
     @staticmethod
-    def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
-        """Piecewise linear through (xs, ys), the end segments extended; one point: through 0."""
+    def monotone(ys: Sequence[float]) -> list[float]:
+        """Each size's time as at most every larger size's (the running minimum from the
+        largest): on one group a collective of fewer bytes takes no longer than one of more,
+        so a table time above a larger size's is that run's stall (a loaded host's), and the
+        larger size's time is what the smaller one is read as. Left as they are when they
+        already grow with size."""
+        out = list(ys)
+        for i in range(len(out) - 2, -1, -1):
+            out[i] = min(out[i], out[i + 1])
+        return out
+
+    @classmethod
+    def interpolate(cls, xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+        """Piecewise linear through (xs, :meth:`monotone` ys), the end segments extended; one
+        point: through 0. Never below 0, and never decreasing with x (below the smallest size
+        it reads no more than that size's time)."""
+        ys = cls.monotone(ys)
         if len(xs) == 1:
             return ys[0] * x / xs[0]
         i = 1

@@ -84,11 +84,13 @@ def test_the_survey_recovers_the_configured_uplink_rate():
                      f"{out['config'].get('load_warning') or ''}")
 
 
-@pytest.mark.slow   # ~30 min on the shared 2-core machine: the survey at the auto rate, then 3 rounds
+@pytest.mark.slow   # ~20 min on the shared 2-core machine: the survey, then 3 rounds
 @needs_root
 def test_the_choice_from_the_survey_follows_the_measured_step_times():
     """network-choice with the choice reading the link survey run on the emulated nodes: at
-    each batch the scheme projected faster is the one measured faster."""
+    each batch the scheme projected faster is the one measured faster, whichever it is. Only
+    where the survey recovered the network (every cross-node figure within 20% of the rate):
+    a survey that measured the host's load instead gives the choice links it does not have."""
     from benchmarks import network_choice as nc
 
     done = subprocess.run([sys.executable, "-m", "benchmarks", "network-choice", "--json",
@@ -97,6 +99,14 @@ def test_the_choice_from_the_survey_follows_the_measured_step_times():
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     print(nc.render(out))
+    ratios = [r["ratio"] for r in out["links"]["cross_node"]]
+    if any(abs(x - 1) > sn.ALLOWED for x in ratios):
+        # The choice then reads links the survey did not recover (what it measured was the
+        # host's load: test_the_survey_recovers_the_configured_uplink_rate), so a choice
+        # against the step times would test those, not the chooser.
+        pytest.skip(f"the survey's cross-node figures are {min(ratios):.2f}-{max(ratios):.2f} "
+                    f"of the configured rate, not within {sn.ALLOWED:.0%}: the choice from "
+                    f"them is not a check of the chooser")
     for name, b in out["batches"].items():
         assert b["projected_faster"] == b["measured_faster"], (
             f"at {name} the choice from the survey prefers {b['projected_faster']} "

@@ -117,6 +117,29 @@ def test_the_health_check_runs_the_survey(tmp_path):
     assert all(o[1] == "" for o in out[1:]), "only rank 0 prints"
 
 
+def _survey_command(argv):
+    import os
+
+    from megatron_lbp.launch import link_survey
+
+    return link_survey.main(argv, env=dict(os.environ))
+
+
+def test_the_survey_command_joins_the_job_and_writes_its_file(tmp_path):
+    """``python -m megatron_lbp.launch survey`` on its own: each rank brings up the job's process
+    group as the health check does (health.join_job), and rank 0 writes the file."""
+    path = str(tmp_path / "own.json")
+    argv = ["--out", path, "--tasks-per-node", "2", "--gcds-per-package", "2",
+            "--gpus-per-task", "0", "--sizes-mib", "0.00390625", "--reps", "1",
+            "--overlap-mib", "0"]
+    codes = run_on_ranks(_survey_command, 4, argv, rank_env=rank_location_env(2),
+                         init_process_group=False, timeout=600)
+    assert codes == [0] * 4, codes
+    data = sf.read(path)
+    assert data["machine"]["backend"] == "gloo" and data["machine"]["world"] == 4, data["machine"]
+    assert data["shapes"]["cross_node"]["groups"] == 2, data["shapes"]
+
+
 def test_the_estimate_of_the_bound_is_the_public_models_sum_of_cases():
     """--estimate: (1 + reps) x every case at the public figures' slow end, per shape; the
     world shape is left out where it is the node (one node)."""
