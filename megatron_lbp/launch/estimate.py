@@ -373,9 +373,6 @@ def build_parser(machine: bool = True) -> argparse.ArgumentParser:
                          "check's --survey-out): step times and their bands from its tables "
                          "and measured overlap instead of the public figures")
     ap.add_argument("--resolved", default=None, help="write KEY=VALUE lines here")
-    ap.add_argument("--summary", default=None, metavar="FILE",
-                    help="write the summary here instead of printing it (the dry run prints "
-                         "it first)")
     ap.add_argument("--verbose", action="store_true",
                     help="print the full estimate after the summary: every candidate's memory, "
                          "the ranking, the plan's figures (LBP_VERBOSE=1)")
@@ -423,25 +420,30 @@ def job_from_args(ns: argparse.Namespace) -> Job:
     return replace(job, links=links, survey=survey, choose=job.choose or job.preset == "auto")
 
 
-def run(job: Job, resolved_path: str | None = None, summary_path: str | None = None) -> int:
-    """Print the job's estimate: its summary (into ``summary_path`` instead, when given: the dry
-    run leads with it), then, with ``job.verbose``, the full estimate; write the resolved
-    values. The exit status (3: nothing fits, 2: bad input)."""
+def error_text(job: Job, exc: PlanError | EstimateError) -> str:
+    """The one-line refusal for a job the planner cannot plan (exit 2)."""
+    if isinstance(exc, PlanError):
+        return (f"{PROG}: error: the hierarchy does not fit {job.nodes} node(s) x "
+                f"{job.tasks_per_node} tasks: {exc}")
+    return f"{PROG}: error: {exc}"
+
+
+def shown(d: Decision, verbose: bool) -> list[str]:
+    """The estimate's lines as printed: the summary, then, ``verbose``, the full estimate."""
+    return d.summary + (d.lines if verbose else [])
+
+
+def run(job: Job, resolved_path: str | None = None) -> int:
+    """Print the job's estimate (:func:`shown`) and write the resolved values. The exit status
+    (3: nothing fits, 2: bad input)."""
     try:
         d = decide(job)
     except (PlanError, EstimateError) as exc:
-        print(f"{PROG}: error: the hierarchy does not fit {job.nodes} node(s) x "
-              f"{job.tasks_per_node} tasks: {exc}" if isinstance(exc, PlanError)
-              else f"{PROG}: error: {exc}", file=sys.stderr)
+        print(error_text(job, exc), file=sys.stderr)
         return 2
-    summary = d.summary
-    if summary_path:
-        with open(summary_path, "w") as f:
-            f.writelines(line + "\n" for line in summary)
-        summary = []
-    shown = summary + (d.lines if job.verbose else [])
-    if shown:
-        print("\n".join(shown), flush=True)
+    lines = shown(d, job.verbose)
+    if lines:
+        print("\n".join(lines), flush=True)
     if d.refusal:
         print(d.refusal, file=sys.stderr)
         return 3
@@ -456,7 +458,7 @@ def main(argv=None) -> int:
     except EstimateError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    return run(job, ns.resolved, ns.summary)
+    return run(job, ns.resolved)
 
 
 def choose_main(argv) -> int:
