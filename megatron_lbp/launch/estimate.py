@@ -226,7 +226,7 @@ def decide(a: Job) -> Decision:
     source = "--step-seconds" if a.step_seconds else (
         f"{'replayed trace' if row and row.source == 'replay' else 'cost model'}, "
         f"MFU {a.mfu:g}" + (", measured links" if a.links else "")
-        + (", collectives from the link survey" if a.survey else ""))
+        + (", collectives from the link survey" + survey_shape(a) if a.survey else ""))
     if a.save_interval == "auto":
         interval = nice_interval(a.save_minutes * 60 / step, a.train_iters, a.milestone_every)
         how = (f"SAVE_INTERVAL=auto: about every {a.save_minutes:g} min"
@@ -257,6 +257,17 @@ def decide(a: Job) -> Decision:
         lines += comparison_lines(a, chosen)
     return Decision(a, chosen, summary, lines, None, asked.preset == "auto", step, interval,
                     ckpt, save_s, params)
+
+
+def survey_shape(a: Job) -> str:
+    """' of 2 node(s) x 4 ranks, scaled to this job's groups' when the survey was taken on
+    another machine shape than the job's ('' when on the same)."""
+    from megatron_lbp.projection import collectives
+
+    m = a.survey.survey["machine"]
+    if (m["nodes"], m["tasks_per_node"]) == (a.nodes, a.tasks_per_node):
+        return ""
+    return f" of {collectives.shape_text(a.survey.survey)}, scaled to this job's groups"
 
 
 def _choice(name: str, allowed: tuple[str, ...]):
