@@ -2,7 +2,8 @@
 
 Nothing here runs anything or holds a number of its own: every figure comes
 from the JSON the sub-commands printed (``runs[key]["result"]``), and every
-reason given for a missed goal is built from those figures. Targets are the
+reason given for a missed goal is one short clause built from those figures (the sections
+below the goals table give the detail). Targets are the
 issue's; they are compared against, never tuned to. A goal the cost model meets by its
 construction is not a goal: the replayed projection's lbp scaling efficiency (Adam on a shard
 that shrinks with the GCD count keeps it at 1 or above) and a replayed lbp / zeropp target
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from benchmarks import cpu_share
 
 BYTES_VS_ZERO3 = 1 / 8
 FRONTIER_EXPOSED_SHARE = 0.25
@@ -76,8 +76,8 @@ def traffic_goals(runs) -> list[dict[str, Any]]:
         ok = v <= target
         goals.append(_goal(gid, goal, "met" if ok else "missed",
                            f"{fmt_ratio(v)}: lbp {lbp:,} B, {other} {them:,} B", v,
-                           "" if ok else f"lbp sends {lbp:,} B on the network per step, more "
-                           f"than {target:.3f} x {other}'s {them:,} B"))
+                           "" if ok else f"{other} sends {them / lbp:.2f}x lbp's bytes, under "
+                           f"the {1 / target:g}x asked"))
     goal = "lbp network bytes per rank per step independent of K (K=1 vs K=4)"
     if not (k1 and k4 and "lbp" in k1 and "lbp" in k4):
         goals.append(_goal("bytes_independent_of_k", goal, "not measured", "—", None,
@@ -115,11 +115,8 @@ def network_goals(runs) -> list[dict[str, Any]]:
         worst = max(cal, key=lambda s: abs(cal[s]["rel_error"]))
         err = abs(cal[worst]["rel_error"])
         inside = [s for s, c in cal.items() if c["within_20pct"]]
-        misses = [f"{s}: measured {c['measured_ratio']:.2f}, predicted {c['predicted_ratio']:.2f} "
-                  f"({c['rel_error']:+.1%})" for s, c in cal.items() if not c["within_20pct"]]
-        fit = net["calibration"].get("fit")
-        notes = fit.get("notes") if isinstance(fit, Mapping) else None
-        reason = "; ".join(misses) + (f". Fitted: {notes}" if misses and notes else "")
+        misses = [s for s, c in cal.items() if not c["within_20pct"]]
+        reason = f"off by more than 20%: {', '.join(misses)}" if misses else ""
         goals.append(_goal("calibration", goal, "met" if len(inside) == len(cal) else "missed",
                            f"{len(inside)}/{len(cal)} schemes' ratio to lbp within 20%, "
                            f"largest error "
@@ -128,45 +125,34 @@ def network_goals(runs) -> list[dict[str, Any]]:
 
 
 def network_reason(net, scheme: str, v: float) -> str:
-    """Why lbp leads the emulated network by less than the goal, from that run's figures."""
-    text = (f"{scheme} / lbp step time measured {v:.2f} ({net['schemes'][scheme]['median_s']:.3f} "
-            f"s vs {net['schemes']['lbp']['median_s']:.3f} s)")
-    if scheme.startswith("ds-"):
-        return text + _deepspeed_reason(net, scheme)
-    cal = (net.get("calibration") or {})
-    mine, ref = cal.get(scheme), cal.get("lbp")
-    if isinstance(mine, Mapping) and "predicted_ratio" in mine:
-        text += (f"; the cost model calibrated on the same links predicts "
-                 f"{mine['predicted_ratio']:.2f}")
-    if all(isinstance(r, Mapping) and {"measured_s", "predicted_s"} <= set(r) for r in (mine, ref)):
-        text += (f". Measured against modelled step: lbp {ref['measured_s']:.3f} s vs "
-                 f"{ref['predicted_s']:.3f} s, {scheme} {mine['measured_s']:.3f} s vs "
-                 f"{mine['predicted_s']:.3f} s")
-    fit = cal.get("fit") if isinstance(cal.get("fit"), Mapping) else {}
-    sent = fit.get("network_bytes_per_rank", {})
-    if "lbp" in sent and scheme in sent:
-        text += (f"; lbp sends {sent['lbp'] / 1e6:.2f} MB per rank per step over the shaped "
-                 f"uplinks, {scheme} {sent[scheme] / 1e6:.2f} MB")
-    cfg = net.get("config") or {}
-    if {"world_size", "cpus"} <= set(cfg):
-        text += (f". The model counts link time and compute timed alone; during this run "
-                 f"{_load_text(cfg)}")
-    return text
-
-
-def _deepspeed_reason(net, scheme: str) -> str:
-    """A DeepSpeed row's miss from the run's own figures: the cost model has no DeepSpeed
-    scheme (its prediction is the nearest preset's), so the reason is each step split into
-    the compute alone and the exposed communication, and each scheme's collectives alone."""
+    """Why lbp leads the emulated network by less than the goal, in one clause: the cost
+    model's prediction on the same links (a DeepSpeed row: both steps' exposed time), and how
+    busy the cores were."""
     rows = net["schemes"]
-    need = {"median_s", "compute_s", "exposed_s", "link_s"}
-    text = ""
-    if need <= set(rows["lbp"]) and need <= set(rows[scheme]):
-        text += f": {_frontier_row_text('lbp', rows['lbp'])}; {_frontier_row_text(scheme, rows[scheme])}"
-    cfg = net.get("config") or {}
-    if {"world_size", "cpus"} <= set(cfg):
-        text += f". During this run {_load_text(cfg)}"
-    return text
+    if scheme.startswith("ds-"):
+        text = exposure_clause(rows["lbp"], scheme, rows[scheme])
+    else:
+        mine = (net.get("calibration") or {}).get(scheme)
+        text = (f"the cost model predicts {mine['predicted_ratio']:.2f}x on these links"
+                if isinstance(mine, Mapping) and "predicted_ratio" in mine else
+                f"{scheme} {rows[scheme]['median_s']:.3f} s against lbp's "
+                f"{rows['lbp']['median_s']:.3f} s")
+    return text + busy_clause(net.get("config") or {})
+
+
+def exposure_clause(lbp: Mapping[str, Any], scheme: str, row: Mapping[str, Any]) -> str:
+    """'ds-zero3 exposes 2.000 s of communication per step, lbp 1.000 s' (or '' without the
+    split)."""
+    if "exposed_s" not in lbp or "exposed_s" not in row:
+        return f"{scheme} {row['median_s']:.3f} s against lbp's {lbp['median_s']:.3f} s"
+    return (f"{scheme} exposes {row['exposed_s']:.3f} s of communication per step, lbp "
+            f"{lbp['exposed_s']:.3f} s")
+
+
+def busy_clause(cfg: Mapping[str, Any]) -> str:
+    """', 47% of the CPUs busy elsewhere' where the run measured it (bench/cpu_share.py)."""
+    share = cfg.get("other_cpu")
+    return f", {share['others_share']:.0%} of the CPUs busy elsewhere" if share else ""
 
 
 def calibration_rows(net) -> dict[str, dict[str, Any]]:
@@ -200,34 +186,10 @@ def overhead_goal(runs) -> dict[str, Any]:
 
 
 def overhead_reason(runs, ov) -> str:
-    """Where lbp's extra time on one node goes, from the plan for the run's own configuration."""
+    """lbp's extra time on one node, in one clause."""
     m = ov["median_step_s"]
-    text = (f"lbp takes {m['lbp'] - m['megatron-distopt']:+.3f} s per step more. On one unshaped "
-            f"node every link is the same loopback, so the hierarchy saves nothing and its extra "
-            f"collectives only cost")
-    plan = result(runs, "overhead_plan")
-    if plan:
-        k, buckets = plan["micro_batches"], plan["buckets"]
-        ph = plan["traffic_by_phase"]
-        per_mb = sum(sum(ph[p].values()) for p in ("forward_gather", "backward_gather",
-                                                   "grad_reduce"))
-        step = sum(sum(ph[p].values()) for p in ("step_reduce", "step_gather"))
-        g = plan["group_sizes"]
-        text += (f": per step lbp (P={g['param']}, G={g['grad']}) issues {3 * k * buckets} "
-                 f"per-micro-batch collectives ({k} micro-batches x {buckets} bucket(s) x forward "
-                 f"gather, backward regather, G-group gradient reduce-scatter: {per_mb:,} B per "
-                 f"rank) plus the optimizer step's collectives ({step:,} B), where stock Megatron "
-                 f"accumulates the gradient locally and issues one reduce-scatter and one "
-                 f"all-gather per bucket per step")
-    k1, k4 = traffic_bytes(runs, 1), traffic_bytes(runs, 4)
-    if k1 and k4 and all("lbp" in t and "megatron-distopt" in t for t in (k1, k4)):
-        tot = {k: {s: sum(t[s].values()) for s in ("lbp", "megatron-distopt")}
-               for k, t in ((1, k1), (4, k4))}
-        text += (f". The traffic run counts the same pattern: lbp sends {tot[1]['lbp']:,} B per "
-                 f"rank per step over all links at K=1 and {tot[4]['lbp']:,} B at K=4, stock "
-                 f"{tot[1]['megatron-distopt']:,} B and {tot[4]['megatron-distopt']:,} B")
-    return text + (f". Here {ov['ranks']} ranks share {ov['machine']['cpus']} cores, so every "
-                   f"gloo collective's copies and waits take the cores the compute runs on")
+    return (f"{m['lbp'] - m['megatron-distopt']:+.3f} s per step for collectives the hierarchy "
+            f"cannot save where every link is one loopback")
 
 
 def pair_goals(runs) -> list[dict[str, Any]]:
@@ -254,27 +216,11 @@ def pair_goals(runs) -> list[dict[str, Any]]:
 
 
 def pair_reason(ov, key: str, pair) -> str:
-    """Why A is slower than B: the run's own figures, and its profile where it has one."""
+    """Why A is slower than B, in one clause: the time and the buckets it is issued over."""
     a, b = pair["a"], pair["b"]
     m = ov["median_step_s"]
-    text = (f"{a} takes {m[a] - m[b]:+.3f} s per step more than {b} (median of the same-round "
-            f"ratios {pair['median_paired_ratio']:.3f}); {a} issues its collectives over "
-            f"{pair['buckets'][a]} buckets, {b} over {pair['buckets'][b]}")
-    prof = ov.get("profiles") or {}
-    if a in prof and b in prof:
-        ba, bb = prof[a]["breakdown_s_per_step"], prof[b]["breakdown_s_per_step"]
-        cats = [c for c in ba if c != "total"]
-        worst = sorted(cats, key=lambda c: ba[c] - bb[c], reverse=True)[:2]
-        text += (". Profiled (cProfile, rank 0, bench overhead --profile): " + ", ".join(
-            f"{c} {ba[c]:.4f} vs {bb[c]:.4f} s/step" for c in worst))
-        engine = prof[a].get("engine_cumulative") or []
-        if engine:
-            top = engine[0]
-            text += (f"; the engine's costliest call is {top['function']} "
-                     f"({top['s_per_step'] / ba['total']:.0%} of {a}'s profiled step)")
-    if ov.get("load_warning"):
-        text += f" (the command warns: {ov['load_warning']})"
-    return text
+    return (f"{a} takes {m[a] - m[b]:+.3f} s per step more over {pair['buckets'][a]} buckets "
+            f"against {pair['buckets'][b]}")
 
 
 def projection_key(proj, model: str = "20B") -> tuple[str, str] | None:
@@ -296,52 +242,14 @@ def projection_goal(runs) -> dict[str, Any]:
     key, top = kt
     v = proj["ratios"][key]
     paper = proj["paper"]["lbp_over_zeropp_tflops_20B_384"]
-    rows = {s: proj["results"]["20B"][s][top] for s in ("lbp", "zeropp")}
-
-    def parts(r):
-        return (f"{r['step_s']:.2f} s = compute {r['compute_s']:.2f} + exposed micro-batch comm "
-                f"{r['exposed_micro_batch_comm_s']:.2f} + exposed optimizer-step comm "
-                f"{r['exposed_step_comm_s']:.2f} (of {r['step_comm_s']:.2f} link time) + Adam "
-                f"{r['adam_s']:.3f}")
-
     a = proj["assumptions"]
-    low = min(int(g) for g in proj["results"]["20B"]["lbp"])
-    eff_key = f"20B lbp scaling efficiency {low}->{top}"
-    reason = (f"model {v:.3f} vs paper {paper} ({v / paper - 1:+.1%}). Model step at {top} GCDs: "
-              f"lbp {parts(rows['lbp'])}; zeropp {parts(rows['zeropp'])}. The model is not "
-              f"fitted to the paper: it assumes {a['micro_batches']} micro-batch(es) per step, "
-              f"{a['compute']['mfu']:.0%} MFU and "
-              f"{a['bandwidth_GB_per_s_per_gcd']['network']:g} GB/s network per GCD, hides all "
-              f"but one bucket of each micro-batch's communication behind compute and exposes the "
-              f"optimizer-step collectives fully")
-    if eff_key in proj["ratios"]:
-        reason += (f"; its lbp scaling efficiency is {proj['ratios'][eff_key]:.3f} against the "
-                   f"paper's {proj['paper']['lbp_scaling_efficiency']}")
+    reason = (f"{v / paper - 1:+.1%} from the paper at {a['compute']['mfu']:.0%} MFU and "
+              f"{a['bandwidth_GB_per_s_per_gcd']['network']:g} GB/s network per GCD")
     return _goal("projection", goal, "compared", f"{v:.3f} (paper {paper})", v, reason)
-
-
-def _load_text(cfg: Mapping[str, Any]) -> str:
-    text = f"{cfg.get('world_size', '?')} ranks shared {cfg.get('cpus', '?')} cores"
-    if cfg.get("other_cpu"):
-        # Measured (bench/cpu_share.py); results from before it have the load average only.
-        text += cpu_share.clause(cfg["other_cpu"])
-    else:
-        load = " and".join(f" {cfg[k][0]:.0f} at the {k.split('_')[1]}"
-                           for k in ("loadavg_start", "loadavg_end") if cfg.get(k))
-        text += f", load average{load}" if load else ""
-    return text + (f" (the command warns: {cfg['load_warning']})" if cfg.get("load_warning")
-                   else "")
-
-
-def _frontier_row_text(scheme: str, row: Mapping[str, Any]) -> str:
-    return (f"{scheme} step {row['median_s']:.3f} s = compute alone {row['compute_s']:.3f} + "
-            f"exposed {row['exposed_s']:.3f} (its collectives alone {row['link_s']:.3f} s)")
 
 
 def frontier_goals(runs) -> list[dict[str, Any]]:
     """The Frontier-shaped emulation's goals: lbp hides its communication, and leads the others."""
-    from benchmarks.network_exposure import explain
-
     net = result(runs, "network_frontier")
     rows = (net or {}).get("schemes") or {}
     lbp = rows.get("lbp")
@@ -354,8 +262,7 @@ def frontier_goals(runs) -> list[dict[str, Any]]:
     else:
         v = float(lbp["exposed_share"])
         ok = v <= FRONTIER_EXPOSED_SHARE
-        reason = "" if ok else (f"{explain('lbp', lbp)}. During this run "
-                                f"{_load_text(net.get('config') or {})}")
+        reason = "" if ok else wait_clause(lbp) + busy_clause(net.get("config") or {})
         goals.append(_goal("frontier_exposed_share", goal, "met" if ok else "missed",
                            f"{v:.0%} ({lbp['exposed_s']:.3f} s of {lbp['link_s']:.3f} s)", v,
                            reason))
@@ -369,14 +276,21 @@ def frontier_goals(runs) -> list[dict[str, Any]]:
             continue
         v = row["median_s"] / lbp["median_s"]
         ok = v >= target
-        reason = "" if ok else (
-            f"{_frontier_row_text('lbp', lbp)}; {_frontier_row_text(scheme, row)}. "
-            f"{explain('lbp', lbp)}. {explain(scheme, row)}. During this run "
-            f"{_load_text(net.get('config') or {})}")
+        reason = "" if ok else (exposure_clause(lbp, scheme, row)
+                                + busy_clause(net.get("config") or {}))
         goals.append(_goal(f"frontier_speedup_vs_{scheme}", goal, "met" if ok else "missed",
                            f"{v:.2f}x ({row['median_s']:.3f} s vs lbp {lbp['median_s']:.3f} s)",
                            v, reason))
     return goals
+
+
+def wait_clause(row: Mapping[str, Any]) -> str:
+    """What the trace had the rank wait on longest, in one clause."""
+    phases = (row.get("trace") or {}).get("phases") or {}
+    if not phases:
+        return f"exposed {row['exposed_s']:.3f} s per step; no schedule trace"
+    ph, p = max(phases.items(), key=lambda x: x[1]["exposed_s"])
+    return f"the rank waits longest on {ph}, {p['exposed_s']:.3f} s per step"
 
 
 def replay_rows(proj) -> tuple[dict[str, Any], str, str] | None:

@@ -155,6 +155,15 @@ def cmd_prune(a) -> int:
 
 def prune_once(a, quiet: bool = False) -> int:
     """One pass of the retention rules; ``quiet``: say nothing when nothing is deleted."""
+    line = prune_line(a, quiet)
+    if line:
+        print(a.prefix + line, flush=True)
+    return 0
+
+
+def prune_line(a, quiet: bool = False) -> str | None:
+    """One pass of the retention rules (``a.dry_run``: deleting nothing), and its line (None:
+    ``quiet`` and nothing deleted)."""
     tracker, checkpoints = scan(a.dir)
     keep, delete = retention(tracker, checkpoints, a.keep_last, a.milestone_every, a.at_start)
     kept = ", ".join(f"iter_{i:07d} ({why})" for i, why in sorted(keep.items()))
@@ -171,31 +180,44 @@ def prune_once(a, quiet: bool = False) -> int:
             shutil.rmtree(c.path)
     torn = [c.name for c in checkpoints if not c.complete and c not in delete]
     if quiet and not delete:
-        return 0
-    print(f"{a.prefix}retention ({rule}) in {a.dir}: keep {kept or 'nothing yet'}"
-          + (f"; {verb} {gone} ({_gb(freed)})" if delete else "; nothing to delete")
-          + (f"; left in place (incomplete: a save in progress or torn): {', '.join(torn)}"
-             if torn else ""), flush=True)
-    return 0
+        return None
+    return (f"retention ({rule}) in {a.dir}: keep {kept or 'nothing yet'}"
+            + (f"; {verb} {gone} ({_gb(freed)})" if delete else "; nothing to delete")
+            + (f"; left in place (incomplete: a save in progress or torn): {', '.join(torn)}"
+               if torn else ""))
 
 
-def cmd_space(a) -> int:
-    _, checkpoints = scan(a.dir)
+def space(directory: Path, checkpoint_bytes: int) -> tuple[bool, str]:
+    """(whether two checkpoints fit in ``directory``'s file system, the line that says so)."""
+    _, checkpoints = scan(directory)
     complete = [c for c in checkpoints if c.complete]
     on_disk = complete[-1].nbytes if complete else 0
-    one = max(a.checkpoint_bytes, on_disk)
-    basis = (f"the newest on disk, {complete[-1].name}" if on_disk > a.checkpoint_bytes
+    one = max(checkpoint_bytes, on_disk)
+    basis = (f"the newest on disk, {complete[-1].name}" if on_disk > checkpoint_bytes
              else "the estimate")
-    free, probe = free_bytes(a.dir)
+    free, probe = free_bytes(directory)
     need = 2 * one
     line = (f"{probe} has {_gb(free)} free; two checkpoints need 2 x {_gb(one)} = {_gb(need)} "
             f"({basis})")
     if free < need:
-        print(f"{PROG}: error: CHECKPOINT_DIR={a.dir}: its file system {line}: free space there "
-              "(older checkpoints, LBP_KEEP_LAST), or set CHECKPOINT_DIR to a larger one",
-              file=sys.stderr)
+        return False, (f"CHECKPOINT_DIR={directory}: its file system {line}: free space there "
+                       "(older checkpoints, LBP_KEEP_LAST), or set CHECKPOINT_DIR to a larger one")
+    return True, f"checkpoint space: {line}: enough"
+
+
+def error_text(directory: Path, exc: Exception) -> str:
+    """A checkpoint directory that cannot be read, in one line (CheckpointError, OSError)."""
+    if isinstance(exc, OSError):
+        return f"{directory}: {exc.strerror or exc}"
+    return str(exc)
+
+
+def cmd_space(a) -> int:
+    ok, line = space(a.dir, a.checkpoint_bytes)
+    if not ok:
+        print(f"{PROG}: error: {line}", file=sys.stderr)
         return 4
-    print(f"checkpoint space: {line}: enough")
+    print(line)
     return 0
 
 
@@ -247,9 +269,6 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     try:
         return {"prune": cmd_prune, "space": cmd_space, "chain": cmd_chain}[a.cmd](a)
-    except CheckpointError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"{PROG}: error: {a.dir}: {exc.strerror or exc}", file=sys.stderr)
+    except (CheckpointError, OSError) as exc:
+        print(f"{PROG}: error: {error_text(a.dir, exc)}", file=sys.stderr)
         return 2

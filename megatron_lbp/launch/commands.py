@@ -7,7 +7,7 @@ import re
 import shutil
 
 from megatron_lbp.core.config import default_secondary_dtype
-from megatron_lbp.launch.rules import is_ds, log
+from megatron_lbp.launch.rules import is_ds
 
 
 def srun_words(v) -> list[str]:
@@ -131,26 +131,28 @@ def quote(words: list[str]) -> str:
     return " ".join(one(w) for w in words)
 
 
-def print_commands(v, srun: list[str], entry_words: list[str], args: list[str], device: str,
-                   line: str, notes: str) -> None:
-    log(f"profile: {v.get('LBP_PROFILE') or 'custom'}: {v['NNODES_RESOLVED']} node(s)"
-        f"{v['NNODES_FROM']} x {v['TASKS_PER_NODE']} tasks = {v['WORLD']} ranks (one per GCD), "
-        f"{v['GCDS_PER_PACKAGE']} GCDs per package")
-    log(f"entry: {v['ENTRY_DESC']}; python: {shutil.which(v['LBP_PYTHON']) or ''}")
-    log(f"rendezvous: MASTER_ADDR={v['MASTER_ADDR']} MASTER_PORT={v['MASTER_PORT']} (ranks from "
-        "SLURM_PROCID per task, scripts/launch/lbp_task.sh)")
+def command_lines(v, srun: list[str], entry_words: list[str], args: list[str], device: str,
+                  line: str, notes: str) -> list[str]:
+    """The dry run's and the job's account of what runs: where, how, and the two commands."""
     shown = "".join(f" {k}={x}" for k, x in v["SITE_EXPORTS"])
     users = "".join(f" {k}" for k in v["SITE_USER"])
-    log(f"environment:{shown}" + (f" (yours:{users})" if users else ""))
-    log(f"caches: MIOpen and Triton per task under {v['LBP_NODE_LOCAL_ROOT']} (node-local), "
+    return [
+        f"[lbp] profile: {v.get('LBP_PROFILE') or 'custom'}: {v['NNODES_RESOLVED']} node(s)"
+        f"{v['NNODES_FROM']} x {v['TASKS_PER_NODE']} tasks = {v['WORLD']} ranks (one per GCD), "
+        f"{v['GCDS_PER_PACKAGE']} GCDs per package",
+        f"[lbp] entry: {v['ENTRY_DESC']}; python: {shutil.which(v['LBP_PYTHON']) or ''}",
+        f"[lbp] rendezvous: MASTER_ADDR={v['MASTER_ADDR']} MASTER_PORT={v['MASTER_PORT']} (ranks "
+        "from SLURM_PROCID per task, scripts/launch/lbp_task.sh)",
+        f"[lbp] environment:{shown}" + (f" (yours:{users})" if users else ""),
+        f"[lbp] caches: MIOpen and Triton per task under {v['LBP_NODE_LOCAL_ROOT']} (node-local), "
         f"data index cache {v['DATA_CACHE_PATH'] or '<next to the data>'}, TensorBoard "
-        f"{v['TENSORBOARD_DIR'] or 'off'}")
-    print("[lbp] srun command:")
-    print(f"  {quote(srun)} \\")
-    print(f"    {quote(entry_words + args)}")
-    log(f"flags for a {device.upper()} run (python -m megatron_lbp.capabilities, "
-        f"LBP_DEVICE={device}), as the entry adds them at start:")
-    for n in notes.splitlines():
-        print(f"[lbp]   {n}")
-    print("[lbp] training command (each task):")
-    print(f"  {quote(entry_words)} {line}", flush=True)
+        f"{v['TENSORBOARD_DIR'] or 'off'}",
+        "[lbp] srun command:",
+        f"  {quote(srun)} \\",
+        f"    {quote(entry_words + args)}",
+        f"[lbp] flags for a {device.upper()} run (python -m megatron_lbp.capabilities, "
+        f"LBP_DEVICE={device}), as the entry adds them at start:",
+        *(f"[lbp]   {n}" for n in notes.splitlines()),
+        "[lbp] training command (each task):",
+        f"  {quote(entry_words)} {line}",
+    ]

@@ -19,6 +19,45 @@ import sys
 from megatron_lbp.launch._cli import PROG, Parser
 
 
+class ContentsError(ValueError):
+    """A check that fails; the message is one line."""
+
+
+def check(tokenizer_type: str, vocab_file: str | None = None, merge_file: str | None = None,
+          tokenizer_model: str | None = None, vocab_size_padded: int | None = None,
+          data_path: list[str] = (), mock_data: bool = False) -> list[str]:
+    """The checks' lines; the first failure raises :class:`ContentsError`."""
+    from megatron_lbp.integration import preflight, tokenizer_check
+
+    # The names preflight and tokenizer_check read (Megatron's parsed arguments).
+    args = argparse.Namespace(tokenizer_type=tokenizer_type, vocab_file=vocab_file,
+                              merge_file=merge_file, tokenizer_model=tokenizer_model,
+                              vocab_size=vocab_size_padded, padded_vocab_size=vocab_size_padded,
+                              data_path=list(data_path), mock_data=mock_data)
+    import logging
+    import warnings
+
+    # Megatron's "could not determine rank" warning and its INFO lines on opening an index
+    # are noise outside a job; the checks' own lines are the output.
+    logging.getLogger("megatron.core.datasets.indexed_dataset").setLevel(logging.WARNING)
+    warnings.simplefilter("ignore")
+    try:
+        vocab = tokenizer_check.check(args)
+        source = tokenizer_model or " + ".join(f for f in (vocab_file, merge_file) if f)
+        lines = [f"tokenizer: {tokenizer_type} {source} builds here, offline"
+                 + (f" (vocabulary {vocab})" if vocab else "")]
+        found = preflight.check_data_and_tokenizer(args)
+    except (preflight.PreflightError, tokenizer_check.TokenizerInputError) as err:
+        raise ContentsError(str(err)) from None
+    if mock_data:
+        lines.append("data: MOCK_DATA=1 (synthetic data, nothing to check)")
+    for prefix, f in found.items():
+        whole = "all of them" if f["sampled"] >= f["tokens"] else f"the first {f['sampled']:,}"
+        lines.append(f"data: {prefix}: {f['documents']:,} documents, {f['tokens']:,} tokens; "
+                     f"token ids in {whole} at most {f['top']}, below the vocabulary {f['vocab']}")
+    return lines
+
+
 def main(argv=None) -> int:
     ap = Parser(prog="python -m megatron_lbp.launch contents", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -30,35 +69,13 @@ def main(argv=None) -> int:
     ap.add_argument("--data-path", nargs="*", default=[])
     ap.add_argument("--mock-data", action="store_true")
     a = ap.parse_args(argv)
-    from megatron_lbp.integration import preflight, tokenizer_check
-
-    # The names preflight and tokenizer_check read (Megatron's parsed arguments).
-    args = argparse.Namespace(tokenizer_type=a.tokenizer_type, vocab_file=a.vocab_file,
-                              merge_file=a.merge_file, tokenizer_model=a.tokenizer_model,
-                              vocab_size=a.vocab_size_padded, padded_vocab_size=a.vocab_size_padded,
-                              data_path=a.data_path, mock_data=a.mock_data)
-    import logging
-    import warnings
-
-    # Megatron's "could not determine rank" warning and its INFO lines on opening an index
-    # are noise outside a job; the checks' own lines are the output.
-    logging.getLogger("megatron.core.datasets.indexed_dataset").setLevel(logging.WARNING)
-    warnings.simplefilter("ignore")
     try:
-        vocab = tokenizer_check.check(args)
-        source = a.tokenizer_model or " + ".join(f for f in (a.vocab_file, a.merge_file) if f)
-        print(f"tokenizer: {a.tokenizer_type} {source} builds here, offline"
-              + (f" (vocabulary {vocab})" if vocab else ""), flush=True)
-        found = preflight.check_data_and_tokenizer(args)
-    except (preflight.PreflightError, tokenizer_check.TokenizerInputError) as err:
+        lines = check(a.tokenizer_type, a.vocab_file, a.merge_file, a.tokenizer_model,
+                      a.vocab_size_padded, a.data_path, a.mock_data)
+    except ContentsError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
-    if a.mock_data:
-        print("data: MOCK_DATA=1 (synthetic data, nothing to check)")
-    for prefix, f in found.items():
-        whole = "all of them" if f["sampled"] >= f["tokens"] else f"the first {f['sampled']:,}"
-        print(f"data: {prefix}: {f['documents']:,} documents, {f['tokens']:,} tokens; token ids "
-              f"in {whole} at most {f['top']}, below the vocabulary {f['vocab']}")
+    print("\n".join(lines), flush=True)
     return 0
 
 

@@ -226,7 +226,7 @@ def decide(a: Job) -> Decision:
     source = "--step-seconds" if a.step_seconds else (
         f"{'replayed trace' if row and row.source == 'replay' else 'cost model'}, "
         f"MFU {a.mfu:g}" + (", measured links" if a.links else "")
-        + (", collectives from the link survey" if a.survey else ""))
+        + (", collectives from the link survey" + survey_shape(a) if a.survey else ""))
     if a.save_interval == "auto":
         interval = nice_interval(a.save_minutes * 60 / step, a.train_iters, a.milestone_every)
         how = (f"SAVE_INTERVAL=auto: about every {a.save_minutes:g} min"
@@ -257,6 +257,17 @@ def decide(a: Job) -> Decision:
         lines += comparison_lines(a, chosen)
     return Decision(a, chosen, summary, lines, None, asked.preset == "auto", step, interval,
                     ckpt, save_s, params)
+
+
+def survey_shape(a: Job) -> str:
+    """' of 2 node(s) x 4 ranks, scaled to this job's groups' when the survey was taken on
+    another machine shape than the job's ('' when on the same)."""
+    from megatron_lbp.projection import collectives
+
+    m = a.survey.survey["machine"]
+    if (m["nodes"], m["tasks_per_node"]) == (a.nodes, a.tasks_per_node):
+        return ""
+    return f" of {collectives.shape_text(a.survey.survey)}, scaled to this job's groups"
 
 
 def _choice(name: str, allowed: tuple[str, ...]):
@@ -373,9 +384,6 @@ def build_parser(machine: bool = True) -> argparse.ArgumentParser:
                          "check's --survey-out): step times and their bands from its tables "
                          "and measured overlap instead of the public figures")
     ap.add_argument("--resolved", default=None, help="write KEY=VALUE lines here")
-    ap.add_argument("--summary", default=None, metavar="FILE",
-                    help="write the summary here instead of printing it (the dry run prints "
-                         "it first)")
     ap.add_argument("--verbose", action="store_true",
                     help="print the full estimate after the summary: every candidate's memory, "
                          "the ranking, the plan's figures (LBP_VERBOSE=1)")
@@ -423,25 +431,30 @@ def job_from_args(ns: argparse.Namespace) -> Job:
     return replace(job, links=links, survey=survey, choose=job.choose or job.preset == "auto")
 
 
-def run(job: Job, resolved_path: str | None = None, summary_path: str | None = None) -> int:
-    """Print the job's estimate: its summary (into ``summary_path`` instead, when given: the dry
-    run leads with it), then, with ``job.verbose``, the full estimate; write the resolved
-    values. The exit status (3: nothing fits, 2: bad input)."""
+def error_text(job: Job, exc: PlanError | EstimateError) -> str:
+    """The one-line refusal for a job the planner cannot plan (exit 2)."""
+    if isinstance(exc, PlanError):
+        return (f"{PROG}: error: the hierarchy does not fit {job.nodes} node(s) x "
+                f"{job.tasks_per_node} tasks: {exc}")
+    return f"{PROG}: error: {exc}"
+
+
+def shown(d: Decision, verbose: bool) -> list[str]:
+    """The estimate's lines as printed: the summary, then, ``verbose``, the full estimate."""
+    return d.summary + (d.lines if verbose else [])
+
+
+def run(job: Job, resolved_path: str | None = None) -> int:
+    """Print the job's estimate (:func:`shown`) and write the resolved values. The exit status
+    (3: nothing fits, 2: bad input)."""
     try:
         d = decide(job)
     except (PlanError, EstimateError) as exc:
-        print(f"{PROG}: error: the hierarchy does not fit {job.nodes} node(s) x "
-              f"{job.tasks_per_node} tasks: {exc}" if isinstance(exc, PlanError)
-              else f"{PROG}: error: {exc}", file=sys.stderr)
+        print(error_text(job, exc), file=sys.stderr)
         return 2
-    summary = d.summary
-    if summary_path:
-        with open(summary_path, "w") as f:
-            f.writelines(line + "\n" for line in summary)
-        summary = []
-    shown = summary + (d.lines if job.verbose else [])
-    if shown:
-        print("\n".join(shown), flush=True)
+    lines = shown(d, job.verbose)
+    if lines:
+        print("\n".join(lines), flush=True)
     if d.refusal:
         print(d.refusal, file=sys.stderr)
         return 3
@@ -456,7 +469,7 @@ def main(argv=None) -> int:
     except EstimateError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    return run(job, ns.resolved, ns.summary)
+    return run(job, ns.resolved)
 
 
 def choose_main(argv) -> int:

@@ -9,24 +9,23 @@ Exit status: 0; 2 bad input; 3 does not fit in GCD memory; 4 the job cannot run 
 """
 from __future__ import annotations
 
-import contextlib
-import io
+import argparse
 import json
-import re
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Mapping
 
 from megatron_lbp.launch import commands as cmds
 from megatron_lbp.launch import site
 from megatron_lbp.launch._cli import PROG, write_resolved
 from megatron_lbp.launch.rules import (Refusal, SETTINGS, check_deepspeed, check_hierarchy,
-                                       check_paths, estimate_as, is_ds, log, model_flags,
+                                       check_paths, estimate_as, is_ds, model_flags,
                                        parse_launcher_args, resolve_nodes, retention, settings,
                                        sbatch_directive, start_from, implied_secondary, uint)
 
@@ -39,6 +38,29 @@ class Stop(Exception):
     def __init__(self, status: int):
         super().__init__(status)
         self.status = status
+
+
+@dataclass
+class Screen:
+    """What a stage says, shown once it ends (refused or not): a dry run's summary first, by
+    construction, then every line in the order the stage made it."""
+    lines: list[str] = field(default_factory=list)
+    summary: list[str] | None = None   # a dry run's, from the estimate on
+
+    def log(self, text: str) -> None:
+        self.lines.append(f"[lbp] {text}")
+
+    def lead(self, text: str) -> None:
+        """A line the dry run's summary repeats (the exit time, what a job would refuse)."""
+        self.log(text)
+        if self.summary is not None:
+            self.summary.append(f"  {text}")
+
+    def show(self) -> None:
+        lines = [f"[lbp] {line}" for line in self.summary or []] + self.lines
+        if lines:
+            print("\n".join(lines), flush=True)
+        self.lines, self.summary = [], None
 
 
 def entry(v, exports: list[tuple[str, str]]) -> tuple[list[str], str]:
@@ -78,45 +100,33 @@ def entry(v, exports: list[tuple[str, str]]) -> tuple[list[str], str]:
     return [py, "-u", f"{tree}/pretrain_gpt.py"], f"{tree}/pretrain_gpt.py (patched Megatron-LM tree)"
 
 
-def _captured(fn: Callable[[], int], prefix: str = "[lbp] ", stderr_too: bool = False,
-              rewrite: tuple[str, str] | None = None) -> int:
-    """Run a launch command's main in this process, its stdout lines prefixed (and stderr's,
-    rewritten, with ``stderr_too``); its refusals go to stderr as they are."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err if stderr_too else sys.stderr):
-        try:
-            status = fn()
-        except SystemExit as exc:   # argparse's usage errors
-            status = exc.code if isinstance(exc.code, int) else 2
-    text = out.getvalue() + err.getvalue()
-    for line in text.splitlines():
-        if rewrite and line.startswith(rewrite[0]):
-            line = rewrite[1] + line[len(rewrite[0]):]
-        print(prefix + line, flush=True)
-    return status
-
-
-def check_contents(v) -> None:
+def check_contents(v, out: Screen) -> None:
     """The tokenizer builds here and the data is a readable indexed dataset that fits it."""
     if v["LBP_CHECK_CONTENTS"] != "1":
-        log("contents: not checked (LBP_CHECK_CONTENTS=0)")
+        out.log("contents: not checked (LBP_CHECK_CONTENTS=0)")
         return
     from megatron_lbp.launch import contents
 
-    args = ["--tokenizer-type", v["TOKENIZER_TYPE"], "--vocab-size-padded", v["VOCAB_SIZE_PADDED"]]
-    if v["TOKENIZER_TYPE"] == "GPT2BPETokenizer":
-        args += ["--vocab-file", v["VOCAB_FILE"], "--merge-file", v["MERGE_FILE"]]
-    elif v["TOKENIZER_TYPE"] != "NullTokenizer":
-        args += ["--tokenizer-model", v["TOKENIZER_MODEL"]]
-    args += ["--mock-data"] if v["MOCK_DATA"] == "1" else ["--data-path", *v["DATA_PATH"].split()]
-    status = _captured(lambda: contents.main(args))
-    if status:
-        raise Stop(status)
+    if not uint(v["VOCAB_SIZE_PADDED"]):
+        raise Refusal(2, f"VOCAB_SIZE_PADDED={v['VOCAB_SIZE_PADDED']} must be an integer")
+    gpt2 = v["TOKENIZER_TYPE"] == "GPT2BPETokenizer"
+    model = v["TOKENIZER_TYPE"] not in ("GPT2BPETokenizer", "NullTokenizer")
+    mock = v["MOCK_DATA"] == "1"
+    try:
+        lines = contents.check(v["TOKENIZER_TYPE"], v["VOCAB_FILE"] if gpt2 else None,
+                               v["MERGE_FILE"] if gpt2 else None,
+                               v["TOKENIZER_MODEL"] if model else None,
+                               int(v["VOCAB_SIZE_PADDED"]),
+                               [] if mock else v["DATA_PATH"].split(), mock)
+    except contents.ContentsError as exc:
+        raise Refusal(2, str(exc)) from None
+    out.lines += [f"[lbp] {line}" for line in lines]
 
 
-def plan_job(v, words: list[str], state: Path) -> dict[str, str]:
+def plan_job(v, words: list[str], out: Screen) -> dict[str, str]:
     """The one call into the planner: memory per choice, the choice, step time, save interval
-    and checkpoint bytes for this job (megatron_lbp.launch.estimate); its lines printed."""
+    and checkpoint bytes for this job (megatron_lbp.launch.estimate); its lines on ``out``
+    (a dry run's summary leads)."""
     from megatron_lbp.launch import estimate
 
     preset, secondary, secondary_dtype = estimate_as(v)
@@ -126,7 +136,7 @@ def plan_job(v, words: list[str], state: Path) -> dict[str, str]:
         knobs = ["1", "2", "gather", "whole"]
     args = ["--nodes", v["NNODES_RESOLVED"], "--tasks-per-node", v["TASKS_PER_NODE"],
             "--gcds-per-package", v["GCDS_PER_PACKAGE"], "--preset", preset,
-            *model_flags(v, words), "--seq-length", v["SEQ_LENGTH"],
+            *model_flags(v, words, out.log), "--seq-length", v["SEQ_LENGTH"],
             "--vocab-size", v["VOCAB_SIZE_PADDED"], "--global-batch-size", v["GLOBAL_BATCH_SIZE"],
             "--micro-batch-size", v["MICRO_BATCH_SIZE"], "--recompute", v["RECOMPUTE"],
             "--hier-secondary-group-size", secondary, "--params-dtype", v["PRECISION"],
@@ -135,16 +145,13 @@ def plan_job(v, words: list[str], state: Path) -> dict[str, str]:
             "--gcd-memory-gb", v["GCD_MEMORY_GB"], "--reserve-gb", v["LBP_MEMORY_RESERVE_GB"],
             "--train-iters", v["TRAIN_ITERS"], "--save-interval", v["SAVE_INTERVAL"],
             "--save-minutes", v["LBP_SAVE_MINUTES"], "--milestone-every", v["LBP_MILESTONE_EVERY"],
-            "--write-gbps-per-node", v["LBP_WRITE_GBPS"], "--save-fixed-s", v["LBP_SAVE_FIXED_S"],
-            "--resolved", str(state / "estimate")]
+            "--write-gbps-per-node", v["LBP_WRITE_GBPS"], "--save-fixed-s", v["LBP_SAVE_FIXED_S"]]
     if secondary_dtype:
         args += ["--hier-secondary-dtype", secondary_dtype]
     if v["HIER_GRAD_REDUCE_DTYPE"]:
         args += ["--hier-grad-reduce-dtype", v["HIER_GRAD_REDUCE_DTYPE"]]
     if v.get("LBP_STEP_SECONDS"):
         args += ["--step-seconds", v["LBP_STEP_SECONDS"]]
-    if v["LBP_DRY_RUN"] == "1":   # the dry run leads with the summary (:func:`_summarised`)
-        args += ["--summary", str(state / "summary")]
     if v.get("LBP_VERBOSE") == "1":
         args.append("--verbose")
     if v["LBP_COMPARE_SCHEMES"] == "1":
@@ -159,13 +166,27 @@ def plan_job(v, words: list[str], state: Path) -> dict[str, str]:
         args += ["--links", v["LBP_LINKS"]]
     if v.get("LBP_SURVEY"):
         args += ["--survey", v["LBP_SURVEY"]]
-    status = _captured(lambda: estimate.main(args))
-    if status:
-        raise Stop(status)
-    return _read_env(state / "estimate")
+    try:
+        job = estimate.job_from_args(estimate.build_parser().parse_args(args))
+    except estimate.EstimateError as exc:
+        raise Refusal(2, str(exc)) from None
+    try:
+        d = estimate.decide(job)
+    except (estimate.PlanError, estimate.EstimateError) as exc:
+        print(estimate.error_text(job, exc), file=sys.stderr)
+        raise Stop(2) from None
+    if v["LBP_DRY_RUN"] == "1":
+        out.summary = list(d.summary)
+        out.lines += [f"[lbp] {line}" for line in (d.lines if job.verbose else [])]
+    else:
+        out.lines += [f"[lbp] {line}" for line in estimate.shown(d, job.verbose)]
+    if d.refusal:
+        print(d.refusal, file=sys.stderr)
+        raise Stop(3)
+    return {k: str(x) for k, x in d.resolved().items()}
 
 
-def exit_time(v, env: Mapping[str, str], state: Path) -> None:
+def exit_time(v, env: Mapping[str, str], out: Screen) -> None:
     """--exit-duration-in-mins from the job's remaining wall time (a dry run: LBP_WALLTIME or
     the script's #SBATCH -t), and when that was measured (Megatron's clock starts there)."""
     from megatron_lbp.launch import walltime
@@ -175,19 +196,17 @@ def exit_time(v, env: Mapping[str, str], state: Path) -> None:
         if not uint(v["EXIT_DURATION_MINS"]):
             raise Refusal(2, f"EXIT_DURATION_MINS={v['EXIT_DURATION_MINS']}: use auto, minutes, "
                              "or 0 (off)")
-        log(f"exit time: EXIT_DURATION_MINS={v['EXIT_DURATION_MINS']} as given")
+        out.lead(f"exit time: EXIT_DURATION_MINS={v['EXIT_DURATION_MINS']} as given")
         return
-    args = ["--save-s", v["LBP_SAVE_S"], "--step-s", v["LBP_STEP_S"], "--slack-s",
-            v["LBP_EXIT_SLACK_S"], "--signal-s", v["LBP_SIGNAL_S"], "--resolved", str(state / "exit")]
     wall = v.get("LBP_WALLTIME") or sbatch_directive(v.get("LBP_PROFILE_SCRIPT", ""), "-t")
-    if wall:
-        args += ["--walltime", wall]
-    if v["LBP_DRY_RUN"] == "1":
-        args.append("--no-job")   # a dry run plans for the job length
-    status = _captured(lambda: walltime.main(args, env=env))
-    if status:
-        raise Stop(status)
-    v["EXIT_DURATION_MINS"] = _read_env(state / "exit")["EXIT_DURATION_MINS"]
+    try:   # a dry run plans for the job length (no_job)
+        minutes, line = walltime.exit_time(
+            float(v["LBP_SAVE_S"]), float(v["LBP_STEP_S"]), float(v["LBP_EXIT_SLACK_S"]),
+            float(v["LBP_SIGNAL_S"]), wall or None, v["LBP_DRY_RUN"] == "1", env)
+    except walltime.ExitRefusal as exc:
+        raise Refusal(exc.status, str(exc)) from None
+    out.lead(line)
+    v["EXIT_DURATION_MINS"] = str(minutes)
 
 
 def master_addr(v) -> None:
@@ -216,7 +235,7 @@ def capabilities(v, args: list[str]) -> tuple[str, str, str]:
     return device, r.stdout.strip(), r.stderr
 
 
-def deepspeed_config(v) -> None:
+def deepspeed_config(v, out: Screen) -> None:
     """The DeepSpeed config the runner will use for this job shape (the function it calls)."""
     if not is_ds(v):
         return
@@ -230,22 +249,13 @@ def deepspeed_config(v) -> None:
     if r.returncode != 0:
         sys.stderr.write(r.stderr)
         raise Refusal(2, "no DeepSpeed config for this job shape (above)")
-    log(f"DeepSpeed config ({v['HIER_PRESET']}, {v['WORLD']} ranks, {v['TASKS_PER_NODE']} per "
+    out.log(f"DeepSpeed config ({v['HIER_PRESET']}, {v['WORLD']} ranks, {v['TASKS_PER_NODE']} per "
         f"node; python -m megatron_lbp.deepspeed_baseline.schemes {cmds.quote(args)}):")
-    for line in r.stdout.splitlines():
-        print(f"[lbp]   {line}")
+    out.lines += [f"[lbp]   {line}" for line in r.stdout.splitlines()]
     preset, secondary, _ = estimate_as(v)
-    log(f"checkpoints: none (the DeepSpeed runner runs TRAIN_ITERS={v['TRAIN_ITERS']} iterations "
+    out.log(f"checkpoints: none (the DeepSpeed runner runs TRAIN_ITERS={v['TRAIN_ITERS']} iterations "
         f"and saves nothing); memory and step time above are estimated as the engine's {preset} "
         f"(S={secondary}), the nearest scheme the cost model has")
-
-
-def _read_env(path: Path) -> dict[str, str]:
-    out = {}
-    for line in path.read_text().splitlines():
-        k, _, x = line.partition("=")
-        out[k] = x
-    return out
 
 
 def _write_words(path: Path, words: list[str]) -> None:
@@ -279,7 +289,7 @@ def _before_modules(path: str | None) -> dict[str, str]:
     return out
 
 
-def resolve(state: Path, argv: list[str], script_arg: str, env0: str | None) -> None:
+def resolve(state: Path, argv: list[str], script_arg: str, env0: str | None, out: Screen) -> None:
     env = dict(os.environ)
     v = {k: x for k, x in env.items()}
     pre = {"LBP_DRY_RUN": env.get("LBP_DRY_RUN", ""), "LBP_CHAIN": env.get("LBP_CHAIN", "")}
@@ -288,7 +298,7 @@ def resolve(state: Path, argv: list[str], script_arg: str, env0: str | None) -> 
     v = settings(v)
     words_extra = v.get("EXTRA_ARGS", "").split() + cli_extra
     check_deepspeed(v, words_extra)
-    start_flags = start_from(v)
+    start_flags = start_from(v, out.log)
     if v.get("LBP_SETTINGS_OUT"):   # scripts/launch/lbp_study.sh reads the profile's values
         write_resolved(v["LBP_SETTINGS_OUT"], {k: v.get(k, "") for k in SETTINGS})
         return
@@ -303,10 +313,10 @@ def resolve(state: Path, argv: list[str], script_arg: str, env0: str | None) -> 
             raise Refusal(2, "srun not found in PATH")
     exports: list[tuple[str, str]] = []
     entry_words, v["ENTRY_DESC"] = entry(v, exports)
-    check_contents(v)
-    v.update(plan_job(v, start_flags + words_extra, state))
+    check_contents(v, out)
+    v.update(plan_job(v, start_flags + words_extra, out))
     check_hierarchy(v)
-    retention(v)
+    retention(v, out.log)
     master_addr(v)
     site_exports, v["SITE_USER"] = site.exports(
         site.defaults(v["LBP_SITE"], int(v["NNODES_RESOLVED"]), v["CPUS_PER_TASK"],
@@ -329,60 +339,48 @@ def resolve(state: Path, argv: list[str], script_arg: str, env0: str | None) -> 
         _write_words(state / name, words)
     _save(state, v)
     if v["LBP_DRY_RUN"] == "1":
-        dry_run(state, v, env)
+        dry_run(state, v, env, out)
 
 
-def commands(state: Path, v: dict) -> None:
+def commands(state: Path, v: dict, out: Screen) -> None:
     args = cmds.train_args(v, v["START_FLAGS"], v["CLI_EXTRA"])
     device, line, notes = capabilities(v, args)
     v["LBP_RUN_DEVICE"] = device
     srun = (state / "srun").read_bytes().decode().split("\0")[:-1]
-    cmds.print_commands(v, srun, v["ENTRY"], args, device, line, notes)
-    deepspeed_config(v)
+    out.lines += cmds.command_lines(v, srun, v["ENTRY"], args, device, line, notes)
+    deepspeed_config(v, out)
     _write_words(state / "train", v["ENTRY"] + args)
     _save(state, v)
 
 
-def dry_run(state: Path, v: dict, env: Mapping[str, str]) -> None:
+def dry_run(state: Path, v: dict, env: Mapping[str, str], out: Screen) -> None:
     from megatron_lbp.launch import checkpoints
 
-    exit_time(v, env, state)
-    commands(state, v)
+    exit_time(v, env, out)
+    commands(state, v, out)
     chain = int(v["LBP_CHAIN"])
     if chain > 1:
-        log(f"chain: --chain {chain}: this job submits the next at its start "
-            "(--dependency=afterany:<this job>, the same sbatch options), "
-            f"{chain - 1} more; a job stops the chain when training is complete or the tracker "
-            "has not moved")
-    status = checkpoints.main(["prune", v["CHECKPOINT_DIR"], "--keep-last", v["LBP_KEEP_LAST"],
-                               "--milestone-every", v["LBP_MILESTONE_EVERY"], "--prefix", "[lbp] ",
-                               "--dry-run"])
-    if status:
-        raise Stop(status)
-    sys.stdout.flush()
-    _captured(lambda: checkpoints.main(["space", v["CHECKPOINT_DIR"], "--checkpoint-bytes",
-                                        v["LBP_CKPT_BYTES"]]),
-              stderr_too=True, rewrite=(f"{PROG}: error: ", "a job would refuse: "))
-    log("dry run: not launching (unset LBP_DRY_RUN / drop --dry-run to run srun)")
-
-
-def _summarised(state: Path, run: Callable[[], None]) -> None:
-    """A dry run leads with its summary (the estimate's, with the exit time and what the job
-    would refuse), then the run's own lines, whatever ``run`` raises."""
-    buf = io.StringIO()
+        out.log(f"chain: --chain {chain}: this job submits the next at its start "
+                "(--dependency=afterany:<this job>, the same sbatch options), "
+                f"{chain - 1} more; a job stops the chain when training is complete or the "
+                "tracker has not moved")
+    directory = Path(v["CHECKPOINT_DIR"])
     try:
-        with contextlib.redirect_stdout(buf):
-            run()
-    finally:
-        text = buf.getvalue()
-        summary = state / "summary"
-        if summary.is_file():
-            lines = [f"[lbp] {line}" for line in summary.read_text().splitlines()]
-            lines += ["[lbp]   " + line[len("[lbp] "):] for line in text.splitlines()
-                      if re.match(r"\[lbp\] (exit time|a job would refuse):", line)]
-            print("\n".join(lines))
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        out.log(checkpoints.prune_line(argparse.Namespace(
+            dir=directory, keep_last=int(v["LBP_KEEP_LAST"]),
+            milestone_every=int(v["LBP_MILESTONE_EVERY"]), at_start=False, dry_run=True)))
+    except (checkpoints.CheckpointError, OSError) as exc:
+        print(f"{PROG}: error: {checkpoints.error_text(directory, exc)}", file=sys.stderr)
+        raise Stop(2) from None
+    try:
+        ok, line = checkpoints.space(directory, int(v["LBP_CKPT_BYTES"]))
+    except (checkpoints.CheckpointError, OSError) as exc:
+        ok, line = False, checkpoints.error_text(directory, exc)
+    if ok:
+        out.log(line)
+    else:
+        out.lead(f"a job would refuse: {line}")
+    out.log("dry run: not launching (unset LBP_DRY_RUN / drop --dry-run to run srun)")
 
 
 def main(argv=None) -> int:
@@ -401,24 +399,22 @@ def main(argv=None) -> int:
     opts = rest[:rest.index("--")] if "--" in rest else rest
     opt = dict(zip(opts[::2], opts[1::2]))
     state = Path(opt["--state"])
+    out = Screen()
     try:
-        if stage == "resolve":
-            def run() -> None:
-                resolve(state, launcher_args, opt.get("--script", "<profile>"), opt.get("--env0"))
-            dry = os.environ.get("LBP_DRY_RUN") == "1" or "--dry-run" in launcher_args
-            if dry and not os.environ.get("LBP_SETTINGS_OUT"):
-                _summarised(state, run)
+        try:
+            if stage == "resolve":
+                resolve(state, launcher_args, opt.get("--script", "<profile>"), opt.get("--env0"),
+                        out)
             else:
-                run()
-        else:
-            v = _load(state)
-            if stage == "exit-time":
-                exit_time(v, os.environ, state)
-                _save(state, v)
-            else:
-                commands(state, v)
+                v = _load(state)
+                if stage == "exit-time":
+                    exit_time(v, os.environ, out)
+                    _save(state, v)
+                else:
+                    commands(state, v, out)
+        finally:   # what the stage said, before why it stopped
+            out.show()
     except Refusal as exc:
-        sys.stdout.flush()
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return exc.status
     except Stop as exc:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 from megatron_lbp.launch import site
 
@@ -218,9 +218,9 @@ def check_deepspeed(v, words: list[str]) -> None:
                              "scheme): drop it from EXTRA_ARGS / the command line")
 
 
-def start_from(v) -> list[str]:
+def start_from(v, say: Callable[[str], None] = log) -> list[str]:
     """START_FROM's flags (an imported model's megatron_args.txt), and the model variables
-    the estimate reads from them."""
+    the estimate reads from them; ``say`` takes the launcher's note."""
     d = v.get("START_FROM")
     if not d:
         return []
@@ -240,7 +240,7 @@ def start_from(v) -> list[str]:
     for i, f in enumerate(flags):
         if f in names:
             v[names[f]] = flags[i + 1] if i + 1 < len(flags) else ""
-    log(f"start: the weights of {d} (--pretrained-checkpoint; flags from {file})")
+    say(f"start: the weights of {d} (--pretrained-checkpoint; flags from {file})")
     return flags
 
 
@@ -340,7 +340,7 @@ def check_paths(v) -> None:
             v[name] = f"{v['CHECKPOINT_DIR']}/{sub}"
 
 
-def model_flags(v, words: list[str]) -> list[str]:
+def model_flags(v, words: list[str], say: Callable[[str], None] = log) -> list[str]:
     """The model the training command builds, as the estimate's flags: the shape variables,
     then Megatron's model flags where the command gives them (START_FROM's, EXTRA_ARGS, the
     command line's extras; the last of a flag wins, as in Megatron's argparse);
@@ -359,7 +359,7 @@ def model_flags(v, words: list[str]) -> list[str]:
         elif f in MODEL_SWITCHES:
             on.add(f)
         elif f in MODEL_UNCOUNTED:
-            log(f"warning: {f}: the estimate does not count it (parameters, memory and step time "
+            say(f"warning: {f}: the estimate does not count it (parameters, memory and step time "
                 "are for the model without it)")
     out = []
     for f in ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size",
@@ -385,7 +385,7 @@ def estimate_as(v) -> tuple[str, str, str]:
     return ("zero2" if p == "distopt" else p), v["HIER_SECONDARY_GROUP_SIZE"], v["HIER_SECONDARY_DTYPE"]
 
 
-def retention(v) -> None:
+def retention(v, say: Callable[[str], None] = log) -> None:
     """Megatron's --save-retain-interval keeps every Nth and deletes the previous save: that is
     LBP_KEEP_LAST=1 when the milestones land on saves; else the launcher prunes."""
     keep, every = int(v["LBP_KEEP_LAST"]), int(v["LBP_MILESTONE_EVERY"])
@@ -395,9 +395,9 @@ def retention(v) -> None:
     if every > 0:
         rule += f" + the first at or after every {every} iterations"
     if by_megatron:
-        log(f"retention: {rule}, by Megatron (--save-retain-interval {every})")
+        say(f"retention: {rule}, by Megatron (--save-retain-interval {every})")
     else:
-        log(f"retention: {rule}, by the launcher (at job start and end, and every "
+        say(f"retention: {rule}, by the launcher (at job start and end, and every "
             f"{v['LBP_PRUNE_EVERY_S']} s during training); the tracker's and the newest complete "
             "checkpoint are kept")
 

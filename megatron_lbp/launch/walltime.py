@@ -101,6 +101,50 @@ def _fmt(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
+class ExitRefusal(Exception):
+    """No exit time for this job: the one-line message, exit ``status`` (2 bad input, 4 too
+    little time left)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def exit_time(save_s: float, step_s: float, slack_s: float, signal_s: float = 0.0,
+              walltime: str | None = None, no_job: bool = False,
+              env: Mapping[str, str] | None = None,
+              squeue: Callable[[str], str] | None = None) -> tuple[int, str]:
+    """(--exit-duration-in-mins, 0 without a limit; the line that says why). Inside a job (and
+    not ``no_job``) the time it has left, else ``walltime``. Raises :class:`ExitRefusal`."""
+    env = os.environ if env is None else env
+    margin = margin_seconds(save_s, step_s, slack_s, signal_s)
+    parts = f"save {save_s:.0f} s + one step {step_s:.3g} s + slack {slack_s:.0f} s"
+    if margin > save_s + step_s + slack_s:
+        parts = (f"the --signal lead {signal_s:.0f} s + {SIGNAL_EARLY_S} s that Slurm may send it "
+                 f"early + one step {step_s:.3g} s, more than {parts}")
+    try:
+        if env.get("SLURM_JOB_ID") and not no_job:
+            left, source = remaining_seconds(env, squeue=squeue)
+            where = f"job {env['SLURM_JOB_ID']} has"
+        elif walltime is not None:
+            left, source = parse_slurm_duration(walltime), f"-t {walltime}"
+            where = "a job of this length would have"
+        else:
+            left, source, where = None, "no job and no walltime", ""
+    except WalltimeError as exc:
+        raise ExitRefusal(2, str(exc)) from None
+    if left is None:
+        return 0, f"exit time: no wall-clock limit ({source}): no --exit-duration-in-mins"
+    minutes = exit_minutes(left, margin)
+    if minutes < 1:
+        raise ExitRefusal(4, f"{where} {_fmt(left)} left ({source}), less than one minute of "
+                             f"training after the exit margin of {margin:.0f} s ({parts}): submit "
+                             "with a longer -t (or lower LBP_EXIT_SLACK_S)")
+    return minutes, (f"exit time: {where} {_fmt(left)} left ({source}); margin {margin:.0f} s "
+                     f"({parts}) -> --exit-duration-in-mins {minutes} (Megatron saves and stops "
+                     f"{_fmt(left - minutes * 60)} before the end)")
+
+
 def main(argv=None, env: Mapping[str, str] | None = None,
          squeue: Callable[[str], str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megatron_lbp.launch exit-time",
@@ -116,36 +160,12 @@ def main(argv=None, env: Mapping[str, str] | None = None,
                     help="plan for --walltime even inside a job (dry runs)")
     ap.add_argument("--resolved", default=None)
     a = ap.parse_args(argv)
-    env = os.environ if env is None else env
-    margin = margin_seconds(a.save_s, a.step_s, a.slack_s, a.signal_s)
-    parts = f"save {a.save_s:.0f} s + one step {a.step_s:.3g} s + slack {a.slack_s:.0f} s"
-    if margin > a.save_s + a.step_s + a.slack_s:
-        parts = (f"the --signal lead {a.signal_s:.0f} s + {SIGNAL_EARLY_S} s that Slurm may send it "
-                 f"early + one step {a.step_s:.3g} s, more than {parts}")
     try:
-        if env.get("SLURM_JOB_ID") and not a.no_job:
-            left, source = remaining_seconds(env, squeue=squeue)
-            where = f"job {env['SLURM_JOB_ID']} has"
-        elif a.walltime is not None:
-            left, source = parse_slurm_duration(a.walltime), f"-t {a.walltime}"
-            where = "a job of this length would have"
-        else:
-            left, source, where = None, "no job and no walltime", ""
-    except WalltimeError as exc:
+        minutes, line = exit_time(a.save_s, a.step_s, a.slack_s, a.signal_s, a.walltime,
+                                  a.no_job, env, squeue)
+    except ExitRefusal as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
-    if left is None:
-        minutes = 0
-        print(f"exit time: no wall-clock limit ({source}): no --exit-duration-in-mins")
-    else:
-        minutes = exit_minutes(left, margin)
-        if minutes < 1:
-            print(f"{PROG}: error: {where} {_fmt(left)} left ({source}), less than one minute of "
-                  f"training after the exit margin of {margin:.0f} s ({parts}): submit with a "
-                  "longer -t (or lower LBP_EXIT_SLACK_S)", file=sys.stderr)
-            return 4
-        print(f"exit time: {where} {_fmt(left)} left ({source}); margin {margin:.0f} s ({parts}) "
-              f"-> --exit-duration-in-mins {minutes} (Megatron saves and stops "
-              f"{_fmt(left - minutes * 60)} before the end)")
+        return exc.status
+    print(line)
     write_resolved(a.resolved, {"EXIT_DURATION_MINS": minutes})
     return 0

@@ -70,6 +70,13 @@ def _mid(a: float, b: float) -> float:
     return math.sqrt(a * b)
 
 
+def shape_text(survey: Mapping[str, Any]) -> str:
+    """'2 node(s) x 4 ranks, gloo on cpu': the machine a survey was taken on."""
+    m = survey["machine"]
+    where = " on ".join(str(m[k]) for k in ("backend", "device") if m.get(k))
+    return f"{m['nodes']} node(s) x {m['tasks_per_node']} ranks" + (f", {where}" if where else "")
+
+
 class CollectiveModel:
     """Seconds of one collective by (op, dtype, shape, bytes sent per rank, group size, rate)."""
 
@@ -86,7 +93,9 @@ class CollectiveModel:
 
     @classmethod
     def from_file(cls, path: str) -> "CollectiveModel":
-        return cls(sf.read(path), f"link survey {path}")
+        survey = sf.read(path)
+        return cls(survey, f"link survey {path} ({shape_text(survey)}; a group size other "
+                           "than the surveyed one adds its fitted per-step latency per ring step)")
 
     # ------------------------------------------------------------------ tables
 
@@ -212,8 +221,11 @@ def phase_op(plan: Plan, phase: str, family: str) -> tuple[str, str]:
     if phase in ("forward_gather", "step_gather"):
         return "all_gather", "int8" if plan.quantize_weight_gather else "bf16"
     if phase == "backward_gather":
-        return "all_gather", plan.secondary_dtype if family == "secondary" \
-            else "bf16"
+        if family != "secondary":
+            return "all_gather", "bf16"
+        # zeropp's hpZ copy is in the weights' dtype: its gathers are the params dtype's
+        dtype = plan.secondary_dtype
+        return "all_gather", plan.params_dtype if dtype == "param" else dtype
     if phase == "grad_reduce":
         return ("all_to_all", "int4") if plan.quantize_grad_reduce else \
             ("reduce_scatter", grad)

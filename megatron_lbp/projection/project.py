@@ -20,7 +20,8 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
-from megatron_lbp.core.config import DEFAULT_BUCKET_SIZE, DEFAULT_SECONDARY_DTYPE
+from megatron_lbp.core.config import (DEFAULT_BUCKET_SIZE, default_grad_reduce_dtype,
+                                      default_secondary_dtype)
 from megatron_lbp.core.costs import LINK_CLASS_ORDER, PHASES
 from megatron_lbp.core.plan import Model, Plan, PlanRequest, make_plan
 from megatron_lbp.projection.schemes import ENGINE_SCHEME_SETTINGS, ENGINE_SCHEMES
@@ -185,16 +186,18 @@ def model_flops_per_token(num_params: int, num_layers: int, hidden_size: int,
 def plan_for(model: Mapping[str, int], gcds: int, scheme: str, micro_batches: int,
              bucket_size: int = DEFAULT_BUCKET_SIZE, gpus_per_node: int = 8,
              gcds_per_package: int = 2) -> Plan:
-    """The plan for one (model, GCD count, scheme): bytes by phase and link, bf16 weights and
-    fp32 gradients. ``gpus_per_node``/``gcds_per_package`` default to Frontier; the emulated
-    network's calibration passes its own node shape."""
+    """The plan for one (model, GCD count, scheme): bytes by phase and link, bf16 weights, the
+    secondary copy and gradient reduction in the preset's defaults (zeropp: ZeRO++ as DeepSpeed
+    ships it, the copy in the weights' dtype, bf16 gradients). ``gpus_per_node``/
+    ``gcds_per_package`` default to Frontier; the emulated network's calibration passes its own
+    node shape."""
     preset, secondary, dtype = ENGINE_SCHEME_SETTINGS[scheme]
     return make_plan(PlanRequest(
         world_size=gcds, model=Model(model["num_layers"], model["hidden_size"],
                                      model["vocab_size"]),
         gpus_per_node=gpus_per_node, gcds_per_package=gcds_per_package, preset=preset,
-        secondary_group_size=secondary, secondary_dtype=dtype or DEFAULT_SECONDARY_DTYPE,
-        micro_batches=micro_batches,
+        secondary_group_size=secondary, secondary_dtype=dtype or default_secondary_dtype(preset),
+        grad_dtype=default_grad_reduce_dtype(preset, "bf16"), micro_batches=micro_batches,
         bucket_size=bucket_size))
 
 

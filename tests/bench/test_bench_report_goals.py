@@ -73,11 +73,8 @@ def test_frontier_goals_follow_the_targets_and_a_miss_says_why_from_the_trace():
     missed = _by_id(rg.frontier_goals(_frontier_run(0.75)))
     share = missed["frontier_exposed_share"]
     assert share["status"] == "missed" and share["value"] == pytest.approx(0.25 / 0.4)
-    # why: what the lbp trace had the rank wait on, per phase and cause, and the load
-    assert "step_reduce 0.040 s (0.040 waited for at once)" in share["reason"], share["reason"]
-    assert "forward_gather 0.020 s (0.005 waited for at once, 0.015 issued ahead" in \
-        share["reason"]
-    assert "load average 9 at the start and 12 at the end" in share["reason"], share["reason"]
+    # why, in one clause: what the lbp trace had the rank wait on longest
+    assert share["reason"] == "the rank waits longest on step_reduce, 0.040 s per step", share
     fsdp = missed["frontier_speedup_vs_megatron-fsdp"]               # 1.7 / 0.75 = 2.27: met
     assert fsdp["status"] == "met"
     zpp = missed["frontier_speedup_vs_zeropp"]                       # 1.2 / 0.75 = 1.6: met
@@ -85,8 +82,11 @@ def test_frontier_goals_follow_the_targets_and_a_miss_says_why_from_the_trace():
     assert zpp["status"] == z3["status"] == "met"
     slow = _by_id(rg.frontier_goals(_frontier_run(1.0)))["frontier_speedup_vs_zero3"]
     assert slow["status"] == "missed" and slow["value"] == pytest.approx(1.6)
-    assert "lbp step 1.000 s = compute alone 0.500 + exposed 0.500" in slow["reason"]
-    assert "grad_reduce 0.300 s (0.300 issued ahead of shorter compute)" in slow["reason"]
+    assert slow["reason"] == "zero3 exposes 1.100 s of communication per step, lbp 0.500 s", slow
+    busy = _frontier_run(1.0)
+    busy["network_frontier"]["result"]["config"]["other_cpu"] = {"others_share": 0.47, "cpus": 2}
+    slow = _by_id(rg.frontier_goals(busy))["frontier_speedup_vs_zero3"]
+    assert slow["reason"].endswith("lbp 0.500 s, 47% of the CPUs busy elsewhere"), slow
 
 
 def test_frontier_goals_not_measured_when_the_run_was_skipped():

@@ -33,10 +33,9 @@ def test_deepspeed_goals_met_or_missed_with_the_reason(prefix):
     assert "lbp step ≥ 1.5x faster than ds-zeropp" in met["goal"], met
     assert missed["status"] == "missed" and missed["value"] == pytest.approx(1.5), missed
     assert "lbp step ≥ 2x faster than ds-zero3" in missed["goal"], missed
-    # the reason is the run's own split of both steps, not the cost model's nearest preset
-    assert "lbp step 2.000 s = compute alone 1.000 + exposed 1.000" in missed["reason"], missed
-    assert "ds-zero3 step 3.000 s = compute alone 1.000 + exposed 2.000" in missed["reason"], missed
-    assert "predicts" not in missed["reason"], missed
+    # the reason is the run's own exposed time of both steps, not the cost model's nearest preset
+    assert missed["reason"] == "ds-zero3 exposes 2.000 s of communication per step, lbp 1.000 s", \
+        missed
 
 
 def test_deepspeed_rows_do_not_judge_the_cost_model():

@@ -72,3 +72,26 @@ def test_a_refusal_is_one_line_before_anything_is_written(tmp_path, env, needle)
     lines = r.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("lbp_launch: error: "), r.stderr
     assert needle in lines[0] and list(tmp_path.iterdir()) == [], r.stderr
+
+
+def test_a_dry_runs_summary_leads_whatever_stops_the_stage(capsys):
+    """The stage's lines are shown once it ends: the summary first, with the lines it repeats
+    (exit time, what a job would refuse), then every line in the order it was made."""
+    from megatron_lbp.launch.job_cli import Screen
+
+    out = Screen()
+    out.log("contents: not checked")
+    out.lead("exit time: before the estimate, not in a summary")
+    out.summary = ["summary:", "  choice: lbp"]
+    out.lead("exit time: 116 min")
+    out.lines.append("  srun ...")
+    out.lead("a job would refuse: CHECKPOINT_DIR=/x: too small")
+    out.show()
+    assert capsys.readouterr().out.splitlines() == [
+        "[lbp] summary:", "[lbp]   choice: lbp", "[lbp]   exit time: 116 min",
+        "[lbp]   a job would refuse: CHECKPOINT_DIR=/x: too small",
+        "[lbp] contents: not checked", "[lbp] exit time: before the estimate, not in a summary",
+        "[lbp] exit time: 116 min", "  srun ...",
+        "[lbp] a job would refuse: CHECKPOINT_DIR=/x: too small"]
+    out.show()   # shown once
+    assert capsys.readouterr().out == ""

@@ -215,3 +215,25 @@ def test_a_survey_of_a_slower_network_slows_the_network_bound_scheme_most():
                       for s in ("lbp", "zero3")}
     assert pts[4]["lbp"] == pytest.approx(pts[1]["lbp"], rel=1e-9)   # lbp has no world collective per micro-batch
     assert pts[4]["zero3"] > pts[1]["zero3"] * 1.05, pts
+
+
+def test_a_surveys_source_names_the_machine_it_was_taken_on(tmp_path):
+    """A survey of another shape than the job's (an emulated 2-node survey for a 48-node job)
+    is used scaled by group size, and every output that cites it says which machine it was."""
+    data = _survey()
+    data["machine"].update(backend="gloo", device="cpu")
+    model = cm.CollectiveModel.from_file(_write(tmp_path, data))
+    assert "(4 node(s) x 8 ranks, gloo on cpu; a group size other than the surveyed one adds" \
+        in model.source, model.source
+
+
+def test_zeropps_secondary_gathers_are_read_from_the_weights_dtype_table():
+    """hpZ's copy is in the parameter dtype ("param"): its backward gathers are timed from the
+    bf16 all-gather table under bf16, not from another dtype's."""
+    plan = _plan("zeropp")
+    assert plan.secondary_dtype == "param" and plan.params_dtype == "bf16"
+    assert cm.phase_op(plan, "backward_gather", "secondary") == ("all_gather", "bf16")
+    tables = [_table("all_gather", d, "node", 8) for d in ("int8", "bf16")]
+    model = cm.CollectiveModel(_survey(tables, node=8))
+    model.phase_times(plan, "fast")
+    assert not [f for f in model.fallbacks if "param" in f], model.fallbacks

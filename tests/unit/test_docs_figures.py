@@ -16,6 +16,8 @@ import shlex
 import subprocess
 import sys
 
+import pytest
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 PLAN = "python -m megatron_lbp.plan"
 
@@ -216,6 +218,61 @@ def test_gpu_part_d_table_is_the_committed_result():
     rows = table_after(text, "| variant | primary |")
     assert {r["variant"] for r in rows} == set(GPU_VARIANTS), rows
     bad = gpu_mismatches(rows, text, json.loads((REPO / GPU_RESULT).read_text()))
+    assert not bad, "\n".join(bad)
+
+
+# ---------------------------------------------------------------- frontier.md's chooser table
+
+FRONTIER = "docs/frontier.md"
+CHOOSE = (f"{PLAN} --choose --world-size W --num-layers L --hidden-size H --num-attention-heads A "
+          "--seq-length 2048 --vocab-size 50304 --global-batch-size 1536 --reserve-gb 4")
+SHAPES = {"20B": "--num-layers 44 --hidden-size 6144 --num-attention-heads 64",
+          "10B": "--num-layers 32 --hidden-size 5120 --num-attention-heads 40"}
+
+
+def figures(text: str) -> list[str]:
+    return re.findall(r"\d+\.\d+", text)
+
+
+def choose_row_mismatches(row: dict[str, str], out: str, command: str) -> list[str]:
+    """A table row against what the chooser prints: the fastest row's step and band, the
+    chosen's step, band and total, and the chosen/best zeropp and zero3 ratios with bands
+    (a band of one value is written as the value alone)."""
+    ranking = [ln for ln in out.splitlines() if re.match(r"  \S.* step [\d.]+ s \[", ln)]
+    chosen = next(ln for ln in ranking if ln.endswith("<- chosen"))
+
+    def step(line):
+        return figures(re.search(r"step ([\d.]+) s \[([\d.]+), ([\d.]+)\]", line).group())
+
+    def ratio(name):
+        found = re.search(rf"chosen/{name} step-time ratio ([\d.]+) \[([\d.]+), ([\d.]+)\]", out)
+        point, low, high = found.groups()
+        return [point] if low == high == point else [point, low, high]
+
+    printed = {"fastest (step s, band)": step(ranking[0]), "step (s) [band]": step(chosen),
+               "memory (GB)": re.findall(r"total ([\d.]+) GB", chosen),
+               "chosen/best zeropp [band]": ratio("zeropp"),
+               "chosen/best zero3 [band]": ratio("zero3")}
+    cells = dict(row, **{"fastest (step s, band)": row["fastest (step s, band)"].split(":")[-1]})
+    bad = [differ(FRONTIER, f"{row['model, nodes']} {col}", " ".join(figures(cells[col])),
+                  " ".join(fig), command) for col, fig in printed.items()]
+    return [b for b in bad if b]
+
+
+@pytest.mark.slow   # four chooser runs at 128 and 384 ranks
+def test_frontier_chooser_table_is_what_the_chooser_prints():
+    assert_names_command(FRONTIER, CHOOSE)
+    rows = table_after(page_text(FRONTIER), "| model, nodes | fastest")
+    assert len(rows) == 4, f"{FRONTIER}'s chooser table has {len(rows)} rows"
+    bad = []
+    for row in rows:
+        model, nodes = [c.strip() for c in row["model, nodes"].split(",")]
+        command = (CHOOSE.replace("W", str(8 * int(nodes))).replace(
+            "--num-layers L --hidden-size H --num-attention-heads A", SHAPES[model]) + " --verbose")
+        out = subprocess.run([sys.executable, "-m", "megatron_lbp.plan", *shlex.split(
+            command.removeprefix(PLAN))], cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, f"`{command}` failed: {out.stderr[-2000:]}"
+        bad += choose_row_mismatches(row, out.stdout, command)
     assert not bad, "\n".join(bad)
 
 
