@@ -28,6 +28,8 @@ import sys
 import tempfile
 from typing import Any
 
+from megatron_lbp.projection import json_out
+
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_NETWORK_ARGS = ["--schemes", "lbp", "--steps", "4", "--warmup", "1"]
 
@@ -122,7 +124,7 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if args.json:
-        print(json.dumps(report, indent=1))
+        json_out.emit(report)
         return 0
     print(f"lbp at {commit[:10]} (ref) and at this checkout (here), {args.rounds} runs each, "
           f"alternated; network {' '.join(args.network_args)}")
