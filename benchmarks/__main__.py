@@ -1,6 +1,6 @@
 """python -m benchmarks <command> [options]; commands: overhead, traffic, project, network, report,
 trace, construction, study-network, network-choice,
-survey-network, headline."""
+survey-network, headline, compare-checkouts."""
 import importlib
 import sys
 
@@ -14,7 +14,8 @@ COMMANDS = {"overhead": "benchmarks.overhead",
             "construction": "benchmarks.construction",
             "study-network": "benchmarks.study_network",
             "survey-network": "benchmarks.survey_network",
-            "headline": "benchmarks.headline"}
+            "headline": "benchmarks.headline",
+            "compare-checkouts": "benchmarks.compare_checkouts"}
 
 
 def main(argv=None) -> int:

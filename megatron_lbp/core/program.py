@@ -221,8 +221,11 @@ def _build(spec: ProgramSpec) -> StepProgram:
     two_hop = "grad" in spec.quantized_grad_families and spec.size("grad_cross") > 1
 
     def grad_reduce(u: int) -> int | None:
-        if two_hop:    # ZeRO++'s qgZ: in the S-group first (engine/quantized.py)
-            return b.issue("grad_reduce", u, "secondary", "all_to_all", "reduce")
+        if two_hop:    # ZeRO++'s qgZ: in the S-group, then across them after its event
+            hop1 = b.issue("grad_reduce", u, "secondary", "all_to_all", "reduce")
+            b.alloc("finish", u)     # the partial sums and hop 2's buffers, from the issue
+            return b.issue("grad_reduce", u, "grad_cross", "all_to_all", "reduce",
+                           waits=[hop1])
         op = "all_to_all" if "grad" in spec.quantized_grad_families else "reduce_scatter"
         return b.issue("grad_reduce", u, "grad", op, "reduce")
 
@@ -255,14 +258,11 @@ def _build(spec: ProgramSpec) -> StepProgram:
         def complete_oldest() -> None:
             u, c = pending.pop(0)
             b.wait(c)
-            b.alloc("finish", u)
-            if two_hop:    # qgZ's second hop, across the S-groups, while the first lands
-                b.wait(b.issue("grad_reduce", u, "grad_cross", "all_to_all", "reduce"))
+            if not two_hop:
+                b.alloc("finish", u)
             b.free("finish", u)
             b.free("grad", u)
             b.free("reduce", u)
-            if last:
-                step_ends[u] = step_reduce(u, c)
 
         for pos, u in enumerate(order):
             b.at = u
@@ -305,7 +305,10 @@ def _build(spec: ProgramSpec) -> StepProgram:
                 free_weights(u, gathered)
             b.alloc("reduce", u)
             done.add(u)
-            pending.append((u, grad_reduce(u)))
+            c = grad_reduce(u)
+            pending.append((u, c))
+            if last:    # the shard is final once it lands: the network hop after its event
+                step_ends[u] = step_reduce(u, c)
             while len(pending) > limit:
                 complete_oldest()
         b.at = None

@@ -25,9 +25,11 @@ class Chain:
     """One unit's stages; ``on_done`` runs once the last one has been waited for."""
 
     def __init__(self, unit: int, stages: Sequence[Stage],
-                 on_done: Callable[[], None] | None = None, after=None) -> None:
+                 on_done: Callable[[], None] | None = None, after=None,
+                 waits: tuple = ()) -> None:
         self.unit = unit
         self.after = after    # the trace record of what the first stage follows, if any
+        self.waits = waits    # the events the first stage waits for (its producer's)
         self._stages = list(stages)
         self._on_done = on_done
         self._pending: list[Pending] = []
@@ -38,7 +40,8 @@ class Chain:
         without ``async_op`` each one synchronously, in order."""
         before: Pending | None = None
         for stage in self._stages:
-            waits = (before.event,) if before is not None and before.event is not None else ()
+            waits = self.waits if before is None else \
+                (before.event,) if before.event is not None else ()
             pending = stage(waits, async_op)
             link_after(record_of(pending), record_of(before) if before is not None else self.after)
             self._pending.append(pending)

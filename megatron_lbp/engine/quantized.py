@@ -19,6 +19,7 @@ import torch
 from megatron_lbp.engine.comm import Collectives, Pending
 from megatron_lbp.engine.dist_api import nbytes as _nbytes
 from megatron_lbp.engine.memory import TransientLedger
+from megatron_lbp.engine.trace import link_after
 from megatron_lbp.quant import dequantize_auto, packed_views, quantize_auto, quantized_nbytes
 from megatron_lbp.quant.int4 import dequantize_int4_from, int4_nbytes, quantize_int4_into
 
@@ -191,7 +192,8 @@ def hierarchical_transient_bytes(c: int, S: int, X: int, block_size: int,
 def reduce_scatter_hierarchical(comm: Collectives, out: torch.Tensor, inp: torch.Tensor,
                                 s_index: int, x_index: int, block_size: int, phase: str,
                                 transient: TransientLedger, async_op: bool = False,
-                                unit: int | None = None, codec: Codec = INT4) -> Pending:
+                                unit: int | None = None, codec: Codec = INT4,
+                                streams=None, waits=()) -> Pending:
     """ZeRO++'s qgZ over a gradient group of G = S*X ranks: ``out`` = the sum over the group
     of every rank's chunk j = S*x_index + s_index of ``inp`` (chunks in sorted group order).
 
@@ -199,9 +201,14 @@ def reduce_scatter_hierarchical(comm: Collectives, out: torch.Tensor, inp: torch
     {S*b + t}, quantized; each rank sums what it received for its own position with
     its own chunks (unquantized) in fp32. Hop 2, "grad_cross" (the X ranks at this
     S-group position): partial sum b, quantized, goes to member b; the receiver adds
-    them to its own partial sum. Hop 1 is issued now; hop 2 runs when the result is
-    waited for (``Pending.wait()``), at a program point every rank reaches in the same
-    order.
+    them to its own partial sum.
+
+    ``streams``: (hop 1's stream, hop 2's stream), the reduce streams of the two
+    communicators. Both hops are issued now: hop 1 and its partial sum on the first
+    (after ``waits``), hop 2 and the final sum on the second after the partial sum's
+    event; the buffers are held by those tasks and freed once the result is waited
+    for. Without streams, hop 1 is issued now and hop 2 runs where the result is
+    waited for (``Pending.wait()``), on the host.
     """
     S, X = comm.sizes["secondary"], comm.sizes["grad_cross"]
     c = out.numel()
@@ -215,21 +222,22 @@ def reduce_scatter_hierarchical(comm: Collectives, out: torch.Tensor, inp: torch
     def chunk(j: int) -> torch.Tensor:
         return inp[j * c:(j + 1) * c]
 
-    for t in range(S):
-        if t == s_index:
-            continue   # the own position's chunks stay home
-        for b in range(X):
-            codec.encode(chunk(S * b + t), send[(t * X + b) * nb:(t * X + b + 1) * nb],
-                         block_size)
-    work = comm.all_to_all(recv, send, "secondary", phase, async_op=async_op, unit=unit)
+    def quantize() -> None:
+        for t in range(S):
+            if t == s_index:
+                continue   # the own position's chunks stay home
+            for b in range(X):
+                codec.encode(chunk(S * b + t), send[(t * X + b) * nb:(t * X + b + 1) * nb],
+                             block_size)
 
-    def finish() -> None:
-        partial = torch.empty(X * c, dtype=torch.float32, device=inp.device)
-        part = torch.empty(c, dtype=torch.float32, device=inp.device)
-        total = torch.empty(c, dtype=torch.float32, device=inp.device)
-        send2 = torch.empty(X * nb, dtype=torch.uint8, device=inp.device)
-        recv2 = torch.empty_like(send2)
+    def landing_buffers():
         transient.alloc(landing)
+        return (torch.empty(X * c, dtype=torch.float32, device=inp.device),   # partial
+                torch.empty(c, dtype=torch.float32, device=inp.device),       # part
+                torch.empty(c, dtype=torch.float32, device=inp.device),       # total
+                torch.empty(X * nb, dtype=torch.uint8, device=inp.device))    # send2
+
+    def partial_sum(partial: torch.Tensor, part: torch.Tensor, send2: torch.Tensor) -> None:
         partial.zero_()
         for t in range(S):     # in S-group order, every rank sums alike
             for b in range(X):
@@ -242,9 +250,8 @@ def reduce_scatter_hierarchical(comm: Collectives, out: torch.Tensor, inp: torch
         for b in range(X):
             if b != x_index:
                 codec.encode(partial[b * c:(b + 1) * c], send2[b * nb:(b + 1) * nb], block_size)
-        second = comm.all_to_all(recv2, send2, "grad_cross", phase, unit=unit)
-        if second is not None:
-            second.wait()
+
+    def land(partial, part, total, recv2) -> None:
         total.zero_()
         for b in range(X):
             if b == x_index:
@@ -253,6 +260,36 @@ def reduce_scatter_hierarchical(comm: Collectives, out: torch.Tensor, inp: torch
                 codec.decode(recv2[b * nb:(b + 1) * nb], part, block_size)
                 total.add_(part)
         out.copy_(total)
+
+    if streams is not None:
+        first, second = streams
+        partial, part, total, send2 = landing_buffers()
+        recv2 = torch.empty_like(send2)
+        first.submit(quantize, waits, holds=(inp, send), what=f"{phase} quantize (hop 1)")
+        first_work = comm.all_to_all(recv, send, "secondary", phase, unit=unit, stream=first)
+        summed = first.submit(lambda: partial_sum(partial, part, send2),
+                              holds=(inp, recv, partial, part, send2),
+                              what=f"{phase} partial sum (hop 1)")
+        work = comm.all_to_all(recv2, send2, "grad_cross", phase, unit=unit, stream=second,
+                               waits=(summed,))
+        link_after(getattr(work, "record", None), getattr(first_work, "record", None))
+        landed = second.submit(lambda: land(partial, part, total, recv2),
+                               holds=(partial, part, total, recv2, out),
+                               what=f"{phase} sum (hop 2)")
+        return Pending(work, lambda: transient.free(held + landing), event=landed)
+
+    assert not waits, "without streams there is no producer to wait for"
+    quantize()
+    work = comm.all_to_all(recv, send, "secondary", phase, async_op=async_op, unit=unit)
+
+    def finish() -> None:
+        partial, part, total, send2 = landing_buffers()
+        recv2 = torch.empty_like(send2)
+        partial_sum(partial, part, send2)
+        second = comm.all_to_all(recv2, send2, "grad_cross", phase, unit=unit)
+        if second is not None:
+            second.wait()
+        land(partial, part, total, recv2)
         transient.free(held + landing)
 
     pending = Pending(work, finish)

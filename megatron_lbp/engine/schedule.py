@@ -201,21 +201,27 @@ class UnitSchedule:
         interval = self._open_backward.pop(unit.index, None)
         if interval is not None:
             self.trace.compute_end(interval)
-        # Without overlap the step's reductions wait for the optimizer step, as before.
-        self._pending_reduces.append(unit.start_reduce(
-            async_op=self.overlap, last=self._backward_is_last and self.overlap))
+        # Without overlap the step's reductions wait for the optimizer step.
+        reduce = unit.start_reduce(async_op=self.overlap,
+                                   last=self._backward_is_last and self.overlap)
+        self._pending_reduces.append(reduce)
+        if reduce.last:
+            self._start_network_reduction(reduce)
         while len(self._pending_reduces) > self.max_pending_reduces:
             self._complete_oldest_reduce()
 
+    def _start_network_reduction(self, reduce: ReduceInFlight) -> None:
+        """The step's last reduce-scatter of a unit makes its 1/G shard final: the network
+        reduction is issued now, in the same hook, on its stream after the reduce-scatter's
+        event (a stream dependency, as on a GPU), and runs under the rest of the backward."""
+        self.step.shard_final(reduce.unit, async_op=True, after=record_of(reduce.pending),
+                              waits=(reduce.pending.event,))
+
     def _complete_oldest_reduce(self) -> None:
-        """At a program point (the bound, the flush): never because it happened to be done,
-        so every rank issues what follows (the network reduction) at the same point."""
+        """At a program point (the bound, the flush), never because it happened to be done;
+        it issues nothing (what follows it was issued with it, after its event)."""
         reduce = self._pending_reduces.pop(0)
-        landed = record_of(reduce.pending)
         reduce.unit.finish_reduce(reduce)
-        if reduce.last:
-            # Its 1/G shard is final: the network reduction runs under the rest of the backward.
-            self.step.shard_final(reduce.unit, async_op=self.overlap, after=landed)
 
     def flush_backward(self) -> None:
         """Reduce what the last backward left (unused parameters) and wait for every reduce."""

@@ -46,18 +46,21 @@ class StepComm:
         return self._units.setdefault(id(unit), _UnitStep())
 
     # --- the reduction ---------------------------------------------------------------------
-    def shard_final(self, unit: "GatherUnit", async_op: bool, after=None) -> None:
-        """The schedule: ``unit``'s 1/G shard is final; its reduction starts now.
+    def shard_final(self, unit: "GatherUnit", async_op: bool, after=None, waits=()) -> None:
+        """The schedule: ``unit``'s 1/G shard is final once the events ``waits`` are; its
+        reduction is issued now, its first stage on its stream after them.
 
-        ``after``: the trace record of the reduce-scatter that made it final (the
+        ``after``: the trace record of the reduce-scatter that makes it final (the
         reduction's first stage is traced as following it).
         """
-        self.start_reduction(unit, async_op, after)
+        self.start_reduction(unit, async_op, after, waits)
 
-    def start_reduction(self, unit: "GatherUnit", async_op: bool, after=None) -> None:
+    def start_reduction(self, unit: "GatherUnit", async_op: bool, after=None,
+                        waits=()) -> None:
         """The 1/G shard -> this rank's 1/O slice (once per step; :meth:`reduced_grad` waits).
 
-        ``after``: the trace record its first stage is traced as following."""
+        ``after``: the trace record its first stage is traced as following; ``waits``: the
+        events its first stage waits for on its stream."""
         b, ctx, mine = unit.bucket, self.ctx, self._of(unit)
         comm = ctx.comm
         if mine.reduction is not None or mine.grad is not None:
@@ -82,7 +85,8 @@ class StepComm:
                 out, "replica", "step_reduce", unit=unit.index,
                 stream=comm.stream("replica", "reduce") if a else None, waits=waits)))
         mine.grad = out
-        mine.reduction = Chain(unit.index, stages, after=after)
+        mine.reduction = Chain(unit.index, stages, after=after,
+                               waits=tuple(w for w in waits if w is not None))
         self.reductions.start(mine.reduction, async_op=async_op)
 
     def reduced_grad(self, unit: "GatherUnit") -> torch.Tensor:

@@ -66,19 +66,22 @@ class UnitContext:
                             waits=()) -> Pending:
         """A gradient reduce-scatter in ``family``: int8 all-to-all with qgZ when that
         family crosses nodes, else the plain reduce-scatter (``prescale``: see
-        :meth:`folds_prescale`; ``stream``/``waits``: on that stream after those events).
+        :meth:`folds_prescale`; ``stream``/``waits``: on that stream after those events;
+        the two-hop qgZ runs on the secondary and grad_cross reduce streams instead).
         Call ``.wait()`` on the result."""
         if family in self.quantized_grad_families:
             assert prescale is None, "qgZ quantizes the scaled gradient"
             codec = INT4 if self.grad_quant_bits == 4 else INT8
             if family == "grad" and self.hierarchical_grad:
-                # Its two hops run in the host's program order (hop 2 where the result is
-                # waited for, a fixed program point), not on the reduce stream.
-                assert not waits, "the two-hop qgZ has no producer to wait for"
+                # Both hops issued here, each on its communicator's reduce stream, hop 2
+                # after hop 1's partial sum (an event): no host wait between them.
+                hops = None if stream is None else (self.comm.stream("secondary", "reduce"),
+                                                    self.comm.stream("grad_cross", "reduce"))
                 return reduce_scatter_hierarchical(
                     self.comm, out, inp, self.group_index["secondary"],
                     self.group_index["grad_cross"], self.quant_block_size, phase,
-                    self.transient, async_op=async_op, unit=unit, codec=codec)
+                    self.transient, async_op=async_op, unit=unit, codec=codec,
+                    streams=hops, waits=waits)
             return reduce_scatter_quantized(self.comm, out, inp, self.group_index[family],
                                             self.quant_block_size, family, phase,
                                             self.transient, async_op=async_op, unit=unit,
@@ -103,6 +106,7 @@ class ReduceInFlight:
     send: torch.Tensor
     nbytes: int             # transient bytes held by ``out`` and a separate ``send``
     last: bool = False      # of the step's last micro-batch: the step's reduction follows
+    accumulated: bool = False   # ``out`` is added into the 1/G shard on the stream
 
 
 class GatherUnit:
@@ -250,7 +254,10 @@ class GatherUnit:
         """Free the weights and reduce-scatter the unit's gradient in the G-group, averaged.
 
         The first micro-batch after zero_grad_buffer writes the 1/G shard
-        directly; later ones reduce into a buffer that :meth:`finish_reduce` adds.
+        directly; later ones reduce into a buffer that is added to it: on the
+        reduce stream after the collective when asynchronous (the result's event
+        is then the shard's: the step's reduction may wait for it), else by
+        :meth:`finish_reduce`.
         """
         b, ctx = self.bucket, self.ctx
         self.reshard()
@@ -269,9 +276,16 @@ class GatherUnit:
         fold = ctx.folds_prescale("grad")
         if not fold:
             ctx.health.scale_and_count(send, scale)
+        stream = self._stream("grad", async_op, "reduce")
         pending = ctx.reduce_scatter_grad(out, send, "grad", "grad_reduce", async_op=async_op,
                                           unit=self.index, prescale=scale if fold else None,
-                                          stream=self._stream("grad", async_op, "reduce"))
+                                          stream=stream)
+        accumulated = False
+        if stream is not None and out is not b.grad_shard and pending.event is not None:
+            shard = b.grad_shard
+            pending.event = stream.submit(lambda: shard.add_(out), (pending.event,),
+                                          holds=(out, shard), what="grad_reduce accumulate")
+            accumulated = True
         if fold and ctx.health.name_ranks:
             # A read of this rank's own gradient besides the collective's, only to name it:
             # the optimizer's pass over the reduced slices already detects any rank's
@@ -280,15 +294,16 @@ class GatherUnit:
             # distributed/param_and_grad_buffer.py: start_grad_sync calls check_grads, a
             # norm per bucket, only when ddp_config.check_for_nan_in_grad).
             ctx.health.count(grad)
-        return ReduceInFlight(self, pending, out, send, nbytes, last)
+        return ReduceInFlight(self, pending, out, send, nbytes, last, accumulated)
 
     def finish_reduce(self, reduce: ReduceInFlight) -> None:
         reduce.pending.wait()   # its event: only then are its buffers read or freed
         b = self.bucket
         check_free(reduce.send, f"unit {self.index}'s gradient sent to the reduce-scatter")
-        check_free(reduce.out, f"unit {self.index}'s reduce-scatter output")
-        if reduce.out is not b.grad_shard:
-            b.grad_shard.add_(reduce.out)
+        if reduce.out is not b.grad_shard:   # (the shard itself lives on: the step reads it)
+            check_free(reduce.out, f"unit {self.index}'s reduce-scatter output")
+            if not reduce.accumulated:
+                b.grad_shard.add_(reduce.out)
         self.ctx.transient.free(reduce.nbytes)
         b.release_grad_full()
 

@@ -20,6 +20,12 @@ rank r must end with chunk r summed over all 8 ranks. Each rank's result must:
 The bound is computed here in float64 from every rank's input; it shares no
 routing code with the engine. The test of the test swaps the ranks' S-group
 positions (chunks summed for the wrong rank) and expects the bound to catch it.
+
+On the engine's streams (both hops issued at once, hop 1 on the secondary reduce
+stream, hop 2 on the grad_cross one after hop 1's partial sum) the result is the
+host path's bit for bit, and with hop 1's stream held back by a task submitted
+before it, the gradient sent and the result are refused to a free
+(``streams.check_free``) until the result has been waited for.
 """
 import pytest
 
@@ -79,6 +85,7 @@ def hierarchical_on_ranks(cases):
     from megatron_lbp.engine.comm import Collectives
     from megatron_lbp.engine.memory import TransientLedger
     from megatron_lbp.engine.quantized import reduce_scatter_hierarchical
+    from megatron_lbp.engine.streams import BufferInFlight, CpuEvent, check_free
 
     nodes = [list(range(n * S, (n + 1) * S)) for n in range(X)]
     crosses = [[p + n * S for n in range(X)] for p in range(S)]
@@ -97,15 +104,45 @@ def hierarchical_on_ranks(cases):
         reference, inp.clone(), "grad", "grad_reduce")
     exact, allowed = bound_of(me)
     out = {}
+    host_result = None
     for case in cases:
         comm = Collectives(groups=groups, sizes=sizes, links=links)
         result = torch.empty(CHUNK)
         ledger = TransientLedger()
         s_index = (s + 1) % S if case == "positions_swapped" else s
-        reduce_scatter_hierarchical(comm, result, inp.clone(), s_index, x, BLOCK, "grad_reduce",
-                                    ledger, async_op=True).wait()
-        got = result.double()
         problems = []
+        sent = inp.clone()
+        if case in ("streams", "held"):
+            hops = (comm.stream("secondary", "reduce"), comm.stream("grad_cross", "reduce"))
+            gate = CpuEvent()
+            if case == "held":
+                hops[0].submit(lambda: None, waits=[gate], what="a task before hop 1")
+            else:
+                gate.set()
+            pending = reduce_scatter_hierarchical(comm, result, sent, s_index, x, BLOCK,
+                                                  "grad_reduce", ledger, streams=hops)
+            for buf, what in ((sent, "the gradient sent"), (result, "the result")):
+                try:
+                    check_free(buf, what)
+                    if case == "held":
+                        problems.append(f"{what} free to reuse while hop 1 had not run")
+                except BufferInFlight:
+                    pass
+            gate.set()
+            pending.wait()
+            for buf, what in ((sent, "the gradient sent"), (result, "the result")):
+                try:
+                    check_free(buf, what)
+                except BufferInFlight as e:
+                    problems.append(f"after the wait: {e}")
+            if host_result is not None and not torch.equal(result, host_result):
+                problems.append("on the streams the result differs from the host path's")
+        else:
+            reduce_scatter_hierarchical(comm, result, sent, s_index, x, BLOCK, "grad_reduce",
+                                        ledger, async_op=True).wait()
+            if case == "ok":
+                host_result = result.clone()
+        got = result.double()
         over = ~((got - exact).abs() <= allowed)
         if over.any():
             i = int(over.nonzero()[0])
@@ -133,11 +170,18 @@ def hierarchical_on_ranks(cases):
 
 @pytest.fixture(scope="module")
 def per_rank():
-    return run_on_ranks(hierarchical_on_ranks, WORLD, ("ok", "positions_swapped"))
+    return run_on_ranks(hierarchical_on_ranks, WORLD, ("ok", "positions_swapped", "streams",
+                                                       "held"))
 
 
 def test_two_hop_int4_reduce_is_the_fp32_reduce_scatter_within_the_int4_bound(per_rank):
     problems = [f"rank {r}: {p}" for r, res in enumerate(per_rank) for p in res["ok"]]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("case", ["streams", "held"])
+def test_on_streams_the_two_hops_give_the_same_result_and_hold_their_buffers(per_rank, case):
+    problems = [f"rank {r}: {p}" for r, res in enumerate(per_rank) for p in res[case]]
     assert not problems, "\n".join(problems)
 
 

@@ -160,9 +160,9 @@ def test_the_trace_shows_the_step_under_the_backward_and_the_next_forward(ranks)
             assert all(c["issued_seq"] < optimizer["start_seq"] for c in reduces)
             under_backward = [c["unit"] for c in reduces if c["issued_seq"] < backward_end]
             if overlapped:
-                # Those whose in-node reduce-scatter the backward itself completes at the
-                # bound (two kept in flight): the output layer's and the last layer's first;
-                # the two left, at the flush after the backward.
+                # Each is issued with its unit's in-node reduce-scatter, in the hook where
+                # the unit's last gradient arrives: the output layer's and the last layer's
+                # are issued while later units' backward still runs.
                 assert {N_UNITS - 1, N_UNITS - 2} <= set(under_backward), (
                     f"rank {rank}: only units {under_backward} reduced to the optimizer slices "
                     "during the last backward")

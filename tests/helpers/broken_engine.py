@@ -144,19 +144,40 @@ def embedding_skip_ignored():
 
 @contextlib.contextmanager
 def issue_on_poll():
-    """The schedule completes, at every hook, the reduce-scatters the host sees done
-    (``is_complete()``), and so issues their units' network reductions wherever each
-    rank's timing lets it see them: the engine that decides what to issue by polling."""
+    """A unit's network reduction is issued not with its reduce-scatter but at the first
+    hook that finds that reduce-scatter done (``is_complete()``), wherever each rank's
+    timing lets it see it (the rest at the end of the backward): the engine that decides
+    what to issue by polling."""
     from megatron_lbp.engine import schedule
+
+    start = schedule.UnitSchedule._start_network_reduction
+    flush = schedule.UnitSchedule.flush_backward
+
+    def later(self):
+        return self.__dict__.setdefault("_issue_when_seen", [])
+
+    def deferred(self, reduce):
+        later(self).append(reduce)
+
+    def issue_seen(self, every=False):
+        waiting = later(self)
+        while waiting and (every or waiting[0].pending.is_complete()):
+            start(self, waiting.pop(0))
 
     def polled(hook):
         def run(self, *args, **kwargs):
-            while self._pending_reduces and self._pending_reduces[0].pending.is_complete():
-                self._complete_oldest_reduce()
+            issue_seen(self)
             return hook(self, *args, **kwargs)
         return run
 
+    def flushed(self):
+        flush(self)
+        issue_seen(self, every=True)
+
     with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(schedule.UnitSchedule, "_start_network_reduction",
+                                              deferred))
+        stack.enter_context(mock.patch.object(schedule.UnitSchedule, "flush_backward", flushed))
         for name in ("pre_forward", "post_forward", "pre_backward"):
             stack.enter_context(mock.patch.object(
                 schedule.UnitSchedule, name, polled(getattr(schedule.UnitSchedule, name))))

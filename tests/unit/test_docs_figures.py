@@ -293,7 +293,7 @@ def test_a_changed_figure_is_named_with_the_page_and_both_values():
     changed = [dict(rows[1], **{"peak (GB)": "7.000"}), *rows[2:]]
     bad = knob_mismatches(changed, knobs)
     assert bad[0].endswith("peak (GB): the page says 7.000, "
-                           f"`{KNOBS_20B}` prints 6.935"), bad
+                           f"`{KNOBS_20B}` prints 6.940"), bad
     assert "which the page's table lacks" in bad[-1], bad
 
     text = page_text(GPU)

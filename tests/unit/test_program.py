@@ -88,6 +88,47 @@ def test_pending_reduces_never_exceed_the_bound_and_the_last_backward_starts_the
         (producer,) = [prog.ops[w] for w in op.waits]
         assert (producer.phase, producer.unit, producer.micro_batch) == \
             ("grad_reduce", op.unit, 1), op.text()
+        # issued at once, in the same hook, its stream waiting for the reduce-scatter's
+        # event: not where the host later waits for the reduce-scatter
+        assert op.at == producer.at and not any(
+            o.action == "wait" and o.waits == (producer.index,)
+            for o in prog.ops[producer.index:op.index]), op.text()
+
+
+def test_two_hop_qgz_issues_both_hops_at_once_the_second_after_the_first():
+    sizes = {"param": 8, "secondary": 4, "grad": 8, "optim": 8, "grad_cross": 2}
+    prog = _program(group_sizes=sizes, quantized_grad_families=("grad",), micro_batches=2)
+    hop1 = _issues(prog, phase="grad_reduce", family="secondary")
+    hop2 = _issues(prog, phase="grad_reduce", family="grad_cross")
+    assert len(hop1) == len(hop2) == 2 * len(KINDS), prog.listing(1)
+    for first, second in zip(hop1, hop2):
+        assert second.waits == (first.index,) and second.comm == "grad_cross_reduce", \
+            (first.text(), second.text())
+        assert (second.at, second.micro_batch, second.unit) == \
+            (first.at, first.micro_batch, first.unit), second.text()
+        between = prog.ops[first.index + 1:second.index]
+        assert all(o.action == "alloc" for o in between), [o.text() for o in between]
+    # the host waits only for hop 2 (its event comes after hop 1's)
+    waited = {o.waits[0] for o in prog.ops if o.action == "wait"}
+    assert waited.isdisjoint(op.index for op in hop1)
+    assert {op.index for op in hop2} <= waited
+
+
+def test_the_program_command_lists_one_units_collectives(capsys):
+    from megatron_lbp.projection import program_cli
+
+    assert program_cli.main(["--hier-world-size", "8", "--hier-gpus-per-node", "4",
+                             "--hier-preset", "lbp", "--hier-optim-group-size", "4",
+                             "--layers", "3", "--unit", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "schedule trace format" in out[0] and "unit 2 (layer) of 5 units" in out[0], out[0]
+    issued = [line.split("#", 1)[1] for line in out[1:] if " issue " in line]
+    comms = [line.split(" on ")[1].split()[0] for line in issued]
+    assert comms == ["param_gather", "param_gather", "grad_reduce", "replica_reduce",
+                     "grad_to_param_gather"], out
+    with pytest.raises(SystemExit):
+        program_cli.main(["--hier-world-size", "8", "--hier-gpus-per-node", "4", "--unit", "9"])
+    assert "--unit=9" in capsys.readouterr().err
 
 
 def test_skip_leaves_the_embedding_ungathered_for_its_own_backward():
