@@ -30,6 +30,17 @@ class TensorSpec:
     dtype: torch.dtype
 
 
+@dataclass(frozen=True)
+class P2PSpec:
+    """A point-to-point op of ``batch_isend_irecv`` (the engine's two-rank exchange), its
+    tensor as a shape."""
+    op: str          # "isend" or "irecv"
+    tensor: TensorSpec
+    peer: int | None
+    group: Any
+    tag: int
+
+
 @dataclass
 class Call:
     name: str
@@ -38,8 +49,13 @@ class Call:
 
 
 def _spec(value: Any) -> Any:
+    import torch.distributed as dist
+
     if isinstance(value, torch.Tensor):
         return TensorSpec(tuple(value.shape), value.dtype)
+    if isinstance(value, dist.P2POp):
+        return P2PSpec(value.op.__name__, _spec(value.tensor), value.peer, value.group,
+                       value.tag)
     if isinstance(value, (list, tuple)):
         return type(value)(_spec(v) for v in value)
     if isinstance(value, dict):
@@ -85,6 +101,9 @@ def _communicator_key(call: Call) -> str:
     group = call.kwargs.get("group")
     if group is None:
         group = next((a for a in call.args if isinstance(a, dist.ProcessGroup)), None)
+    if group is None:   # batch_isend_irecv: its ops' group
+        group = next((op.group for a in call.args if isinstance(a, list)
+                      for op in a if isinstance(op, P2PSpec)), None)
     if group is None:
         group = dist.distributed_c10d._get_default_group()
     return group.group_name
@@ -104,6 +123,11 @@ class Replay:
         self.count = len(self._calls)
 
     def _materialize(self, value: Any, counter) -> Any:
+        if isinstance(value, P2PSpec):
+            import torch.distributed as dist
+
+            return dist.P2POp(getattr(dist, value.op), self._materialize(value.tensor, counter),
+                              value.peer, group=value.group, tag=value.tag)
         if isinstance(value, TensorSpec):
             key = (value.shape, value.dtype, next(counter))
             if key not in self._buffers:
@@ -121,5 +145,6 @@ class Replay:
         for name, args, kwargs in self._calls:
             # Looked up per call: whatever wraps torch.distributed then sees the replay too.
             work = getattr(dist, name)(*args, **kwargs)
-            if work is not None:
-                work.wait()
+            for w in work if isinstance(work, list) else [work]:   # batch_isend_irecv: a list
+                if w is not None:
+                    w.wait()

@@ -16,6 +16,8 @@ is charged exactly as engine/comm.py charges its own, by the same rule
 - all-reduce of T bytes: 2·T·(n-1)/n (``all_reduce``, ``all_reduce_coalesced``);
 - all-to-all of a T-byte input: T·(n-1)/n (``all_to_all_single``);
 - broadcast of T bytes: T·(n-1) by the root, 0 by the others;
+- ``batch_isend_irecv`` (the engine's two-rank exchange, engine/pair_exchange.py): each
+  send's whole tensor, a receive nothing;
 - a group of one rank sends nothing.
 
 Each call is charged to the slowest link class its group's members span
@@ -158,6 +160,14 @@ def _wrappers(ledger: StockLedger, orig: Mapping[str, Any]) -> dict[str, Any]:
         return orig["broadcast"](tensor, src=src, group=group, async_op=async_op,
                                  group_src=group_src)
 
+    def batch_isend_irecv(p2p_op_list):
+        # A send puts its whole tensor on the link to its peer; a receive sends nothing.
+        for p2p in p2p_op_list:
+            if p2p.op is dist.isend:
+                ledger.charge("batch_isend_irecv", p2p.group, [p2p.tensor],
+                              lambda n, t=p2p.tensor: _nbytes(t))
+        return orig["batch_isend_irecv"](p2p_op_list)
+
     return {
         **({"all_gather_single": gather_base("all_gather_single")}
            if "all_gather_single" in orig else {}),
@@ -172,6 +182,7 @@ def _wrappers(ledger: StockLedger, orig: Mapping[str, Any]) -> dict[str, Any]:
         "reduce_scatter": reduce_scatter,
         "all_to_all_single": all_to_all_single,
         "broadcast": broadcast,
+        "batch_isend_irecv": batch_isend_irecv,
     }
 
 
@@ -180,7 +191,8 @@ def _wrappers(ledger: StockLedger, orig: Mapping[str, Any]) -> dict[str, Any]:
 WRAPPED = tuple(name for name in (
     "all_gather_single", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter_tensor",
     "_reduce_scatter_base", "all_reduce", "all_reduce_coalesced", "all_gather",
-    "all_gather_coalesced", "reduce_scatter", "all_to_all_single", "broadcast")
+    "all_gather_coalesced", "reduce_scatter", "all_to_all_single", "broadcast",
+    "batch_isend_irecv")
     if hasattr(dist, name))
 
 # Modules that captured a collective as a global at import time: module -> {global: dist name}.

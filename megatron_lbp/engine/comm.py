@@ -6,7 +6,9 @@ tells the registered observers (ledger, fault tracker, :class:`CommStats`, trace
 Invariants: the ledger's bytes follow the plan's ring accounting
 (megatron_lbp.core.costs) exactly; a group of one rank issues nothing; gathers
 and reductions run on separate communicators, each asynchronous one on its
-communicator's stream. Accounting: docs/design.md.
+communicator's stream; a two-rank group on gloo runs each collective as one exchange
+with its receive posted first (megatron_lbp.engine.pair_exchange). Accounting:
+docs/design.md.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import torch.distributed as dist
 
 from megatron_lbp.core.costs import LINK_CLASS_ORDER, number, ring_sent
 from megatron_lbp.core.vocabulary import PHASES
-from megatron_lbp.engine import faults
+from megatron_lbp.engine import faults, pair_exchange
 from megatron_lbp.engine.dist_api import all_gather_single, nbytes as _nbytes
 from megatron_lbp.engine.streams import Streams, StreamWork
 
@@ -205,6 +207,7 @@ class Collectives:
         self.stats = CommStats()
         self._folds: dict[str, bool] = {}   # family -> folds_prescale
         self._exchanges: dict[str, bool] = {}   # family -> scatters_by_exchange
+        self._pairs: dict[tuple[str, str], bool] = {}   # (family, channel) -> pairwise
         self._activity = {f: faults.Activity("", f, _group_ranks(next(iter(g.values()))))
                           for f, g in self.groups.items() if g}
         self._injection = faults.InjectionSeam.for_this_rank()
@@ -311,10 +314,21 @@ class Collectives:
                            comm=self._comm_name(family, channel), link=self.links[family],
                            nbytes=nbytes, unit=unit, stream=stream, waits=waits, **kwargs)
 
+    def pairwise(self, family: str, channel: str) -> bool:
+        """Whether ``family``'s ``channel`` collectives run as one exchange with the receive
+        posted first (megatron_lbp.engine.pair_exchange): a two-rank group on gloo."""
+        key = (family, channel)
+        if key not in self._pairs:
+            self._pairs[key] = pair_exchange.takes(
+                dist.get_backend(self.groups[family][channel]), self.sizes[family])
+        return self._pairs[key]
+
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, family: str, phase: str,
                    async_op: bool = False, unit: int | None = None, stream=None, waits=()):
         """``stream``/``waits``: see :meth:`_exchange`."""
-        return self._exchange(all_gather_single(), GATHER, out, inp, family, phase,
+        collective = (pair_exchange.all_gather if self.pairwise(family, GATHER)
+                      else all_gather_single())
+        return self._exchange(collective, GATHER, out, inp, family, phase,
                               _nbytes(out), async_op, unit, stream=stream, waits=waits)
 
     def folds_prescale(self, family: str) -> bool:
@@ -360,7 +374,9 @@ class Collectives:
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, family: str, phase: str,
                    async_op: bool = False, unit: int | None = None, stream=None, waits=()):
         """Chunk i of ``inp`` (n equal chunks) goes to group rank i; chunk j of ``out`` came from j."""
-        return self._exchange(dist.all_to_all_single, REDUCE, out, inp, family, phase,
+        collective = (pair_exchange.all_to_all if self.pairwise(family, REDUCE)
+                      else dist.all_to_all_single)
+        return self._exchange(collective, REDUCE, out, inp, family, phase,
                               _nbytes(inp), async_op, unit, stream=stream, waits=waits)
 
     def all_reduce(self, t: torch.Tensor, family: str, phase: str,
@@ -371,7 +387,10 @@ class Collectives:
         if n == 1:
             return None
         nbytes = ring_sent("all_reduce", _nbytes(t), n)
-        return self._issue(family, phase, dist.all_reduce, t, op=op,
+        collective = (pair_exchange.all_reduce
+                      if self.pairwise(family, REDUCE) and pair_exchange.reduces_locally(op)
+                      else dist.all_reduce)
+        return self._issue(family, phase, collective, t, op=op,
                            group=self.groups[family][REDUCE], async_op=async_op,
                            comm=self._comm_name(family, REDUCE), link=self.links[family],
                            nbytes=nbytes, unit=unit, stream=stream, waits=waits)
@@ -445,9 +464,12 @@ def reduce_scatter_by_exchange(out: torch.Tensor, inp: torch.Tensor, *, group: A
     """
     n = dist.get_world_size(group)
     received = torch.empty_like(inp)
-    # Looked up per call, like every engine collective: a wrapper of torch.distributed
-    # (the benchmarks' byte counters and link replay) sees the exchange.
-    work = dist.all_to_all_single(received, inp, group=group, async_op=async_op)
+    if pair_exchange.takes(dist.get_backend(group), n):
+        work = pair_exchange.all_to_all(received, inp, group=group, async_op=async_op)
+    else:
+        # Looked up per call, like every engine collective: a wrapper of torch.distributed
+        # (the benchmarks' byte counters and link replay) sees the exchange.
+        work = dist.all_to_all_single(received, inp, group=group, async_op=async_op)
     summed = _SumWhenReceived(work, received, out, n)
     if not async_op:
         summed.wait()
