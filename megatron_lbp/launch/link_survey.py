@@ -144,26 +144,34 @@ def agree_max(torch, dist, values: Sequence[float], device) -> list[float]:
 
 
 def time_case(torch, dist, coll, clock, op, shape, dtype, nbytes, reps, device) -> list[float]:
-    """This rank's seconds of ``reps`` repetitions after a warm-up, every group of ``shape`` at once.
-
-    One barrier, then the warm-up and the repetitions back to back, each timed from the end of
-    the one before. Ranks leave a barrier at different times (a scheduler's time slice apart
-    on a loaded host, a straggler's delay on a cluster), and a collective timed from each
-    rank's own exit counts that skew into the slowest rank's figure: 10-40% of a 0.3 s
-    transfer on the emulated network (benchmarks/survey_network.py). After the warm-up every
-    rank's end waits on the data of every other, so the ranks are in step, and each
-    repetition is the collective's own time."""
+    """This rank's seconds of ``reps`` + 1 collectives, every group of ``shape`` at once: one
+    barrier, then the collectives back to back, each timed from the end of the one before (the
+    first from the barrier)."""
     out, inp = buffers(torch, op, dtype, nbytes, coll.sizes[shape], device)
     times = []
     dist.barrier()
-    issue(coll, op, shape, out, inp)
     last = clock.sync()
-    for _ in range(reps):
+    for _ in range(reps + 1):
         issue(coll, op, shape, out, inp)
         now = clock.sync()
         times.append(now - last)
         last = now
     return times
+
+
+def slowest_rank_reps(reps_by_rank: Sequence[Sequence[float]]) -> list[float]:
+    """The times of :func:`time_case` of the rank that took longest in all; the table keeps
+    their mean, and their fastest and slowest as its spread.
+
+    The groups of a shape share links and run at once, but not in step: one group's
+    collective overlaps the end of one of another's and the start of the next, so a single
+    collective of one rank, or the slowest rank's of each repetition, takes more or less than
+    the link's time per collective. From the barrier to the end of the last collective the
+    link carries every group's bytes, so the longest total over the ranks, divided by the
+    collectives, is that time. Ranks leave a barrier at different times (a scheduler's time
+    slice apart on a loaded host, a straggler on a cluster); the first collective carries
+    that skew, spread over all of them."""
+    return list(max(reps_by_rank, key=sum))
 
 
 # --------------------------------------------------------------------------- the overlap probe
@@ -261,7 +269,7 @@ def run(*, out_path: str, tasks_per_node: int, gcds_per_package: int, sizes: Seq
                 times = time_case(torch, dist, coll, clock, op, shape, dtype, nbytes, reps,
                                   device)
                 (worst,) = agree_max(torch, dist, [max(times)], device)
-                spent += worst * (reps + 1)
+                spent += worst * len(times)
                 prev = (nbytes, worst)
                 mine[(op, dtype, nbytes)] = times
         gathered = [None] * world
@@ -272,14 +280,14 @@ def run(*, out_path: str, tasks_per_node: int, gcds_per_package: int, sizes: Seq
             for nbytes in sz:
                 if (op, dtype, nbytes) not in mine:
                     continue
-                per_rep = [max(g[(op, dtype, nbytes)][r] for g in gathered) for r in range(reps)]
+                slowest = slowest_rank_reps([g[(op, dtype, nbytes)] for g in gathered])
                 item = {"int8": 1, "int4": 1, "bf16": 2, "fp32": 4}[dtype]
                 actual = max(n, nbytes // item // n * n) * item
                 row["bytes"].append(actual)
                 row["sent_bytes"].append(float(ring_sent(op, actual, n)))
-                row["seconds"].append(statistics.median(per_rep))
-                row["seconds_min"].append(min(per_rep))
-                row["seconds_max"].append(max(per_rep))
+                row["seconds"].append(statistics.fmean(slowest))
+                row["seconds_min"].append(min(slowest))
+                row["seconds_max"].append(max(slowest))
                 done += 1
             if row["bytes"]:
                 tables.append({"op": op, "dtype": dtype, "shape": shape, "group_size": n, **row})

@@ -273,7 +273,7 @@ def partial_overlap(perfect: Mapping[str, float], none: Mapping[str, float],
 def step_band(plan: Plan, model: Mapping[str, int], compute, cm: CollectiveModel,
               point: float | None = None) -> Band:
     """The step's band (see the module's doc); ``point`` (no survey: the cost model's own figure)
-    replaces the survey's median point."""
+    replaces the survey's own point."""
     from megatron_lbp.projection.project import step_time
 
     pess, mid = cm.overlap(True), cm.overlap(False)

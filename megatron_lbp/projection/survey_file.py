@@ -18,9 +18,9 @@ SCHEMA = "megatron-lbp link survey"
 VERSION = 1
 CONVENTION = ("message bytes: the whole buffer on each rank (an all-gather's output, a "
               "reduce-scatter's, all-to-all's or all-reduce's input); sent_bytes: what one "
-              "rank sends (ring accounting, megatron_lbp/core/costs.ring_sent); seconds: per "
-              "repetition the slowest rank of every group of the shape running at once, "
-              "median (min, max) over repetitions")
+              "rank sends (ring accounting, megatron_lbp/core/costs.ring_sent); seconds: every "
+              "group of the shape running its collectives at once, back to back after one "
+              "barrier; the mean (min, max) of the rank that took longest in all")
 OPS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
 DTYPES = ("int8", "int4", "bf16", "fp32")
 # The engine's group shapes: the 2 GCDs of a package (P), the node (G, S), one rank per node

@@ -1,9 +1,10 @@
 """The link survey on the emulated network (benchmarks/survey_network.py, issue 42 item 5).
 
 Fast: the uplink figure's arithmetic on a survey file the one reader accepts. Slow (root, the
-emulated network): the survey's cross-node figures against the rate the uplinks are shaped to,
-and the choice read from that survey against the measured step times (network-choice
-``--links-from survey``). Run them under ``flock /tmp/lbp-netns.lock``.
+emulated network): a two-rank group's exchange against gloo's own all-gather through a shaped
+uplink (why engine/pair_exchange.py exists), the survey's cross-node figures against the rate
+the uplinks are shaped to, and the choice read from that survey against the measured step
+times (network-choice ``--links-from survey``). Run them under ``flock /tmp/lbp-netns.lock``.
 """
 from __future__ import annotations
 
@@ -58,6 +59,56 @@ def test_bad_arguments_are_refused_in_one_line():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "--nodes=1" in done.stderr, \
         done.stderr
+
+
+def _gather_both_ways(ns_of_rank, master, nbytes, rounds):
+    """Per round, seconds of gloo's all-gather and of the engine's exchange, back to back."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.network import _join
+    from megatron_lbp.engine import pair_exchange
+    from megatron_lbp.engine.dist_api import all_gather_single
+
+    _join(ns_of_rank, master)
+    inp, out = torch.ones(nbytes // 2, dtype=torch.int8), torch.empty(nbytes, dtype=torch.int8)
+    ways = {"gloo": lambda: all_gather_single()(out, inp),
+            "exchange": lambda: pair_exchange.all_gather(out, inp, group=None, async_op=False)}
+    times = {k: [] for k in ways}
+    for r in range(rounds + 1):
+        for name, f in ways.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(3):
+                f()
+            if r:   # round 0 warms both up
+                times[name].append((time.perf_counter() - t0) / 3)
+    return times
+
+
+@pytest.mark.slow   # ~1 min: two ranks, one per node, through 100 Mbit/s uplinks
+@needs_root
+def test_a_two_rank_exchange_runs_both_directions_at_once_where_gloo_takes_turns():
+    import argparse
+    import statistics
+
+    from benchmarks.network import _on_network
+
+    nbytes, rate_mbit = 4 << 20, 100.0
+    with netns.EmulatedNetwork(2, rate_mbit) as net:
+        per_rank = _on_network(net, argparse.Namespace(nodes=2, ranks_per_node=1),
+                               _gather_both_ways, nbytes, 3, timeout=600)
+    # each way, each direction carries half the output; rate as a share of the configured one
+    share = {k: statistics.median(max(r[k][i] for r in per_rank) for i in range(3))
+             for k in per_rank[0]}
+    share = {k: nbytes / 2 / t / (rate_mbit * 1e6 / 8) for k, t in share.items()}
+    print(f"each direction's share of the uplink rate: {share}")
+    assert share["exchange"] > 1.3 * share["gloo"], (
+        f"a two-rank all-gather moved {share['gloo']:.2f} of the rate each way with gloo's own "
+        f"and {share['exchange']:.2f} as the exchange: gloo no longer takes turns, so "
+        "engine/pair_exchange.py's reason is gone; reconsider it")
 
 
 @pytest.mark.slow   # ~2-3 min: 4 ranks survey 12 series x 3 sizes through 100 Mbit/s uplinks
