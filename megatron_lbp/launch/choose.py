@@ -215,7 +215,10 @@ def tie_line(a, rows: list[Row], chosen: Row) -> str | None:
         return None
     fastest = ties[0]
     others = [r for r in ties if r is not chosen]
-    return (f"tie: {len(ties)} schemes' step-time bands overlap the fastest's ({fastest.scheme} "
+    from megatron_lbp.projection.collectives import TIE
+
+    return (f"tie: {len(ties)} schemes within {TIE:.0%} of the fastest's step time somewhere in "
+            f"what is not known ({fastest.scheme} "
             f"RECOMPUTE={fastest.choice.recompute} MICRO_BATCH_SIZE="
             f"{fastest.choice.micro_batch_size}, {fastest.choice.band.text()}); chosen: "
             f"{chosen.scheme} RECOMPUTE={chosen.choice.recompute} MICRO_BATCH_SIZE="
