@@ -1,7 +1,7 @@
 """The rules of a launch, once: the launcher's defaults and what they imply (the secondary copy
 a preset implies, the device's torch build and memory margin, the --signal lead), every
-refusal of bad input (one line, ``lbp_launch: error: ...``), and the model flags the estimate
-counts. Read from the environment by python -m megatron_lbp.launch job (job_cli.py).
+refusal of bad input (one line, ``lbp_launch: error: ...``), and the scheme the estimate costs a
+job as. Read from the environment by python -m megatron_lbp.launch job (job_cli.py).
 """
 from __future__ import annotations
 
@@ -42,15 +42,6 @@ DS_SCHEMES = ("ds-zero3", "ds-hpz", "ds-zeropp")
 SETTINGS = ("NUM_LAYERS", "HIDDEN_SIZE", "NUM_ATTENTION_HEADS", "SEQ_LENGTH", "VOCAB_SIZE_PADDED",
             "GLOBAL_BATCH_SIZE", "MICRO_BATCH_SIZE", "TASKS_PER_NODE", "GCDS_PER_PACKAGE",
             "HIER_SECONDARY_GROUP_SIZE", "LBP_PROFILE")
-# Megatron's model flags the estimate counts (the training command's, where it gives them),
-# and those it does not (a warning line).
-MODEL_VALUES = ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size",
-                "--num-query-groups", "--kv-channels", "--normalization", "--position-embedding-type",
-                "--max-position-embeddings")
-MODEL_SWITCHES = ("--swiglu", "--group-query-attention", "--disable-bias-linear", "--add-qkv-bias",
-                  "--untie-embeddings-and-output-weights")
-MODEL_UNCOUNTED = ("--num-experts", "--qk-layernorm", "--multi-latent-attention", "--squared-relu",
-                   "--quick-geglu")
 NUM = r"[0-9]+(\.[0-9]*)?([eE][-+]?[0-9]+)?"
 
 
@@ -338,39 +329,6 @@ def check_paths(v) -> None:
     for name, sub in (("DATA_CACHE_PATH", "data_cache"), ("TENSORBOARD_DIR", "tensorboard")):
         if name not in v:   # set and empty: off
             v[name] = f"{v['CHECKPOINT_DIR']}/{sub}"
-
-
-def model_flags(v, words: list[str], say: Callable[[str], None] = log) -> list[str]:
-    """The model the training command builds, as the estimate's flags: the shape variables,
-    then Megatron's model flags where the command gives them (START_FROM's, EXTRA_ARGS, the
-    command line's extras; the last of a flag wins, as in Megatron's argparse);
-    --num-query-groups counts only with --group-query-attention, as in Megatron."""
-    val = {"--num-layers": v["NUM_LAYERS"], "--hidden-size": v["HIDDEN_SIZE"],
-           "--num-attention-heads": v["NUM_ATTENTION_HEADS"],
-           "--ffn-hidden-size": v["FFN_HIDDEN_SIZE"], "--position-embedding-type": "rope",
-           "--max-position-embeddings": v["SEQ_LENGTH"]}
-    on = set()
-    for i, f in enumerate(words):
-        x = words[i + 1] if i + 1 < len(words) else ""
-        if f.startswith("--") and "=" in f:
-            f, x = f.split("=", 1)
-        if f in MODEL_VALUES:
-            val[f] = x
-        elif f in MODEL_SWITCHES:
-            on.add(f)
-        elif f in MODEL_UNCOUNTED:
-            say(f"warning: {f}: the estimate does not count it (parameters, memory and step time "
-                "are for the model without it)")
-    out = []
-    for f in ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size",
-              "--kv-channels", "--normalization", "--position-embedding-type",
-              "--max-position-embeddings"):
-        if val.get(f):
-            out += [f, val[f]]
-    out += [f for f in MODEL_SWITCHES if f in on]
-    if "--group-query-attention" in on and val.get("--num-query-groups"):
-        out += ["--num-query-groups", val["--num-query-groups"]]
-    return out
 
 
 def estimate_as(v) -> tuple[str, str, str]:
