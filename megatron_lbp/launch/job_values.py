@@ -56,6 +56,13 @@ def number(name: str, text: str) -> float:
         raise EstimateError(f"{name}={text} must be a number") from None
 
 
+def layer_unit_fits(layer_unit: str, recompute: str) -> None:
+    if layer_unit == "split" and recompute == "full":
+        raise EstimateError(f"HIER_LAYER_UNIT=split with RECOMPUTE=full: "
+                            f"{SPLIT_WITH_FULL_RECOMPUTE} (the engine refuses it); use "
+                            "RECOMPUTE=selective, none or auto")
+
+
 def checked(job: Job, links: str | None, survey: str | None,
             files: Mapping[str, str] = FILES_AS_FLAGS) -> Job:
     """``job`` checked whole (ranges, the model's architecture, knobs that cannot go together),
@@ -74,10 +81,7 @@ def checked(job: Job, links: str | None, survey: str | None,
         raise EstimateError(f"--mfu={job.mfu:g} must be in (0, 1]")
     if job.peak_tflops is not None and not job.peak_tflops > 0:
         raise EstimateError(f"--peak-tflops={job.peak_tflops:g} must be > 0")
-    if given_layer_unit(job) == "split" and job.recompute == "full":
-        raise EstimateError(f"HIER_LAYER_UNIT=split with RECOMPUTE=full: "
-                            f"{SPLIT_WITH_FULL_RECOMPUTE} (the engine refuses it); use "
-                            "RECOMPUTE=selective, none or auto")
+    layer_unit_fits(given_layer_unit(job), job.recompute)
     try:   # the architecture, before any plan is made (groups dividing the heads, ...)
         units(job)
     except (PlanError, ValueError) as exc:

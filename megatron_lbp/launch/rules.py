@@ -112,19 +112,8 @@ def settings(env: Mapping[str, str]) -> dict[str, str]:
         if v[name] not in allowed:
             raise Refusal(2, f"{name}={v[name]}: use {text}")
 
-    one_of("RECOMPUTE", ("full", "selective", "none", "auto"), "full, selective, none or auto")
+    job_settings(v)
     one_of("PRECISION", ("bf16", "fp32"), "bf16 or fp32")
-    if v["HIER_PREFETCH_UNITS"] != "auto" and not uint(v["HIER_PREFETCH_UNITS"]):
-        raise Refusal(2, f"HIER_PREFETCH_UNITS={v['HIER_PREFETCH_UNITS']}: use auto or a number "
-                         "of units >= 0")
-    pending = v["HIER_MAX_PENDING_REDUCES"]
-    if pending != "auto" and not (uint(pending) and int(pending) >= 1):
-        raise Refusal(2, f"HIER_MAX_PENDING_REDUCES={pending}: use auto or a number >= 1")
-    one_of("HIER_EMBEDDING_BACKWARD_GATHER", ("auto", "gather", "skip"), "auto, gather or skip")
-    one_of("HIER_LAYER_UNIT", ("auto", "whole", "split"), "auto, whole or split")
-    if v["HIER_LAYER_UNIT"] == "split" and v["RECOMPUTE"] == "full":
-        raise Refusal(2, "HIER_LAYER_UNIT=split with RECOMPUTE=full: the recomputed layer needs "
-                         "both halves gathered at once; use RECOMPUTE=selective, none or auto")
     if not uint(v["GPUS_PER_TASK"]):
         raise Refusal(2, f"GPUS_PER_TASK={v['GPUS_PER_TASK']}: use 1 (GCD) or 0 (CPU)")
     gpu = int(v["GPUS_PER_TASK"]) > 0
@@ -159,6 +148,25 @@ def settings(env: Mapping[str, str]) -> dict[str, str]:
     if v["LBP_SITE"] not in site.SITES:
         raise Refusal(2, f"LBP_SITE={v['LBP_SITE']}: use frontier or local")
     return v
+
+
+def job_settings(v) -> None:
+    """The job's own settings, refused before any work by the rules the job is typed by later
+    (job_values.py, job_env.py)."""
+    from megatron_lbp.launch import job_values as jv
+    from megatron_lbp.launch.candidates import EstimateError
+
+    try:
+        jv.auto_or_int("MICRO_BATCH_SIZE", v["MICRO_BATCH_SIZE"])
+        jv.one_of("RECOMPUTE", v["RECOMPUTE"], jv.RECOMPUTES)
+        jv.auto_or_int("HIER_PREFETCH_UNITS", v["HIER_PREFETCH_UNITS"], 0)
+        jv.auto_or_int("HIER_MAX_PENDING_REDUCES", v["HIER_MAX_PENDING_REDUCES"])
+        jv.one_of("HIER_EMBEDDING_BACKWARD_GATHER", v["HIER_EMBEDDING_BACKWARD_GATHER"],
+                  jv.EMBEDDING_GATHERS)
+        jv.one_of("HIER_LAYER_UNIT", v["HIER_LAYER_UNIT"], jv.LAYER_UNIT_SETTINGS)
+        jv.layer_unit_fits(v["HIER_LAYER_UNIT"], v["RECOMPUTE"])
+    except EstimateError as exc:
+        raise Refusal(2, str(exc)) from None
 
 
 def is_ds(v) -> bool:
@@ -262,9 +270,7 @@ def check_hierarchy(v) -> None:
     for name in ("TASKS_PER_NODE", "GCDS_PER_PACKAGE", "GLOBAL_BATCH_SIZE"):
         if not uint(v[name]) or int(v[name]) < 1:
             raise Refusal(2, f"{name}={v[name]} must be an integer >= 1")
-    mbs = "1" if v["MICRO_BATCH_SIZE"] == "auto" else v["MICRO_BATCH_SIZE"]
-    if not uint(mbs) or int(mbs) < 1:
-        raise Refusal(2, f"MICRO_BATCH_SIZE={v['MICRO_BATCH_SIZE']} must be auto or an integer >= 1")
+    mbs = 1 if v["MICRO_BATCH_SIZE"] == "auto" else v["MICRO_BATCH_SIZE"]   # job_settings checked it
     s = v["HIER_SECONDARY_GROUP_SIZE"]
     if not uint(s):
         raise Refusal(2, f"HIER_SECONDARY_GROUP_SIZE={s} must be 0 (off) or a group size")

@@ -47,7 +47,9 @@ def test_derived_defaults_follow_the_device_and_site():
 
 @pytest.mark.parametrize("env, needle", [
     ({"NUM_LAYERS": ""}, "NUM_LAYERS is not set (the profile script sets it)"),
-    ({"RECOMPUTE": "partial"}, "RECOMPUTE=partial: use full, selective, none or auto"),
+    ({"RECOMPUTE": "partial"}, "RECOMPUTE=partial: use one of auto, none, selective, full"),
+    ({"MICRO_BATCH_SIZE": "x"}, "MICRO_BATCH_SIZE=x: use auto or an integer >= 1"),
+    ({"HIER_PREFETCH_UNITS": "-1"}, "HIER_PREFETCH_UNITS=-1: use auto or an integer >= 0"),
     ({"HIER_LAYER_UNIT": "split", "RECOMPUTE": "full"}, "HIER_LAYER_UNIT=split with RECOMPUTE=full"),
     ({"LBP_SITE": "moon"}, "LBP_SITE=moon: use frontier or local"),
 ])
