@@ -153,6 +153,7 @@ def settings(env: Mapping[str, str]) -> dict[str, str]:
 def job_settings(v) -> None:
     """The job's own settings, refused before any work by the rules the job is typed by later
     (job_values.py, job_env.py)."""
+    # Imported here: the implied-secondary stage reads this module without the planner.
     from megatron_lbp.launch import job_values as jv
     from megatron_lbp.launch.candidates import EstimateError
 
