@@ -17,19 +17,19 @@ import shlex
 import sys
 from dataclasses import dataclass, replace
 
-from megatron_lbp.core.config import (DEFAULT_BUCKET_SIZE, EMBEDDING_BACKWARD_GATHERS,
-                                      LAYER_UNITS)
+from megatron_lbp.core.config import DEFAULT_BUCKET_SIZE, GRAD_REDUCE_DTYPES
 from megatron_lbp.core.plan import PlanError
-from megatron_lbp.core.vocabulary import SPLIT_WITH_FULL_RECOMPUTE
-from megatron_lbp.launch import choose
+from megatron_lbp.launch import choose, model_flags
 from megatron_lbp.launch._cli import PROG, Parser, write_resolved
 from megatron_lbp.launch.candidates import (GB, MARGIN_TEXT, MICRO_BATCH_CANDIDATES, MOST_RANKS,
-                                            RECOMPUTE_ORDER, Choice, EstimateError, SchemeRow,
-                                            checkpoint_bytes, choices, gb, given_layer_unit,
-                                            load_links, model_line, nice_interval, pick,
+                                            Choice, EstimateError, SchemeRow, checkpoint_bytes,
+                                            choices, gb, model_line, nice_interval, pick,
                                             plan_command, save_seconds, scheme_rows,
                                             smallest_fitting_nodes, units)
 from megatron_lbp.launch.job import Job
+from megatron_lbp.launch.job_values import (EMBEDDING_GATHERS, LAYER_UNIT_SETTINGS, NETWORK_MODELS,
+                                            PARAMS_DTYPES, RECOMPUTES, auto_or_int, checked,
+                                            one_of)
 
 
 def comparison_lines(a, chosen: Choice, top: int = 5) -> list[str]:
@@ -111,9 +111,10 @@ SUMMARY_HEAD = "summary (the full estimate and ranking: LBP_VERBOSE=1, estimate 
 
 
 def decide(a: Job) -> Decision:
-    """Plan and choose for this job: the one entry a launcher calls (after job_from_args).
-    The summary: the model, the hierarchy, the choice and why (its band, a tie), memory per
-    GCD, step time, saving; what the job would refuse. Raises PlanError, EstimateError."""
+    """Plan and choose for this job: the one entry a launcher calls (after job_from_args or
+    job_env.job_from_env). The summary: the model, the hierarchy, the choice and why (its
+    band, a tie), memory per GCD, step time, saving; what the job would refuse.
+    Raises PlanError, EstimateError."""
     asked, ranked, row = a, None, None
     if a.choose or a.preset == "auto":
         row, ranked = choose.choose(a)
@@ -270,22 +271,13 @@ def survey_shape(a: Job) -> str:
     return f" of {collectives.shape_text(a.survey.survey)}, scaled to this job's groups"
 
 
-def _choice(name: str, allowed: tuple[str, ...]):
-    def parse(text: str) -> str:
-        if text not in allowed:
-            raise argparse.ArgumentTypeError(f"{name}={text}: use one of {', '.join(allowed)}")
-        return text
-    return parse
-
-
-def _auto_or_int(name: str, minimum: int = 1):
+def _flag(check, name: str, *rule):
+    """An argparse type from a job_values rule: its refusal, after argparse's prefix."""
     def parse(text: str):
-        if text == "auto":
-            return text
-        if not text.isdigit() or int(text) < minimum:
-            raise argparse.ArgumentTypeError(
-                f"{name}={text}: use auto or an integer >= {minimum}")
-        return int(text)
+        try:
+            return check(name, text, *rule)
+        except EstimateError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
     return parse
 
 
@@ -297,55 +289,34 @@ def build_parser(machine: bool = True) -> argparse.ArgumentParser:
     if machine:
         for flag in ("nodes", "tasks-per-node"):
             ap.add_argument(f"--{flag}", type=int, required=True)
-    for flag in ("num-layers", "hidden-size", "num-attention-heads",
-                 "seq-length", "vocab-size", "global-batch-size"):
+    for flag in ("seq-length", "vocab-size", "global-batch-size"):
         ap.add_argument(f"--{flag}", type=int, required=True)
-    ap.add_argument("--micro-batch-size", type=_auto_or_int("MICRO_BATCH_SIZE"), default="auto")
-    ap.add_argument("--recompute", type=_choice("RECOMPUTE", ("auto",) + RECOMPUTE_ORDER),
-                    default="full")
-    ap.add_argument("--ffn-hidden-size", type=int, default=0)
+    model_flags.add_arguments(ap)
+    ap.add_argument("--micro-batch-size", type=_flag(auto_or_int, "MICRO_BATCH_SIZE"),
+                    default="auto")
+    ap.add_argument("--recompute", type=_flag(one_of, "RECOMPUTE", RECOMPUTES), default="full")
     ap.add_argument("--gcds-per-package", type=int, default=2)
     ap.add_argument("--preset", default="lbp",
                     help="a preset, or auto: chosen by projected step time (needs --choose)")
     ap.add_argument("--hier-secondary-group-size", type=int, default=0)
     ap.add_argument("--hier-secondary-dtype", default=None,
                     help="the secondary copy's dtype (default: the preset's; int8 for lbp)")
-    ap.add_argument("--position-embedding-type", choices=("rope", "learned_absolute", "none"),
-                    default="rope")
-    ap.add_argument("--max-position-embeddings", type=int, default=0,
-                    help="rows of the learned position table (default --seq-length)")
-    ap.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    # Megatron's architecture flags, spelt and read as Megatron does (the plan's too).
-    ap.add_argument("--swiglu", action="store_true",
-                    help="gated MLP (Megatron's --swiglu): its parameters and activations")
-    ap.add_argument("--group-query-attention", action="store_true",
-                    help="grouped-query attention with --num-query-groups key/value heads "
-                         "(default 1, as Megatron's)")
-    ap.add_argument("--num-query-groups", type=int, default=None,
-                    help="key/value heads; as in Megatron, only with --group-query-attention")
-    ap.add_argument("--kv-channels", type=int, default=None,
-                    help="channels per attention head (default hidden/heads)")
-    ap.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
-    ap.add_argument("--disable-bias-linear", action="store_true", help="no linear biases")
-    ap.add_argument("--add-qkv-bias", action="store_true",
-                    help="linear_qkv keeps its bias under --disable-bias-linear (Qwen2)")
-    ap.add_argument("--params-dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
-    ap.add_argument("--hier-grad-reduce-dtype", default=None, choices=("fp32", "bf16"),
+    ap.add_argument("--params-dtype", default="bf16", choices=PARAMS_DTYPES)
+    ap.add_argument("--hier-grad-reduce-dtype", default=None, choices=GRAD_REDUCE_DTYPES,
                     help="default: the preset's (bf16 for zeropp under bf16, else fp32)")
-    ap.add_argument("--hier-prefetch-units", type=_auto_or_int("HIER_PREFETCH_UNITS", 0),
+    ap.add_argument("--hier-prefetch-units", type=_flag(auto_or_int, "HIER_PREFETCH_UNITS", 0),
                     default="auto", help="auto (default): the first of the choice's settings "
                     "that fits, else this many units gathered ahead")
     ap.add_argument("--hier-max-pending-reduces",
-                    type=_auto_or_int("HIER_MAX_PENDING_REDUCES"), default="auto",
+                    type=_flag(auto_or_int, "HIER_MAX_PENDING_REDUCES"), default="auto",
                     help="auto (default): the first of the choice's settings that fits, else "
                     "this many gradient reduce-scatters in flight (>= 1)")
     ap.add_argument("--hier-embedding-backward-gather",
-                    type=_choice("HIER_EMBEDDING_BACKWARD_GATHER",
-                                 ("auto",) + EMBEDDING_BACKWARD_GATHERS),
+                    type=_flag(one_of, "HIER_EMBEDDING_BACKWARD_GATHER", EMBEDDING_GATHERS),
                     default="auto", help="auto (default): gather, else skip where gather does "
                     "not fit; or that setting (HIER_EMBEDDING_BACKWARD_GATHER): "
                     "skip frees a tied embedding after the output layer's backward")
-    ap.add_argument("--hier-layer-unit", type=_choice("HIER_LAYER_UNIT", ("auto",) + LAYER_UNITS),
+    ap.add_argument("--hier-layer-unit", type=_flag(one_of, "HIER_LAYER_UNIT", LAYER_UNIT_SETTINGS),
                     default="auto", help="auto (default): whole layers, else, where they do "
                     "not fit and the recomputation is not full, each layer's attention and MLP "
                     "as two gather units (split); or that setting (HIER_LAYER_UNIT)")
@@ -353,7 +324,8 @@ def build_parser(machine: bool = True) -> argparse.ArgumentParser:
     ap.add_argument("--gcd-memory-gb", type=float, default=64.0)
     ap.add_argument("--reserve-gb", type=float, default=0.0)
     ap.add_argument("--train-iters", type=int, default=150000)
-    ap.add_argument("--save-interval", type=_auto_or_int("SAVE_INTERVAL"), default="auto")
+    ap.add_argument("--save-interval", type=_flag(auto_or_int, "SAVE_INTERVAL"),
+                    default="auto")
     ap.add_argument("--save-minutes", type=float, default=45.0)
     ap.add_argument("--milestone-every", type=int, default=0)
     ap.add_argument("--step-seconds", type=float, default=0.0)
@@ -361,7 +333,7 @@ def build_parser(machine: bool = True) -> argparse.ArgumentParser:
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="peak TFLOPS per GCD the MFU applies to (default: MI250X bf16, 191.5); "
                          "a measured rate with --mfu 1 (CPU ranks: docs/testing.md)")
-    ap.add_argument("--network-model", choices=("per_rank", "shared_uplink"),
+    ap.add_argument("--network-model", choices=NETWORK_MODELS,
                     default="per_rank",
                     help="per_rank (Frontier: every GCD its share of the network) or "
                          "shared_uplink (one uplink per node, as the emulated network: a "
@@ -391,44 +363,10 @@ def build_parser(machine: bool = True) -> argparse.ArgumentParser:
 
 
 def job_from_args(ns: argparse.Namespace) -> Job:
-    """The job of the estimate's parsed flags, checked, its link files read: the one place
-    flags become a job. EstimateError (exit 2) names the setting."""
-    checks = {"NNODES": ns.nodes, "TASKS_PER_NODE": ns.tasks_per_node,
-              "GLOBAL_BATCH_SIZE": ns.global_batch_size, "TRAIN_ITERS": ns.train_iters}
-    bad = [f"{k}={v}" for k, v in checks.items() if v < 1]
-    if bad:
-        raise EstimateError(f"{bad[0]} must be >= 1")
-    for name, value in (("LBP_WRITE_GBPS", ns.write_gbps_per_node),
-                        ("LBP_SAVE_MINUTES", ns.save_minutes)):
-        if not value > 0:
-            raise EstimateError(f"{name}={value:g} must be > 0")
-    if not 0 < ns.mfu <= 1:
-        raise EstimateError(f"--mfu={ns.mfu:g} must be in (0, 1]")
-    if ns.peak_tflops is not None and not ns.peak_tflops > 0:
-        raise EstimateError(f"--peak-tflops={ns.peak_tflops:g} must be > 0")
+    """The job of the estimate's parsed flags, checked by the rules every edge obeys
+    (job_values.checked), its link files read. EstimateError (exit 2) names the setting."""
     job = Job.fields_of(argparse.Namespace(**{**vars(ns), "links": None, "survey": None}))
-    if given_layer_unit(job) == "split" and job.recompute == "full":
-        raise EstimateError(f"HIER_LAYER_UNIT=split with RECOMPUTE=full: "
-                            f"{SPLIT_WITH_FULL_RECOMPUTE} (the engine refuses it); use "
-                            "RECOMPUTE=selective, none or auto")
-    try:   # the architecture, before any plan is made (groups dividing the heads, ...)
-        units(job)
-    except (PlanError, ValueError) as exc:
-        raise EstimateError(f"the model: {exc}") from None
-    if ns.network_model == "shared_uplink" and not ns.links:
-        raise EstimateError("--network-model shared_uplink needs --links FILE (the measured "
-                            "per-GCD network figure gives the uplink)")
-    try:
-        links = load_links(ns.links) if ns.links else None
-    except (OSError, ValueError) as exc:
-        raise EstimateError(f"--links {ns.links}: {exc}") from None
-    from megatron_lbp.projection import collectives, survey_file
-
-    try:
-        survey = collectives.CollectiveModel.from_file(ns.survey) if ns.survey else None
-    except survey_file.SurveyError as exc:
-        raise EstimateError(f"--survey {exc}") from None
-    return replace(job, links=links, survey=survey, choose=job.choose or job.preset == "auto")
+    return checked(job, ns.links, ns.survey)
 
 
 def error_text(job: Job, exc: PlanError | EstimateError) -> str:

@@ -1,7 +1,8 @@
-"""The job a launch plans for, typed: resolved once from flags at the edge (estimate's command
-line, ``plan --choose``), then read by the memory fit (candidates.py) and the choice
-(choose.py). Fields keep Megatron's and the launcher's names; ``auto`` marks what the
-planner chooses. A job is never changed: a variant is ``dataclasses.replace(job, ...)``."""
+"""The job a launch plans for, typed: resolved once at an edge (the launcher's environment,
+job_env.py; the estimate's command line and ``plan --choose``, estimate.py; both by the rules
+of job_values.py), then read by the memory fit (candidates.py) and the choice (choose.py).
+Fields keep Megatron's and the launcher's names; ``auto`` marks what the planner chooses.
+A job is never changed: a variant is ``dataclasses.replace(job, ...)``."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -25,7 +25,7 @@ from megatron_lbp.launch import commands as cmds
 from megatron_lbp.launch import site
 from megatron_lbp.launch._cli import PROG, write_resolved
 from megatron_lbp.launch.rules import (Refusal, SETTINGS, check_deepspeed, check_hierarchy,
-                                       check_paths, estimate_as, is_ds, model_flags,
+                                       check_paths, estimate_as, is_ds,
                                        parse_launcher_args, resolve_nodes, retention, settings,
                                        sbatch_directive, start_from, implied_secondary, uint)
 
@@ -124,50 +124,14 @@ def check_contents(v, out: Screen) -> None:
 
 
 def plan_job(v, words: list[str], out: Screen) -> dict[str, str]:
-    """The one call into the planner: memory per choice, the choice, step time, save interval
-    and checkpoint bytes for this job (megatron_lbp.launch.estimate); its lines on ``out``
-    (a dry run's summary leads)."""
+    """The one call into the planner: the job typed from the environment (job_env.py), then
+    memory per choice, the choice, step time, save interval and checkpoint bytes
+    (megatron_lbp.launch.estimate); its lines on ``out`` (a dry run's summary leads)."""
     from megatron_lbp.launch import estimate
+    from megatron_lbp.launch.job_env import job_from_env
 
-    preset, secondary, secondary_dtype = estimate_as(v)
-    knobs = [v["HIER_PREFETCH_UNITS"], v["HIER_MAX_PENDING_REDUCES"],
-             v["HIER_EMBEDDING_BACKWARD_GATHER"], v["HIER_LAYER_UNIT"]]
-    if is_ds(v) or v["HIER_PRESET"] == "distopt":   # no engine knobs: costed at its defaults
-        knobs = ["1", "2", "gather", "whole"]
-    args = ["--nodes", v["NNODES_RESOLVED"], "--tasks-per-node", v["TASKS_PER_NODE"],
-            "--gcds-per-package", v["GCDS_PER_PACKAGE"], "--preset", preset,
-            *model_flags(v, words, out.log), "--seq-length", v["SEQ_LENGTH"],
-            "--vocab-size", v["VOCAB_SIZE_PADDED"], "--global-batch-size", v["GLOBAL_BATCH_SIZE"],
-            "--micro-batch-size", v["MICRO_BATCH_SIZE"], "--recompute", v["RECOMPUTE"],
-            "--hier-secondary-group-size", secondary, "--params-dtype", v["PRECISION"],
-            "--hier-prefetch-units", knobs[0], "--hier-max-pending-reduces", knobs[1],
-            "--hier-embedding-backward-gather", knobs[2], "--hier-layer-unit", knobs[3],
-            "--gcd-memory-gb", v["GCD_MEMORY_GB"], "--reserve-gb", v["LBP_MEMORY_RESERVE_GB"],
-            "--train-iters", v["TRAIN_ITERS"], "--save-interval", v["SAVE_INTERVAL"],
-            "--save-minutes", v["LBP_SAVE_MINUTES"], "--milestone-every", v["LBP_MILESTONE_EVERY"],
-            "--write-gbps-per-node", v["LBP_WRITE_GBPS"], "--save-fixed-s", v["LBP_SAVE_FIXED_S"]]
-    if secondary_dtype:
-        args += ["--hier-secondary-dtype", secondary_dtype]
-    if v["HIER_GRAD_REDUCE_DTYPE"]:
-        args += ["--hier-grad-reduce-dtype", v["HIER_GRAD_REDUCE_DTYPE"]]
-    if v.get("LBP_STEP_SECONDS"):
-        args += ["--step-seconds", v["LBP_STEP_SECONDS"]]
-    if v.get("LBP_VERBOSE") == "1":
-        args.append("--verbose")
-    if v["LBP_COMPARE_SCHEMES"] == "1":
-        args.append("--compare")
-    # The configuration by projected step time (megatron_lbp/launch/choose.py), the scheme too
-    # when the profile left it open (LBP_CHOOSE_SCHEME=1).
-    if v["LBP_CHOOSE"] == "1":
-        args.append("--choose")
-        if v.get("LBP_CHOOSE_SCHEME") == "1":
-            args += ["--preset", "auto"]
-    if v.get("LBP_LINKS"):
-        args += ["--links", v["LBP_LINKS"]]
-    if v.get("LBP_SURVEY"):
-        args += ["--survey", v["LBP_SURVEY"]]
     try:
-        job = estimate.job_from_args(estimate.build_parser().parse_args(args))
+        job = job_from_env(v, words, out.log)
     except estimate.EstimateError as exc:
         raise Refusal(2, str(exc)) from None
     try:

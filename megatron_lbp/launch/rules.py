@@ -1,7 +1,7 @@
 """The rules of a launch, once: the launcher's defaults and what they imply (the secondary copy
 a preset implies, the device's torch build and memory margin, the --signal lead), every
-refusal of bad input (one line, ``lbp_launch: error: ...``), and the model flags the estimate
-counts. Read from the environment by python -m megatron_lbp.launch job (job_cli.py).
+refusal of bad input (one line, ``lbp_launch: error: ...``), and the scheme the estimate costs a
+job as. Read from the environment by python -m megatron_lbp.launch job (job_cli.py).
 """
 from __future__ import annotations
 
@@ -42,15 +42,6 @@ DS_SCHEMES = ("ds-zero3", "ds-hpz", "ds-zeropp")
 SETTINGS = ("NUM_LAYERS", "HIDDEN_SIZE", "NUM_ATTENTION_HEADS", "SEQ_LENGTH", "VOCAB_SIZE_PADDED",
             "GLOBAL_BATCH_SIZE", "MICRO_BATCH_SIZE", "TASKS_PER_NODE", "GCDS_PER_PACKAGE",
             "HIER_SECONDARY_GROUP_SIZE", "LBP_PROFILE")
-# Megatron's model flags the estimate counts (the training command's, where it gives them),
-# and those it does not (a warning line).
-MODEL_VALUES = ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size",
-                "--num-query-groups", "--kv-channels", "--normalization", "--position-embedding-type",
-                "--max-position-embeddings")
-MODEL_SWITCHES = ("--swiglu", "--group-query-attention", "--disable-bias-linear", "--add-qkv-bias",
-                  "--untie-embeddings-and-output-weights")
-MODEL_UNCOUNTED = ("--num-experts", "--qk-layernorm", "--multi-latent-attention", "--squared-relu",
-                   "--quick-geglu")
 NUM = r"[0-9]+(\.[0-9]*)?([eE][-+]?[0-9]+)?"
 
 
@@ -121,19 +112,8 @@ def settings(env: Mapping[str, str]) -> dict[str, str]:
         if v[name] not in allowed:
             raise Refusal(2, f"{name}={v[name]}: use {text}")
 
-    one_of("RECOMPUTE", ("full", "selective", "none", "auto"), "full, selective, none or auto")
+    job_settings(v)
     one_of("PRECISION", ("bf16", "fp32"), "bf16 or fp32")
-    if v["HIER_PREFETCH_UNITS"] != "auto" and not uint(v["HIER_PREFETCH_UNITS"]):
-        raise Refusal(2, f"HIER_PREFETCH_UNITS={v['HIER_PREFETCH_UNITS']}: use auto or a number "
-                         "of units >= 0")
-    pending = v["HIER_MAX_PENDING_REDUCES"]
-    if pending != "auto" and not (uint(pending) and int(pending) >= 1):
-        raise Refusal(2, f"HIER_MAX_PENDING_REDUCES={pending}: use auto or a number >= 1")
-    one_of("HIER_EMBEDDING_BACKWARD_GATHER", ("auto", "gather", "skip"), "auto, gather or skip")
-    one_of("HIER_LAYER_UNIT", ("auto", "whole", "split"), "auto, whole or split")
-    if v["HIER_LAYER_UNIT"] == "split" and v["RECOMPUTE"] == "full":
-        raise Refusal(2, "HIER_LAYER_UNIT=split with RECOMPUTE=full: the recomputed layer needs "
-                         "both halves gathered at once; use RECOMPUTE=selective, none or auto")
     if not uint(v["GPUS_PER_TASK"]):
         raise Refusal(2, f"GPUS_PER_TASK={v['GPUS_PER_TASK']}: use 1 (GCD) or 0 (CPU)")
     gpu = int(v["GPUS_PER_TASK"]) > 0
@@ -168,6 +148,26 @@ def settings(env: Mapping[str, str]) -> dict[str, str]:
     if v["LBP_SITE"] not in site.SITES:
         raise Refusal(2, f"LBP_SITE={v['LBP_SITE']}: use frontier or local")
     return v
+
+
+def job_settings(v) -> None:
+    """The job's own settings, refused before any work by the rules the job is typed by later
+    (job_values.py, job_env.py)."""
+    # Imported here: the implied-secondary stage reads this module without the planner.
+    from megatron_lbp.launch import job_values as jv
+    from megatron_lbp.launch.candidates import EstimateError
+
+    try:
+        jv.auto_or_int("MICRO_BATCH_SIZE", v["MICRO_BATCH_SIZE"])
+        jv.one_of("RECOMPUTE", v["RECOMPUTE"], jv.RECOMPUTES)
+        jv.auto_or_int("HIER_PREFETCH_UNITS", v["HIER_PREFETCH_UNITS"], 0)
+        jv.auto_or_int("HIER_MAX_PENDING_REDUCES", v["HIER_MAX_PENDING_REDUCES"])
+        jv.one_of("HIER_EMBEDDING_BACKWARD_GATHER", v["HIER_EMBEDDING_BACKWARD_GATHER"],
+                  jv.EMBEDDING_GATHERS)
+        jv.one_of("HIER_LAYER_UNIT", v["HIER_LAYER_UNIT"], jv.LAYER_UNIT_SETTINGS)
+        jv.layer_unit_fits(v["HIER_LAYER_UNIT"], v["RECOMPUTE"])
+    except EstimateError as exc:
+        raise Refusal(2, str(exc)) from None
 
 
 def is_ds(v) -> bool:
@@ -271,9 +271,7 @@ def check_hierarchy(v) -> None:
     for name in ("TASKS_PER_NODE", "GCDS_PER_PACKAGE", "GLOBAL_BATCH_SIZE"):
         if not uint(v[name]) or int(v[name]) < 1:
             raise Refusal(2, f"{name}={v[name]} must be an integer >= 1")
-    mbs = "1" if v["MICRO_BATCH_SIZE"] == "auto" else v["MICRO_BATCH_SIZE"]
-    if not uint(mbs) or int(mbs) < 1:
-        raise Refusal(2, f"MICRO_BATCH_SIZE={v['MICRO_BATCH_SIZE']} must be auto or an integer >= 1")
+    mbs = 1 if v["MICRO_BATCH_SIZE"] == "auto" else v["MICRO_BATCH_SIZE"]   # job_settings checked it
     s = v["HIER_SECONDARY_GROUP_SIZE"]
     if not uint(s):
         raise Refusal(2, f"HIER_SECONDARY_GROUP_SIZE={s} must be 0 (off) or a group size")
@@ -338,39 +336,6 @@ def check_paths(v) -> None:
     for name, sub in (("DATA_CACHE_PATH", "data_cache"), ("TENSORBOARD_DIR", "tensorboard")):
         if name not in v:   # set and empty: off
             v[name] = f"{v['CHECKPOINT_DIR']}/{sub}"
-
-
-def model_flags(v, words: list[str], say: Callable[[str], None] = log) -> list[str]:
-    """The model the training command builds, as the estimate's flags: the shape variables,
-    then Megatron's model flags where the command gives them (START_FROM's, EXTRA_ARGS, the
-    command line's extras; the last of a flag wins, as in Megatron's argparse);
-    --num-query-groups counts only with --group-query-attention, as in Megatron."""
-    val = {"--num-layers": v["NUM_LAYERS"], "--hidden-size": v["HIDDEN_SIZE"],
-           "--num-attention-heads": v["NUM_ATTENTION_HEADS"],
-           "--ffn-hidden-size": v["FFN_HIDDEN_SIZE"], "--position-embedding-type": "rope",
-           "--max-position-embeddings": v["SEQ_LENGTH"]}
-    on = set()
-    for i, f in enumerate(words):
-        x = words[i + 1] if i + 1 < len(words) else ""
-        if f.startswith("--") and "=" in f:
-            f, x = f.split("=", 1)
-        if f in MODEL_VALUES:
-            val[f] = x
-        elif f in MODEL_SWITCHES:
-            on.add(f)
-        elif f in MODEL_UNCOUNTED:
-            say(f"warning: {f}: the estimate does not count it (parameters, memory and step time "
-                "are for the model without it)")
-    out = []
-    for f in ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size",
-              "--kv-channels", "--normalization", "--position-embedding-type",
-              "--max-position-embeddings"):
-        if val.get(f):
-            out += [f, val[f]]
-    out += [f for f in MODEL_SWITCHES if f in on]
-    if "--group-query-attention" in on and val.get("--num-query-groups"):
-        out += ["--num-query-groups", val["--num-query-groups"]]
-    return out
 
 
 def estimate_as(v) -> tuple[str, str, str]:

@@ -320,7 +320,7 @@ LAUNCHER = [
     # a link survey (projection/survey_file.py) cut off before it finished, or not JSON at all
     launch("LBP_SURVEY cut off", SCRIPTS["20b"], ["--dry-run"],
            {**DRY, "LBP_SURVEY": "{tmp}/lbp_survey.json"},
-           ("--survey", "lbp_survey.json", 'no "complete": true'),
+           ("LBP_SURVEY=", "lbp_survey.json", 'no "complete": true'),
            build=lambda c: c.write("lbp_survey.json", _partial_survey())),
     launch("LBP_SURVEY not JSON", SCRIPTS["20b"], ["--dry-run"],
            {**DRY, "LBP_SURVEY": "{tmp}/lbp_survey.json"}, ("lbp_survey.json", "not JSON"),

@@ -1,8 +1,8 @@
 """python -m megatron_lbp.launch job: the rules of a launch, read from the environment once.
 
 The launchers' own tests (test_launchers.py) run them through the profiles; these call the
-Python side directly: what a preset implies, the model flags the estimate counts, and a
-refusal that stops before anything is written.
+Python side directly: what a preset implies and a refusal that stops before anything is
+written (the model flags the estimate counts: test_job_env.py).
 """
 from __future__ import annotations
 
@@ -45,20 +45,11 @@ def test_derived_defaults_follow_the_device_and_site():
     assert (cpu["LBP_REQUIRE_GPU"], cpu["LBP_MEMORY_RESERVE_GB"]) == ("none", "0")
 
 
-def test_model_flags_the_last_wins_and_groups_need_gqa():
-    v = rules.settings(dict(MODEL))
-    flags = rules.model_flags(v, ["--num-layers", "6", "--num-query-groups", "2", "--swiglu",
-                                "--num-layers=8", "--normalization", "RMSNorm"])
-    assert flags[flags.index("--num-layers") + 1] == "8"
-    assert "--swiglu" in flags and flags[flags.index("--normalization") + 1] == "RMSNorm"
-    assert "--num-query-groups" not in flags          # counted only with --group-query-attention
-    flags = rules.model_flags(v, ["--group-query-attention", "--num-query-groups", "2"])
-    assert flags[-3:] == ["--group-query-attention", "--num-query-groups", "2"]
-
-
 @pytest.mark.parametrize("env, needle", [
     ({"NUM_LAYERS": ""}, "NUM_LAYERS is not set (the profile script sets it)"),
-    ({"RECOMPUTE": "partial"}, "RECOMPUTE=partial: use full, selective, none or auto"),
+    ({"RECOMPUTE": "partial"}, "RECOMPUTE=partial: use one of auto, none, selective, full"),
+    ({"MICRO_BATCH_SIZE": "x"}, "MICRO_BATCH_SIZE=x: use auto or an integer >= 1"),
+    ({"HIER_PREFETCH_UNITS": "-1"}, "HIER_PREFETCH_UNITS=-1: use auto or an integer >= 0"),
     ({"HIER_LAYER_UNIT": "split", "RECOMPUTE": "full"}, "HIER_LAYER_UNIT=split with RECOMPUTE=full"),
     ({"LBP_SITE": "moon"}, "LBP_SITE=moon: use frontier or local"),
 ])
