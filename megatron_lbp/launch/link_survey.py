@@ -44,13 +44,16 @@ def cases(shapes: Sequence[str], sizes: Sequence[int]) -> list[tuple[str, str, s
 # --------------------------------------------------------------------------- the groups
 
 
-def hier_args(tasks_per_node: int, gcds_per_package: int):
+def hier_args(tasks_per_node: int, gcds_per_package: int) -> argparse.Namespace:
+    """The engine's settings for the survey's groups: lbp with a node-wide secondary group
+    (every shape the engine uses), the other settings at their defaults."""
     from megatron_lbp.core.config import add_hier_arguments
 
-    ap = add_hier_arguments(argparse.ArgumentParser())
-    return ap.parse_args(["--hier-preset", "lbp", "--hier-secondary-group-size",
-                          str(tasks_per_node), "--hier-gpus-per-node", str(tasks_per_node),
-                          "--hier-gcds-per-package", str(gcds_per_package)])
+    args = add_hier_arguments(argparse.ArgumentParser()).parse_args([])   # the defaults
+    args.hier_preset = "lbp"
+    args.hier_secondary_group_size = args.hier_gpus_per_node = tasks_per_node
+    args.hier_gcds_per_package = gcds_per_package
+    return args
 
 
 def survey_collectives(tasks_per_node: int, gcds_per_package: int, env=None):
