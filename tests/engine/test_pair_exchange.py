@@ -1,7 +1,7 @@
 """Two-rank gloo groups' collectives as one exchange (engine/pair_exchange.py), on real gloo ranks.
 
-Four ranks, two groups of two that are not neighbours ({0, 2} and {1, 3}), so a peer taken
-from the wrong place shows. Every collective the engine routes to the exchange gives what
+Four ranks, two groups of two that are not neighbours ({0, 2}, and {3, 1} in that group-rank
+order), so a peer or a half taken from the wrong place shows. Every collective the engine routes to the exchange gives what
 gloo's own gives, bit for bit, synchronously and asynchronously, fp32 and bf16; the engine's
 Collectives take the exchange for a two-rank gloo group and gloo's own for four ranks, and
 the ledger charges what it charged before. A swapped half is caught by the same comparison.
@@ -40,7 +40,9 @@ def _run(fn, async_op: bool):
 
 def _compare(broken: bool):
     rank = dist.get_rank()
-    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    # {0, 2} in order; {3, 1} with its group ranks the reverse of the global order, as the
+    # engine's chunk-ordered gradient groups can be (process_groups._new_group)
+    groups = [dist.new_group([0, 2]), dist.new_group([3, 1], sort_ranks=False)]
     pair = groups[rank % 2]
     differs = []
 
