@@ -18,7 +18,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from megatron_lbp.projection import survey_file as sf
 

@@ -1,5 +1,4 @@
 """bench/cpu_share: other processes' CPU time told from this process tree's, on real processes."""
-import os
 import subprocess
 import sys
 import time
