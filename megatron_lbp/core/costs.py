@@ -375,6 +375,84 @@ def unit_collective_bytes(cfg, numel: int, link_classes: Mapping[str, str | None
     return out
 
 
+CODECS = ("int8", "int4")
+CODEC_DIRECTIONS = ("encode", "decode")
+
+
+def unit_codec_calls(cfg, numel: int, link_classes: Mapping[str, str | None], *,
+                     align: int = DEFAULT_ALIGN) -> dict[tuple[str, str], list[tuple]]:
+    """The quantizer calls of one unit of ``numel`` elements, by (phase, family) as
+    :func:`unit_collective_bytes` keys its collectives: [(codec, direction, calls,
+    elements per call)] of one such collective (``("forward_gather", "secondary_build")``:
+    the int8 secondary copy's slice, encoded by the forward that builds it).
+
+    As the engine calls them (engine/quantized.py): a quantized gather encodes this rank's
+    slice once and decodes every member's, its own included; a quantized reduce-scatter
+    encodes and decodes the n - 1 chunks that cross to another rank; the two-hop qgZ does
+    that in the S-group for X chunks each, then across the X groups for one.
+    """
+    W, P, G, O, S, R = _sizes(cfg)
+    sdt = _secondary_dtype(cfg)
+    qwz = bool(getattr(cfg, "quantize_weight_gather", False))
+    qgz = quantized_grad_families(cfg, link_classes)
+    N = padded_numel(numel, cfg, align)
+    grad_codec = "int4" if _int4(cfg) else "int8"
+
+    def gather(n: int, encode: bool = True) -> list[tuple]:
+        return ([("int8", "encode", 1, N // n)] if encode else []) + \
+            [("int8", "decode", n, N // n)]
+
+    def reduce(codec: str, calls: int, elems: int) -> list[tuple]:
+        return [(codec, d, calls, elems) for d in CODEC_DIRECTIONS] if calls else []
+
+    out: dict[tuple[str, str], list[tuple]] = {}
+    if qwz:
+        out[("forward_gather", "param")] = gather(P)
+    if S and sdt == "int8":
+        out[("forward_gather", "secondary_build")] = [("int8", "encode", 1, N // S)]
+        out[("backward_gather", "secondary")] = gather(S, encode=False)
+    elif S and qwz:
+        out[("backward_gather", "secondary")] = gather(S)
+    elif qwz:
+        out[("backward_gather", "param")] = gather(P)
+    if S and _step_scope(cfg) and ("backward_gather", "secondary") in out:
+        out[("forward_gather", "secondary")] = out[("backward_gather", "secondary")]
+    if "grad" in qgz and hierarchical_grad_reduce(cfg):
+        X, c = G // S, N // G
+        out[("grad_reduce", "secondary")] = reduce(grad_codec, (S - 1) * X, c)
+        out[("grad_reduce", "grad_cross")] = reduce(grad_codec, X - 1, c)
+    elif "grad" in qgz:
+        out[("grad_reduce", "grad")] = reduce(grad_codec, G - 1, N // G)
+    if "inter" in qgz:
+        out[("step_reduce", "inter")] = reduce(grad_codec, O // G - 1, N // O)
+    return {key: calls for key, calls in out.items() if calls}
+
+
+def codec_calls(cfg, bucket_numels: Sequence[int], link_classes: Mapping[str, str | None], *,
+                micro_batches: int = 1, align: int = DEFAULT_ALIGN,
+                no_backward_gather: Sequence[int] = ()) -> dict[str, list[dict[str, Any]]]:
+    """The quantizer calls of one optimizer step, by phase: [{codec, direction, elements (per
+    call), calls}], from :func:`unit_codec_calls` repeated as the step issues each collective
+    (:func:`repeats`; the int8 secondary copy is built by every forward, with the step scope
+    by the first only)."""
+    k = int(micro_batches)
+    skipped = set(no_backward_gather)
+    tally: dict[str, dict[tuple[str, str, int], int]] = {ph: {} for ph in PHASES}
+    for i, numel in enumerate(bucket_numels):
+        for (phase, family), calls in unit_codec_calls(cfg, numel, link_classes,
+                                                       align=align).items():
+            if phase == "backward_gather" and i in skipped:
+                continue
+            times = ((1 if _step_scope(cfg) else k) if family == "secondary_build"
+                     else repeats(cfg, phase, family, k))
+            for codec, direction, n, elems in calls:
+                key = (codec, direction, elems)
+                tally[phase][key] = tally[phase].get(key, 0) + times * n
+    return {ph: [{"codec": c, "direction": d, "elements": e, "calls": n}
+                 for (c, d, e), n in sorted(rows.items()) if n]
+            for ph, rows in tally.items()}
+
+
 def _int4(cfg) -> bool:
     return getattr(cfg, "grad_quant_scheme", "int8") == "int4-hier"
 
@@ -397,7 +475,7 @@ def estimate(cfg, bucket_numels: Sequence[int], link_classes: Mapping[str, str],
 
     Returns {"params": sum of bucket numels, "padded_params": sum of padded numels,
     "bucket_numels", "padded_bucket_numels", "memory_bytes", "traffic_bytes",
-    "traffic_by_phase"}.
+    "traffic_by_phase", "codec_calls" (:func:`codec_calls`)}.
     """
     buckets = [int(n) for n in bucket_numels]
     padded = [padded_numel(n, cfg, align) for n in buckets]
@@ -415,6 +493,8 @@ def estimate(cfg, bucket_numels: Sequence[int], link_classes: Mapping[str, str],
                                      quant_block_size=quant_block_size, align=align),
         "traffic_bytes": by_class,
         "traffic_by_phase": by_phase,
+        "codec_calls": codec_calls(cfg, buckets, link_classes, micro_batches=micro_batches,
+                                   align=align, no_backward_gather=no_backward_gather),
     }
 
 

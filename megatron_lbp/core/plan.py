@@ -179,6 +179,8 @@ class Plan:
     construction_peak_bytes: int = 0
     traffic_bytes: dict[str, float] = field(default_factory=dict)
     traffic_by_phase: dict[str, dict[str, float]] = field(default_factory=dict)
+    # phase -> the quantizer's calls in a step (costs.codec_calls): what a device spends coding
+    codec_calls: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     groups: dict[str, list[int]] = field(default_factory=dict)
     link_classes: dict[str, str | None] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
@@ -290,5 +292,6 @@ def make_plan(req: PlanRequest) -> Plan:
         memory_bytes=Memory(**result["memory_bytes"]),
         construction_peak_bytes=construction,
         traffic_bytes=result["traffic_bytes"], traffic_by_phase=result["traffic_by_phase"],
+        codec_calls=result["codec_calls"],
         groups={fam: list(next(gr for gr in gs if 0 in gr)) for fam, gs in groups.items()},
         link_classes=classes, warnings=warnings, config=cfg, unit_list=tuple(units))

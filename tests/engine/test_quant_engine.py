@@ -16,7 +16,9 @@ GPT in bf16 (Float16Module, fp32 master). What is checked:
 
 The long real-text comparison of losses lives in tests/multirank/test_quant_training.py.
 """
+import contextlib
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -64,14 +66,57 @@ MODES = {
 # --------------------------------------------------------------------------- bytes and memory
 
 
+# The engine's quantizer entry points: (module, name) -> (codec, direction, the argument
+# whose elements are coded).
+CODEC_ENTRIES = {
+    ("megatron_lbp.engine.quantized", "quantize_into"): ("int8", "encode", 0),
+    ("megatron_lbp.engine.buckets", "quantize_into"): ("int8", "encode", 0),
+    ("megatron_lbp.engine.quantized", "quantize_int4_into"): ("int4", "encode", 0),
+    ("megatron_lbp.engine.quantized", "dequantize_from"): ("int8", "decode", 1),
+    ("megatron_lbp.engine.quantized", "dequantize_int4_from"): ("int4", "decode", 1),
+}
+
+
+@contextlib.contextmanager
+def counting_codec_calls(tally: dict):
+    """``tally[(codec, direction, elements)]`` += 1 for every quantizer call in the block (from
+    any thread: the streams' workers code too)."""
+    import importlib
+
+    lock = threading.Lock()
+    saved = []
+    for (module, name), (codec, direction, arg) in CODEC_ENTRIES.items():
+        mod = importlib.import_module(module)
+        real = getattr(mod, name)
+
+        def counted(*a, _real=real, _key=(codec, direction), _arg=arg, **kw):
+            with lock:
+                key = (*_key, a[_arg].numel())
+                tally[key] = tally.get(key, 0) + 1
+            return _real(*a, **kw)
+
+        saved.append((mod, name, real))
+        setattr(mod, name, counted)
+    try:
+        yield tally
+    finally:
+        for mod, name, real in saved:
+            setattr(mod, name, real)
+
+
 def train_modes(spec, train, modes):
-    """Several configurations one after another in the same ranks (saves process start-ups)."""
+    """Several configurations one after another in the same ranks (saves process start-ups);
+    the quantizer calls of each one's last step in ``extra["codec_calls"]``."""
     out = {}
     for name, argv in modes.items():
         trainer = setup_hier(spec, train, argv)
-        res = trainer.run(range(train.steps))
+        res = trainer.run(range(train.steps - 1))
+        with counting_codec_calls({}) as tally:
+            res = trainer.run([train.steps - 1], None, res)
+            trainer.model.settle()
         res.extra.update({"bucket_numels": trainer.model.bucket_numels(),
-                          "config": trainer.hier.config.as_dict()})
+                          "config": trainer.hier.config.as_dict(),
+                          "codec_calls": tally})
         out[name] = res
     return out
 
@@ -97,6 +142,27 @@ def test_bytes_and_memory_equal_the_plan(mode, accounted):
             assert report["memory_bytes"][state] == plan["memory_bytes"][state], (
                 f"{mode} rank {rank}: {state} holds {report['memory_bytes'][state]} bytes, "
                 f"plan says {plan['memory_bytes'][state]}")
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_quantizer_calls_equal_the_plan(mode, accounted):
+    """Every encode and decode of a step, by codec and elements per call, counted at the
+    engine's quantizer entry points: the plan's codec_calls (what the step model charges the
+    device for coding) must list the same."""
+    for rank, results in enumerate(accounted):
+        res = results[mode]
+        plan = predicted(res, "bf16", 2)
+        want: dict = {}
+        for rows in plan["codec_calls"].values():
+            for r in rows:
+                key = (r["codec"], r["direction"], r["elements"])
+                want[key] = want.get(key, 0) + r["calls"]
+        got = res.extra["codec_calls"]
+        assert got == want, (f"{mode} rank {rank}: quantizer calls (codec, direction, "
+                             f"elements): calls\n measured {sorted(got.items())}\n plan     "
+                             f"{sorted(want.items())}")
+    if mode not in ("lbp-S2-bf16",):
+        assert want, f"{mode}: a quantized mode the plan counts no quantizer call for"
 
 
 @pytest.mark.parametrize("mode,s,dtype,block", [("lbp-S2-int8", 2, "int8", 256),
