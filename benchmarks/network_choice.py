@@ -222,7 +222,9 @@ def run(args) -> dict[str, Any]:
 
             links = os.path.join(work, "survey.json")
             _on_network(net, args, sn.survey_rank, net.address(0), links, args.ranks_per_node,
-                        link_survey.parse_sizes(args.survey_sizes_mib), 3)
+                        link_survey.parse_sizes(args.survey_sizes_mib), 3,
+                        link_survey.parse_codec_elements(args.survey_codec_mi_elements),
+                        MODEL["hidden"])
             from megatron_lbp.projection import survey_file
 
             out["links"] = {"survey": links, "cross_node": sn.uplink_figures(
@@ -334,6 +336,9 @@ def parse(argv) -> argparse.Namespace:
                         "--network-model shared_uplink), or the link survey's tables (--survey)")
     p.add_argument("--survey-sizes-mib", default="0.25,1,4",
                    help="the survey's message sizes with --links-from survey")
+    p.add_argument("--survey-codec-mi-elements", default="0.00390625,0.0625",
+                   help="the survey's codec probe, elements per call in 2^20 (the tiny GPT's "
+                        "quantizer calls code 10^2-10^5 elements)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:
@@ -357,6 +362,12 @@ def parse(argv) -> argparse.Namespace:
     except ValueError:
         p.error(f"--rate-mbit={args.rate_mbit!r}: a rate in Mbit/s, stated (the uplink is an "
                 "input of the emulation, never derived from the model)")
+    from megatron_lbp.launch import link_survey
+
+    try:
+        link_survey.parse_codec_elements(args.survey_codec_mi_elements)
+    except link_survey.SurveyUsage as exc:
+        p.error(str(exc))
     if args.warmup < 0 or not args.rate_mbit > 0:
         p.error(f"--warmup={args.warmup} must be >= 0 and --rate-mbit={args.rate_mbit:g} > 0")
     return args

@@ -56,8 +56,10 @@ def _log(line: str) -> None:
     print(f"[survey-network] {line}", file=sys.stderr, flush=True)
 
 
-def survey_rank(ns_of_rank, master, out_path, tasks_per_node, sizes, reps):
-    """On one rank: join the emulated network, run the survey (no overlap probe); how long this
+def survey_rank(ns_of_rank, master, out_path, tasks_per_node, sizes, reps, codec_elements=(),
+                gemm_dim=1):
+    """On one rank: join the emulated network, run the survey (no overlap probe; the codec
+    probe at ``codec_elements``, none if empty, beside a layer of ``gemm_dim``); how long this
     rank's threads ran and waited for a CPU during it (netns.threads_cpu_wait)."""
     import torch
 
@@ -74,7 +76,8 @@ def survey_rank(ns_of_rank, master, out_path, tasks_per_node, sizes, reps):
     before = netns.threads_cpu_wait()
     data = link_survey.run(out_path=out_path, tasks_per_node=tasks_per_node,
                            gcds_per_package=min(2, tasks_per_node), sizes=sizes, reps=reps,
-                           max_seconds=1e9, overlap_bytes=0, gemm_dim=1,
+                           max_seconds=1e9, overlap_bytes=0, gemm_dim=gemm_dim,
+                           codec_elements=codec_elements,
                            device=torch.device("cpu"),
                            log=_log if os.environ["RANK"] == "0" else (lambda line: None),
                            command="bench survey-network")

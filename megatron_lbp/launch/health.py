@@ -374,7 +374,7 @@ def _survey(a, rank: int, device, env: Mapping[str, str]) -> None:
                     gcds_per_package=a.gcds_per_package, sizes=a.survey_sizes,
                     reps=a.survey_reps, max_seconds=a.survey_max_seconds,
                     overlap_bytes=int(a.survey_overlap_mib * MiB), gemm_dim=a.survey_gemm_dim,
-                    device=device, env=env, command="python -m megatron_lbp.launch health",
+                    codec_elements=a.survey_codec_elements, device=device, env=env, command="python -m megatron_lbp.launch health",
                     log=(lambda line: print(f"[lbp survey] {line}", flush=True)) if rank == 0
                     else (lambda line: None))
 
@@ -407,6 +407,8 @@ def main(argv=None, env: Mapping[str, str] | None = None) -> int:
         a.survey_sizes = link_survey.check_arguments(
             a.survey_sizes_mib, a.survey_reps, a.survey_max_seconds, a.survey_overlap_mib,
             a.survey_gemm_dim)
+        a.survey_codec_elements = link_survey.parse_codec_elements(
+            a.survey_codec_mi_elements)
         if a.survey_out and not os.path.isdir(os.path.dirname(os.path.abspath(a.survey_out))):
             raise ValueError(f"--survey-out {a.survey_out}: its directory does not exist")
         parse_expect(a.expect or "")

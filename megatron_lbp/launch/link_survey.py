@@ -25,6 +25,9 @@ from megatron_lbp.projection import survey_file as sf
 PROG = "lbp_survey"
 MiB = 1 << 20
 FULL_SIZES_MIB = (1, 4, 16, 64, 256, 1024)
+# The codec probe's calls, in 2^20 elements: two sizes, so that the model separates a call's
+# fixed cost (kernel launches) from its cost per element.
+CODEC_MI_ELEMENTS = (1, 16)
 OP_DTYPES = {"all_gather": sf.DTYPES, "all_to_all": sf.DTYPES,
              "reduce_scatter": ("bf16", "fp32"), "all_reduce": ("bf16", "fp32")}
 # The overlap probe's collective per kind: the dtype the engine (or ZeRO++) sends it in.
@@ -239,12 +242,108 @@ def overlap_probe(torch, dist, coll, clock, shape, nbytes, dim, gemm_dtype, devi
     return out
 
 
+# --------------------------------------------------------------------------- the codec probe
+
+
+def codec_probe(torch, dist, clock, device, elements: Sequence[int], reps: int, gemm_dim: int,
+                gemm_dtype) -> dict:
+    """The engine's quantizers (engine/quantized.py INT8, INT4) timed on this job's devices,
+    every rank at once: per codec and direction, seconds of one call by elements per call
+    (from bf16 into the packed buffer, and back into fp32, as qgZ sums), the table's
+    statistic (:func:`slowest_rank_reps`); then, at the largest size, an encode and a decode
+    on a stream of their own while a GEMM-heavy layer runs (the engine codes on its
+    communicators' streams): the hidden fraction and the layer's slowdown, the slowest
+    rank's median."""
+    from megatron_lbp.engine.quantized import INT4, INT8
+    from megatron_lbp.engine.streams import Streams
+    from megatron_lbp.quant import DEFAULT_BLOCK_SIZE as block
+
+    codecs = {"int8": INT8, "int4": INT4}
+    world = dist.get_world_size()
+    mine: dict[str, list[list[float]]] = {}
+    for name, codec in codecs.items():
+        for e in elements:
+            x = torch.randn(e, device=device).to(torch.bfloat16)
+            packed = torch.empty(codec.nbytes(e, block), dtype=torch.uint8, device=device)
+            out = torch.empty(e, dtype=torch.float32, device=device)
+            codec.encode(x, packed, block)      # warm-up
+            for direction, call in (("encode", lambda: codec.encode(x, packed, block)),
+                                    ("decode", lambda: codec.decode(packed, out, block))):
+                times = []
+                dist.barrier()
+                last = clock.sync()
+                for _ in range(reps + 1):
+                    call()
+                    now = clock.sync()
+                    times.append(now - last)
+                    last = now
+                mine[f"{name} {direction} {e}"] = times
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    by_codec: dict[str, dict] = {}
+    for name in codecs:
+        by_codec[name] = {}
+        for direction in ("encode", "decode"):
+            cols = {k: [] for k in ("seconds", "seconds_min", "seconds_max")}
+            for e in elements:
+                slowest = slowest_rank_reps([g[f"{name} {direction} {e}"] for g in gathered])
+                cols["seconds"].append(statistics.fmean(slowest))
+                cols["seconds_min"].append(min(slowest))
+                cols["seconds_max"].append(max(slowest))
+            by_codec[name][direction] = cols
+    layer = gemm_layer(torch, gemm_dim, device, gemm_dtype)
+    layer(1)
+    t0 = clock.sync()
+    layer(2)
+    one = max((clock.sync() - t0) / 2, 1e-6)
+    streams = Streams(device)
+    e = max(elements)
+    for name, codec in codecs.items():
+        x = torch.randn(e, device=device).to(torch.bfloat16)
+        packed = torch.empty(codec.nbytes(e, block), dtype=torch.uint8, device=device)
+        out = torch.empty(e, dtype=torch.float32, device=device)
+
+        def both(codec=codec, x=x, packed=packed, out=out):
+            codec.encode(x, packed, block)
+            codec.decode(packed, out, block)
+        rows = []
+        for _ in range(reps):
+            dist.barrier()
+            t0 = clock.sync()
+            both()
+            coding = clock.sync() - t0
+            (k,) = agree_max(torch, dist, [max(1, round(coding / one))], device)
+            dist.barrier()
+            t0 = clock.sync()
+            layer(int(k))
+            alone = clock.sync() - t0
+            dist.barrier()
+            t0 = clock.sync()
+            event = streams[f"codec {name}"].submit(both, holds=(x, packed, out),
+                                                    what="codec probe")
+            layer(int(k))
+            with_ = clock.compute_done() - t0
+            event.wait()
+            together = clock.sync() - t0
+            rows.append((alone, with_, coding, together))
+        gathered = [None] * world
+        dist.all_gather_object(gathered, rows)
+        alone, with_, coding, together = (statistics.median(max(g[r][j] for g in gathered)
+                                                            for r in range(reps))
+                                          for j in range(4))
+        by_codec[name].update(slowdown=with_ / alone,
+                              hidden_fraction=(alone + coding - together) / min(alone, coding))
+    return {"elements": list(elements), "block_size": block, "input_dtype": "bf16",
+            "output_dtype": "fp32", "gemm_dim": gemm_dim, "by_codec": by_codec}
+
+
 # --------------------------------------------------------------------------- the survey
 
 
 def run(*, out_path: str, tasks_per_node: int, gcds_per_package: int, sizes: Sequence[int],
         reps: int, max_seconds: float, overlap_bytes: int, gemm_dim: int, device,
-        log: Callable[[str], None], env=None, command: str = "") -> dict | None:
+        log: Callable[[str], None], env=None, command: str = "",
+        codec_elements: Sequence[int] = ()) -> dict | None:
     """Time every case on this job's ranks (torch.distributed initialised); rank 0 writes
     ``out_path`` and returns the survey, the others None."""
     import torch
@@ -314,6 +413,18 @@ def run(*, out_path: str, tasks_per_node: int, gcds_per_package: int, sizes: Seq
         log(f"overlap on {probe}: " + ", ".join(
             f"{op} hidden {o['hidden_fraction']:.2f} slowdown {o['slowdown']:.2f}"
             for op, o in overlap["by_op"].items()) + f" ({time.perf_counter() - t0:.1f} s)")
+    codecs = None
+    if codec_elements:
+        t0 = time.perf_counter()
+        gemm_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        codecs = codec_probe(torch, dist, clock, device, codec_elements, reps, gemm_dim,
+                             gemm_dtype)
+        log("codecs: " + ", ".join(
+            f"{name} {d} {c[d]['seconds'][-1] / codec_elements[-1] * 1e9:.3g} ns/element"
+            for name, c in codecs["by_codec"].items() for d in ("encode", "decode"))
+            + f" at {codec_elements[-1]} elements; hidden beside a GEMM " + ", ".join(
+                f"{name} {c['hidden_fraction']:.2f}" for name, c in codecs["by_codec"].items())
+            + f" ({time.perf_counter() - t0:.1f} s)")
     if rank != 0:
         return None
     data = {"schema": sf.SCHEMA, "version": sf.VERSION, "convention": sf.CONVENTION,
@@ -323,7 +434,8 @@ def run(*, out_path: str, tasks_per_node: int, gcds_per_package: int, sizes: Seq
                         "backend": dist.get_backend(),
                         "device": (torch.cuda.get_device_name(0) if device.type == "cuda"
                                    else "cpu")},
-            "shapes": shapes, "tables": tables, "overlap": overlap, "skipped": skipped,
+            "shapes": shapes, "tables": tables, "overlap": overlap, "codecs": codecs,
+            "skipped": skipped,
             "reps": reps, "seconds": time.perf_counter() - start}
     data["complete"] = True   # last: a reader refuses a file without it
     sf.check(data, out_path)
@@ -341,7 +453,9 @@ def run(*, out_path: str, tasks_per_node: int, gcds_per_package: int, sizes: Seq
 
 def estimate_seconds(nodes: int, tasks_per_node: int = 8, gcds_per_package: int = 2,
                      sizes: Sequence[int] = tuple(s * MiB for s in FULL_SIZES_MIB),
-                     reps: int = 3, overlap_bytes: int = 256 * MiB) -> dict:
+                     reps: int = 3, overlap_bytes: int = 256 * MiB,
+                     codec_elements: Sequence[int] = tuple(e * MiB for e in CODEC_MI_ELEMENTS)
+                     ) -> dict:
     """Seconds the survey takes at this shape on the public Frontier figures (the collective
     model without a survey, at its slow end), per shape, and in all."""
     from megatron_lbp.core.costs import ring_sent
@@ -367,6 +481,15 @@ def estimate_seconds(nodes: int, tasks_per_node: int = 8, gcds_per_package: int 
         out["overlap"] = sum(4 * (reps + 1) * model.seconds(
             op, OVERLAP_DTYPES[op], probe, float(ring_sent(op, overlap_bytes, n)), n,
             rate="slow") for op in sf.OPS)
+    if codec_elements:
+        # every call reps + 1 times; the overlap part: per repetition an encode and a decode
+        # alone, beside the layer, and the layer's own time of as long (3x)
+        def call(codec, direction, e):
+            return model.codec_call_seconds(codec, direction, e, rate="slow")
+        out["codecs"] = sum((reps + 1) * call(c, d, e) for c in ("int8", "int4")
+                            for d in ("encode", "decode") for e in codec_elements) + sum(
+            3 * reps * (call(c, "encode", max(codec_elements))
+                        + call(c, "decode", max(codec_elements))) for c in ("int8", "int4"))
     out["total"] = sum(out.values())
     return out
 
@@ -383,6 +506,9 @@ def add_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
     ap.add_argument(f"--{prefix}overlap-mib", type=float, default=256.0,
                     help="the overlap probe's message (0: no probe)")
     ap.add_argument(f"--{prefix}gemm-dim", type=int, default=8192)
+    ap.add_argument(f"--{prefix}codec-mi-elements", default=",".join(map(str, CODEC_MI_ELEMENTS)),
+                    help="the codec probe's elements per call, in units of 2^20 (comma-"
+                         "separated; 0: no probe)")
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -393,6 +519,21 @@ def parse_sizes(text: str) -> list[int]:
     if not sizes or sizes[0] < 64:
         raise SurveyUsage(f"--sizes-mib={text!r}: give sizes of at least 64 bytes")
     return sizes
+
+
+def parse_codec_elements(text: str) -> list[int]:
+    """"1,16" -> [2^20, 2^24] elements per call; "0" (or empty): no codec probe."""
+    try:
+        values = sorted({int(float(x) * MiB) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise SurveyUsage(f"--codec-mi-elements={text!r}: comma-separated numbers of 2^20 "
+                          "elements") from None
+    if values == [0] or not values:
+        return []
+    if values[0] < 256:
+        raise SurveyUsage(f"--codec-mi-elements={text!r}: give at least 256 elements a call "
+                          "(one quantization block), or 0 for no probe")
+    return values
 
 
 def check_arguments(sizes_mib: str, reps: int, max_seconds: float, overlap_mib: float,
@@ -419,6 +560,7 @@ def main(argv=None, env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     try:
         sizes = check_arguments(a.sizes_mib, a.reps, a.max_seconds, a.overlap_mib, a.gemm_dim)
+        codec_elements = parse_codec_elements(a.codec_mi_elements)
         if a.tasks_per_node < 1 or a.gcds_per_package < 1 or a.tasks_per_node % a.gcds_per_package:
             raise SurveyUsage(f"--tasks-per-node={a.tasks_per_node} must be a multiple of "
                               f"--gcds-per-package={a.gcds_per_package} (both >= 1)")
@@ -426,7 +568,7 @@ def main(argv=None, env: Mapping[str, str] | None = None) -> int:
             if a.nodes < 1:
                 raise SurveyUsage(f"--nodes={a.nodes} must be >= 1")
             est = estimate_seconds(a.nodes, a.tasks_per_node, a.gcds_per_package, sizes,
-                                   a.reps, int(a.overlap_mib * MiB))
+                                   a.reps, int(a.overlap_mib * MiB), codec_elements)
             print(f"survey at {a.nodes} node(s) x {a.tasks_per_node} on the public figures "
                   "(slow end): " + ", ".join(f"{k} {v:.1f} s" for k, v in est.items())
                   + f"; bounded by --max-seconds={a.max_seconds:g} plus one case and the "
@@ -450,6 +592,7 @@ def main(argv=None, env: Mapping[str, str] | None = None) -> int:
         run(out_path=a.out, tasks_per_node=a.tasks_per_node, gcds_per_package=a.gcds_per_package,
             sizes=sizes, reps=a.reps, max_seconds=a.max_seconds,
             overlap_bytes=int(a.overlap_mib * MiB), gemm_dim=a.gemm_dim, device=device,
+            codec_elements=codec_elements,
             log=(lambda line: print(f"[lbp survey] {line}", flush=True)) if rank == 0
             else (lambda line: None), env=env,
             command="python -m megatron_lbp.launch survey " + " ".join(argv or sys.argv[1:]))

@@ -3,8 +3,9 @@
 A collective over n ranks of a shape in which one rank sends s bytes takes
 (n - 1) * alpha + s / beta: :data:`PUBLIC` figures without a survey, else the
 survey's table for (op, dtype, shape) read at s (``fallbacks`` says when another
-table stood in). ``step_band`` is project.step_time at four corners (rates fast or
-slow x overlap perfect or pessimistic), widened to hold the point estimate.
+table stood in). A quantizer call takes the survey's codec probe's time, or HBM speed without
+one. ``step_band`` is project.step_time at four corners (rates fast or slow x overlap perfect
+or pessimistic), the coding added where not hidden, widened to hold the point estimate.
 See docs/planning.md.
 """
 from __future__ import annotations
@@ -59,6 +60,14 @@ def frontier_flops_per_network_byte() -> float:
     return f["gcds"] * f["peak_flops_per_gcd"] * f["achieved_share_of_peak"] / f["nic_bytes_per_s"]
 
 
+# Coding on a GCD without a survey (the quantizers of qwZ, qgZ and the int8 secondary copy): each
+# element read and written once at HBM speed, bf16 in and int8 (1 byte) or int4 (half) out to
+# encode, the codes in and fp32 sums out to decode. Sources: AMD's MI250X figures, 3.2 TB/s HBM2e
+# per module of 2 GCDs (1.6 per GCD: the fast end; half that at the slow end, what the
+# quantizer's kernels achieve of it not being published).
+HBM_BYTES_PER_S = {"fast": 1.6e12, "slow": 0.8e12}
+CODEC_BYTES_PER_ELEMENT = {("int8", "encode"): 3.0, ("int8", "decode"): 5.0,
+                           ("int4", "encode"): 2.5, ("int4", "decode"): 4.5}
 # Without a survey the pessimistic overlap is none: nothing measured says more is hidden.
 NO_OVERLAP = {"hidden_fraction": 0.0, "slowdown": 1.0}
 # Ties: a row is tied with the fastest where at some corner it is within this of it (the step
@@ -184,6 +193,39 @@ class CollectiveModel:
             return {"hidden_fraction": h[0], "slowdown": d[-1]}
         return {"hidden_fraction": h[len(h) // 2], "slowdown": d[len(d) // 2]}
 
+    # ------------------------------------------------------------------ coding
+
+    def codec_call_seconds(self, codec: str, direction: str, elements: int,
+                           rate: str = "mid") -> float:
+        """Seconds of one quantizer call: the survey's codec probe read at ``elements``
+        (:meth:`interpolate` over its sizes: a call's fixed cost and its cost per element),
+        else :data:`CODEC_BYTES_PER_ELEMENT` at :data:`HBM_BYTES_PER_S`."""
+        probe = ((self.survey or {}).get("codecs") or {})
+        if codec in probe.get("by_codec", {}):
+            column = {"fast": "seconds_min", "mid": "seconds", "slow": "seconds_max"}[rate]
+            return self.interpolate(probe["elements"], probe["by_codec"][codec][direction][column],
+                                    elements)
+        if self.survey is not None:
+            self.fallbacks.add(f"{codec} coding: not surveyed, public figures")
+        hbm = (_mid(HBM_BYTES_PER_S["fast"], HBM_BYTES_PER_S["slow"]) if rate == "mid"
+               else HBM_BYTES_PER_S[rate])
+        return elements * CODEC_BYTES_PER_ELEMENT[(codec, direction)] / hbm
+
+    def codec_seconds(self, plan: Plan, rate: str) -> float:
+        """Seconds a step's quantizer calls take on one device (the plan's codec_calls)."""
+        return sum(row["calls"] * self.codec_call_seconds(row["codec"], row["direction"],
+                                                          row["elements"], rate)
+                   for rows in plan.codec_calls.values() for row in rows)
+
+    def codec_hidden(self, pessimistic: bool) -> float:
+        """The fraction of coding hidden behind compute: the codec probe's least (``pessimistic``)
+        or median hidden fraction; without one, none (nothing measured says more)."""
+        by_codec = (((self.survey or {}).get("codecs") or {}).get("by_codec") or {})
+        h = sorted(min(1.0, max(0.0, c["hidden_fraction"])) for c in by_codec.values())
+        if not h:
+            return 0.0
+        return h[0] if pessimistic else h[len(h) // 2]
+
     # ------------------------------------------------------------------ a plan's phases
 
     def phase_times(self, plan: Plan, rate: str) -> dict[str, dict[str, float]]:
@@ -273,7 +315,9 @@ def partial_overlap(perfect: Mapping[str, float], none: Mapping[str, float],
 def step_band(plan: Plan, model: Mapping[str, int], compute, cm: CollectiveModel,
               point: float | None = None) -> Band:
     """The step's band (see the module's doc); ``point`` (no survey: the cost model's own figure)
-    replaces the survey's own point."""
+    replaces the survey's own point. The quantizers' time (:meth:`CollectiveModel.codec_seconds`)
+    is hidden behind compute at the perfect-overlap corners, and exposed but for the codec
+    probe's hidden fraction at the others and the survey's point."""
     from megatron_lbp.projection.project import step_time
 
     pess, mid = cm.overlap(True), cm.overlap(False)
@@ -282,12 +326,15 @@ def step_band(plan: Plan, model: Mapping[str, int], compute, cm: CollectiveModel
         ph = cm.phase_times(plan, rate)
         perfect = step_time(plan, model, compute=compute, overlap=True, phase_times=ph)
         none = step_time(plan, model, compute=compute, overlap=False, phase_times=ph)
+        coding = cm.codec_seconds(plan, rate)
         if rate == "mid":
-            mid_s = partial_overlap(perfect, none, mid["hidden_fraction"], mid["slowdown"])
+            mid_s = (partial_overlap(perfect, none, mid["hidden_fraction"], mid["slowdown"])
+                     + (1 - cm.codec_hidden(False)) * coding)
             continue
         corners[f"{rate}, perfect overlap"] = perfect["step_s"]
         corners[f"{rate}, {'measured' if cm.survey else 'no'} overlap"] = partial_overlap(
-            perfect, none, pess["hidden_fraction"], pess["slowdown"])
+            perfect, none, pess["hidden_fraction"], pess["slowdown"]) + (
+            1 - cm.codec_hidden(True)) * coding
     p = mid_s if point is None else point
     return Band(p, min(p, *corners.values()), max(p, *corners.values()), corners)
 

@@ -3,7 +3,8 @@
 Written by ``python -m megatron_lbp.launch survey`` (launch/link_survey.py), read by
 projection/collectives.py and the launcher's estimate. Version 1 holds the machine,
 the shapes, one table per (op, dtype, shape) of seconds by message bytes, the overlap
-probe and what was skipped (the fields: :func:`check`; docs/planning.md).
+probe, the codec probe (optional: seconds of a quantizer call by elements) and what was
+skipped (the fields: :func:`check`; docs/planning.md).
 Invariants: ``complete`` is written last (the file is written whole, then renamed), so
 a file without it was cut off; every problem is one line (:class:`SurveyError`)
 naming the file and what is wrong.
@@ -95,7 +96,40 @@ def check(data: Any, path: str = "survey") -> dict:
             _need(op in OPS and isinstance(o, dict) and all(
                 isinstance(o.get(k), (int, float)) and math.isfinite(o[k]) for k in OVERLAP_KEYS),
                 path, f"overlap {op}: needs {', '.join(OVERLAP_KEYS)} as numbers")
+    codecs = data.get("codecs")
+    if codecs is not None:
+        _check_codecs(codecs, path)
     return data
+
+
+CODEC_KEYS = ("seconds", "seconds_min", "seconds_max")
+
+
+def _check_codecs(codecs: Any, path: str) -> None:
+    """The codec probe's part (launch/link_survey.codec_probe): elements ascending, per codec
+    and direction a time per size, and the overlap figures."""
+    _need(isinstance(codecs, dict) and isinstance(codecs.get("elements"), list)
+          and codecs["elements"] and all(_positive(e) for e in codecs["elements"])
+          and all(a < b for a, b in zip(codecs["elements"], codecs["elements"][1:])),
+          path, '"codecs" needs "elements": ascending numbers > 0')
+    by_codec = codecs.get("by_codec")
+    _need(isinstance(by_codec, dict) and by_codec, path, '"codecs" needs "by_codec"')
+    for name, c in by_codec.items():
+        _need(name in ("int8", "int4") and isinstance(c, dict), path,
+              f"codecs: unknown codec {name!r} (known: int8, int4)")
+        for direction in ("encode", "decode"):
+            cols = c.get(direction)
+            _need(isinstance(cols, dict) and all(
+                isinstance(cols.get(k), list) and len(cols[k]) == len(codecs["elements"])
+                and all(_positive(x) for x in cols[k]) for k in CODEC_KEYS), path,
+                f"codecs {name} {direction}: {', '.join(CODEC_KEYS)} must be lists of "
+                "numbers > 0, one per element count")
+            _need(all(lo <= med <= hi for lo, med, hi in
+                      zip(cols["seconds_min"], cols["seconds"], cols["seconds_max"])), path,
+                  f"codecs {name} {direction}: seconds_min <= seconds <= seconds_max fails")
+        _need(all(isinstance(c.get(k), (int, float)) and math.isfinite(c[k])
+                  for k in ("hidden_fraction", "slowdown")), path,
+              f"codecs {name}: needs hidden_fraction and slowdown as numbers")
 
 
 def read(path: str) -> dict:

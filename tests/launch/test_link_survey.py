@@ -11,6 +11,7 @@ from megatron_lbp.projection import survey_file as sf
 from megatron_lbp.testing.multirank import rank_location_env, run_on_ranks
 
 SIZES = [4096, 65536]
+CODEC_ELEMENTS = [1024, 8192]
 
 
 def _survey(out_path, sizes, max_seconds, overlap_bytes):
@@ -19,7 +20,7 @@ def _survey(out_path, sizes, max_seconds, overlap_bytes):
     lines = []
     data = ls.run(out_path=out_path, tasks_per_node=4, gcds_per_package=2, sizes=sizes, reps=2,
                   max_seconds=max_seconds, overlap_bytes=overlap_bytes, gemm_dim=32,
-                  device=torch.device("cpu"), log=lines.append)
+                  device=torch.device("cpu"), log=lines.append, codec_elements=CODEC_ELEMENTS)
     return data, lines
 
 
@@ -62,6 +63,14 @@ def test_every_shape_op_and_dtype_is_timed_and_the_file_reads_back(surveyed):
     for op, o in ov["by_op"].items():
         assert o["gemm_alone_s"] > 0 and o["comm_alone_s"] > 0 and o["together_s"] > 0, (op, o)
         assert o["slowdown"] == pytest.approx(o["gemm_with_s"] / o["gemm_alone_s"])
+    # the codec probe: both codecs, both directions, a time per size
+    codecs = back["codecs"]
+    assert codecs["elements"] == CODEC_ELEMENTS and set(codecs["by_codec"]) == {"int8", "int4"}
+    for name, c in codecs["by_codec"].items():
+        for direction in ("encode", "decode"):
+            assert len(c[direction]["seconds"]) == len(CODEC_ELEMENTS), (name, direction, c)
+        assert c["slowdown"] > 0, (name, c)
+    assert any(l.startswith("codecs: int8 encode") for l in lines), lines
 
 
 def test_the_time_bound_stops_scheduling_cases_once_spent(tmp_path):
@@ -103,7 +112,7 @@ def test_the_health_check_runs_the_survey(tmp_path):
             "--require-gpu", "none", "--megabytes", "0.01", "--min-fraction", "0",
             "--survey-out", path,
             "--survey-sizes-mib", "0.00390625", "--survey-reps", "1", "--survey-overlap-mib", "0.004",
-            "--survey-gemm-dim", "16"]
+            "--survey-gemm-dim", "16", "--survey-codec-mi-elements", "0.001953125"]
     out = run_on_ranks(_health, 8, argv, rank_env=rank_location_env(4), init_process_group=False,
                        timeout=600)
     assert [code for code, _ in out] == [0] * 8, out[0][1]
@@ -114,6 +123,7 @@ def test_the_health_check_runs_the_survey(tmp_path):
     data = sf.read(path)
     assert data["command"] == "python -m megatron_lbp.launch health"
     assert {t["bytes"][0] for t in data["tables"] if t["dtype"] == "int8"} == {4096}
+    assert data["codecs"]["elements"] == [2048], data["codecs"]
     assert all(o[1] == "" for o in out[1:]), "only rank 0 prints"
 
 
@@ -131,13 +141,14 @@ def test_the_survey_command_joins_the_job_and_writes_its_file(tmp_path):
     path = str(tmp_path / "own.json")
     argv = ["--out", path, "--tasks-per-node", "2", "--gcds-per-package", "2",
             "--gpus-per-task", "0", "--sizes-mib", "0.00390625", "--reps", "1",
-            "--overlap-mib", "0"]
+            "--overlap-mib", "0", "--codec-mi-elements", "0"]
     codes = run_on_ranks(_survey_command, 4, argv, rank_env=rank_location_env(2),
                          init_process_group=False, timeout=600)
     assert codes == [0] * 4, codes
     data = sf.read(path)
     assert data["machine"]["backend"] == "gloo" and data["machine"]["world"] == 4, data["machine"]
     assert data["shapes"]["cross_node"]["groups"] == 2, data["shapes"]
+    assert data["codecs"] is None, "--codec-mi-elements 0: no codec probe"
 
 
 def test_the_estimate_of_the_bound_is_the_public_models_sum_of_cases():
@@ -152,7 +163,7 @@ def test_the_estimate_of_the_bound_is_the_public_models_sum_of_cases():
     want = sum(4 * m.seconds(op, dt, "world", float(ring_sent(op, b, 384)), 384, "slow")
                for _, op, dt, sz in ls.cases(["world"], sizes) for b in sz)
     assert est["world"] == pytest.approx(want)
-    assert set(est) == {"package", "node", "cross_node", "world", "overlap", "total"}
+    assert set(est) == {"package", "node", "cross_node", "world", "overlap", "codecs", "total"}
     assert est["total"] == pytest.approx(sum(v for k, v in est.items() if k != "total"))
     assert "world" not in ls.estimate_seconds(1, 8, 2, sizes, 3, 0)
 
@@ -163,6 +174,8 @@ def test_the_estimate_of_the_bound_is_the_public_models_sum_of_cases():
     (["--out", "x.json", "--tasks-per-node", "3"], "--tasks-per-node=3"),
     (["--sizes-mib", "1"], "--out FILE"),
     (["--out", "/no/such/dir/x.json"], "its directory does not exist"),
+    (["--out", "x.json", "--codec-mi-elements", "x"], "--codec-mi-elements='x'"),
+    (["--out", "x.json", "--codec-mi-elements", "0.0001"], "at least 256 elements"),
 ])
 def test_bad_arguments_are_refused_in_one_line_before_any_rank_work(argv, needle, capsys):
     assert ls.main(argv, env={}) == 2      # no RANK: it never reached the ranks

@@ -30,6 +30,13 @@ def _survey(tables=None, overlap=None, **shapes):
             "skipped": []}
 
 
+def _codecs(**int8):
+    """A one-size codec probe of int8, its entries replaced by ``int8``'s."""
+    cols = {"seconds": [1e-3], "seconds_min": [1e-3], "seconds_max": [1e-3]}
+    return {"elements": [1024], "by_codec": {"int8": {
+        "encode": cols, "decode": cols, "hidden_fraction": 0.0, "slowdown": 1.0, **int8}}}
+
+
 def _write(tmp_path, data, name="s.json"):
     path = tmp_path / name
     path.write_text(data if isinstance(data, str) else json.dumps(data))
@@ -59,6 +66,12 @@ def test_a_good_survey_reads_back(tmp_path):
     (lambda d: d["shapes"].update(ring={"group_size": 2}), "unknown shape 'ring'"),
     (lambda d: d.update(overlap={"by_op": {"all_gather": {"slowdown": 1.0}}}), "overlap all_gather"),
     (lambda d: d["machine"].pop("world"), '"machine"'),
+    (lambda d: d.update(codecs={"elements": [4096, 1024], "by_codec": {}}),
+     '"codecs" needs "elements"'),
+    (lambda d: d.update(codecs={"elements": [1024], "by_codec": {"int2": {}}}),
+     "unknown codec 'int2'"),
+    (lambda d: d.update(codecs=_codecs(decode={"seconds": [1e-3]})), "codecs int8 decode"),
+    (lambda d: d.update(codecs=_codecs(hidden_fraction=None)), "hidden_fraction and slowdown"),
 ])
 def test_a_malformed_survey_is_refused_in_one_line_naming_the_file(tmp_path, edit, needle):
     data = _survey()
@@ -168,12 +181,42 @@ def test_the_band_spans_the_corners_and_holds_the_point():
                                  "slow, perfect overlap", "slow, no overlap"}
     ph = public.phase_times(plan, "slow")
     none = pj.step_time(plan, pj.MODELS["20B"], compute=compute, overlap=False, phase_times=ph)
-    assert band.corners["slow, no overlap"] == pytest.approx(none["step_s"]) == band.high
+    # ... plus the quantizers' time (zeropp: qwZ and qgZ), exposed at the pessimistic corners
+    coding = public.codec_seconds(plan, "slow")
+    assert coding > 0
+    assert band.corners["slow, no overlap"] == pytest.approx(none["step_s"] + coding) == band.high
     fast = pj.step_time(plan, pj.MODELS["20B"], compute=compute, phase_times=public.phase_times(plan, "fast"))
     assert band.corners["fast, perfect overlap"] == pytest.approx(fast["step_s"])
     # no overlap adds every collective: the slow corner is the compute plus all phase times
     comm = sum(v for p in ph.values() for v in p.values())
     assert none["step_s"] == pytest.approx(none["compute_s"] + comm + none["adam_s"])
+
+
+def test_coding_time_counts_the_plans_quantizer_calls_at_hbm_speed_or_the_probe():
+    """Without a survey every element is read and written once at HBM speed; with the codec
+    probe a call reads the probe's time at its size (fixed cost plus cost per element)."""
+    plan = _plan("zeropp")
+    calls = [r for rows in plan.codec_calls.values() for r in rows]
+    assert {(r["codec"], r["direction"]) for r in calls} == {
+        ("int8", "encode"), ("int8", "decode"), ("int4", "encode"), ("int4", "decode")}
+    want = sum(r["calls"] * r["elements"] * cm.CODEC_BYTES_PER_ELEMENT[(r["codec"],
+                                                                        r["direction"])]
+               for r in calls) / cm.HBM_BYTES_PER_S["fast"]
+    public = cm.CollectiveModel.public()
+    assert public.codec_seconds(plan, "fast") == pytest.approx(want)
+    assert public.codec_seconds(pj.plan_for(pj.MODELS["20B"], 384, "lbp", 2), "fast") == 0.0
+    # a probe: 1 ms + 1 ns per element for every call
+    data = _survey()
+    per = {"seconds": [1e-3 + 1e-9 * 1024, 1e-3 + 1e-9 * 4096]}
+    per.update(seconds_min=per["seconds"], seconds_max=per["seconds"])
+    data["codecs"] = {"elements": [1024, 4096], "by_codec": {
+        c: {"encode": per, "decode": per, "hidden_fraction": 0.25, "slowdown": 1.0}
+        for c in ("int8", "int4")}}
+    probed = cm.CollectiveModel(sf.check(data))
+    n = sum(r["calls"] for r in calls)
+    elems = sum(r["calls"] * r["elements"] for r in calls)
+    assert probed.codec_seconds(plan, "mid") == pytest.approx(n * 1e-3 + elems * 1e-9)
+    assert probed.codec_hidden(True) == 0.25 and public.codec_hidden(True) == 0.0
 
 
 def test_partial_overlap_between_perfect_and_none():
