@@ -150,8 +150,11 @@ class CollectiveModel:
     @classmethod
     def interpolate(cls, xs: Sequence[float], ys: Sequence[float], x: float) -> float:
         """Piecewise linear through (xs, :meth:`monotone` ys), the end segments extended; one
-        point: through 0. Never below 0, and never decreasing with x (below the smallest size
-        it reads no more than that size's time)."""
+        point: through 0. Never decreasing with x: below the smallest size it reads no more
+        than that size's time, and no less than that time scaled down by size (a smaller
+        message moves no faster per byte; the first segment's line alone can reach 0 there
+        where its fitted intercept is below 0, and the engine's many small collectives would
+        then cost nothing)."""
         ys = cls.monotone(ys)
         if len(xs) == 1:
             return ys[0] * x / xs[0]
@@ -159,7 +162,10 @@ class CollectiveModel:
         while i < len(xs) - 1 and x > xs[i]:
             i += 1
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+        line = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        if x < x0:
+            return max(line, y0 * max(x, 0.0) / x0)
+        return max(0.0, line)
 
     # ------------------------------------------------------------------ the model
 
@@ -211,20 +217,25 @@ class CollectiveModel:
                else HBM_BYTES_PER_S[rate])
         return elements * CODEC_BYTES_PER_ELEMENT[(codec, direction)] / hbm
 
-    def codec_seconds(self, plan: Plan, rate: str) -> float:
-        """Seconds a step's quantizer calls take on one device (the plan's codec_calls)."""
+    def codec_seconds(self, plan: Plan, rate: str, exposed: str | None = None) -> float:
+        """Seconds a step's quantizer calls take on one device (the plan's codec_calls); with
+        ``exposed`` ("point" or "pessimistic") only what compute does not hide
+        (:meth:`codec_hidden`)."""
         return sum(row["calls"] * self.codec_call_seconds(row["codec"], row["direction"],
                                                           row["elements"], rate)
+                   * (1 - (self.codec_hidden(row["codec"], exposed == "pessimistic")
+                           if exposed else 0.0))
                    for rows in plan.codec_calls.values() for row in rows)
 
-    def codec_hidden(self, pessimistic: bool) -> float:
-        """The fraction of coding hidden behind compute: the codec probe's least (``pessimistic``)
-        or median hidden fraction; without one, none (nothing measured says more)."""
+    def codec_hidden(self, codec: str, pessimistic: bool) -> float:
+        """The fraction of ``codec``'s coding hidden behind compute: the codec probe's for it, or
+        (``pessimistic``) the least of any codec's; without a probe, none (nothing measured
+        says more)."""
         by_codec = (((self.survey or {}).get("codecs") or {}).get("by_codec") or {})
-        h = sorted(min(1.0, max(0.0, c["hidden_fraction"])) for c in by_codec.values())
-        if not h:
+        h = {name: min(1.0, max(0.0, c["hidden_fraction"])) for name, c in by_codec.items()}
+        if codec not in h:
             return 0.0
-        return h[0] if pessimistic else h[len(h) // 2]
+        return min(h.values()) if pessimistic else h[codec]
 
     # ------------------------------------------------------------------ a plan's phases
 
@@ -232,24 +243,22 @@ class CollectiveModel:
         """Seconds each phase keeps each link class busy per optimizer step (project._phase_times'
         shape), every collective of a bucket timed by :meth:`seconds`."""
         from megatron_lbp.core.costs import LINK_CLASS_ORDER, PHASES
-        from megatron_lbp.projection.project import PER_MICRO_BATCH, PHASE_FAMILIES, _family_size
+        from megatron_lbp.projection.project import (_family_size, collectives_per_step,
+                                                     phase_families)
 
-        k, buckets = plan.micro_batches, plan.buckets
         out: dict[str, dict[str, float]] = {}
         for phase in PHASES:
             times = {c: 0.0 for c in LINK_CLASS_ORDER}
-            count = buckets * (k if phase in PER_MICRO_BATCH else 1)
             charged = set()
-            for fam in PHASE_FAMILIES[phase]:
-                if fam == "secondary|param":
-                    fam = "secondary" if plan.group_sizes.secondary else "param"
+            for fam in phase_families(plan, phase):
                 n, cls = _family_size(plan, fam), plan.link_classes.get(fam)
                 total = plan.traffic_by_phase[phase].get(cls, 0) if cls else 0
                 # The plan adds a phase's families up per link class: the first family of a
-                # class carries its bytes.
+                # class carries its bytes (the families of a phase cross different classes).
                 if n <= 1 or cls in charged or total <= 0:
                     continue
                 charged.add(cls)
+                count = collectives_per_step(plan, phase, fam)
                 op, dtype = phase_op(plan, phase, fam)
                 shape = shape_of(plan, fam, cls)
                 times[cls] += count * self.seconds(op, dtype, shape, total / count, n, rate)
@@ -258,20 +267,26 @@ class CollectiveModel:
 
 
 def phase_op(plan: Plan, phase: str, family: str) -> tuple[str, str]:
-    """(op, dtype) of a phase's collective as the engine issues it."""
-    grad = plan.grad_dtype
-    if phase in ("forward_gather", "step_gather"):
-        return "all_gather", "int8" if plan.quantize_weight_gather else "bf16"
-    if phase == "backward_gather":
+    """(op, dtype) of a phase's collective as the engine issues it (engine/unit.py)."""
+    qgz = plan.quantize_grad_reduce
+    codec = "int4" if plan.grad_quant_scheme == "int4-hier" else "int8"
+    weights = "int8" if plan.quantize_weight_gather else plan.params_dtype
+    if phase == "step_gather":
+        return "all_gather", plan.params_dtype
+    if phase in ("forward_gather", "backward_gather"):
         if family != "secondary":
-            return "all_gather", "bf16"
-        # zeropp's hpZ copy is in the weights' dtype: its gathers are the params dtype's
+            return "all_gather", weights
+        # an int8 copy travels as int8; qwZ sends any other copy as int8 too (zeropp's hpZ
+        # copy, in the weights' dtype, included)
         dtype = plan.secondary_dtype
+        if dtype == "int8" or plan.quantize_weight_gather:
+            return "all_gather", "int8"
         return "all_gather", plan.params_dtype if dtype == "param" else dtype
     if phase == "grad_reduce":
-        return ("all_to_all", "int4") if plan.quantize_grad_reduce else \
-            ("reduce_scatter", grad)
-    return ("all_reduce", "fp32") if family == "replica" else ("reduce_scatter", "fp32")
+        return ("all_to_all", codec) if "grad" in qgz else ("reduce_scatter", plan.grad_dtype)
+    if family == "inter" and "inter" in qgz:
+        return "all_to_all", codec
+    return ("all_reduce" if family == "replica" else "reduce_scatter"), plan.grad_dtype
 
 
 def shape_of(plan: Plan, family: str, cls: str) -> str:
@@ -326,15 +341,14 @@ def step_band(plan: Plan, model: Mapping[str, int], compute, cm: CollectiveModel
         ph = cm.phase_times(plan, rate)
         perfect = step_time(plan, model, compute=compute, overlap=True, phase_times=ph)
         none = step_time(plan, model, compute=compute, overlap=False, phase_times=ph)
-        coding = cm.codec_seconds(plan, rate)
         if rate == "mid":
             mid_s = (partial_overlap(perfect, none, mid["hidden_fraction"], mid["slowdown"])
-                     + (1 - cm.codec_hidden(False)) * coding)
+                     + cm.codec_seconds(plan, rate, exposed="point"))
             continue
         corners[f"{rate}, perfect overlap"] = perfect["step_s"]
         corners[f"{rate}, {'measured' if cm.survey else 'no'} overlap"] = partial_overlap(
-            perfect, none, pess["hidden_fraction"], pess["slowdown"]) + (
-            1 - cm.codec_hidden(True)) * coding
+            perfect, none, pess["hidden_fraction"], pess["slowdown"]) + cm.codec_seconds(
+            plan, rate, exposed="pessimistic")
     p = mid_s if point is None else point
     return Band(p, min(p, *corners.values()), max(p, *corners.values()), corners)
 

@@ -22,7 +22,8 @@ from typing import Any, Mapping, Sequence
 
 from megatron_lbp.core.config import (DEFAULT_BUCKET_SIZE, default_grad_reduce_dtype,
                                       default_secondary_dtype)
-from megatron_lbp.core.costs import LINK_CLASS_ORDER, PHASES
+from megatron_lbp.core.config import hierarchical_grad_reduce
+from megatron_lbp.core.costs import LINK_CLASS_ORDER, PHASES, repeats
 from megatron_lbp.core.plan import Model, Plan, PlanRequest, make_plan
 from megatron_lbp.projection.schemes import ENGINE_SCHEME_SETTINGS, ENGINE_SCHEMES
 
@@ -52,6 +53,28 @@ PHASE_FAMILIES = {
     "step_gather": ("inter", "grad_to_param"),
 }
 PER_MICRO_BATCH = ("forward_gather", "backward_gather", "grad_reduce")
+
+
+def phase_families(plan: Plan, phase: str) -> tuple[str, ...]:
+    """The families whose collectives make up ``phase`` in this plan (PHASE_FAMILIES resolved):
+    the backward gathers read the secondary copy where there is one, and with its step scope
+    so do the forward gathers after the step's first; ZeRO++'s two-hop qgZ reduces in the
+    secondary group (the node), then across the groups ("grad_cross")."""
+    cfg, secondary = plan.config, bool(plan.group_sizes.secondary)
+    if phase == "backward_gather":
+        return ("secondary",) if secondary else ("param",)
+    if phase == "forward_gather" and secondary and plan.secondary_scope == "step" \
+            and plan.micro_batches > 1:
+        return ("param", "secondary")
+    if phase == "grad_reduce" and cfg is not None and hierarchical_grad_reduce(cfg):
+        return ("secondary", "grad_cross")
+    return tuple(f for f in PHASE_FAMILIES[phase] if f != "secondary|param")
+
+
+def collectives_per_step(plan: Plan, phase: str, family: str) -> int:
+    """How many collectives of ``family`` the step issues in ``phase``: one per bucket, per
+    micro-batch or per step as costs.repeats counts them."""
+    return plan.buckets * repeats(plan.config, phase, family, plan.micro_batches)
 
 
 NETWORK_MODES = ("per_rank", "shared_uplink")
@@ -122,7 +145,7 @@ def uplink_bytes(bytes_per_rank: float, members_in_node: int, ranks_per_node: in
 # Phases whose collectives are reduce-scatters: on gloo (the emulated network) the engine
 # runs them as an all-to-all exchange (megatron_lbp.engine.comm.exchange_reduce_scatter),
 # not a ring.
-EXCHANGE_PHASES = {"grad_reduce": ("grad",), "step_reduce": ("inter",)}
+EXCHANGE_PHASES = {"grad_reduce": ("grad", "grad_cross"), "step_reduce": ("inter",)}
 
 
 def exchange_uplink_factor(group_size: int, members_in_node: int, ranks_per_node: int) -> float:
@@ -146,9 +169,7 @@ def _uplink_multiplicity(plan: Plan, phase: str) -> float:
     ring, exchange_uplink_factor for the reduce-scatters (an exchange on gloo)."""
     rpn = plan.gpus_per_node
     found = set()
-    for fam in PHASE_FAMILIES[phase]:
-        if fam == "secondary|param":
-            fam = "secondary" if plan.group_sizes.secondary else "param"
+    for fam in phase_families(plan, phase):
         if _family_size(plan, fam) <= 1 or plan.link_classes.get(fam) != "network":
             continue
         # plan.groups[fam] is rank 0's group; rank 0 sits in the first node.
@@ -205,26 +226,25 @@ def _family_size(plan: Plan, family: str) -> int:
     g = plan.group_sizes
     P, G, O, S, R = g.param, g.grad, g.optim, g.secondary or 0, g.replicas
     return {"param": P, "secondary": S, "grad": G, "optim": O, "inter": O // G,
-            "grad_to_param": G // P, "replica": R}[family]
+            "grad_to_param": G // P, "replica": R,
+            "grad_cross": G // S if S and plan.config is not None
+            and hierarchical_grad_reduce(plan.config) else 1}[family]
 
 
 def _phase_times(plan: Plan, links: LinkModel) -> dict[str, dict[str, float]]:
     """Seconds each phase keeps each link class busy, per optimizer step (k micro-batches)."""
-    k, buckets = plan.micro_batches, plan.buckets
     out: dict[str, dict[str, float]] = {}
     for phase in PHASES:
         times = {c: plan.traffic_by_phase[phase][c] / links.bandwidth[c]
                  for c in LINK_CLASS_ORDER}
         if links.network == "shared_uplink":
             times["network"] *= _uplink_multiplicity(plan, phase)
-        for fam in PHASE_FAMILIES[phase]:
-            if fam == "secondary|param":
-                fam = "secondary" if plan.group_sizes.secondary else "param"
+        for fam in phase_families(plan, phase):
             n = _family_size(plan, fam)
             if n <= 1:
                 continue
             cls = plan.link_classes[fam]
-            count = buckets * (k if phase in PER_MICRO_BATCH else 1)
+            count = collectives_per_step(plan, phase, fam)
             times[cls] += count * links.latency[cls] * math.ceil(math.log2(n))
         out[phase] = times
     return out

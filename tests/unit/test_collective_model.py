@@ -101,6 +101,41 @@ def test_interpolation_is_exact_at_the_sizes_linear_between_and_along_the_ends()
     assert f([2.0], [4.0], 3.0) == pytest.approx(6.0)  # one point: through the origin
 
 
+def test_below_the_smallest_size_a_message_moves_no_faster_per_byte():
+    """The emulated survey's world all-to-all int4 (0.2437 s at 229,376 bytes, 1.0731 s at
+    917,504): its first segment's line crosses 0 near 27 kB, where the engine's per-bucket qgZ
+    of the tiny GPT sends 10 kB; read as the smallest size's time per byte there, not as 0."""
+    xs, ys = [229376.0, 917504.0], [0.2437, 1.0731]
+    f = cm.CollectiveModel.interpolate
+    assert f(xs, ys, 10240.0) == pytest.approx(0.2437 * 10240 / 229376)
+    assert f(xs, ys, 200000.0) == pytest.approx(0.2437 * 200000 / 229376)
+    # with a fixed cost (the line's intercept above 0) the line stands
+    assert f([2.0, 4.0], [10.0, 12.0], 1.0) == pytest.approx(9.0)
+    reads = [f(xs, ys, x) for x in (0.0, 1e3, 1e4, 1e5, 2.3e5, 1e6)]
+    assert reads == sorted(reads) and reads[0] == 0.0, reads
+
+
+def test_every_phase_and_link_the_plan_sends_bytes_on_takes_time():
+    """The collective model times each phase's families as the plan charges their bytes: where a
+    phase sends bytes over a link class it takes time there and nowhere else (zeropp's two-hop
+    qgZ in the node and across it, its forward gathers from the hpZ copy after the first
+    micro-batch; lbp's int8 copy), at Frontier's shape and the emulated network's."""
+    public = cm.CollectiveModel.public()
+    for scheme in ("lbp", "lbp-int8-S8", "zeropp", "zero3", "zero2", "hsdp"):
+        for gcds, gpn, k in ((384, 8, 2), (8, 4, 4)):
+            plan = pj.plan_for(pj.MODELS["20B"], gcds, scheme, k, gpus_per_node=gpn)
+            times = public.phase_times(plan, "mid")
+            for phase, by_class in plan.traffic_by_phase.items():
+                for cls, nbytes in by_class.items():
+                    assert (nbytes > 0) == (times[phase][cls] > 0), (
+                        f"{scheme} at {gcds} GCDs, {k} micro-batches: {phase} sends {nbytes} "
+                        f"bytes over {cls} but is timed {times[phase][cls]} s")
+            if scheme == "zeropp":
+                fams = pj.phase_families(plan, "grad_reduce")
+                assert fams == ("secondary", "grad_cross"), fams
+                assert pj.phase_families(plan, "forward_gather") == ("param", "secondary")
+
+
 def test_a_smaller_message_is_never_read_slower_than_a_larger_one():
     """A table whose smallest size took longer than the next (a stall on a loaded host: the
     world all-to-all int4 of an emulated survey, 1.85 s at 229 kB against 1.44 s at 918 kB) is
@@ -216,7 +251,16 @@ def test_coding_time_counts_the_plans_quantizer_calls_at_hbm_speed_or_the_probe(
     n = sum(r["calls"] for r in calls)
     elems = sum(r["calls"] * r["elements"] for r in calls)
     assert probed.codec_seconds(plan, "mid") == pytest.approx(n * 1e-3 + elems * 1e-9)
-    assert probed.codec_hidden(True) == 0.25 and public.codec_hidden(True) == 0.0
+    # each codec's own hidden fraction at the point, the least of them at the pessimistic end
+    data["codecs"]["by_codec"]["int8"]["hidden_fraction"] = 0.75
+    probed = cm.CollectiveModel(sf.check(data))
+    seconds = {c: sum(r["calls"] * (1e-3 + 1e-9 * r["elements"]) for r in calls
+                      if r["codec"] == c) for c in ("int8", "int4")}
+    assert probed.codec_seconds(plan, "mid", exposed="point") == pytest.approx(
+        0.25 * seconds["int8"] + 0.75 * seconds["int4"])
+    assert probed.codec_seconds(plan, "mid", exposed="pessimistic") == pytest.approx(
+        0.75 * (seconds["int8"] + seconds["int4"]))
+    assert public.codec_hidden("int4", True) == 0.0
 
 
 def test_partial_overlap_between_perfect_and_none():
@@ -270,12 +314,18 @@ def test_a_surveys_source_names_the_machine_it_was_taken_on(tmp_path):
         in model.source, model.source
 
 
-def test_zeropps_secondary_gathers_are_read_from_the_weights_dtype_table():
-    """hpZ's copy is in the parameter dtype ("param"): its backward gathers are timed from the
-    bf16 all-gather table under bf16, not from another dtype's."""
+def test_zeropps_secondary_gathers_are_read_from_the_table_of_what_crosses_the_link():
+    """hpZ's copy is in the parameter dtype ("param"), and qwZ sends it as int8 (as the engine
+    does and the plan's bytes count it): its gathers are timed from the int8 all-gather table;
+    without qwZ the copy crosses in its own dtype, bf16 under bf16."""
+    import dataclasses
+
     plan = _plan("zeropp")
     assert plan.secondary_dtype == "param" and plan.params_dtype == "bf16"
-    assert cm.phase_op(plan, "backward_gather", "secondary") == ("all_gather", "bf16")
+    assert cm.phase_op(plan, "backward_gather", "secondary") == ("all_gather", "int8")
+    assert cm.phase_op(plan, "forward_gather", "secondary") == ("all_gather", "int8")
+    plain = dataclasses.replace(plan, quantize_weight_gather=False)
+    assert cm.phase_op(plain, "backward_gather", "secondary") == ("all_gather", "bf16")
     tables = [_table("all_gather", d, "node", 8) for d in ("int8", "bf16")]
     model = cm.CollectiveModel(_survey(tables, node=8))
     model.phase_times(plan, "fast")
