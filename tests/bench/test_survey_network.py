@@ -137,11 +137,6 @@ def test_the_survey_recovers_the_configured_uplink_rate():
 
 @pytest.mark.slow   # ~20 min on the shared 2-core machine: the survey, then 3 rounds
 @needs_root
-@pytest.mark.xfail(strict=True, reason=(
-    "the projection charges no time for quantizing, which CPU ranks pay at every micro-batch "
-    "for zeropp's int8 weights and int4 gradients (a GPU at memory speed): at 1 x 4 zeropp is "
-    "projected faster and measured slower (network-choice --links-from survey: 2.80 s "
-    "projected, 4.72 s measured; lbp 4.24 s and 4.07 s)"))
 def test_the_choice_from_the_survey_follows_the_measured_step_times():
     """network-choice with the choice reading the link survey run on the emulated nodes: at
     each batch the scheme projected faster is the one measured faster, whichever it is. Only
