@@ -123,26 +123,31 @@ def test_bad_flags_are_usage_errors(argv):
 def test_gloo_reduce_scatters_cross_the_uplink_as_an_exchange():
     """The engine's reduce-scatter on gloo is an all-to-all exchange: a world group of 8 in
     nodes of 4 puts 4 members x 4 chunks of b/7 on each uplink (2.29 b), not a ring's b; the
-    one-member-per-node peer groups cross as a ring does (4 groups x b)."""
+    one-member-per-node peer groups cross as a ring does (4 groups x b). zeropp's two-hop qgZ
+    crosses nodes in its second hop only, in pairs one rank per node: 4 pairs x b."""
+    model = {"num_layers": 4, "hidden_size": 128, "vocab_size": 1024}
     assert pj.exchange_uplink_factor(8, 4, 4) == pytest.approx(16 / 7)
     assert pj.exchange_uplink_factor(2, 1, 4) == pj.groups_per_node(1, 4) == 4
-    p = pj.plan_for({"num_layers": 4, "hidden_size": 128, "vocab_size": 1024}, 8, "zeropp", 1,
-                    gpus_per_node=4, gcds_per_package=2)
-    assert pj._uplink_multiplicity(p, "grad_reduce") == pytest.approx(16 / 7)
+    one_hop = pj.plan_for(model, 8, "zero3", 1, gpus_per_node=4, gcds_per_package=2)
+    assert pj._uplink_multiplicity(one_hop, "grad_reduce") == pytest.approx(16 / 7)
+    p = pj.plan_for(model, 8, "zeropp", 1, gpus_per_node=4, gcds_per_package=2)
+    assert pj.phase_families(p, "grad_reduce") == ("secondary", "grad_cross")
+    assert pj._uplink_multiplicity(p, "grad_reduce") == 4
     assert pj._uplink_multiplicity(p, "forward_gather") == 1   # gloo's all-gather: a ring
 
 
 def test_the_projection_ranks_zeropp_lbp_then_the_rest_at_every_uplink_on_this_network():
     """What the slow test's projection says on this network
     (docs/testing.md#the-choice-against-measured-step-times): lbp puts 2.78 MB per step on the
-    uplink (its step's inter reduce-scatter and all-gather); ZeRO++ (zeropp) 0.96 MB at one
-    micro-batch and 1.37 MB at four (one int8 world gather per step, its hpZ copy serving the
-    rest, and int4 gradients once across nodes); zero3, zero2 and hsdp more. Over every uplink
+    uplink (its step's inter reduce-scatter and all-gather); ZeRO++ (zeropp) 1.06 MB at one
+    micro-batch and 1.78 MB at four (one int8 world gather per step, its hpZ copy serving the
+    rest, and int4 gradients across nodes in pairs at every micro-batch); zero3, zero2 and
+    hsdp more. Over every uplink
     from 0.8 to 800 Mbit/s the projection puts zeropp's step at or under lbp's and lbp's under
     every other preset's, at one micro-batch of 8 and at 4 of 1."""
     model = {"num_layers": nc.MODEL["layers"], "hidden_size": nc.MODEL["hidden"],
              "vocab_size": nc.MODEL["vocab"]}
-    for b, k, zeropp_bytes in ((8, 1, 0.96e6), (1, 4, 1.37e6)):
+    for b, k, zeropp_bytes in ((8, 1, 1.06e6), (1, 4, 1.78e6)):
         plans = {s: pj.plan_for(model, 8, s, k, gpus_per_node=4, gcds_per_package=2)
                  for s in ("lbp", "zeropp", "zero3", "zero2", "hsdp")}
         uplink = {s: sum(p.traffic_by_phase[ph]["network"] * pj._uplink_multiplicity(p, ph)
