@@ -6,6 +6,8 @@ when issued, ``wait()`` returns at once (on NCCL it only orders streams),
 after ``wait()`` and reused at once does not corrupt them. Streams and events go through
 torch's device-generic API (torch.Stream, torch.Event), as the engine's streams do. On
 gloo with CPU tensors (the tests) only the results and the handle calls are checked.
+Then the link survey's codec probe on the device: the engine's quantizers' nanoseconds per
+element against the HBM speed the step model assumes without a survey.
 """
 from __future__ import annotations
 
@@ -223,6 +225,48 @@ def judge(rows: list[dict[str, Any]], stream: dict[str, Any] | None,
     return checks
 
 
+CODEC_ELEMENTS = (1 << 20, 1 << 24)   # the link survey's default codec sizes
+
+
+def codec_rates(device: torch.device, elements=CODEC_ELEMENTS, gemm_dim: int = 8192
+                ) -> dict[str, Any]:
+    """The link survey's codec probe (launch/link_survey.codec_probe) on this device at world
+    size 1, and per codec and direction its nanoseconds per element at the largest size beside
+    what the step model assumes without a survey (HBM speed, projection/collectives.py)."""
+    from megatron_lbp.launch import link_survey
+    from megatron_lbp.projection import collectives
+
+    cuda = device.type == "cuda"
+    probe = link_survey.codec_probe(torch, dist, link_survey.Clock(torch, device), device,
+                                    list(elements), 3, gemm_dim,
+                                    torch.bfloat16 if cuda else torch.float32)
+    public, e = collectives.CollectiveModel.public(), max(elements)
+    rows = []
+    for codec, c in probe["by_codec"].items():
+        for direction in ("encode", "decode"):
+            seconds = c[direction]["seconds"][-1]
+            assumed = public.codec_call_seconds(codec, direction, e, "fast")
+            rows.append({"codec": codec, "direction": direction, "elements": e,
+                         "ns_per_element": round(seconds / e * 1e9, 4),
+                         "assumed_ns_per_element": round(assumed / e * 1e9, 4),
+                         "measured_over_assumed": round(seconds / assumed, 3),
+                         "hidden_fraction": round(c["hidden_fraction"], 3)})
+    return {"probe": probe, "rows": rows}
+
+
+def judge_codecs(codecs: dict[str, Any]) -> list[dict[str, Any]]:
+    """The codec probe ran on the device and timed every codec and direction; the detail is
+    the figure a device adds: how far the quantizers are from the HBM speed the step model
+    assumes without a survey."""
+    rows = codecs["rows"]
+    return [{"name": "codec probe: the engine's int8 and int4 quantizers timed on the device",
+             "ok": len(rows) == 4 and all(r["ns_per_element"] > 0 for r in rows),
+             "detail": "; ".join(f"{r['codec']} {r['direction']} {r['ns_per_element']:.3g} "
+                                 f"ns/element ({r['measured_over_assumed']:.3g}x the HBM "
+                                 f"assumption), hidden {r['hidden_fraction']:.2f}"
+                                 for r in rows)}]
+
+
 def init_world_of_one(backend: str) -> None:
     import tempfile
 
@@ -238,6 +282,8 @@ def run(opts) -> dict[str, Any]:
     rows = handles_behind_gemms(device, gemms)
     stream = streams_and_events(device, gemms)
     engine = engine_streams(device, gemms)
+    codecs = codec_rates(device)
     dist.destroy_process_group()
-    return {"checks": judge(rows, stream, engine),
-            "figures": {"collectives": rows, "side_stream": stream, "engine_streams": engine}}
+    return {"checks": judge(rows, stream, engine) + judge_codecs(codecs),
+            "figures": {"collectives": rows, "side_stream": stream, "engine_streams": engine,
+                        "codecs": codecs}}

@@ -169,6 +169,30 @@ def _part_b_on_gloo():
     return rows, part_b.engine_streams(torch.device("cpu"), None)
 
 
+def _part_b_codecs_on_cpu():
+    import torch
+
+    from megatron_lbp.gpucheck import part_b
+
+    return part_b.codec_rates(torch.device("cpu"), elements=(1024, 4096), gemm_dim=32)
+
+
+def test_part_b_times_the_codecs_as_the_survey_does():
+    """The codec probe of the link survey, at world size 1: every codec and direction timed,
+    set beside the step model's HBM assumption; the check names each figure."""
+    from megatron_lbp.gpucheck import part_b
+
+    codecs = run_single(_part_b_codecs_on_cpu, timeout=300)
+    rows = codecs["rows"]
+    assert [(r["codec"], r["direction"]) for r in rows] == [
+        ("int8", "encode"), ("int8", "decode"), ("int4", "encode"), ("int4", "decode")], rows
+    assert all(r["ns_per_element"] > 0 and r["assumed_ns_per_element"] > 0 for r in rows), rows
+    assert codecs["probe"]["elements"] == [1024, 4096]
+    (check,) = part_b.judge_codecs(codecs)
+    assert check["ok"] and "int4 decode" in check["detail"], check
+    assert not part_b.judge_codecs({"rows": rows[:3]})[0]["ok"]
+
+
 def test_part_b_collectives_and_release_on_gloo():
     rows, engine = run_single(_part_b_on_gloo, timeout=300)
     # The engine's CPU streams: a two-hop chain, the second hop after the first's event.
