@@ -149,20 +149,26 @@ def agree_max(torch, dist, values: Sequence[float], device) -> list[float]:
     return t.tolist()
 
 
-def time_case(torch, dist, coll, clock, op, shape, dtype, nbytes, reps, device) -> list[float]:
-    """This rank's seconds of ``reps`` + 1 collectives, every group of ``shape`` at once: one
-    barrier, then the collectives back to back, each timed from the end of the one before (the
-    first from the barrier)."""
-    out, inp = buffers(torch, op, dtype, nbytes, coll.sizes[shape], device)
+def back_to_back(dist, clock, call: Callable[[], object], reps: int) -> list[float]:
+    """This rank's seconds of ``reps`` + 1 calls, every rank at once: one barrier, then the
+    calls back to back, each timed from the end of the one before (the first from the
+    barrier)."""
     times = []
     dist.barrier()
     last = clock.sync()
     for _ in range(reps + 1):
-        issue(coll, op, shape, out, inp)
+        call()
         now = clock.sync()
         times.append(now - last)
         last = now
     return times
+
+
+def time_case(torch, dist, coll, clock, op, shape, dtype, nbytes, reps, device) -> list[float]:
+    """This rank's seconds of ``reps`` + 1 collectives, every group of ``shape`` at once
+    (:func:`back_to_back`)."""
+    out, inp = buffers(torch, op, dtype, nbytes, coll.sizes[shape], device)
+    return back_to_back(dist, clock, lambda: issue(coll, op, shape, out, inp), reps)
 
 
 def slowest_rank_reps(reps_by_rank: Sequence[Sequence[float]]) -> list[float]:
@@ -178,6 +184,11 @@ def slowest_rank_reps(reps_by_rank: Sequence[Sequence[float]]) -> list[float]:
     slice apart on a loaded host, a straggler on a cluster); the first collective carries
     that skew, spread over all of them."""
     return list(max(reps_by_rank, key=sum))
+
+
+def spread(times: Sequence[float]) -> tuple[float, float, float]:
+    """(mean, fastest, slowest) of :func:`slowest_rank_reps`' times: a table's three columns."""
+    return statistics.fmean(times), min(times), max(times)
 
 
 # --------------------------------------------------------------------------- the overlap probe
@@ -196,48 +207,73 @@ def gemm_layer(torch, dim: int, device, dtype):
     return run
 
 
+class BesideLayer:
+    """A GEMM-heavy layer, and how much of another piece of work it hides."""
+
+    def __init__(self, torch, dist, clock, device, dim: int, dtype):
+        self.torch, self.dist, self.clock, self.device = torch, dist, clock, device
+        self.layer = gemm_layer(torch, dim, device, dtype)
+        self.layer(1)
+        t0 = clock.sync()
+        self.layer(2)
+        self.one = max((clock.sync() - t0) / 2, 1e-6)
+
+    def measure(self, run: Callable[[], object], start: Callable[[], Callable[[], object]],
+                reps: int) -> dict[str, float]:
+        """Per repetition: ``run()`` alone; the layer repeated to last as long (the ranks
+        agree on the count), alone; then ``start()`` (the work begun, not waited for; it
+        returns its wait) with the layer beside it. {gemm_alone_s, gemm_with_s, other_s,
+        together_s, slowdown, hidden_fraction}: each time the slowest rank's, the median
+        over repetitions."""
+        dist, clock = self.dist, self.clock
+        rows = []
+        for _ in range(reps):
+            dist.barrier()
+            t0 = clock.sync()
+            run()
+            other = clock.sync() - t0
+            (k,) = agree_max(self.torch, dist, [max(1, round(other / self.one))], self.device)
+            dist.barrier()
+            t0 = clock.sync()
+            self.layer(int(k))
+            alone = clock.sync() - t0
+            dist.barrier()
+            t0 = clock.sync()
+            wait = start()
+            self.layer(int(k))
+            with_ = clock.compute_done() - t0
+            wait()
+            together = clock.sync() - t0
+            rows.append((alone, with_, other, together))
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, rows)
+        # Per repetition the slowest rank, then the median over repetitions.
+        alone, with_, other, together = (statistics.median(max(g[r][j] for g in gathered)
+                                                           for r in range(reps))
+                                         for j in range(4))
+        return {"gemm_alone_s": alone, "gemm_with_s": with_, "other_s": other,
+                "together_s": together, "slowdown": with_ / alone,
+                "hidden_fraction": (alone + other - together) / min(alone, other)}
+
+
 def overlap_probe(torch, dist, coll, clock, shape, nbytes, dim, gemm_dtype, device,
                   reps: int = 3) -> dict:
     """{op: {gemm_alone_s, gemm_with_s, comm_alone_s, together_s, slowdown, hidden_fraction}}
     on ``shape`` with a ``nbytes`` message; every figure the slowest rank's median."""
-    layer = gemm_layer(torch, dim, device, gemm_dtype)
-    layer(1)
-    t0 = clock.sync()
-    layer(2)
-    one = max((clock.sync() - t0) / 2, 1e-6)
+    beside = BesideLayer(torch, dist, clock, device, dim, gemm_dtype)
     out = {}
     for op in sf.OPS:
         dtype = OVERLAP_DTYPES[op]
         o, i = buffers(torch, op, dtype, nbytes, coll.sizes[shape], device)
         issue(coll, op, shape, o, i)   # warm-up
-        rows = []
-        for _ in range(reps):
-            dist.barrier()
-            t0 = clock.sync()
-            issue(coll, op, shape, o, i)
-            comm = clock.sync() - t0
-            (k,) = agree_max(torch, dist, [max(1, round(comm / one))], device)
-            dist.barrier()
-            t0 = clock.sync()
-            layer(int(k))
-            alone = clock.sync() - t0
-            dist.barrier()
-            t0 = clock.sync()
+
+        def start(op=op, o=o, i=i):
             work = issue(coll, op, shape, o, i, async_op=True)
-            layer(int(k))
-            with_ = clock.compute_done() - t0
-            if work is not None:
-                work.wait()
-            both = clock.sync() - t0
-            rows.append((alone, with_, comm, both))
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, rows)
-        # Per repetition the slowest rank, then the median over repetitions.
-        alone, with_, comm, both = (statistics.median(max(g[r][j] for g in gathered)
-                                                      for r in range(reps)) for j in range(4))
-        out[op] = {"gemm_alone_s": alone, "gemm_with_s": with_, "comm_alone_s": comm,
-                   "together_s": both, "slowdown": with_ / alone,
-                   "hidden_fraction": (alone + comm - both) / min(alone, comm),
+            return work.wait if work is not None else (lambda: None)
+        m = beside.measure(lambda: issue(coll, op, shape, o, i), start, reps)
+        out[op] = {"gemm_alone_s": m["gemm_alone_s"], "gemm_with_s": m["gemm_with_s"],
+                   "comm_alone_s": m["other_s"], "together_s": m["together_s"],
+                   "slowdown": m["slowdown"], "hidden_fraction": m["hidden_fraction"],
                    "dtype": dtype}
     return out
 
@@ -259,80 +295,44 @@ def codec_probe(torch, dist, clock, device, elements: Sequence[int], reps: int, 
     from megatron_lbp.quant import DEFAULT_BLOCK_SIZE as block
 
     codecs = {"int8": INT8, "int4": INT4}
-    world = dist.get_world_size()
-    mine: dict[str, list[list[float]]] = {}
+
+    def buffers_for(codec, e: int):
+        """(bf16 input, packed codes, fp32 output) of one call of ``e`` elements."""
+        return (torch.randn(e, device=device).to(torch.bfloat16),
+                torch.empty(codec.nbytes(e, block), dtype=torch.uint8, device=device),
+                torch.empty(e, dtype=torch.float32, device=device))
+
+    mine: dict[str, list[float]] = {}
     for name, codec in codecs.items():
         for e in elements:
-            x = torch.randn(e, device=device).to(torch.bfloat16)
-            packed = torch.empty(codec.nbytes(e, block), dtype=torch.uint8, device=device)
-            out = torch.empty(e, dtype=torch.float32, device=device)
+            x, packed, out = buffers_for(codec, e)
             codec.encode(x, packed, block)      # warm-up
             for direction, call in (("encode", lambda: codec.encode(x, packed, block)),
                                     ("decode", lambda: codec.decode(packed, out, block))):
-                times = []
-                dist.barrier()
-                last = clock.sync()
-                for _ in range(reps + 1):
-                    call()
-                    now = clock.sync()
-                    times.append(now - last)
-                    last = now
-                mine[f"{name} {direction} {e}"] = times
-    gathered = [None] * world
+                mine[f"{name} {direction} {e}"] = back_to_back(dist, clock, call, reps)
+    gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     by_codec: dict[str, dict] = {}
     for name in codecs:
         by_codec[name] = {}
         for direction in ("encode", "decode"):
-            cols = {k: [] for k in ("seconds", "seconds_min", "seconds_max")}
-            for e in elements:
-                slowest = slowest_rank_reps([g[f"{name} {direction} {e}"] for g in gathered])
-                cols["seconds"].append(statistics.fmean(slowest))
-                cols["seconds_min"].append(min(slowest))
-                cols["seconds_max"].append(max(slowest))
-            by_codec[name][direction] = cols
-    layer = gemm_layer(torch, gemm_dim, device, gemm_dtype)
-    layer(1)
-    t0 = clock.sync()
-    layer(2)
-    one = max((clock.sync() - t0) / 2, 1e-6)
+            figures = [spread(slowest_rank_reps([g[f"{name} {direction} {e}"]
+                                                 for g in gathered])) for e in elements]
+            by_codec[name][direction] = dict(zip(("seconds", "seconds_min", "seconds_max"),
+                                                 map(list, zip(*figures))))
+    beside = BesideLayer(torch, dist, clock, device, gemm_dim, gemm_dtype)
     streams = Streams(device)
-    e = max(elements)
     for name, codec in codecs.items():
-        x = torch.randn(e, device=device).to(torch.bfloat16)
-        packed = torch.empty(codec.nbytes(e, block), dtype=torch.uint8, device=device)
-        out = torch.empty(e, dtype=torch.float32, device=device)
+        x, packed, out = buffers_for(codec, max(elements))
 
         def both(codec=codec, x=x, packed=packed, out=out):
             codec.encode(x, packed, block)
             codec.decode(packed, out, block)
-        rows = []
-        for _ in range(reps):
-            dist.barrier()
-            t0 = clock.sync()
-            both()
-            coding = clock.sync() - t0
-            (k,) = agree_max(torch, dist, [max(1, round(coding / one))], device)
-            dist.barrier()
-            t0 = clock.sync()
-            layer(int(k))
-            alone = clock.sync() - t0
-            dist.barrier()
-            t0 = clock.sync()
-            event = streams[f"codec {name}"].submit(both, holds=(x, packed, out),
-                                                    what="codec probe")
-            layer(int(k))
-            with_ = clock.compute_done() - t0
-            event.wait()
-            together = clock.sync() - t0
-            rows.append((alone, with_, coding, together))
-        gathered = [None] * world
-        dist.all_gather_object(gathered, rows)
-        alone, with_, coding, together = (statistics.median(max(g[r][j] for g in gathered)
-                                                            for r in range(reps))
-                                          for j in range(4))
-        by_codec[name].update(slowdown=with_ / alone,
-                              hidden_fraction=(alone + coding - together) / min(alone, coding))
+
+        def start(name=name, both=both, held=(x, packed, out)):
+            return streams[f"codec {name}"].submit(both, holds=held, what="codec probe").wait
+        m = beside.measure(both, start, reps)
+        by_codec[name].update(slowdown=m["slowdown"], hidden_fraction=m["hidden_fraction"])
     return {"elements": list(elements), "block_size": block, "input_dtype": "bf16",
             "output_dtype": "fp32", "gemm_dim": gemm_dim, "by_codec": by_codec}
 
@@ -387,9 +387,9 @@ def run(*, out_path: str, tasks_per_node: int, gcds_per_package: int, sizes: Seq
                 actual = max(n, nbytes // item // n * n) * item
                 row["bytes"].append(actual)
                 row["sent_bytes"].append(float(ring_sent(op, actual, n)))
-                row["seconds"].append(statistics.fmean(slowest))
-                row["seconds_min"].append(min(slowest))
-                row["seconds_max"].append(max(slowest))
+                for key, value in zip(("seconds", "seconds_min", "seconds_max"),
+                                      spread(slowest)):
+                    row[key].append(value)
                 done += 1
             if row["bytes"]:
                 tables.append({"op": op, "dtype": dtype, "shape": shape, "group_size": n, **row})

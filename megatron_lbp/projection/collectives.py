@@ -95,6 +95,10 @@ class CollectiveModel:
         self.tables = sf.table_index(survey) if survey else {}
         self.fallbacks: set[str] = set()
         self._fit: dict[tuple, tuple[float, float]] = {}
+        # The codec probe (absent: public figures), and each codec's hidden fraction in [0, 1].
+        self.codecs = (survey or {}).get("codecs") or {}
+        self._codec_hidden = {name: min(1.0, max(0.0, c["hidden_fraction"]))
+                              for name, c in self.codecs.get("by_codec", {}).items()}
 
     @classmethod
     def public(cls) -> "CollectiveModel":
@@ -206,11 +210,10 @@ class CollectiveModel:
         """Seconds of one quantizer call: the survey's codec probe read at ``elements``
         (:meth:`interpolate` over its sizes: a call's fixed cost and its cost per element),
         else :data:`CODEC_BYTES_PER_ELEMENT` at :data:`HBM_BYTES_PER_S`."""
-        probe = ((self.survey or {}).get("codecs") or {})
-        if codec in probe.get("by_codec", {}):
+        if codec in self._codec_hidden:
             column = {"fast": "seconds_min", "mid": "seconds", "slow": "seconds_max"}[rate]
-            return self.interpolate(probe["elements"], probe["by_codec"][codec][direction][column],
-                                    elements)
+            return self.interpolate(self.codecs["elements"],
+                                    self.codecs["by_codec"][codec][direction][column], elements)
         if self.survey is not None:
             self.fallbacks.add(f"{codec} coding: not surveyed, public figures")
         hbm = (_mid(HBM_BYTES_PER_S["fast"], HBM_BYTES_PER_S["slow"]) if rate == "mid"
@@ -221,18 +224,20 @@ class CollectiveModel:
         """Seconds a step's quantizer calls take on one device (the plan's codec_calls); with
         ``exposed`` ("point" or "pessimistic") only what compute does not hide
         (:meth:`codec_hidden`)."""
-        return sum(row["calls"] * self.codec_call_seconds(row["codec"], row["direction"],
-                                                          row["elements"], rate)
-                   * (1 - (self.codec_hidden(row["codec"], exposed == "pessimistic")
-                           if exposed else 0.0))
-                   for rows in plan.codec_calls.values() for row in rows)
+        total = 0.0
+        for rows in plan.codec_calls.values():
+            for row in rows:
+                hidden = (self.codec_hidden(row["codec"], exposed == "pessimistic") if exposed
+                          else 0.0)
+                total += (1 - hidden) * row["calls"] * self.codec_call_seconds(
+                    row["codec"], row["direction"], row["elements"], rate)
+        return total
 
     def codec_hidden(self, codec: str, pessimistic: bool) -> float:
         """The fraction of ``codec``'s coding hidden behind compute: the codec probe's for it, or
         (``pessimistic``) the least of any codec's; without a probe, none (nothing measured
         says more)."""
-        by_codec = (((self.survey or {}).get("codecs") or {}).get("by_codec") or {})
-        h = {name: min(1.0, max(0.0, c["hidden_fraction"])) for name, c in by_codec.items()}
+        h = self._codec_hidden
         if codec not in h:
             return 0.0
         return min(h.values()) if pessimistic else h[codec]

@@ -44,10 +44,11 @@ PAPER = {
     "lbp_scaling_efficiency": 0.94,
     "zeropp_over_zero3_tflops": 1.405,
 }
-# Families each phase's collectives run in (costs.traffic_bytes).
+# Families each phase's collectives run in (costs.traffic_bytes) without a secondary copy or
+# the two-hop qgZ; phase_families resolves them for a plan.
 PHASE_FAMILIES = {
     "forward_gather": ("param",),
-    "backward_gather": ("secondary|param",),
+    "backward_gather": ("param",),
     "grad_reduce": ("grad",),
     "step_reduce": ("inter", "replica"),
     "step_gather": ("inter", "grad_to_param"),
@@ -68,7 +69,7 @@ def phase_families(plan: Plan, phase: str) -> tuple[str, ...]:
         return ("param", "secondary")
     if phase == "grad_reduce" and cfg is not None and hierarchical_grad_reduce(cfg):
         return ("secondary", "grad_cross")
-    return tuple(f for f in PHASE_FAMILIES[phase] if f != "secondary|param")
+    return PHASE_FAMILIES[phase]
 
 
 def collectives_per_step(plan: Plan, phase: str, family: str) -> int:
