@@ -375,7 +375,6 @@ def unit_collective_bytes(cfg, numel: int, link_classes: Mapping[str, str | None
     return out
 
 
-CODECS = ("int8", "int4")
 CODEC_DIRECTIONS = ("encode", "decode")
 
 
